@@ -1,0 +1,122 @@
+"""Containers wrap a transport: the same argv runs via `pct exec`, `docker exec`, or directly.
+
+`Target` is what every command talks to: one host, its transport and its container runtime.
+Failures that mean "the container is not usable" become ContainerError with a hint.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from typing import Sequence
+
+from .errors import ContainerError, RemoteError
+from .inventory import ContainerSpec, HostSpec
+from .transport import Completed, Process, Sink, StdinSource, Transport
+
+_PCT_NOT_RUNNING = re.compile(r"container '?(\d+)'? not running", re.I)
+_DOCKER_NOT_RUNNING = re.compile(r"(is not running|No such container)", re.I)
+_NOT_FOUND_CODES = (126, 127)
+
+
+def wrap_argv(container: ContainerSpec, argv: Sequence[str]) -> list[str]:
+    """The argv that runs `argv` inside the container, as the host must execute it."""
+    argv = [str(a) for a in argv]
+    if container.runtime == "pct":
+        return [container.pct_path, "exec", str(container.vmid), "--", *argv]
+    if container.runtime == "docker":
+        return ["docker", "exec", "-i", str(container.name), *argv]
+    return argv
+
+
+class Target:
+    """One host's container, reached through a transport; all remote work goes through here."""
+
+    def __init__(self, host: HostSpec, transport: Transport):
+        self.host = host
+        self.transport = transport
+
+    @property
+    def label(self) -> str:
+        """`gpu1 (pct 200)` style name for messages."""
+        inside = self.host.container.describe()
+        return self.host.name if inside == "-" else f"{self.host.name} ({inside})"
+
+    def start(self, argv: Sequence[str]) -> Process:
+        """Start argv in the container and return its live streams."""
+        return self.transport.start(wrap_argv(self.host.container, argv))
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: StdinSource = None,
+        timeout: float | None = None,
+        on_stdout: Sink | None = None,
+        on_stderr: Sink | None = None,
+    ) -> Completed:
+        """Run argv in the container; raise ContainerError when the container itself is unusable."""
+        result = self.transport.run(
+            wrap_argv(self.host.container, argv),
+            stdin=stdin,
+            timeout=timeout,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+        )
+        self.raise_for_container(result, argv)
+        return result
+
+    def raise_for_container(self, result: Completed, argv: Sequence[str]) -> None:
+        """Turn 'container stopped' and 'program not found' outcomes into ContainerError."""
+        if result.ok:
+            return
+        err = result.stderr.decode("utf-8", "replace")
+        spec = self.host.container
+        if spec.runtime == "pct" and _PCT_NOT_RUNNING.search(err):
+            raise ContainerError(
+                f"{self.host.name}: container {spec.vmid} is not running (start it with `pct start {spec.vmid}`)"
+            )
+        if spec.runtime == "docker" and _DOCKER_NOT_RUNNING.search(err):
+            raise ContainerError(f"{self.host.name}: docker container '{spec.name}' is not running")
+        if result.exit_code in _NOT_FOUND_CODES and _mentions_missing(err):
+            if result.argv[0] == spec.pct_path and argv[0] not in err:
+                raise ContainerError(f"{self.host.name}: `{spec.pct_path}` not found on the host (set container.pct)")
+            hint = " (set `python` for this host in hosts.yaml)" if argv[0] == self.host.interpreter else ""
+            raise ContainerError(f"{self.label}: `{argv[0]}` not found{hint}")
+
+    def python(
+        self,
+        script: str,
+        args: Sequence[str] = (),
+        *,
+        stdin: StdinSource = None,
+        timeout: float | None = None,
+        on_stdout: Sink | None = None,
+        on_stderr: Sink | None = None,
+    ) -> Completed:
+        """Run one of dflashctl's remote-side scripts (`dflashctl/remote/<script>.py`) with the host's interpreter."""
+        source = remote_script(script)
+        return self.run(
+            [self.host.interpreter, "-c", source, *args],
+            stdin=stdin,
+            timeout=timeout,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+        )
+
+    def python_checked(self, script: str, args: Sequence[str] = (), **kw) -> Completed:  # type: ignore[no-untyped-def]
+        """Like `python`, but a non-zero exit becomes RemoteError with the script's last stderr line."""
+        result = self.python(script, args, **kw)
+        if not result.ok:
+            raise RemoteError(f"{self.label}: {result.err_line()}")
+        return result
+
+
+def remote_script(name: str) -> str:
+    """Source text of a remote-side script shipped inside the dflashctl package."""
+    return resources.files("dflashctl.remote").joinpath(f"{name}.py").read_text(encoding="utf-8")
+
+
+def _mentions_missing(err: str) -> bool:
+    lowered = err.lower()
+    return "not found" in lowered or "no such file" in lowered or "executable file not found" in lowered

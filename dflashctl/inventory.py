@@ -1,0 +1,276 @@
+"""hosts.yaml: where it is looked up, what a host entry holds, and validation with exact messages."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import UsageError
+
+ENV_VAR = "DFLASHCTL_INVENTORY"
+LOCAL = "local"
+TRANSPORTS = ("ssh", "local")
+RUNTIMES = ("pct", "docker", "none")
+DEFAULT_WORKDIR = "~/.dflashctl"
+DEFAULT_PCT = "/usr/sbin/pct"
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """Where commands run on the host: a Proxmox LXC (`pct`), a docker container, or the host."""
+
+    runtime: str = "none"
+    vmid: int | None = None
+    name: str | None = None
+    pct_path: str = DEFAULT_PCT
+
+    def describe(self) -> str:
+        """Short human form: `pct 200`, `docker trainer`, or `-`."""
+        if self.runtime == "pct":
+            return f"pct {self.vmid}"
+        if self.runtime == "docker":
+            return f"docker {self.name}"
+        return "-"
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host entry of hosts.yaml, validated."""
+
+    name: str
+    transport: str = "ssh"
+    address: str | None = None
+    user: str | None = None
+    port: int | None = None
+    identity_file: str | None = None
+    proxy_jump: str | None = None
+    container: ContainerSpec = field(default_factory=ContainerSpec)
+    python: str | None = None  # None on `local` means the interpreter running dflashctl
+    workdir: str = DEFAULT_WORKDIR
+    gpus: tuple[int, ...] = ()
+    rendezvous_address: str | None = None
+
+    @property
+    def interpreter(self) -> str:
+        """The Python to run inside the container."""
+        if self.python:
+            return self.python
+        return sys.executable if self.transport == "local" else "python3"
+
+    def describe_address(self) -> str:
+        """`user@address:port` as far as known, or `-` for local."""
+        if self.transport == "local":
+            return "-"
+        text = self.address or self.name
+        if self.user:
+            text = f"{self.user}@{text}"
+        if self.port:
+            text = f"{text}:{self.port}"
+        return text
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """All hosts, the default host's name, and the file they came from (None: built in)."""
+
+    hosts: dict[str, HostSpec]
+    default: str
+    path: Path | None = None
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def get(self, name: str | None) -> HostSpec:
+        """The named host, or the default one when name is None."""
+        key = name or self.default
+        if key in self.hosts:
+            return self.hosts[key]
+        where = f" in {self.path}" if self.path else ""
+        known = ", ".join(sorted(self.hosts)) or "none"
+        raise UsageError(f"unknown host '{key}'{where} (known: {known})")
+
+    def resolve_many(self, spec: str | None) -> list[HostSpec]:
+        """Hosts named by `a,b`, a group name, or a single host."""
+        if spec and spec in self.groups:
+            return [self.get(n) for n in self.groups[spec]]
+        names = [n.strip() for n in spec.split(",")] if spec else [None]
+        if any(n == "" for n in names):
+            raise UsageError(f"empty host name in '{spec}'")
+        return [self.get(n) for n in names]
+
+
+def builtin_local() -> HostSpec:
+    """The embedded default host: this machine, no container."""
+    return HostSpec(name=LOCAL, transport="local")
+
+
+def find_inventory(explicit: str | os.PathLike[str] | None, cwd: Path | None = None) -> Path | None:
+    """First existing file of: --inventory, $DFLASHCTL_INVENTORY, ./hosts.yaml, ~/.config/dflashctl/hosts.yaml."""
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise UsageError(f"inventory file not found: {path}")
+        return path
+    env = os.environ.get(ENV_VAR)
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise UsageError(f"inventory file not found: {path} (from ${ENV_VAR})")
+        return path
+    for candidate in ((cwd or Path.cwd()) / "hosts.yaml", Path.home() / ".config/dflashctl/hosts.yaml"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_inventory(explicit: str | os.PathLike[str] | None = None, cwd: Path | None = None) -> Inventory:
+    """Find and parse the inventory; with no file anywhere, only the built-in `local` host exists."""
+    path = find_inventory(explicit, cwd)
+    if path is None:
+        return Inventory(hosts={LOCAL: builtin_local()}, default=LOCAL)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse_inventory(text, path)
+
+
+def parse_inventory(text: str, path: Path | None = None) -> Inventory:
+    """Validate YAML text into an Inventory; every error names the file, host and field."""
+    label = path.name if path else "hosts.yaml"
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise UsageError(f"{label}:{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UsageError(f"{label}: top level must be a mapping with a 'hosts:' key")
+    unknown = set(data) - {"hosts", "default", "groups"}
+    if unknown:
+        raise UsageError(f"{label}: unknown top-level key '{sorted(unknown)[0]}' (expected hosts, default, groups)")
+    raw_hosts = data.get("hosts") or {}
+    if not isinstance(raw_hosts, dict):
+        raise UsageError(f"{label}: 'hosts' must be a mapping of host name to settings")
+    hosts: dict[str, HostSpec] = {}
+    for name, raw in raw_hosts.items():
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"{label}: host names must be non-empty strings, got {name!r}")
+        hosts[name] = _parse_host(label, name, raw)
+    if LOCAL not in hosts:
+        hosts[LOCAL] = builtin_local()
+    default = data.get("default", LOCAL)
+    if not isinstance(default, str) or default not in hosts:
+        raise UsageError(f"{label}: default host '{default}' is not defined under hosts")
+    groups = _parse_groups(label, data.get("groups") or {}, hosts)
+    return Inventory(hosts=hosts, default=default, path=path, groups=groups)
+
+
+_HOST_KEYS = {
+    "transport", "address", "user", "port", "identity_file", "proxy_jump", "container",
+    "python", "workdir", "gpus", "rendezvous_address",
+}
+_CONTAINER_KEYS = {"runtime", "vmid", "name", "pct"}
+
+
+def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
+    def fail(msg: str) -> UsageError:
+        return UsageError(f"{label}: host '{name}': {msg}")
+
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise fail(f"settings must be a mapping, got {type(raw).__name__}")
+    unknown = set(raw) - _HOST_KEYS
+    if unknown:
+        raise fail(f"unknown field '{sorted(unknown)[0]}'")
+
+    transport = raw.get("transport", LOCAL if name == LOCAL else "ssh")
+    if transport not in TRANSPORTS:
+        raise fail(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    port = raw.get("port")
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+        raise fail(f"port must be an integer 1-65535, got {port!r}")
+    strings = {}
+    for key in ("address", "user", "identity_file", "proxy_jump", "python", "workdir", "rendezvous_address"):
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise fail(f"{key} must be a non-empty string, got {value!r}")
+        strings[key] = value
+    if transport == "local" and any(strings[k] for k in ("address", "user", "identity_file", "proxy_jump")) | (port is not None):
+        raise fail("address, user, port, identity_file and proxy_jump only apply to transport ssh")
+    gpus = raw.get("gpus", [])
+    if gpus is None:
+        gpus = []
+    if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
+        raise fail(f"gpus must be a list of GPU indices like [0, 1], got {gpus!r}")
+    if len(set(gpus)) != len(gpus):
+        raise fail(f"gpus lists an index twice: {gpus!r}")
+    return HostSpec(
+        name=name,
+        transport=transport,
+        address=strings["address"],
+        user=strings["user"],
+        port=port,
+        identity_file=strings["identity_file"],
+        proxy_jump=strings["proxy_jump"],
+        container=_parse_container(fail, raw.get("container")),
+        python=strings["python"],
+        workdir=strings["workdir"] or DEFAULT_WORKDIR,
+        gpus=tuple(gpus),
+        rendezvous_address=strings["rendezvous_address"],
+    )
+
+
+def _parse_container(fail: Any, raw: Any) -> ContainerSpec:
+    if raw is None:
+        return ContainerSpec()
+    if not isinstance(raw, dict):
+        raise fail(f"container must be a mapping like {{runtime: pct, vmid: 200}}, got {raw!r}")
+    unknown = set(raw) - _CONTAINER_KEYS
+    if unknown:
+        raise fail(f"unknown field 'container.{sorted(unknown)[0]}'")
+    runtime = raw.get("runtime", "none")
+    if runtime not in RUNTIMES:
+        raise fail(f"container.runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    if runtime == "pct":
+        vmid = raw.get("vmid")
+        if isinstance(vmid, bool) or not isinstance(vmid, int):
+            raise fail(f"container.vmid must be an integer, got {vmid!r}")
+        if vmid < 100:
+            raise fail(f"container.vmid must be 100 or more (Proxmox ids), got {vmid}")
+        pct = raw.get("pct", DEFAULT_PCT)
+        if not isinstance(pct, str) or not pct:
+            raise fail(f"container.pct must be a path, got {pct!r}")
+        return ContainerSpec(runtime="pct", vmid=vmid, pct_path=pct)
+    if runtime == "docker":
+        cname = raw.get("name")
+        if not isinstance(cname, str) or not cname:
+            raise fail(f"container.name must be the docker container's name, got {cname!r}")
+        return ContainerSpec(runtime="docker", name=cname)
+    extra = {k for k in ("vmid", "name", "pct") if k in raw}
+    if extra:
+        raise fail(f"container.{sorted(extra)[0]} needs container.runtime pct or docker")
+    return ContainerSpec()
+
+
+def _parse_groups(label: str, raw: Any, hosts: dict[str, HostSpec]) -> dict[str, tuple[str, ...]]:
+    if not isinstance(raw, dict):
+        raise UsageError(f"{label}: 'groups' must map a group name to a list of hosts")
+    groups = {}
+    for gname, members in raw.items():
+        if not isinstance(members, list) or not members or not all(isinstance(m, str) for m in members):
+            raise UsageError(f"{label}: group '{gname}': must be a non-empty list of host names")
+        for m in members:
+            if m not in hosts:
+                raise UsageError(f"{label}: group '{gname}': unknown host '{m}'")
+        if gname in hosts:
+            raise UsageError(f"{label}: group '{gname}': name clashes with a host")
+        groups[gname] = tuple(members)
+    return groups

@@ -1,0 +1,46 @@
+"""One CLI call's state: the inventory plus one lazily opened connection per host."""
+
+from __future__ import annotations
+
+from .containers import Target
+from .inventory import HostSpec, Inventory
+from .transport import LocalTransport, Transport
+
+
+class Session:
+    """Hands out Targets; each host is connected at most once per call and closed at the end."""
+
+    def __init__(self, inventory: Inventory):
+        self.inventory = inventory
+        self._transports: dict[str, Transport] = {}
+
+    def host(self, name: str | None) -> HostSpec:
+        """The named (or default) host's settings."""
+        return self.inventory.get(name)
+
+    def target(self, name: str | None) -> Target:
+        """A Target for the named (or default) host; connects on first use."""
+        return Target(self.host(name), self.transport(self.host(name)))
+
+    def transport(self, host: HostSpec) -> Transport:
+        """The transport for host, created once per session (SSH connects lazily on first command)."""
+        if host.name not in self._transports:
+            if host.transport == "local":
+                self._transports[host.name] = LocalTransport(host.name)
+            else:
+                from .ssh import SshTransport
+
+                self._transports[host.name] = SshTransport(host)
+        return self._transports[host.name]
+
+    def close(self) -> None:
+        """Close every open connection."""
+        for transport in self._transports.values():
+            transport.close()
+        self._transports.clear()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
