@@ -140,6 +140,38 @@ def exec_cmd(
     raise typer.Exit(result.exit_code)
 
 
+# --- push --------------------------------------------------------------------------------------
+
+
+@app.command("push")
+def push_cmd(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(None, help="Host to push to (default host if omitted)."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List what would be sent and deleted; change nothing."),
+    source: Optional[str] = typer.Option(None, "--source", help="Payload directory (default: the repo's remote_payload/)."),
+) -> None:
+    """Send remote_payload/ to <workdir>/payload in the container: incremental, atomic, verified."""
+    from pathlib import Path
+
+    from .payload import BarProgress, push
+
+    target = _state(ctx).session().target(host)
+    console = Console()
+    src = Path(source).expanduser() if source else None
+    if dry_run:
+        result = push(target, src, dry_run=True)
+        for path in result.sent_paths:
+            console.print(Text(f"send    {path}"))
+        for path in result.deleted_paths:
+            console.print(Text(f"delete  {path}"))
+    elif console.is_terminal:
+        with BarProgress(console) as bar:
+            result = push(target, src, progress=bar)
+    else:
+        result = push(target, src)
+    console.print(Text(result.summary()), soft_wrap=True)
+
+
 # --- entry point -------------------------------------------------------------------------------
 
 

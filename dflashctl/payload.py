@@ -1,0 +1,309 @@
+"""`dflashctl push`: send the trainer payload to `<workdir>/payload` incrementally and atomically.
+
+One remote command (`payload_sync scan`) returns the live payload's verified manifest; the
+client diffs it against the local tree and, if anything differs, one more command
+(`payload_sync apply`) receives a header plus the bytes of new and changed files, builds a
+complete new version next to the live one (unchanged files hard-linked), verifies every hash
+and swaps a symlink with rename(2). Design and failure modes: docs/push.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import pathspec
+from rich.console import Console
+from rich.filesize import decimal
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
+
+import dflashctl
+
+from .containers import Target
+from .errors import ConflictError, ConnectError, RemoteError, UsageError
+from .remote import payload_sync as wire
+
+SCRIPT = "payload_sync"
+IGNORE_FILE = ".dflashignore"
+DEFAULT_IGNORES = ("__pycache__/", "*.pyc", ".git/", "build/", "dist/", "*.egg-info/")
+READ_CHUNK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One payload file as both sides describe it: relative POSIX path, size, sha256, mode bits."""
+
+    path: str
+    size: int
+    sha256: str
+    mode: int
+
+    def wire(self) -> dict:
+        """The compact dict form used by the remote script and the manifest hash."""
+        return {"p": self.path, "s": self.size, "h": self.sha256, "m": self.mode}
+
+
+@dataclass
+class PushPlan:
+    """What a push must do: files to send, files carried over unchanged, paths to delete."""
+
+    send: list[FileEntry]
+    keep: list[FileEntry]
+    delete: list[str]
+
+    @property
+    def empty(self) -> bool:
+        """True when the remote payload already equals the local one."""
+        return not self.send and not self.delete
+
+
+@dataclass
+class PushResult:
+    """The outcome of one push (or dry run)."""
+
+    files_sent: int
+    bytes_sent: int
+    deleted: int
+    unchanged: int
+    elapsed_s: float
+    remote_dir: str
+    manifest_hash: str
+    remote_commands: int
+    dry_run: bool = False
+    sent_paths: list[str] = field(default_factory=list)
+    deleted_paths: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """`pushed 3 files (12.4 kB), deleted 1, unchanged 41 in 0.4 s` (or `would push ...`)."""
+        verb = "would push" if self.dry_run else "pushed"
+        noun = "file" if self.files_sent == 1 else "files"
+        return (
+            f"{verb} {self.files_sent} {noun} ({decimal(self.bytes_sent)}), deleted {self.deleted}, "
+            f"unchanged {self.unchanged} in {self.elapsed_s:.1f} s"
+        )
+
+
+class ProgressSink(Protocol):
+    """Receives transfer progress; `dflashctl push` renders it as a rich progress bar."""
+
+    def start(self, files: int, total_bytes: int) -> None:
+        """Called once before any content is sent."""
+
+    def advance(self, files: int = 0, nbytes: int = 0) -> None:
+        """Called as bytes go out and as each file completes."""
+
+
+class BarProgress:
+    """A rich progress bar over bytes that also counts files; use as a context manager."""
+
+    def __init__(self, console: Console):
+        self._progress = Progress(
+            TextColumn("pushing"),
+            BarColumn(),
+            TextColumn("{task.fields[done]}/{task.fields[files]} files"),
+            DownloadColumn(binary_units=False),
+            TransferSpeedColumn(),
+            console=console,
+            transient=True,
+        )
+        self._task: TaskID | None = None
+
+    def __enter__(self) -> "BarProgress":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def start(self, files: int, total_bytes: int) -> None:
+        """Create the bar once the plan is known."""
+        self._task = self._progress.add_task("push", total=total_bytes, files=files, done=0)
+
+    def advance(self, files: int = 0, nbytes: int = 0) -> None:
+        """Move the bar by nbytes and the file count by files."""
+        if self._task is None:
+            return
+        done = self._progress.tasks[self._task].fields["done"] + files
+        self._progress.update(self._task, advance=nbytes, done=done)
+
+
+def default_source() -> Path:
+    """The repository's `remote_payload/`, found next to the installed package."""
+    return Path(dflashctl.__file__).resolve().parent.parent / "remote_payload"
+
+
+def load_ignores(source: Path) -> pathspec.GitIgnoreSpec:
+    """The defaults plus the source's `.dflashignore` (gitignore syntax)."""
+    lines = list(DEFAULT_IGNORES)
+    ignore_file = source / IGNORE_FILE
+    if ignore_file.is_file():
+        lines += ignore_file.read_text(encoding="utf-8").splitlines()
+    return pathspec.GitIgnoreSpec.from_lines(lines)
+
+
+def scan_local(source: Path) -> dict[str, FileEntry]:
+    """Every non-ignored file under source, hashed, keyed by relative POSIX path."""
+    if not source.is_dir():
+        raise UsageError(f"payload source is not a directory: {source}")
+    spec = load_ignores(source)
+    entries: dict[str, FileEntry] = {}
+    for dirpath, dirnames, filenames in os.walk(source):
+        rel_dir = Path(dirpath).relative_to(source).as_posix()
+        prefix = "" if rel_dir == "." else rel_dir + "/"
+        # Prune ignored directories here so their contents are never even listed.
+        dirnames[:] = sorted(d for d in dirnames if not _skip_dir(source, prefix + d, spec))
+        for name in sorted(filenames):
+            rel = prefix + name
+            if not spec.match_file(rel):
+                entries[rel] = _entry(source / rel, rel)
+    return entries
+
+
+def _skip_dir(source: Path, rel: str, spec: pathspec.GitIgnoreSpec) -> bool:
+    if spec.match_file(rel + "/"):
+        return True
+    if (source / rel).is_symlink():
+        raise UsageError(f"payload contains a symlinked directory, which push does not follow: {rel}")
+    return False
+
+
+def _entry(path: Path, rel: str) -> FileEntry:
+    try:
+        st = path.stat()  # follows a symlinked file: its content is what the trainer reads
+    except FileNotFoundError:
+        raise UsageError(f"payload contains a broken symlink: {rel}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"payload contains something that is not a regular file: {rel}")
+    sha, size = wire.hash_file(path)
+    return FileEntry(rel, size, sha, stat.S_IMODE(st.st_mode))
+
+
+def manifest_hash(entries: dict[str, FileEntry]) -> str:
+    """Stable sha256 of a manifest (recorded in each run's run.json)."""
+    return wire.manifest_hash([e.wire() for e in entries.values()])
+
+
+def plan_push(local: dict[str, FileEntry], remote: dict[str, FileEntry]) -> PushPlan:
+    """Diff local against remote: identical entries are kept, the rest sent, missing deleted."""
+    send, keep = [], []
+    for path in sorted(local):
+        (keep if remote.get(path) == local[path] else send).append(local[path])
+    delete = sorted(set(remote) - set(local))
+    return PushPlan(send=send, keep=keep, delete=delete)
+
+
+def push(target: Target, source: Path | None = None, *, dry_run: bool = False, progress: ProgressSink | None = None) -> PushResult:
+    """Make `<workdir>/payload` on target equal to source; only changed files travel."""
+    started = time.monotonic()
+    source = Path(source) if source is not None else default_source()
+    local = scan_local(source)
+    digest = manifest_hash(local)
+    remote = _scan_remote(target, clean=not dry_run)
+    plan = plan_push(local, _entries(remote["files"]))
+    commands = 1
+    if not dry_run and not plan.empty:
+        _check_space(target, plan, remote["free"])
+        _apply(target, source, plan, remote["vid"], digest, progress)
+        commands += 1
+    return PushResult(
+        files_sent=len(plan.send),
+        bytes_sent=sum(e.size for e in plan.send),
+        deleted=len(plan.delete),
+        unchanged=len(plan.keep),
+        elapsed_s=time.monotonic() - started,
+        remote_dir=remote["remote_dir"],
+        manifest_hash=digest,
+        remote_commands=commands,
+        dry_run=dry_run,
+        sent_paths=[e.path for e in plan.send],
+        deleted_paths=plan.delete,
+    )
+
+
+def _entries(files: list[dict]) -> dict[str, FileEntry]:
+    return {f["p"]: FileEntry(f["p"], f["s"], f["h"], f["m"]) for f in files}
+
+
+def _scan_remote(target: Target, *, clean: bool) -> dict:
+    """The live payload's verified manifest; with clean, leftovers of killed pushes go first."""
+    args = ["scan", target.host.workdir] + (["--clean"] if clean else [])
+    result = target.python(SCRIPT, args)
+    if not result.ok:
+        _raise_remote(target, result.exit_code, result.err_line())
+    return _parse(target, result.stdout)
+
+
+def _check_space(target: Target, plan: PushPlan, free: int) -> None:
+    need = sum(e.size for e in plan.send)
+    if need > free:
+        raise RemoteError(
+            f"{target.label}: not enough space in {target.host.workdir}: need {decimal(need)}, "
+            f"{decimal(free)} free (the previous payload is unchanged)"
+        )
+
+
+def _apply(target: Target, source: Path, plan: PushPlan, base_vid: str | None, digest: str, progress: ProgressSink | None) -> None:
+    """Stream the header and new content to `payload_sync apply` and check what it reports."""
+    vid = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + secrets.token_hex(4)
+    files = [dict(e.wire(), src="stream") for e in plan.send] + [dict(e.wire(), src="base") for e in plan.keep]
+    files.sort(key=lambda f: f["p"])
+    header = {"format": wire.FORMAT, "vid": vid, "base": base_vid, "hash": digest, "files": files}
+    if progress is not None:
+        progress.start(len(plan.send), sum(e.size for e in plan.send))
+    stream = _stream(header, plan.send, source, progress)
+    try:
+        result = target.python(SCRIPT, ["apply", target.host.workdir], stdin=stream)
+    except ConnectError as exc:
+        # The swap is one rename: the remote holds the old or the new version, never a mix.
+        raise ConnectError(f"{exc} during push; the remote payload is intact (old or new version), run push again") from None
+    if not result.ok:
+        _raise_remote(target, result.exit_code, result.err_line())
+    reply = _parse(target, result.stdout)
+    if reply.get("hash") != digest or reply.get("vid") != vid:
+        raise RemoteError(f"{target.label}: verification failed: remote manifest {str(reply.get('hash'))[:12]} != local {digest[:12]}")
+
+
+def _stream(header: dict, send: list[FileEntry], source: Path, progress: ProgressSink | None) -> Iterator[bytes]:
+    """Header line, then each sent file's bytes in header order; a file that changed size aborts."""
+    yield (json.dumps(header) + "\n").encode("ascii")
+    for entry in sorted(send, key=lambda e: e.path):
+        left = entry.size
+        with open(source / entry.path, "rb") as handle:
+            while left:
+                chunk = handle.read(min(READ_CHUNK, left))
+                if not chunk:
+                    break
+                left -= len(chunk)
+                yield chunk
+                if progress is not None:
+                    progress.advance(nbytes=len(chunk))
+        if left:
+            raise UsageError(f"{entry.path} changed while it was being pushed; run push again")
+        if progress is not None:
+            progress.advance(files=1)
+
+
+def _parse(target: Target, stdout: bytes) -> dict:
+    try:
+        return json.loads(stdout.decode("utf-8"))
+    except ValueError:
+        raise RemoteError(f"{target.label}: payload_sync printed unexpected output: {stdout[:80]!r}") from None
+
+
+_REMOTE_ERRORS = {
+    wire.EXIT_BUSY: ConflictError,
+    wire.EXIT_CONFLICT: ConflictError,
+}
+
+
+def _raise_remote(target: Target, code: int, line: str) -> None:
+    """Turn a failed remote step into one line; the live payload is untouched by any failure."""
+    message = line.removeprefix("payload_sync: ")
+    error = _REMOTE_ERRORS.get(code, RemoteError)
+    raise error(f"{target.label}: push failed: {message} (the previous payload is unchanged)")

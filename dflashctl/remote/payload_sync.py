@@ -1,0 +1,407 @@
+"""Remote side of `dflashctl push`: scan the live payload, stage a new version, swap it in.
+
+Runs inside the container as `python -c <this source> scan|apply WORKDIR`, so it may use only
+the standard library and must stay compatible with old Python 3 (no walrus, no 3.8+ APIs).
+The client imports the same file for `manifest_hash` and `hash_file`, so both sides agree.
+
+Layout under WORKDIR (documented in docs/push.md):
+  payload                       symlink -> .payload/v/<vid>   (the only name users see)
+  .payload/v/<vid>/             one complete version of the payload
+  .payload/m/<vid>.json         its manifest: path, size, sha256, mode (+ a stat cache)
+  .payload/stage-<vid>/         a version being built; renamed into v/ when complete
+  .payload/link-<vid>           the new symlink, renamed over `payload` in one rename(2)
+  .payload/lock                 flock held while a push changes anything
+Each version is complete on its own; unchanged files are hard links to the previous version.
+"""
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import stat
+import sys
+import time
+
+FORMAT = 1
+CHUNK = 1024 * 1024
+LOCK_WAIT_S = 30.0
+
+# Exit codes the client maps to error types (see dflashctl/payload.py).
+EXIT_PROTOCOL = 2
+EXIT_NOSPACE = 3
+EXIT_DENIED = 4
+EXIT_BUSY = 5
+EXIT_CONFLICT = 6
+EXIT_VERIFY = 7
+EXIT_OS = 8
+
+
+class Failure(Exception):
+    """An error with a one-line message and an exit code for the client."""
+
+    def __init__(self, message, code):
+        Exception.__init__(self, message)
+        self.code = code
+
+
+def hash_file(path):
+    """(sha256 hex, size) of a file's content."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        while True:
+            block = handle.read(CHUNK)
+            if not block:
+                break
+            digest.update(block)
+            size += len(block)
+    return digest.hexdigest(), size
+
+
+def manifest_hash(entries):
+    """Stable sha256 over (mode, size, sha256, path) of every entry, in path order."""
+    digest = hashlib.sha256()
+    for entry in sorted(entries, key=lambda e: e["p"].encode("utf-8", "surrogateescape")):
+        # json.dumps quotes the path, so names with spaces or newlines cannot run together.
+        line = "%o %d %s %s\n" % (entry["m"], entry["s"], entry["h"], json.dumps(entry["p"]))
+        digest.update(line.encode("ascii"))
+    return digest.hexdigest()
+
+
+class Layout(object):
+    """Paths of one workdir's payload store."""
+
+    def __init__(self, workdir):
+        self.workdir = os.path.abspath(os.path.expanduser(workdir))
+        self.link = os.path.join(self.workdir, "payload")
+        self.store = os.path.join(self.workdir, ".payload")
+        self.versions = os.path.join(self.store, "v")
+        self.manifests = os.path.join(self.store, "m")
+
+    def version_dir(self, vid):
+        return os.path.join(self.versions, vid)
+
+    def manifest_path(self, vid):
+        return os.path.join(self.manifests, vid + ".json")
+
+    def link_target(self, vid):
+        # Relative, so the link also resolves from the host side of a container's filesystem.
+        return os.path.join(".payload", "v", vid)
+
+    def current(self):
+        """The live version id, or None when there is no managed payload yet."""
+        try:
+            target = os.readlink(self.link)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.EINVAL):  # EINVAL: a plain directory
+                return None
+            raise
+        parts = target.split(os.sep)
+        if len(parts) != 3 or parts[:2] != [".payload", "v"]:
+            return None
+        return parts[2]
+
+
+def read_manifest(layout, vid):
+    """The stored manifest of a version, or None if it is missing or unreadable."""
+    if vid is None:
+        return None
+    try:
+        with open(layout.manifest_path(vid), "rb") as handle:
+            data = json.loads(handle.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    if data.get("format") != FORMAT or data.get("vid") != vid:
+        return None
+    return data
+
+
+def fs_path(root, rel):
+    """Absolute path of a manifest path under root, refusing anything that escapes root."""
+    parts = rel.split("/")
+    if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise Failure("refusing unsafe path in manifest: %r" % rel, EXIT_PROTOCOL)
+    return os.path.join(root, *parts)
+
+
+def stat_key(st):
+    return [st.st_ino, st.st_mtime_ns]
+
+
+def verified_entries(layout, manifest):
+    """The live files' real (path, size, sha256, mode); rehash only where the stat cache is stale."""
+    root = layout.version_dir(manifest["vid"])
+    out = []
+    for entry in manifest["files"]:
+        path = fs_path(root, entry["p"])
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue  # gone: the client will send it again
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_size == entry["s"] and stat_key(st) == entry.get("k"):
+            out.append({"p": entry["p"], "s": entry["s"], "h": entry["h"], "m": mode})
+            continue
+        sha, size = hash_file(path)
+        out.append({"p": entry["p"], "s": size, "h": sha, "m": mode})
+    return out
+
+
+def lock(layout):
+    """Hold the store's flock (waiting up to LOCK_WAIT_S) so two pushes never interleave."""
+    make_dirs(layout.store)
+    handle = open(os.path.join(layout.store, "lock"), "a+b")
+    deadline = time.time() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.time() > deadline:
+                handle.close()
+                raise Failure("another push to %s is still running" % layout.workdir, EXIT_BUSY)
+            time.sleep(0.1)
+
+
+def make_dirs(path):
+    if not os.path.isdir(path):
+        os.makedirs(path)
+
+
+def remove(path):
+    """Delete a file, link or tree; missing is fine."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def clean(layout, keep):
+    """Remove staging leftovers, stray links and versions other than those in keep."""
+    if os.path.isdir(layout.store):
+        for name in os.listdir(layout.store):
+            if name.startswith("stage-") or name.startswith("link-"):
+                remove(os.path.join(layout.store, name))
+    if os.path.isdir(layout.versions):
+        for name in os.listdir(layout.versions):
+            if name not in keep:
+                remove(layout.version_dir(name))
+    if os.path.isdir(layout.manifests):
+        for name in os.listdir(layout.manifests):
+            if name[: -len(".json")] not in keep:
+                remove(os.path.join(layout.manifests, name))
+
+
+def free_bytes(path):
+    """Free space for unprivileged writes on the filesystem holding path (or its nearest parent)."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def cmd_scan(workdir, do_clean):
+    """Print the live payload's verified manifest (and clean leftovers when asked)."""
+    layout = Layout(workdir)
+    vid = layout.current()
+    manifest = read_manifest(layout, vid)
+    if do_clean and os.path.isdir(layout.store):
+        handle = lock(layout)
+        try:
+            vid = layout.current()
+            manifest = read_manifest(layout, vid)
+            clean(layout, keep_set(manifest))
+        finally:
+            handle.close()
+    files = verified_entries(layout, manifest) if manifest else []
+    result = {
+        "format": FORMAT,
+        "vid": vid if manifest else None,
+        "remote_dir": layout.link,
+        "plain_dir": os.path.isdir(layout.link) and not os.path.islink(layout.link),
+        "free": free_bytes(layout.workdir),
+        "files": files,
+    }
+    write_json(result)
+
+
+def keep_set(manifest):
+    """Versions a cleanup must keep: the live one and the one it replaced (a run may still use it)."""
+    if not manifest:
+        return set()
+    return set(v for v in (manifest["vid"], manifest.get("previous")) if v)
+
+
+class Stream(object):
+    """Reads the apply stream from stdin; a short read means the client went away."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def line(self):
+        data = self.raw.readline()
+        if not data.endswith(b"\n"):
+            raise Failure("push stream ended early (client gone)", EXIT_PROTOCOL)
+        return data
+
+    def copy_to(self, handle, size, digest, buf):
+        view = memoryview(buf)
+        left = size
+        while left:
+            n = self.raw.readinto(view[: min(left, len(buf))])
+            if not n:
+                raise Failure("push stream ended early (client gone)", EXIT_PROTOCOL)
+            digest.update(view[:n])
+            handle.write(view[:n])
+            left -= n
+
+
+def cmd_apply(workdir):
+    """Build a new version from the live one plus streamed files, verify it, swap it in."""
+    stream = Stream(sys.stdin.buffer)
+    header = json.loads(stream.line().decode("utf-8"))
+    if header.get("format") != FORMAT:
+        raise Failure("client and remote script disagree on the stream format", EXIT_PROTOCOL)
+    layout = Layout(workdir)
+    make_dirs(layout.workdir)
+    handle = lock(layout)
+    try:
+        base = read_manifest(layout, layout.current())
+        base_vid = base["vid"] if base else None
+        if base_vid != header["base"]:
+            raise Failure("the payload changed during this push (another push?); run it again", EXIT_CONFLICT)
+        clean(layout, keep_set(base))
+        vid = header["vid"]
+        stage = os.path.join(layout.store, "stage-" + vid)
+        try:
+            entries = build(layout, stage, base, header["files"], stream)
+            finish(layout, stage, vid, base_vid, entries, header["hash"])
+        except BaseException:
+            remove(stage)  # best effort; the next push's clean() catches what this misses
+            raise
+        clean(layout, set([vid, base_vid]) - set([None]))
+    finally:
+        handle.close()
+    write_json({"vid": vid, "hash": header["hash"], "remote_dir": layout.link})
+
+
+def build(layout, stage, base, files, stream):
+    """Fill stage with every file: hard links to the base version, or bytes from the stream."""
+    base_root = layout.version_dir(base["vid"]) if base else None
+    buf = bytearray(CHUNK)
+    entries = []
+    made = set()
+    os.makedirs(stage)
+    for entry in files:
+        path = fs_path(stage, entry["p"])
+        parent = os.path.dirname(path)
+        if parent not in made:
+            make_dirs(parent)
+            made.add(parent)
+        if entry["src"] == "base":
+            sha, size = carry(fs_path(base_root, entry["p"]), path, entry)
+        else:
+            sha, size = receive(stream, path, entry["s"], buf)
+        os.chmod(path, entry["m"])
+        if (sha, size) != (entry["h"], entry["s"]):
+            raise Failure("verification failed for %s: content differs from the local file" % entry["p"], EXIT_VERIFY)
+        entries.append({"p": entry["p"], "s": size, "h": sha, "m": entry["m"]})
+    if stream.raw.read(1):
+        raise Failure("push stream has trailing data", EXIT_PROTOCOL)
+    return entries
+
+
+def carry(src, dst, entry):
+    """Bring an unchanged file over without resending it: a hard link, or a copy where links fail."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+    return hash_file(dst)  # reread from the page cache: the version is verified as a whole
+
+
+def receive(stream, path, size, buf):
+    digest = hashlib.sha256()
+    with open(path, "wb") as handle:
+        stream.copy_to(handle, size, digest, buf)
+    return digest.hexdigest(), size
+
+
+def finish(layout, stage, vid, base_vid, entries, expected_hash):
+    """Check the staged manifest, publish the version, and swap the link in one rename."""
+    got = manifest_hash(entries)
+    if got != expected_hash:
+        raise Failure("verification failed: staged manifest %s != local %s" % (got[:12], expected_hash[:12]), EXIT_VERIFY)
+    make_dirs(layout.versions)
+    make_dirs(layout.manifests)
+    final = layout.version_dir(vid)
+    for entry in entries:
+        st = os.lstat(fs_path(stage, entry["p"]))
+        entry["k"] = stat_key(st)  # rename keeps inodes and mtimes, so the cache stays valid
+    manifest = {"format": FORMAT, "vid": vid, "previous": base_vid, "hash": got, "files": entries}
+    write_file(layout.manifest_path(vid), json.dumps(manifest).encode("utf-8"))
+    os.rename(stage, final)
+    swap_link(layout, vid)
+    if layout.current() != vid:
+        raise Failure("verification failed: %s does not point at the new version" % layout.link, EXIT_VERIFY)
+
+
+def swap_link(layout, vid):
+    """Point `payload` at the new version with rename(2), which replaces the old link atomically."""
+    tmp = os.path.join(layout.store, "link-" + vid)
+    remove(tmp)
+    # The link lives in .payload/ until the rename, so its target is written relative to workdir.
+    os.symlink(layout.link_target(vid), tmp)
+    if os.path.isdir(layout.link) and not os.path.islink(layout.link):
+        # A plain directory from another tool: move it aside once (the one non-atomic step).
+        os.rename(layout.link, os.path.join(layout.versions, "plain-" + vid))
+    os.rename(tmp, layout.link)
+
+
+def write_file(path, data):
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+    os.rename(tmp, path)
+
+
+def write_json(obj):
+    sys.stdout.write(json.dumps(obj))
+    sys.stdout.flush()
+
+
+def describe_os_error(exc):
+    """(message, exit code) for an OSError, naming the path involved."""
+    where = exc.filename or ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left on device writing %s" % where, EXIT_NOSPACE
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "permission denied: %s" % where, EXIT_DENIED
+    return "%s: %s" % (exc.strerror or exc, where), EXIT_OS
+
+
+def main(argv):
+    """Entry point: `scan WORKDIR [--clean]` or `apply WORKDIR`; errors are one stderr line."""
+    try:
+        if len(argv) >= 2 and argv[0] == "scan":
+            cmd_scan(argv[1], "--clean" in argv[2:])
+        elif len(argv) == 2 and argv[0] == "apply":
+            cmd_apply(argv[1])
+        else:
+            raise Failure("usage: payload_sync scan|apply WORKDIR", EXIT_PROTOCOL)
+    except Failure as exc:
+        sys.stderr.write("payload_sync: %s\n" % exc)
+        return exc.code
+    except OSError as exc:
+        message, code = describe_os_error(exc)
+        sys.stderr.write("payload_sync: %s\n" % message)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
