@@ -1,0 +1,423 @@
+"""Data-parallel training with one Python thread per device, and a coordinator.
+
+Each worker thread owns one replica on one device (`cuda:i`, or `cpu` for tests). Per step every
+replica runs forward+backward on its own micro-batch; the coordinator averages the gradients
+(NCCL all-reduce inside this one process on CUDA, a fixed-order sum on CPU) and every replica
+steps its own optimizer on the identical result, so replicas stay bit-for-bit equal. That is
+checked (parameter checksums) at every sync point; a mismatch is an error.
+
+Any worker's exception aborts every barrier, stops the others and is re-raised by
+`run_threaded` as `WorkerError` carrying that worker's traceback. Barriers time out, so a stalled
+worker becomes an error too, never a hang.
+
+Why threads compile the way they do (and the measurements): docs/threaded-compile.md.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+COMPILE_MODES = ("off", "default", "cudagraphs")
+
+# Inductor options for "cudagraphs": reduce-overhead's CUDA graphs without CUDAGraph Trees.
+# Passed to every torch.compile call, never set in torch._inductor.config: from torch 2.12 config
+# overrides are per-thread, so a value set by the main thread is not seen by the workers.
+CUDAGRAPH_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_trees": False}
+
+
+class WorkerError(RuntimeError):
+    """A worker thread failed (or stalled); the message holds its traceback."""
+
+    def __init__(self, rank: int | None, device: str, phase: str, detail: str):
+        who = "coordinator" if rank is None else f"worker {rank} ({device})"
+        super().__init__(f"{who} failed during {phase}:\n{detail}")
+        self.rank, self.device, self.phase = rank, device, phase
+
+
+class DivergenceError(RuntimeError):
+    """Replicas that must be identical are not."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by `ThreadedOptions.fail_at` (tests of the failure paths)."""
+
+
+@dataclass(frozen=True)
+class CompilePolicy:
+    """What `torch.compile` does in the workers, and why."""
+
+    requested: str
+    effective: str  # off | default | cudagraphs
+    options: dict[str, Any] | None
+    reason: str
+
+    def compile(self, fn: Callable) -> Callable:
+        """Wrap a module or function according to the policy."""
+        if self.effective == "off":
+            return fn
+        if self.effective == "default":
+            return torch.compile(fn)
+        # CUDA graphs replay fixed shapes: static shapes avoid a dynamic-shape graph that would be
+        # re-captured (outside the warm-up lock) whenever a new size shows up.
+        return torch.compile(fn, dynamic=False, options=dict(self.options))
+
+
+def torch_version_tuple(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as '2.11.0+cu130'."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def choose_compile_policy(mode: str, device_type: str, version: str = torch.__version__) -> CompilePolicy:
+    """The compile policy for worker threads, from the config's `compile` and the torch version."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    if mode == "off":
+        return CompilePolicy(mode, "off", None, "eager")
+    if mode == "default" or device_type != "cuda":
+        why = "inductor without CUDA graphs" if mode == "default" else "CUDA graphs need CUDA: default compile"
+        return CompilePolicy(mode, "default", None, why)
+    ver = torch_version_tuple(version)
+    if ver < (2, 12):
+        why = ("CUDAGraph Trees keep their state in TLS stashed only by the importing thread "
+               "(AssertionError in workers, measured on 2.11): trees off, per call")
+    elif ver < (2, 13):
+        why = ("trees not thread-aware yet and inductor config is per-thread: trees off, "
+               "passed per torch.compile call")
+    else:
+        why = ("trees initialise per-thread state since 2.13, but are unmeasured in worker "
+               "threads here: trees off (measured safe), passed per torch.compile call")
+    return CompilePolicy(mode, "cudagraphs", dict(CUDAGRAPH_OPTIONS), why)
+
+
+@dataclass(frozen=True)
+class ReplicaOps:
+    """How to build and train one replica; the workers are generic over these four callables."""
+
+    build: Callable[[torch.device, int, CompilePolicy], Any]  # (device, seed, policy) -> replica
+    forward_backward: Callable[[Any, Any], torch.Tensor]  # (replica, batch) -> loss; grads in .grad
+    optimizer_step: Callable[[Any], None]  # clip, step, zero grads
+    parameters: Callable[[Any], Sequence[torch.Tensor]]  # trainable params, same order on every replica
+
+
+@dataclass
+class ThreadedOptions:
+    """Knobs of the threaded run (fail_at/fail_rank come from the run config's debug section)."""
+
+    compile: str = "off"  # off | default | cudagraphs
+    seed: int = 0
+    warmup_steps: int = 2  # fwd+bwd calls per worker under the warm-up lock (compile + capture)
+    sync_every: int = 10  # compare checksums and call on_sync every this many steps (and at the end)
+    barrier_timeout_s: float = 1800.0  # a barrier not passed in this time is a stall: error
+    grace_s: float = 5.0  # after a failure, how long to wait for the other workers to stop
+    fail_at: str | None = None  # fault injection: build | compile | step:K (K from 1)
+    fail_rank: int = 0
+
+
+@dataclass
+class SyncPoint:
+    """Handed to `on_sync` while every worker waits: a safe point to log or checkpoint rank 0."""
+
+    step: int
+    losses: list[float]  # this step's loss on each replica (own micro-batch)
+    seconds_since_last: float
+    replicas: list[Any]
+
+    @property
+    def loss(self) -> float:
+        """Mean loss across replicas (the global batch's loss for equal micro-batches)."""
+        return sum(self.losses) / len(self.losses)
+
+
+@dataclass
+class ThreadedResult:
+    """What a finished threaded run reports."""
+
+    policy: CompilePolicy
+    steps: int
+    losses: list[float]
+    checksums: list[int]
+    warmup_s: list[float]
+    step_ms: list[float]
+    replicas: list[Any] = field(repr=False)
+
+
+def param_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Exact integer sum of the parameters' bit patterns (int64 tensor on their device)."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    sums = [p.detach().view(ints[p.element_size()]).sum(dtype=torch.int64) for p in params]
+    return torch.stack(sums).sum()
+
+
+class _GradBuckets:
+    """One flat gradient buffer per dtype, so a step reduces with one collective per dtype."""
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self.params = list(params)
+        self.groups: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(self.params):
+            self.groups.setdefault(p.dtype, []).append(i)
+
+    def pack(self) -> list[torch.Tensor]:
+        """Concatenate the current grads (None counts as zeros) into flat buffers."""
+        flats = []
+        for idx in self.groups.values():
+            parts = [self._grad(self.params[i]).reshape(-1) for i in idx]
+            flats.append(torch.cat(parts))
+        return flats
+
+    def unpack(self, flats: list[torch.Tensor]) -> None:
+        """Point every param's .grad at its slice of the reduced buffers (no copy)."""
+        for flat, idx in zip(flats, self.groups.values()):
+            offset = 0
+            for i in idx:
+                p = self.params[i]
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+
+    @staticmethod
+    def _grad(p: torch.Tensor) -> torch.Tensor:
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _average_cpu(per_rank: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """Fixed-order sum then mean; each rank gets its own copy (optimizers clip grads in place)."""
+    world = len(per_rank)
+    out = []
+    for bucket in zip(*per_rank):
+        total = bucket[0].clone()
+        for t in bucket[1:]:
+            total += t
+        total /= world
+        out.append(total)
+    return [[t if r == 0 else t.clone() for t in out] for r in range(world)]
+
+
+def _average_nccl(per_rank: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """In-place NCCL all-reduce across the ranks' devices, from this one thread, then mean.
+
+    Enqueued on each device's current stream; every worker thread uses the default stream, so
+    the collective is ordered after its backward and before its optimizer step with no host sync.
+    """
+    world = len(per_rank)
+    for bucket in zip(*per_rank):
+        torch.cuda.nccl.all_reduce(list(bucket))
+        for t in bucket:
+            t.div_(world)
+    return per_rank
+
+
+class _Stopped(Exception):
+    """This worker stops because another one failed."""
+
+
+class Coordinator:
+    """Owns the barriers, locks and shared slots of one threaded run."""
+
+    def __init__(self, ops: ReplicaOps, devices: Sequence[torch.device], data: Callable[[int, int, int], Any],
+                 steps: int, options: ThreadedOptions, on_sync: Callable[[SyncPoint], bool | None] | None):
+        self.ops, self.devices, self.data, self.steps, self.opt = ops, list(devices), data, steps, options
+        self.on_sync = on_sync
+        self.world = len(self.devices)
+        kinds = {d.type for d in self.devices}
+        if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
+            raise ValueError(f"workers need devices of one kind, cpu or cuda: {self.devices}")
+        self.policy = choose_compile_policy(options.compile, self.devices[0].type)
+        self.reduce = _average_nccl if kinds == {"cuda"} and self.world > 1 else _average_cpu
+        self.fault = _parse_fault(options.fail_at)
+        if options.sync_every < 1 or steps < 1:
+            raise ValueError("steps and sync_every must be positive")
+        # Building and warm-up are serialised: same seed => identical replicas, and CUDA graph
+        # capture must not overlap another thread's capture (torch < 2.13 has no lock of its own).
+        self.serial = threading.Lock()
+        self.stop = threading.Event()
+        self.error_lock = threading.Lock()
+        self.error: WorkerError | None = None
+        self.phase = ["starting"] * self.world
+        self.ready = threading.Barrier(self.world)
+        self.reduced = threading.Barrier(self.world, action=self._reduce_action)
+        self.synced = threading.Barrier(self.world, action=self._sync_action)
+        self.replicas: list[Any] = [None] * self.world
+        self.flats: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
+        self.loss: list[torch.Tensor | None] = [None] * self.world
+        self.sums: list[torch.Tensor | None] = [None] * self.world
+        self.checksums: list[int] = [0] * self.world
+        self.last_losses: list[float] = [float("nan")] * self.world
+        self.warmup_s = [0.0] * self.world
+        self.step_ms = [0.0] * self.world
+        self.finish_after = steps
+        self.sync_step = 0
+        self.last_sync_time = 0.0
+
+    # -- coordinator side -------------------------------------------------------------------
+
+    def run(self) -> ThreadedResult:
+        """Start one thread per device, wait, and raise the first worker failure."""
+        threads = [threading.Thread(target=self._worker, args=(r,), name=f"dflash-worker-{r}", daemon=True)
+                   for r in range(self.world)]
+        for t in threads:
+            t.start()
+        try:
+            while any(t.is_alive() for t in threads) and not self.stop.wait(0.1):
+                pass
+        except BaseException as exc:  # Ctrl-C / SystemExit in the main thread: stop the workers
+            self._fail(None, "main thread", exc)
+        deadline = time.monotonic() + self.opt.grace_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if self.error is not None:
+            raise self.error
+        return ThreadedResult(self.policy, self.finish_after, self.last_losses, self.checksums,
+                              self.warmup_s, self.step_ms, self.replicas)
+
+    def _fail(self, rank: int | None, phase: str, exc: BaseException) -> None:
+        """Record the first failure, then abort every barrier so no worker waits forever."""
+        with self.error_lock:
+            secondary = self.stop.is_set() and isinstance(exc, (threading.BrokenBarrierError, _Stopped))
+            if self.error is None and not secondary:
+                device = "coordinator" if rank is None else str(self.devices[rank])
+                detail = "".join(traceback.format_exception(exc))
+                if isinstance(exc, threading.BrokenBarrierError):
+                    detail += f"barrier timed out after {self.opt.barrier_timeout_s}s; phases: {self.phase}\n"
+                self.error = WorkerError(rank, device, phase, detail)
+                self.error.__cause__ = exc
+            self.stop.set()
+        for barrier in (self.ready, self.reduced, self.synced):
+            barrier.abort()
+
+    def _reduce_action(self) -> None:
+        """Runs in the last thread to arrive: average every rank's gradient buffers."""
+        try:
+            self.flats = self.reduce(self.flats)
+        except BaseException as exc:  # recorded before the broken barrier wakes the others
+            self._fail(None, "gradient all-reduce", exc)
+            raise
+
+    def _sync_action(self) -> None:
+        """Runs in the last thread to arrive: compare checksums, report, maybe finish early."""
+        step = self.sync_step
+        try:
+            sums = [int(s.item()) for s in self.sums]
+            losses = [float(loss.item()) for loss in self.loss]
+            self.checksums, self.last_losses = sums, losses
+            if len(set(sums)) != 1:
+                raise DivergenceError(f"replicas diverged at step {step}: parameter checksums {sums}")
+            now = time.monotonic()
+            point = SyncPoint(step, losses, now - self.last_sync_time, self.replicas)
+            self.last_sync_time = now
+            if self.on_sync is not None and self.on_sync(point):
+                self.finish_after = step
+        except BaseException as exc:  # recorded before the broken barrier wakes the others
+            self._fail(None, f"step {step} sync", exc)
+            raise
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def _worker(self, rank: int) -> None:
+        try:
+            self._train(rank)
+        except BaseException as exc:  # every failure must reach the coordinator, or others hang
+            self._fail(rank, self.phase[rank], exc)
+
+    def _train(self, rank: int) -> None:
+        device = self.devices[rank]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # first: every CUDA call below targets this GPU
+        with self._serialised(rank, "build"):
+            self._maybe_fail(rank, "build")
+            torch.manual_seed(self.opt.seed)
+            replica = self.ops.build(device, self.opt.seed, self.policy)
+            params = list(self.ops.parameters(replica))
+        self.replicas[rank] = replica
+        buckets = _GradBuckets(params)
+        self._warm_up(rank, replica, params)
+        self._wait(rank, self.ready, "ready")
+        self.last_sync_time = t0 = time.monotonic()
+        step = 0
+        while step < self.finish_after:
+            step += 1
+            self.phase[rank] = f"step {step} forward/backward"
+            self._maybe_fail(rank, f"step:{step}")
+            self.loss[rank] = self.ops.forward_backward(replica, self.data(step - 1, rank, self.world)).detach()
+            self.flats[rank] = buckets.pack()
+            self._wait(rank, self.reduced, f"step {step} gradient all-reduce")
+            buckets.unpack(self.flats[rank])
+            self.phase[rank] = f"step {step} optimizer"
+            self.ops.optimizer_step(replica)
+            if step % self.opt.sync_every == 0 or step == self.finish_after:
+                self.sums[rank] = param_checksum(params)
+                self.sync_step = step
+                self._wait(rank, self.synced, f"step {step} sync")
+        _synchronize(device)
+        self.step_ms[rank] = (time.monotonic() - t0) / max(step, 1) * 1e3
+
+    def _warm_up(self, rank: int, replica: Any, params: list[torch.Tensor]) -> None:
+        """Compile and capture under the lock, leaving parameters and optimizer untouched."""
+        with self._serialised(rank, "compile/warm-up"):
+            t0 = time.monotonic()
+            self._maybe_fail(rank, "compile")
+            batch = self.data(0, rank, self.world)
+            for _ in range(self.opt.warmup_steps):
+                self.ops.forward_backward(replica, batch)
+            _synchronize(self.devices[rank])
+            for p in params:
+                p.grad = None
+            self.warmup_s[rank] = time.monotonic() - t0
+
+    @contextmanager
+    def _serialised(self, rank: int, phase: str) -> Iterator[None]:
+        self.phase[rank] = f"waiting for lock ({phase})"
+        while not self.serial.acquire(timeout=0.1):
+            if self.stop.is_set():
+                raise _Stopped()
+        try:
+            self.phase[rank] = phase
+            yield
+        finally:
+            self.serial.release()
+
+    def _wait(self, rank: int, barrier: threading.Barrier, phase: str) -> None:
+        if self.stop.is_set():
+            raise _Stopped()
+        self.phase[rank] = phase
+        barrier.wait(timeout=self.opt.barrier_timeout_s)
+
+    def _maybe_fail(self, rank: int, where: str) -> None:
+        if self.fault == where and rank == self.opt.fail_rank:
+            raise InjectedFault(f"injected fault at {where} on worker {rank} (fail_at={self.opt.fail_at})")
+
+
+def _parse_fault(fail_at: str | None) -> str | None:
+    """Validate `fail_at`: None, 'build', 'compile' or 'step:K' with K >= 1."""
+    if fail_at is None or fail_at in ("build", "compile"):
+        return fail_at
+    kind, _, k = fail_at.partition(":")
+    if kind != "step" or not k.isdigit() or int(k) < 1:
+        raise ValueError(f"fail_at must be build, compile or step:K (K >= 1), got {fail_at!r}")
+    return f"step:{int(k)}"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_threaded(ops: ReplicaOps, devices: Sequence[torch.device | str], data: Callable[[int, int, int], Any],
+                 steps: int, options: ThreadedOptions | None = None,
+                 on_sync: Callable[[SyncPoint], bool | None] | None = None) -> ThreadedResult:
+    """Train one replica per device in one thread each, data-parallel; raise WorkerError on any failure.
+
+    `data(step, rank, world)` returns rank's micro-batch for 0-based `step`; `on_sync` runs every
+    `options.sync_every` steps while all workers wait, and may return True to end the run there.
+    """
+    coordinator = Coordinator(ops, [torch.device(d) for d in devices], data, steps,
+                              options or ThreadedOptions(), on_sync)
+    return coordinator.run()
