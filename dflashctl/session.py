@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .containers import Target
 from .inventory import HostSpec, Inventory
 from .transport import LocalTransport, Transport
+
+if TYPE_CHECKING:
+    from .ssh import SshOptions
 
 
 class Session:
     """Hands out Targets; each host is connected at most once per call and closed at the end."""
 
-    def __init__(self, inventory: Inventory):
+    def __init__(self, inventory: Inventory, ssh_options: "SshOptions | None" = None):
         self.inventory = inventory
+        self.ssh_options = ssh_options  # None: ~/.ssh of $HOME at connect time
         self._transports: dict[str, Transport] = {}
 
     def host(self, name: str | None) -> HostSpec:
@@ -30,7 +36,7 @@ class Session:
             else:
                 from .ssh import SshTransport
 
-                self._transports[host.name] = SshTransport(host)
+                self._transports[host.name] = SshTransport(host, self.ssh_options)
         return self._transports[host.name]
 
     def close(self) -> None:

@@ -1,0 +1,544 @@
+"""The `ssh` transport on paramiko: ~/.ssh/config, known_hosts, one reused connection per CLI call.
+
+Security stance: a host key must already be in known_hosts (`dflashctl hosts trust HOST` records
+it); an unknown key is refused and a changed key is always refused. Commands are argv lists
+joined with `shlex.join` for the remote login shell (POSIX sh quoting: bash, dash, zsh).
+"""
+
+from __future__ import annotations
+
+import base64
+import getpass
+import hashlib
+import logging
+import os
+import shlex
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence, TypeVar
+
+import paramiko
+from rich.console import Console
+
+from .errors import ConnectError, DflashError, UsageError
+from .inventory import HostSpec
+from .transport import Process, Transport
+
+T = TypeVar("T")
+
+# paramiko logs socket errors at ERROR level; with no handler configured Python would print them
+# to stderr next to our own one-line message. The CLI reports every failure itself.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+
+# A bigger window than paramiko's 2 MiB keeps bulk transfers (pushes, checkpoints) flowing.
+WINDOW_SIZE = 16 * 1024 * 1024
+MAX_PACKET = 32 * 1024
+DEFAULT_KEYS = ("id_ed25519", "id_ecdsa", "id_rsa")
+SYSTEM_KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")
+MAX_JUMPS = 8
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    """Where ~/.ssh lives and how patient to be; `home=None` means $HOME at call time.
+
+    Passing `home` lets in-process callers (tests) point at another ~/.ssh without touching
+    os.environ. `~` inside ~/.ssh/config itself is still expanded by paramiko with $HOME.
+    """
+
+    home: Path | None = None
+    agent: bool = True
+    connect_timeout: float = 10.0
+    keepalive_s: int = 15
+    attempts: int = 3
+    backoff_s: float = 0.5
+
+    def ssh_dir(self) -> Path:
+        """The ~/.ssh directory these options refer to."""
+        return (self.home or Path.home()) / ".ssh"
+
+    def known_hosts(self) -> Path:
+        """The user's known_hosts file (read, and appended to by `hosts trust`)."""
+        return self.ssh_dir() / "known_hosts"
+
+    def expand(self, path: str) -> Path:
+        """Expand a leading `~` against this home rather than the process's."""
+        if path == "~" or path.startswith("~/"):
+            return (self.home or Path.home()) / path[2:]
+        return Path(path).expanduser()
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one host really is, after merging hosts.yaml over ~/.ssh/config."""
+
+    name: str  # the inventory name, for messages
+    hostname: str
+    port: int
+    user: str
+    identity_files: tuple[Path, ...]
+    proxy_jump: str | None
+
+    @property
+    def known_name(self) -> str:
+        """The host's name in known_hosts: `host`, or `[host]:port` off port 22."""
+        return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
+
+
+def resolve_endpoint(host: HostSpec, options: SshOptions) -> Endpoint:
+    """Merge a host entry with ~/.ssh/config: values in hosts.yaml win, then the config, then defaults."""
+    alias = host.address or host.name
+    config = _ssh_config(options).lookup(alias)
+    identities = [host.identity_file] if host.identity_file else config.get("identityfile", [])
+    paths = tuple(options.expand(p) for p in identities)
+    if not paths:
+        paths = tuple(p for p in (options.ssh_dir() / k for k in DEFAULT_KEYS) if p.is_file())
+    jump = host.proxy_jump or config.get("proxyjump")
+    try:
+        port = host.port or int(config.get("port", 22))
+    except ValueError:
+        raise UsageError(f"{host.name}: ~/.ssh/config gives a bad Port for '{alias}'") from None
+    return Endpoint(
+        name=host.name,
+        hostname=config.get("hostname", alias),
+        port=port,
+        user=host.user or config.get("user") or getpass.getuser(),
+        identity_files=paths,
+        proxy_jump=None if (jump or "").lower() == "none" else jump,
+    )
+
+
+def _ssh_config(options: SshOptions) -> paramiko.SSHConfig:
+    path = options.ssh_dir() / "config"
+    if not path.is_file():
+        return paramiko.SSHConfig()
+    try:
+        return paramiko.SSHConfig.from_path(str(path))
+    except (OSError, paramiko.ConfigParseError) as exc:
+        raise UsageError(f"{path}: cannot parse: {exc}") from None
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    """`SHA256:...` as `ssh-keygen -lf` prints it (unpadded base64 of the key blob's SHA-256)."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def load_known_hosts(options: SshOptions) -> paramiko.HostKeys:
+    """The system and user known_hosts merged (hashed entries included)."""
+    keys = paramiko.HostKeys()
+    for path in (SYSTEM_KNOWN_HOSTS, options.known_hosts()):
+        if path.is_file():
+            try:
+                keys.load(str(path))
+            except (OSError, paramiko.SSHException) as exc:
+                raise ConnectError(f"{path}: cannot read known_hosts: {exc}") from None
+    return keys
+
+
+class _UnknownHostKey(Exception):
+    """Raised from inside paramiko's handshake when known_hosts has no key for the host."""
+
+    def __init__(self, key: paramiko.PKey):
+        super().__init__("unknown host key")
+        self.key = key
+
+
+class _RefuseUnknown(paramiko.MissingHostKeyPolicy):
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        raise _UnknownHostKey(key)
+
+
+class _Transient(Exception):
+    """A failure worth retrying (refused, reset, no banner): wraps the one-line message."""
+
+
+class SshTransport(Transport):
+    """Runs argv on one host over a single lazily opened paramiko connection."""
+
+    def __init__(self, host: HostSpec, options: SshOptions | None = None, _depth: int = 0):
+        self.host = host
+        self.name = host.name
+        self.options = options or SshOptions()
+        self._depth = _depth
+        self._lock = threading.Lock()
+        self._client: paramiko.SSHClient | None = None
+        self._hops: list[SshTransport] = []
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The resolved address, port, user and keys of this host."""
+        return resolve_endpoint(self.host, self.options)
+
+    def start(self, argv: Sequence[str], env: dict[str, str] | None = None) -> Process:
+        """Start argv on the host; `env` is applied with `env -- K=V argv` since sshd drops most variables."""
+        if not argv:
+            raise UsageError("empty command")
+        command = shlex.join(_with_env(argv, env))
+        transport, channel = self._open_channel()
+        try:
+            channel.exec_command(command)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            if not transport.is_active():
+                raise self._lost() from None
+            raise ConnectError(f"{self.name}: cannot start command: {exc}") from None
+        return _SshProcess(channel, transport, self._lost)
+
+    def _open_channel(self) -> tuple[paramiko.Transport, paramiko.Channel]:
+        """A new session channel; reconnects once if the connection turns out to be dead (nothing ran yet)."""
+        for attempt in range(2):
+            transport = self.connection()
+            try:
+                channel = transport.open_session(
+                    window_size=WINDOW_SIZE, max_packet_size=MAX_PACKET, timeout=self.options.connect_timeout
+                )
+                return transport, channel
+            except paramiko.ChannelException as exc:
+                # OpenSSH refuses channels beyond its MaxSessions (default 10) per connection.
+                raise ConnectError(f"{self.name}: the server refused a new session: {exc.text}") from None
+            except (paramiko.SSHException, EOFError, OSError) as exc:
+                if attempt == 0 and self._wait_dead(transport):
+                    continue
+                raise ConnectError(f"{self.name}: cannot open a session: {exc}") from None
+        raise self._lost()
+
+    @staticmethod
+    def _wait_dead(transport: paramiko.Transport, patience: float = 1.0) -> bool:
+        """True once paramiko marks the transport dead (it lags a moment behind the socket error)."""
+        deadline = time.monotonic() + patience
+        while transport.is_active() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return not transport.is_active()
+
+    def connection(self) -> paramiko.Transport:
+        """The live paramiko transport, connecting (or reconnecting after a drop) on demand."""
+        with self._lock:
+            if self._client is not None:
+                transport = self._client.get_transport()
+                if transport is not None and transport.is_active():
+                    return transport
+                self._close_locked()
+            self._client = _retrying(self.options, self._connect_once)
+            transport = self._client.get_transport()
+            assert transport is not None
+            transport.set_keepalive(self.options.keepalive_s)
+            return transport
+
+    def close(self) -> None:
+        """Close the connection and any jump hosts behind it."""
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        for hop in self._hops:
+            hop.close()
+        self._hops.clear()
+
+    def _lost(self) -> ConnectError:
+        return ConnectError(f"connection to {self.name} lost")
+
+    def _connect_once(self) -> paramiko.SSHClient:
+        ep = self.endpoint
+        sock = self.open_socket(ep)
+        client = paramiko.SSHClient()
+        for path in (SYSTEM_KNOWN_HOSTS, self.options.known_hosts()):
+            if path.is_file():  # loaded as "system" keys: checked, never written back by paramiko
+                client.load_system_host_keys(str(path))
+        client.set_missing_host_key_policy(_RefuseUnknown())
+        timeout = self.options.connect_timeout
+        try:
+            with _mapped_errors(ep, self.options):
+                client.connect(
+                    ep.hostname,
+                    ep.port,
+                    username=ep.user,
+                    sock=sock,
+                    key_filename=[str(p) for p in ep.identity_files] or None,
+                    allow_agent=self.options.agent,
+                    look_for_keys=False,
+                    timeout=timeout,
+                    banner_timeout=timeout,
+                    auth_timeout=timeout,
+                    channel_timeout=timeout,
+                )
+        except BaseException:
+            client.close()
+            sock.close()
+            raise
+        return client
+
+    def open_socket(self, ep: Endpoint) -> socket.socket | paramiko.Channel:
+        """A byte stream to the host's sshd: direct TCP, or a channel through the ProxyJump chain."""
+        if ep.proxy_jump:
+            return self._jump(ep)
+        with _mapped_errors(ep, self.options):
+            sock = socket.create_connection((ep.hostname, ep.port), timeout=self.options.connect_timeout)
+        _tcp_keepalive(sock)
+        return sock
+
+    def _jump(self, ep: Endpoint) -> paramiko.Channel:
+        if self._depth >= MAX_JUMPS:
+            raise UsageError(f"{self.name}: ProxyJump chain is longer than {MAX_JUMPS} hops (a loop in ~/.ssh/config?)")
+        *earlier, last = [h.strip() for h in (ep.proxy_jump or "").split(",")]
+        hop = SshTransport(_hop_spec(last, ",".join(earlier) or None), self.options, self._depth + 1)
+        self._hops.append(hop)
+        try:
+            return hop.connection().open_channel(
+                "direct-tcpip", (ep.hostname, ep.port), ("127.0.0.1", 0), timeout=self.options.connect_timeout
+            )
+        except paramiko.ChannelException as exc:
+            raise ConnectError(f"{ep.name}: jump host {last} cannot reach {ep.hostname}:{ep.port}: {exc.text}") from None
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise ConnectError(f"{ep.name}: jump host {last} failed: {exc}") from None
+
+
+def _hop_spec(hop: str, earlier: str | None) -> HostSpec:
+    """A HostSpec for one `[user@]host[:port]` ProxyJump hop; earlier hops become its own ProxyJump."""
+    user, _, rest = hop.rpartition("@")
+    address, port = rest, None
+    if rest.startswith("["):  # [v6::addr]:port
+        address, _, tail = rest[1:].partition("]")
+        port = tail[1:] or None
+    elif rest.count(":") == 1:
+        address, port = rest.split(":")
+    if port is not None and not port.isdigit():
+        raise UsageError(f"bad ProxyJump hop '{hop}'")
+    return HostSpec(name=address, address=address, user=user or None, port=int(port) if port else None, proxy_jump=earlier)
+
+
+def _with_env(argv: Sequence[str], env: dict[str, str] | None) -> list[str]:
+    """Prefix argv with `env -- K=V` (GNU env reads assignments after `--`, then the command)."""
+    argv = [str(a) for a in argv]
+    if not env:
+        return argv
+    for key in env:
+        if not key or "=" in key:
+            raise UsageError(f"bad environment variable name {key!r}")
+    return ["env", "--", *(f"{k}={v}" for k, v in env.items()), *argv]
+
+
+def _tcp_keepalive(sock: socket.socket) -> None:
+    """Let the kernel notice a silently dead peer within about a minute (paramiko's keepalive never does)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _retrying(options: SshOptions, attempt: Callable[[], T]) -> T:
+    """Call attempt, retrying transient failures with exponential backoff a bounded number of times."""
+    for n in range(options.attempts):
+        try:
+            return attempt()
+        except _Transient as exc:
+            if n + 1 >= options.attempts:
+                raise ConnectError(f"{exc} (after {options.attempts} attempts)") from None
+            time.sleep(options.backoff_s * 2**n)
+    raise AssertionError("unreachable")
+
+
+class _mapped_errors:
+    """Context manager turning socket/paramiko failures into one-line ConnectErrors (or _Transient)."""
+
+    def __init__(self, ep: Endpoint, options: SshOptions):
+        self.ep = ep
+        self.options = options
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: object) -> bool:
+        if exc is None or isinstance(exc, (DflashError, _Transient)):
+            return False
+        message = _describe(self.ep, self.options, exc)
+        if message is None:
+            return False
+        if isinstance(message, _Transient):
+            raise message from None
+        raise ConnectError(message) from None
+
+
+def _describe(ep: Endpoint, options: SshOptions, exc: BaseException) -> str | _Transient | None:
+    where = f"{ep.hostname}:{ep.port}"
+    if isinstance(exc, _UnknownHostKey):
+        return (
+            f"{ep.name}: unknown host key for {ep.known_name} ({exc.key.get_name()} {fingerprint(exc.key)}); "
+            f"check it, then run: dflashctl hosts trust {ep.name}"
+        )
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return (
+            f"{ep.name}: host key for {ep.known_name} has CHANGED (server offers {fingerprint(exc.key)}, "
+            f"known_hosts has {fingerprint(exc.expected_key)}); refusing to connect. If the host was reinstalled: "
+            f"ssh-keygen -R '{ep.known_name}' -f {options.known_hosts()}, then dflashctl hosts trust {ep.name}"
+        )
+    if isinstance(exc, paramiko.AuthenticationException):
+        tried = ", ".join([*(str(p) for p in ep.identity_files), *(["agent"] if options.agent else [])]) or "no keys"
+        return f"{ep.name}: authentication failed for {ep.user}@{where} (tried {tried}); set identity_file or load the key into ssh-agent"
+    if isinstance(exc, socket.gaierror):
+        return f"{ep.name}: cannot resolve host '{ep.hostname}'"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return f"{ep.name}: timed out connecting to {where} after {options.connect_timeout:g} s"
+    if isinstance(exc, ConnectionRefusedError):
+        return _Transient(f"{ep.name}: connection refused by {where} (is sshd running, is the port right?)")
+    if isinstance(exc, (ConnectionResetError, EOFError)):
+        return _Transient(f"{ep.name}: connection reset by {where}")
+    if isinstance(exc, paramiko.SSHException):
+        text = str(exc)
+        if "banner" in text.lower():
+            return _Transient(f"{ep.name}: no SSH banner from {where} (is it an SSH server?)")
+        return f"{ep.name}: SSH handshake with {where} failed: {text}"
+    if isinstance(exc, OSError):
+        return f"{ep.name}: cannot connect to {where}: {exc.strerror or exc}"
+    return None
+
+
+class _ChannelReader:
+    """stdout or stderr of a channel as a stream whose `read1` returns what is available."""
+
+    def __init__(self, channel: paramiko.Channel, stderr: bool, lost: Callable[[], ConnectError]):
+        self._recv = channel.recv_stderr if stderr else channel.recv
+        self._channel = channel
+        self._lost = lost
+
+    def read1(self, n: int = 65536) -> bytes:
+        """Up to n bytes, blocking only until some arrive; b'' at end of stream."""
+        data = self._recv(n)
+        if not data and not self._channel.eof_received and not self._channel.get_transport().is_active():
+            raise self._lost()
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        """Everything up to n bytes (all of it when n < 0)."""
+        chunks = bytearray()
+        while n < 0 or len(chunks) < n:
+            data = self.read1(65536 if n < 0 else n - len(chunks))
+            if not data:
+                break
+            chunks.extend(data)
+        return bytes(chunks)
+
+    def close(self) -> None:
+        """Nothing to release: the channel is closed by the process."""
+
+
+class _ChannelWriter:
+    """stdin of a channel; close() sends EOF so the command sees end of input."""
+
+    def __init__(self, channel: paramiko.Channel):
+        self._channel = channel
+        self.closed = False
+
+    def write(self, data: bytes) -> int:
+        """Send all of data, blocking while the remote window is full."""
+        self._channel.sendall(data)
+        return len(data)
+
+    def flush(self) -> None:
+        """Writes are unbuffered."""
+
+    def close(self) -> None:
+        """Send EOF on stdin (once)."""
+        if not self.closed:
+            self.closed = True
+            if not self._channel.closed:
+                self._channel.shutdown_write()
+
+
+class _SshProcess(Process):
+    """A command running in one channel of the shared connection."""
+
+    def __init__(self, channel: paramiko.Channel, transport: paramiko.Transport, lost: Callable[[], ConnectError]):
+        self._channel = channel
+        self._transport = transport
+        self._lost = lost
+        self.stdin = _ChannelWriter(channel)  # type: ignore[assignment]
+        self.stdout = _ChannelReader(channel, False, lost)  # type: ignore[assignment]
+        self.stderr = _ChannelReader(channel, True, lost)  # type: ignore[assignment]
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; ConnectError if the connection drops first, TimeoutError on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._channel.status_event.wait(0.25):
+            if not self._transport.is_active():
+                raise self._lost()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError
+        if self._channel.exit_status != -1:
+            return self._channel.exit_status
+        # Closed without an exit status: a dropped connection, or a command killed by a signal
+        # (paramiko ignores exit-signal). The transport notices a drop just after the channel does.
+        for _ in range(20):
+            if not self._transport.is_active():
+                raise self._lost()
+            time.sleep(0.05)
+        return 255  # what the OpenSSH client reports when no exit status arrives
+
+    def kill(self) -> None:
+        """Close the channel. Without a pty sshd sends no signal; the command sees EOF and SIGPIPE."""
+        self._channel.close()
+
+
+def trust_host(host: HostSpec, confirm: Callable[[str], bool] | None, options: SshOptions | None = None) -> None:
+    """Show the host's key fingerprint, ask (unless confirm is None), and append it to known_hosts."""
+    options = options or SshOptions()
+    if host.transport != "ssh":
+        raise UsageError(f"{host.name}: transport is {host.transport}, there is no SSH key to trust")
+    ep = resolve_endpoint(host, options)
+    known = load_known_hosts(options).lookup(ep.known_name) or {}
+    key = fetch_host_key(host, options, prefer=list(known.keys()))
+    out = Console(highlight=False)
+    recorded = known.get(key.get_name())
+    if recorded is not None and recorded != key:
+        raise ConnectError(
+            f"{host.name}: {ep.known_name} now offers {fingerprint(key)} but known_hosts has {fingerprint(recorded)}; "
+            f"refusing to replace a recorded key (remove it with: ssh-keygen -R '{ep.known_name}' -f {options.known_hosts()})"
+        )
+    if recorded is not None:
+        out.print(f"{host.name}: {ep.known_name} {key.get_name()} {fingerprint(key)} is already trusted")
+        return
+    out.print(f"{host.name}: {ep.known_name} offers {key.get_name()} key {fingerprint(key)}")
+    if confirm is not None and not confirm("Trust this key and record it in known_hosts?"):
+        raise DflashError(f"{host.name}: not trusted; nothing recorded")
+    path = options.known_hosts()
+    _append_known_host(path, f"{ep.known_name} {key.get_name()} {key.get_base64()}")
+    out.print(f"recorded in {path}")
+
+
+def fetch_host_key(host: HostSpec, options: SshOptions, prefer: Sequence[str] = ()) -> paramiko.PKey:
+    """The host's public key from a bare handshake (no authentication), through ProxyJump if set."""
+    via = SshTransport(host, options)
+    ep = via.endpoint
+
+    def handshake() -> paramiko.PKey:
+        sock = via.open_socket(ep)
+        session = paramiko.Transport(sock)
+        try:
+            if prefer:  # ask for the key type already on record, so a comparison is meaningful
+                opts = session.get_security_options()
+                opts.key_types = [*prefer, *(k for k in opts.key_types if k not in prefer)]
+            with _mapped_errors(ep, options):
+                session.start_client(timeout=options.connect_timeout)
+            return session.get_remote_server_key()
+        finally:
+            session.close()
+
+    try:
+        return _retrying(options, handshake)
+    finally:
+        via.close()
+
+
+def _append_known_host(path: Path, line: str) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    existing = path.read_bytes() if path.exists() else b""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "ab") as fh:
+        if existing and not existing.endswith(b"\n"):
+            fh.write(b"\n")
+        fh.write(line.encode() + b"\n")

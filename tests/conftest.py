@@ -1,0 +1,82 @@
+"""Shared fixtures: real OpenSSH servers on loopback with the `pct` test shim behind them.
+
+Fixture API (all objects are `tests/sshd.py:SshdHost`):
+
+`sshd_host` (session scope): sshd on 127.0.0.1, a free port, temp ed25519 host key, client key
+and authorized_keys; root may log in by key only. Attributes:
+  address, port, user             where it listens and who logs in (the current user)
+  home                            client HOME: .ssh/id_ed25519 and .ssh/known_hosts trusting
+                                  `[127.0.0.1]:PORT` (no .ssh/config)
+  containers_root, pct_path       shim containers (one directory each) and the installed shim
+  inventory_path                  hosts.yaml: `shim` (pct 200, running, python = sys.executable,
+                                  workdir in the container; the default), `stopped` (pct 201,
+                                  stopped), `bare` (runtime none)
+  env                             os.environ + HOME=home + DFLASHCTL_INVENTORY=inventory_path,
+                                  without SSH_AUTH_SOCK; NO_COLOR=1, COLUMNS=200
+Methods:
+  container_dir(vmid) -> Path     the container's directory (HOME and cwd inside it)
+  set_running(vmid, bool)         start/stop a shim container
+  add_container(vmid, running)    create (or empty) another container
+  reset()                         containers back to: 200 running and empty, 201 stopped
+  session(home=None, inventory=None) -> Session   in-process, SshOptions(home=...), no agent
+  kill_connections() -> int       SIGKILL the per-connection sshd processes (listener stays up)
+  run_cli(*args, input=None, timeout=60, env=None, cwd=None, binary=False)
+                                  run dflashctl in a subprocess with env (+ overrides);
+                                  text mode unless binary=True or input is bytes
+  make_home(dir, trusted=True)    a fresh client HOME with the same key (known_hosts empty if not trusted)
+  write_known_hosts(home, trusted), host_key_line(), host_entry(vmid|None, **extra),
+  write_inventory(path=None, extra_hosts=None)
+
+`shim_host` (function scope): `sshd_host` after reset(); use it when a test touches containers.
+`shim_container` (function scope): reset, then the `shim` host's container directory (vmid 200).
+`second_sshd_host` (session scope): the same on 127.0.0.2 (its own keys, HOME and inventory).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from sshd import SHIM_VMID, SshdHost
+
+
+def _require_sshd() -> None:
+    if not Path("/usr/sbin/sshd").exists() or shutil.which("ssh-keygen") is None:
+        pytest.skip("openssh-server is not installed (apt-get install openssh-server)")
+
+
+def _sshd(tmp_path_factory: pytest.TempPathFactory, address: str) -> Iterator[SshdHost]:
+    _require_sshd()
+    host = SshdHost(tmp_path_factory.mktemp(f"sshd-{address}"), address).start()
+    try:
+        yield host
+    finally:
+        host.stop()
+
+
+@pytest.fixture(scope="session")
+def sshd_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdHost]:
+    """A real sshd on 127.0.0.1 with the pct shim (see module docstring)."""
+    yield from _sshd(tmp_path_factory, "127.0.0.1")
+
+
+@pytest.fixture(scope="session")
+def second_sshd_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdHost]:
+    """A second, independent sshd on 127.0.0.2, for multi-host tests."""
+    yield from _sshd(tmp_path_factory, "127.0.0.2")
+
+
+@pytest.fixture
+def shim_host(sshd_host: SshdHost) -> SshdHost:
+    """sshd_host with its containers reset to the initial state."""
+    sshd_host.reset()
+    return sshd_host
+
+
+@pytest.fixture
+def shim_container(shim_host: SshdHost) -> Path:
+    """The (freshly emptied, running) directory of the `shim` host's container 200."""
+    return shim_host.container_dir(SHIM_VMID)

@@ -1,0 +1,300 @@
+"""Test harness: a real OpenSSH sshd on a loopback address, a client HOME that trusts it, and the pct shim.
+
+Used by conftest.py; see its docstring for the fixture API.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+SSHD = "/usr/sbin/sshd"
+SHIM = Path(__file__).parent / "shims" / "pct"
+SHIM_VMID = 200
+STOPPED_VMID = 201
+CLI = [sys.executable, "-c", "from dflashctl.cli import main; main()"]
+
+
+def keygen(path: Path, comment: str) -> str:
+    """Create an ed25519 key pair at path (no passphrase); return the public key line."""
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        check=True,
+        stdin=subprocess.DEVNULL,
+    )
+    return path.with_suffix(".pub").read_text().strip()
+
+
+def free_port(address: str) -> int:
+    """A port that is free on address right now."""
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of pid, from /proc."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(entry.name))
+    return kids
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+class SshdHost:
+    """One sshd listening on address:port, a client HOME trusting it, pct shim containers, a hosts.yaml."""
+
+    def __init__(self, base: Path, address: str):
+        self.base = base
+        self.address = address
+        self.port = 0
+        self.user = getpass.getuser()
+        self.home = base / "home"
+        self.containers_root = base / "containers"
+        self.pct_path = base / "bin" / "pct"
+        self.inventory_path = base / "hosts.yaml"
+        self.host_key = base / "etc" / "ssh_host_ed25519_key"
+        self.log_path = base / "sshd.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # --- setup ---------------------------------------------------------------------------
+
+    def start(self) -> "SshdHost":
+        """Create keys, shim and inventory, then start sshd and wait until it answers."""
+        (self.base / "etc").mkdir(parents=True)
+        keygen(self.host_key, f"sshd@{self.address}")
+        client_pub = self._make_client_key()
+        (self.base / "etc" / "authorized_keys").write_text(client_pub + "\n")
+        self._install_shim()
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation dir
+        for _ in range(5):  # another process may grab the free port before sshd binds it
+            self.port = free_port(self.address)
+            if self._launch():
+                break
+        else:
+            raise RuntimeError(f"sshd did not start: {self.log_path.read_text()}")
+        self.write_known_hosts(self.home)
+        self.write_inventory()
+        self.reset()
+        return self
+
+    def _make_client_key(self) -> str:
+        ssh_dir = self.home / ".ssh"
+        ssh_dir.mkdir(parents=True, mode=0o700)
+        return keygen(ssh_dir / "id_ed25519", f"client@{self.address}")
+
+    def _install_shim(self) -> None:
+        """Copy the shim next to ../containers, running under this interpreter (sshd's PATH may lack it)."""
+        self.pct_path.parent.mkdir(parents=True)
+        self.containers_root.mkdir()
+        body = SHIM.read_text().split("\n", 1)[1]
+        self.pct_path.write_text(f"#!{sys.executable}\n{body}")
+        self.pct_path.chmod(0o755)
+
+    def _config(self) -> str:
+        etc = self.base / "etc"
+        return "\n".join(
+            [
+                f"ListenAddress {self.address}:{self.port}",
+                f"HostKey {self.host_key}",
+                f"AuthorizedKeysFile {etc / 'authorized_keys'}",
+                "PidFile none",
+                "PermitRootLogin prohibit-password",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",
+                "AllowTcpForwarding yes",
+                "MaxSessions 64",
+                "MaxStartups 64",
+                "LogLevel VERBOSE",
+                "",
+            ]
+        )
+
+    def _launch(self) -> bool:
+        config = self.base / "etc" / "sshd_config"
+        config.write_text(self._config())
+        log = self.log_path.open("ab")
+        self._proc = subprocess.Popen(
+            [SSHD, "-D", "-e", "-f", str(config)], stdout=log, stderr=log, stdin=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                return False
+            try:
+                with socket.create_connection((self.address, self.port), timeout=1) as sock:
+                    if sock.recv(64).startswith(b"SSH-"):
+                        return True
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        return False
+
+    def stop(self) -> None:
+        """Stop the listener and every connection it spawned."""
+        if self._proc is None:
+            return
+        self.kill_connections()
+        self._proc.terminate()
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    # --- client side ---------------------------------------------------------------------
+
+    def host_key_line(self) -> str:
+        """This sshd's known_hosts entry: `[address]:port ssh-ed25519 AAAA...`."""
+        kind, blob = self.host_key.with_suffix(".pub").read_text().split()[:2]
+        return f"[{self.address}]:{self.port} {kind} {blob}"
+
+    def write_known_hosts(self, home: Path, trusted: bool = True) -> Path:
+        """(Re)write home/.ssh/known_hosts, trusting this sshd or (trusted=False) empty."""
+        path = home / ".ssh" / "known_hosts"
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.write_text(self.host_key_line() + "\n" if trusted else "")
+        return path
+
+    def make_home(self, where: Path, trusted: bool = True) -> Path:
+        """A fresh client HOME at where with this host's client key; known_hosts trusts sshd unless trusted=False."""
+        ssh_dir = where / ".ssh"
+        ssh_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for name in ("id_ed25519", "id_ed25519.pub"):
+            shutil.copy2(self.home / ".ssh" / name, ssh_dir / name)
+        self.write_known_hosts(where, trusted)
+        return where
+
+    def host_entry(self, vmid: int | None = None, **extra: object) -> dict:
+        """A hosts.yaml entry for this sshd: container pct VMID, or runtime none when vmid is None."""
+        entry: dict = {"transport": "ssh", "address": self.address, "port": self.port, "user": self.user,
+                       "python": sys.executable}
+        if vmid is None:
+            entry["container"] = {"runtime": "none"}
+        else:
+            entry["container"] = {"runtime": "pct", "vmid": vmid, "pct": str(self.pct_path)}
+            entry["workdir"] = str(self.container_dir(vmid) / "work")
+        entry.update(extra)
+        return entry
+
+    def write_inventory(self, path: Path | None = None, extra_hosts: dict | None = None) -> Path:
+        """Write a hosts.yaml with shim, stopped, bare (+ extra_hosts); default shim."""
+        hosts = {
+            "shim": self.host_entry(SHIM_VMID),
+            "stopped": self.host_entry(STOPPED_VMID),
+            "bare": self.host_entry(None),
+            **(extra_hosts or {}),
+        }
+        path = path or self.inventory_path
+        path.write_text(yaml.safe_dump({"default": "shim", "hosts": hosts}, sort_keys=False))
+        return path
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for running the CLI as a subprocess against this host."""
+        env = {k: v for k, v in os.environ.items() if k not in ("SSH_AUTH_SOCK", "DFLASHCTL_INVENTORY")}
+        env.update(HOME=str(self.home), DFLASHCTL_INVENTORY=str(self.inventory_path), NO_COLOR="1", COLUMNS="200")
+        return env
+
+    def run_cli(
+        self,
+        *args: str,
+        input: str | bytes | None = None,
+        timeout: float = 60,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        binary: bool = False,
+    ) -> subprocess.CompletedProcess:
+        """Run `dflashctl ARGS` in a subprocess with self.env (+ env overrides); text unless binary or bytes input."""
+        as_bytes = binary or isinstance(input, bytes)
+        return subprocess.run(
+            [*CLI, *args],
+            input=input,
+            stdin=subprocess.DEVNULL if input is None else None,
+            capture_output=True,
+            timeout=timeout,
+            env={**self.env, **(env or {})},
+            cwd=cwd,
+            text=not as_bytes,
+        )
+
+    def session(self, home: Path | None = None, inventory: Path | None = None):  # type: ignore[no-untyped-def]
+        """An in-process Session on the inventory, using home's ~/.ssh (no os.environ changes, no agent)."""
+        from dflashctl.inventory import load_inventory
+        from dflashctl.session import Session
+        from dflashctl.ssh import SshOptions
+
+        options = SshOptions(home=home or self.home, agent=False, attempts=2, backoff_s=0.2)
+        return Session(load_inventory(inventory or self.inventory_path), ssh_options=options)
+
+    # --- containers and connections ------------------------------------------------------
+
+    def container_dir(self, vmid: int) -> Path:
+        """The shim container's directory (its HOME and cwd)."""
+        return self.containers_root / str(vmid)
+
+    def add_container(self, vmid: int, running: bool = True) -> Path:
+        """Create (or empty) container vmid and set its state; return its directory."""
+        path = self.container_dir(vmid)
+        shutil.rmtree(path, ignore_errors=True)
+        (path / "work").mkdir(parents=True)
+        self.set_running(vmid, running)
+        return path
+
+    def set_running(self, vmid: int, running: bool) -> None:
+        """Mark the shim container running or stopped."""
+        status = "running" if running else "stopped"
+        (self.containers_root / f"{vmid}.conf").write_text(f"hostname: ct{vmid}\nstatus: {status}\n")
+
+    def reset(self) -> None:
+        """Back to the initial state: only containers 200 (running, empty) and 201 (stopped)."""
+        for entry in self.containers_root.iterdir():
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        self.add_container(SHIM_VMID, True)
+        self.add_container(STOPPED_VMID, False)
+
+    def kill_connections(self) -> int:
+        """SIGKILL every per-connection sshd process (the listener stays up); return how many."""
+        if self._proc is None:
+            return 0
+        victims, todo = [], _children(self._proc.pid)
+        while todo:
+            pid = todo.pop()
+            if _comm(pid) == "sshd":
+                victims.append(pid)
+                todo.extend(_children(pid))
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return len(victims)
