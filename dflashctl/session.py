@@ -39,6 +39,17 @@ class Session:
                 self._transports[host.name] = SshTransport(host, self.ssh_options)
         return self._transports[host.name]
 
+    def reconnect(self, name: str | None) -> Target:
+        """A Target on a fresh connection to the host, after the old one dropped or stalled."""
+        host = self.host(name)
+        stale = self._transports.pop(host.name, None)
+        if stale is not None:
+            try:
+                stale.close()
+            except Exception:  # noqa: BLE001 - a dead connection may fail to close; it is dropped anyway
+                pass
+        return self.target(name)
+
     def close(self) -> None:
         """Close every open connection."""
         for transport in self._transports.values():
