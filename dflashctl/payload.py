@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import stat
 import time
@@ -25,8 +26,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColum
 
 import dflashctl
 
-from .containers import Target
-from .errors import ConflictError, ConnectError, RemoteError, UsageError
+from .containers import Target, remote_script
+from .errors import ConflictError, ConnectError, ContainerError, RemoteError, UsageError
 from .remote import payload_sync as wire
 
 SCRIPT = "payload_sync"
@@ -233,10 +234,7 @@ def _entries(files: list[dict]) -> dict[str, FileEntry]:
 def _scan_remote(target: Target, *, clean: bool) -> dict:
     """The live payload's verified manifest; with clean, leftovers of killed pushes go first."""
     args = ["scan", target.host.workdir] + (["--clean"] if clean else [])
-    result = target.python(SCRIPT, args)
-    if not result.ok:
-        _raise_remote(target, result.exit_code, result.err_line())
-    return _parse(target, result.stdout)
+    return _run_script(target, args)
 
 
 def _check_space(target: Target, plan: PushPlan, free: int) -> None:
@@ -258,13 +256,10 @@ def _apply(target: Target, source: Path, plan: PushPlan, base_vid: str | None, d
         progress.start(len(plan.send), sum(e.size for e in plan.send))
     stream = _stream(header, plan.send, source, progress)
     try:
-        result = target.python(SCRIPT, ["apply", target.host.workdir], stdin=stream)
+        reply = _run_script(target, ["apply", target.host.workdir], stdin=stream)
     except ConnectError as exc:
         # The swap is one rename: the remote holds the old or the new version, never a mix.
         raise ConnectError(f"{exc} during push; the remote payload is intact (old or new version), run push again") from None
-    if not result.ok:
-        _raise_remote(target, result.exit_code, result.err_line())
-    reply = _parse(target, result.stdout)
     if reply.get("hash") != digest or reply.get("vid") != vid:
         raise RemoteError(f"{target.label}: verification failed: remote manifest {str(reply.get('hash'))[:12]} != local {digest[:12]}")
 
@@ -289,6 +284,16 @@ def _stream(header: dict, send: list[FileEntry], source: Path, progress: Progres
             progress.advance(files=1)
 
 
+def _run_script(target: Target, args: list[str], stdin: Iterator[bytes] | None = None) -> dict:
+    """Run payload_sync in the container and return its JSON reply."""
+    interpreter = target.host.interpreter
+    # -S skips site-packages: the script needs only the stdlib, and startup is ~100 ms faster.
+    result = target.run([interpreter, "-S", "-c", remote_script(SCRIPT), *args], stdin=stdin)
+    if not result.ok:
+        _raise_remote(target, result.exit_code, result.err_line())
+    return _parse(target, result.stdout)
+
+
 def _parse(target: Target, stdout: bytes) -> dict:
     try:
         return json.loads(stdout.decode("utf-8"))
@@ -296,6 +301,7 @@ def _parse(target: Target, stdout: bytes) -> dict:
         raise RemoteError(f"{target.label}: payload_sync printed unexpected output: {stdout[:80]!r}") from None
 
 
+_MISSING = re.compile(r"no such file|not found", re.I)
 _REMOTE_ERRORS = {
     wire.EXIT_BUSY: ConflictError,
     wire.EXIT_CONFLICT: ConflictError,
@@ -304,6 +310,10 @@ _REMOTE_ERRORS = {
 
 def _raise_remote(target: Target, code: int, line: str) -> None:
     """Turn a failed remote step into one line; the live payload is untouched by any failure."""
+    interpreter = target.host.interpreter
+    if interpreter in line and _MISSING.search(line):
+        # Target only knows the shell's 127; lxc-attach reports a failed exec its own way.
+        raise ContainerError(f"{target.label}: interpreter `{interpreter}` not found in the container (set `python` for this host in hosts.yaml)")
     message = line.removeprefix("payload_sync: ")
     error = _REMOTE_ERRORS.get(code, RemoteError)
     raise error(f"{target.label}: push failed: {message} (the previous payload is unchanged)")

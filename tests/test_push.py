@@ -1,0 +1,378 @@
+"""`dflashctl push` end to end: on `local`, and through real sshd + the pct shim.
+
+Only the transport is wrapped (to count remote commands and stdin bytes); everything it
+carries runs for real: sshd, the pct shim, the remote script, the filesystem.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import pytest
+from sshd import CLI, SHIM_VMID, SshdHost
+
+from dflashctl.containers import Target
+from dflashctl.errors import ConnectError
+from dflashctl.inventory import HostSpec
+from dflashctl.payload import push
+from dflashctl.transport import Completed, LocalTransport, Process, StdinSource, Transport
+
+SUMMARY = re.compile(r"^pushed \d+ files? \([^)]+\), deleted \d+, unchanged \d+ in \d+\.\d s$")
+
+# Relative path -> (content, mode); every one must arrive byte-exact with its mode.
+PAYLOAD = {
+    "train.py": (b"print('train v1')\n", 0o644),
+    "run.sh": (b"#!/bin/sh\necho run\n", 0o755),
+    "pkg/__init__.py": (b"", 0o644),
+    "pkg/mod.py": (os.urandom(100_000), 0o644),
+    "data/with space.txt": (b"spaces\n", 0o644),
+    "data/it's \"quoted\".txt": (b"quotes\n", 0o600),
+    "data/ünïcødé 名前.txt": ("non-ascii ✓\n".encode(), 0o644),
+    "data/$(touch pwned);`id`.txt": (b"hostile\n", 0o644),
+    ".dflashignore": (b"*.log\nsecret/\n", 0o644),
+}
+# Present locally, never sent: .dflashignore patterns and the built-in defaults.
+IGNORED = [
+    "out.log", "secret/key", "__pycache__/m.cpython-311.pyc", "pkg/__pycache__/x.pyc", "pkg/y.pyc",
+    ".git/HEAD", "build/lib/x.py", "dist/x.whl", "dflash.egg-info/PKG-INFO",
+]
+BIG_FILES = 4
+BIG_SIZE = 8 * 1024 * 1024  # 32 MB in all: long enough to interrupt mid-stream
+
+
+class Recorder(Transport):
+    """Wraps a real transport and records each command and the stdin bytes it is fed."""
+
+    def __init__(self, inner: Transport):
+        self.inner = inner
+        self.name = inner.name
+        self.commands: list[list[str]] = []
+        self.stdin_bytes = 0
+
+    def start(self, argv: Sequence[str], env: dict[str, str] | None = None) -> Process:
+        self.commands.append(list(argv))
+        return self.inner.start(argv, env)
+
+    def run(self, argv: Sequence[str], *, stdin: StdinSource = None, **kw) -> Completed:  # type: ignore[no-untyped-def, override]
+        self.commands.append(list(argv))
+        return self.inner.run(argv, stdin=self._counted(stdin), **kw)
+
+    def _counted(self, stdin: StdinSource) -> StdinSource:
+        if stdin is None:
+            return None
+        if isinstance(stdin, bytes):
+            self.stdin_bytes += len(stdin)
+            return stdin
+
+        def chunks() -> Iterator[bytes]:
+            for chunk in stdin:  # type: ignore[union-attr]
+                self.stdin_bytes += len(chunk)
+                yield chunk
+
+        return chunks()
+
+    def reset(self) -> None:
+        self.commands.clear()
+        self.stdin_bytes = 0
+
+
+def write_tree(root: Path, files: dict[str, tuple[bytes, int]]) -> None:
+    for rel, (data, mode) in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        path.chmod(mode)
+
+
+def read_tree(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under root (following the payload symlink) as (content, mode bits)."""
+    out = {}
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            path = Path(dirpath) / name
+            out[path.relative_to(root).as_posix()] = (path.read_bytes(), path.stat().st_mode & 0o7777)
+    return out
+
+
+def payload_dir(target: Target) -> Path:
+    """The remote payload as seen from this machine (shim containers are local directories)."""
+    return Path(target.host.workdir) / "payload"
+
+
+def staging_leftovers(target: Target) -> list[str]:
+    store = Path(target.host.workdir) / ".payload"
+    return sorted(p.name for p in store.iterdir() if p.name.startswith(("stage-", "link-")))
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    root = tmp_path / "src"
+    write_tree(root, PAYLOAD)
+    write_tree(root, {rel: (b"ignored\n", 0o644) for rel in IGNORED})
+    return root
+
+
+@pytest.fixture(params=["local", "shim"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
+    """A Target whose transport is recorded: `local` (subprocess) or `shim` (sshd + pct 200)."""
+    if request.param == "local":
+        host = HostSpec(name="local", transport="local", workdir=str(tmp_path / "work"))
+        yield Target(host, Recorder(LocalTransport()))
+        return
+    sshd: SshdHost = request.getfixturevalue("shim_host")
+    with sshd.session() as session:
+        host = session.host("shim")
+        yield Target(host, Recorder(session.transport(host)))
+
+
+def recorder(target: Target) -> Recorder:
+    assert isinstance(target.transport, Recorder)
+    return target.transport
+
+
+def test_first_push_then_noop(target: Target, source: Path) -> None:
+    first = push(target, source)
+    assert (first.files_sent, first.deleted, first.unchanged) == (len(PAYLOAD), 0, 0)
+    assert first.bytes_sent == sum(len(data) for data, _ in PAYLOAD.values())
+    assert first.remote_dir == str(payload_dir(target))
+    assert read_tree(payload_dir(target)) == PAYLOAD
+    assert not (Path(target.host.workdir) / "pwned").exists()
+
+    recorder(target).reset()
+    again = push(target, source)
+    assert (again.files_sent, again.bytes_sent, again.deleted, again.unchanged) == (0, 0, 0, len(PAYLOAD))
+    assert len(recorder(target).commands) <= 2 and again.remote_commands <= 2
+    assert recorder(target).stdin_bytes == 0  # no file content (nor anything else) went out
+    assert again.manifest_hash == first.manifest_hash
+
+
+def test_change_delete_mode_and_new_file(target: Target, source: Path) -> None:
+    push(target, source)
+    (source / "train.py").write_bytes(b"print('train v2')\n")
+    (source / "data/with space.txt").unlink()
+    (source / "pkg/mod.py").chmod(0o755)  # same bytes, new mode: must still change remotely
+    write_tree(source, {"new dir/ä 'x'.py": (b"new\n", 0o644)})
+    recorder(target).reset()
+
+    result = push(target, source)
+    assert sorted(result.sent_paths) == ["new dir/ä 'x'.py", "pkg/mod.py", "train.py"]
+    assert result.deleted_paths == ["data/with space.txt"]
+    assert result.unchanged == len(PAYLOAD) - 3
+    # Only the three sent files' bytes (plus a small header) crossed; unchanged files did not.
+    assert result.bytes_sent <= recorder(target).stdin_bytes < result.bytes_sent + 16 * 1024
+    expected = dict(PAYLOAD)
+    del expected["data/with space.txt"]
+    expected["train.py"] = (b"print('train v2')\n", 0o644)
+    expected["pkg/mod.py"] = (PAYLOAD["pkg/mod.py"][0], 0o755)
+    expected["new dir/ä 'x'.py"] = (b"new\n", 0o644)
+    assert read_tree(payload_dir(target)) == expected
+
+
+def test_dflashignore_change_deletes_remotely(target: Target, source: Path) -> None:
+    push(target, source)
+    (source / ".dflashignore").write_bytes(b"*.log\nsecret/\ndata/\n")
+    result = push(target, source)
+    assert len(result.deleted_paths) == 4 and all(p.startswith("data/") for p in result.deleted_paths)
+    assert not (payload_dir(target) / "data").exists()
+
+
+def test_dry_run_changes_nothing(target: Target, source: Path) -> None:
+    preview = push(target, source, dry_run=True)
+    assert sorted(preview.sent_paths) == sorted(PAYLOAD) and preview.remote_commands == 1
+    assert not payload_dir(target).exists()
+
+    push(target, source)
+    (source / "train.py").unlink()
+    recorder(target).reset()
+    preview = push(target, source, dry_run=True)
+    assert (preview.sent_paths, preview.deleted_paths) == ([], ["train.py"])
+    assert len(recorder(target).commands) == 1 and recorder(target).stdin_bytes == 0
+    assert (payload_dir(target) / "train.py").exists()
+
+
+def test_remote_edit_is_detected_and_repaired(target: Target, source: Path) -> None:
+    push(target, source)
+    (payload_dir(target) / "train.py").write_bytes(b"edited on the host\n")
+    result = push(target, source)
+    assert result.sent_paths == ["train.py"]
+    assert read_tree(payload_dir(target)) == PAYLOAD
+
+
+def test_next_push_cleans_leftovers(target: Target, source: Path) -> None:
+    push(target, source)
+    store = Path(target.host.workdir) / ".payload"
+    write_tree(store / "stage-dead", {"half.bin": (b"x" * 1000, 0o644)})
+    (store / "link-dead").symlink_to(".payload/v/dead")
+    write_tree(store / "v" / "dead", {"old.py": (b"", 0o644)})
+    result = push(target, source)
+    assert result.files_sent == 0
+    assert staging_leftovers(target) == [] and not (store / "v" / "dead").exists()
+    assert read_tree(payload_dir(target)) == PAYLOAD
+
+
+# --- CLI and errors (real sshd + shim) ----------------------------------------------------------
+
+
+def test_cli_prints_one_summary_line(shim_host: SshdHost, source: Path) -> None:
+    for _ in range(2):
+        done = shim_host.run_cli("push", "shim", "--source", str(source))
+        assert done.returncode == 0, done.stderr
+        assert SUMMARY.match(done.stdout.strip()), done.stdout
+    assert done.stdout.startswith(f"pushed 0 files (0 bytes), deleted 0, unchanged {len(PAYLOAD)} in ")
+
+
+def test_cli_dry_run_lists_changes(shim_host: SshdHost, source: Path) -> None:
+    shim_host.run_cli("push", "--source", str(source))
+    (source / "train.py").write_bytes(b"v2\n")
+    (source / "run.sh").unlink()
+    done = shim_host.run_cli("push", "shim", "--dry-run", "--source", str(source))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["send    train.py", "delete  run.sh"]
+    assert lines[2].startswith("would push 1 file (3 bytes), deleted 1, unchanged ")
+
+
+def test_push_to_runtime_none_over_ssh(shim_host: SshdHost, source: Path, tmp_path: Path) -> None:
+    inventory = shim_host.write_inventory(
+        tmp_path / "hosts.yaml", {"plain": shim_host.host_entry(None, workdir=str(tmp_path / "plain"))}
+    )
+    done = shim_host.run_cli("push", "plain", "--source", str(source), env={"DFLASHCTL_INVENTORY": str(inventory)})
+    assert done.returncode == 0, done.stderr
+    assert read_tree(tmp_path / "plain" / "payload") == PAYLOAD
+
+
+@pytest.mark.parametrize(
+    ("host", "python", "message"),
+    [
+        ("stopped", None, "container 201 is not running"),
+        ("nopy", "/nonexistent/python3", "interpreter `/nonexistent/python3` not found"),
+    ],
+)
+def test_unusable_container_is_one_line_exit_4(
+    shim_host: SshdHost, source: Path, tmp_path: Path, host: str, python: str | None, message: str
+) -> None:
+    extra = {"nopy": shim_host.host_entry(SHIM_VMID, python=python)} if python else {}
+    inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", extra)
+    done = shim_host.run_cli("push", host, "--source", str(source), env={"DFLASHCTL_INVENTORY": str(inventory)})
+    assert done.returncode == 4
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+# --- interrupted pushes --------------------------------------------------------------------------
+
+
+def make_big(source: Path) -> dict[str, tuple[bytes, int]]:
+    """Add BIG_FILES random files to source, so a push takes long enough to interrupt; return v2."""
+    big = {f"big/blob{i}.bin": (os.urandom(BIG_SIZE), 0o644) for i in range(BIG_FILES)}
+    write_tree(source, big)
+    return {**PAYLOAD, **big}
+
+
+class Watcher(threading.Thread):
+    """Watches staging grow; past `after` bytes it calls `strike` once, checking the old payload all along."""
+
+    def __init__(self, workdir: Path, after: int, strike: Callable[[], object]):
+        super().__init__(daemon=True)
+        self.workdir, self.after, self.strike = workdir, after, strike
+        self.struck = threading.Event()
+        self.stop = threading.Event()
+        self.old_payload_readable = True
+
+    def staged_bytes(self) -> int:
+        total = 0
+        for stage in (self.workdir / ".payload").glob("stage-*"):
+            for dirpath, _, names in os.walk(stage):
+                total += sum(_size(Path(dirpath) / n) for n in names)
+        return total
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            # The live payload must stay complete and readable while the push runs.
+            if (self.workdir / "payload" / "train.py").read_bytes() != PAYLOAD["train.py"][0]:
+                self.old_payload_readable = False
+            if not self.struck.is_set() and self.staged_bytes() >= self.after:
+                self.strike()
+                self.struck.set()
+            time.sleep(0.005)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def test_dropped_ssh_connection_keeps_old_payload(shim_host: SshdHost, source: Path) -> None:
+    with shim_host.session() as session:
+        target = session.target("shim")
+        push(target, source)
+        workdir = Path(target.host.workdir)
+        v2 = make_big(source)
+        watcher = Watcher(workdir, after=2 * 1024 * 1024, strike=shim_host.kill_connections)
+        watcher.start()
+        with pytest.raises(ConnectError) as caught:
+            push(target, source)
+        watcher.stop.set()
+        watcher.join()
+    assert watcher.struck.is_set() and watcher.old_payload_readable
+    assert "lost" in str(caught.value) and "\n" not in str(caught.value)
+    assert read_tree(workdir / "payload") == PAYLOAD
+
+    with shim_host.session() as session:
+        result = push(session.target("shim"), source)
+    assert result.files_sent == BIG_FILES and staging_leftovers(target) == []
+    assert read_tree(workdir / "payload") == v2
+
+
+def test_cli_reports_dropped_connection_in_one_line(shim_host: SshdHost, source: Path) -> None:
+    assert shim_host.run_cli("push", "--source", str(source)).returncode == 0
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    make_big(source)
+    proc = subprocess.Popen(
+        [*CLI, "push", "shim", "--source", str(source)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=shim_host.env, text=True,
+    )
+    watcher = Watcher(workdir, after=2 * 1024 * 1024, strike=shim_host.kill_connections)
+    watcher.start()
+    out, err = proc.communicate(timeout=60)
+    watcher.stop.set()
+    watcher.join()
+    assert watcher.struck.is_set() and watcher.old_payload_readable
+    assert proc.returncode == 3, (out, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "lost" in err
+    assert read_tree(workdir / "payload") == PAYLOAD
+
+
+@pytest.mark.parametrize("kind", ["shim", "local"])
+def test_killed_client_keeps_old_payload(shim_host: SshdHost, source: Path, tmp_path: Path, kind: str) -> None:
+    if kind == "local":
+        workdir = tmp_path / "work"
+        inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", {"loc": {"transport": "local", "workdir": str(workdir)}})
+        host = "loc"
+    else:
+        workdir, inventory, host = shim_host.container_dir(SHIM_VMID) / "work", shim_host.inventory_path, "shim"
+    env = {**shim_host.env, "DFLASHCTL_INVENTORY": str(inventory)}
+    argv = [*CLI, "push", host, "--source", str(source)]
+    assert subprocess.run(argv, env=env, capture_output=True).returncode == 0
+    v2 = make_big(source)
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    watcher = Watcher(workdir, after=2 * 1024 * 1024, strike=lambda: os.kill(proc.pid, signal.SIGKILL))
+    watcher.start()
+    proc.wait(timeout=60)
+    watcher.stop.set()
+    watcher.join()
+    assert watcher.struck.is_set() and proc.returncode == -signal.SIGKILL
+    assert watcher.old_payload_readable and read_tree(workdir / "payload") == PAYLOAD
+
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert SUMMARY.match(done.stdout.strip()) and read_tree(workdir / "payload") == v2
+    assert sorted(p.name for p in (workdir / ".payload").iterdir() if p.name.startswith(("stage-", "link-"))) == []
