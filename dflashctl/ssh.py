@@ -36,6 +36,7 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 # A bigger window than paramiko's 2 MiB keeps bulk transfers (pushes, checkpoints) flowing.
 WINDOW_SIZE = 16 * 1024 * 1024
 MAX_PACKET = 32 * 1024
+WRITE_PIECE = 256 * 1024
 DEFAULT_KEYS = ("id_ed25519", "id_ecdsa", "id_rsa")
 SYSTEM_KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")
 MAX_JUMPS = 8
@@ -436,7 +437,11 @@ class _ChannelWriter:
 
     def write(self, data: bytes) -> int:
         """Send all of data, blocking while the remote window is full."""
-        self._channel.sendall(data)
+        # paramiko's sendall re-slices its whole argument per packet: feed it bounded pieces,
+        # or a 50 MB write costs gigabytes of copying.
+        view = memoryview(data)
+        for start in range(0, len(view), WRITE_PIECE):
+            self._channel.sendall(bytes(view[start : start + WRITE_PIECE]))
         return len(data)
 
     def flush(self) -> None:

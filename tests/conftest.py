@@ -7,6 +7,8 @@ and authorized_keys; root may log in by key only. Attributes:
   address, port, user             where it listens and who logs in (the current user)
   home                            client HOME: .ssh/id_ed25519 and .ssh/known_hosts trusting
                                   `[127.0.0.1]:PORT` (no .ssh/config)
+  remote_home                     HOME of ssh sessions on the server side (sshd SetEnv), so the
+                                  machine's ~/.bashrc stays out of the tests
   containers_root, pct_path       shim containers (one directory each) and the installed shim
   inventory_path                  hosts.yaml: `shim` (pct 200, running, python = sys.executable,
                                   workdir in the container; the default), `stopped` (pct 201,

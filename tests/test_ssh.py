@@ -61,3 +61,112 @@ def test_kill_connections_drops_ssh(sshd_host):
         assert sshd_host.kill_connections() >= 1
         # the next command reconnects: the listener stayed up
         assert target.run(["echo", "again"]).text() == "again\n"
+
+
+# --- streaming -----------------------------------------------------------------------------------
+
+import hashlib  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from dflashctl.errors import ConnectError, RemoteError  # noqa: E402
+
+MB = 1024 * 1024
+
+# Copies stdin to stdout and stderr as it reads: all three streams are busy at once, so a pump
+# that blocks on one of them (or a writer that waits for all input first) deadlocks the test.
+ECHO_BOTH = """
+import sys
+src, out, err = sys.stdin.buffer, sys.stdout.buffer, sys.stderr.buffer
+while chunk := src.read1(1 << 16):
+    out.write(chunk)
+    err.write(chunk)
+out.flush(); err.flush()
+"""
+
+
+def test_large_streams_both_ways_through_pct(shim_container, shim_host):
+    payload = hashlib.sha256(b"seed").digest() * (50 * MB // 32)
+    with shim_host.session() as session:
+        started = time.monotonic()
+        result = session.target("shim").run([sys.executable, "-c", ECHO_BOTH], stdin=payload, timeout=120)
+        elapsed = time.monotonic() - started
+    assert result.exit_code == 0
+    assert len(result.stdout) == len(payload) and result.stdout == payload
+    assert len(result.stderr) == len(payload) and result.stderr == payload
+    assert elapsed < 30
+
+
+def test_streaming_callbacks_see_output_before_exit(shim_host):
+    seen: list[float] = []
+    with shim_host.session() as session:
+        started = time.monotonic()
+        result = session.target("bare").run(
+            ["sh", "-c", "echo first; sleep 1.5; echo second"], on_stdout=lambda _c: seen.append(time.monotonic())
+        )
+    assert result.ok and seen
+    assert seen[0] - started < 1.2  # arrived while the command was still sleeping
+
+
+def test_connection_reused_for_every_command(shim_host):
+    with shim_host.session() as session:
+        target = session.target("shim")
+        target.run(["true"])
+        transport = session.transport(session.host("shim")).connection()
+        for _ in range(5):
+            assert target.run(["true"]).ok
+        assert session.transport(session.host("shim")).connection() is transport
+
+
+def test_concurrent_commands_share_one_connection(shim_host):
+    with shim_host.session() as session:
+        target = session.target("bare")
+        results = [None] * 8
+
+        def work(i: int) -> None:
+            results[i] = target.run(["sh", "-c", f"sleep 0.3; echo {i}"])
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [r.text().strip() for r in results] == [str(i) for i in range(8)]
+
+
+def test_timeout_raises_remote_error(shim_host):
+    with shim_host.session() as session:
+        started = time.monotonic()
+        with pytest.raises(RemoteError, match="timed out"):
+            session.target("bare").run(["sleep", "30"], timeout=1)
+        assert time.monotonic() - started < 5
+
+
+def test_env_is_applied_with_env_wrapper(shim_host):
+    with shim_host.session() as session:
+        transport = session.transport(session.host("bare"))
+        result = transport.run(["sh", "-c", 'printf "%s|%s" "$A" "$B"'], env={"A": "x y", "B": "$(id)"})
+    assert result.stdout == b"x y|$(id)"
+
+
+def test_dropped_connection_mid_stream_raises_connect_error(shim_host):
+    streaming = threading.Event()
+
+    def on_stdout(_chunk: bytes) -> None:
+        streaming.set()
+
+    def kill_once_streaming() -> None:
+        streaming.wait(30)
+        shim_host.kill_connections()
+
+    with shim_host.session() as session:
+        target = session.target("shim")
+        killer = threading.Thread(target=kill_once_streaming)
+        killer.start()
+        with pytest.raises(ConnectError, match="connection to shim lost"):
+            target.run(["sh", "-c", "while :; do echo tick; sleep 0.1; done"], on_stdout=on_stdout, timeout=60)
+        killer.join()
+    assert streaming.is_set()
