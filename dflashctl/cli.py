@@ -6,9 +6,11 @@ calls one function, and renders its result.
 
 from __future__ import annotations
 
+import json
 import sys
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -170,6 +172,136 @@ def push_cmd(
     else:
         result = push(target, src)
     console.print(Text(result.summary()), soft_wrap=True)
+
+
+# --- runs --------------------------------------------------------------------------------------
+# `train`, `runs list/show/stop`, `logs tail`: logic in runs.py / logs.py, exit codes in docs/runs.md.
+
+runs_app = typer.Typer(help="Training runs: list, show, stop.", no_args_is_help=True)
+app.add_typer(runs_app, name="runs")
+logs_app = typer.Typer(help="Run logs: tail and follow.", no_args_is_help=True)
+app.add_typer(logs_app, name="logs")
+
+
+@app.command("train")
+def train_cmd(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(None, help="Host to train on (default host if omitted)."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="GPU indices like 0,1 (default: the host's gpus, else cpu)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Trainer config (YAML); copied into the run directory."),
+    overrides: List[str] = typer.Option([], "--set", help="Config override key=value (repeatable)."),
+    name: Optional[str] = typer.Option(None, "--name", help="A label for the run (stored as given)."),
+    follow: Optional[bool] = typer.Option(None, "--follow/--detach", help="Stream the log until the run ends (default on a terminal)."),
+    force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),
+    no_push: bool = typer.Option(False, "--no-push", help="Use the payload already in the container."),
+    source: Optional[Path] = typer.Option(None, "--source", help="Payload directory to push (default: the repo's remote_payload/)."),
+) -> None:
+    """Push the payload if it changed, start the trainer detached, and (optionally) follow it."""
+    from .logs import attach
+    from .runs import parse_gpus, push_payload, start_run
+
+    session = _state(ctx).session()
+    target = session.target(host)
+    err = Console(stderr=True)
+    gpu_list = parse_gpus(gpus, target.host)
+    if config is not None and not config.is_file():
+        raise UsageError(f"--config: no such file: {config}")
+    payload_hash = None if no_push else push_payload(target, source.expanduser() if source else None, err)
+    run = start_run(target, gpus=gpu_list, config_file=config, overrides=overrides, name=name, force=force,
+                    payload_hash=payload_hash)
+    if not (sys.stdout.isatty() if follow is None else follow):
+        typer.echo(run.run_id)
+        err.print(Text(f"started run {run.run_id} on {target.label}; follow it: "
+                       f"dflashctl logs tail {target.host.name} {run.run_id} -f", style="dim"), soft_wrap=True)
+        return
+    err.print(Text(f"started run {run.run_id} on {target.label} (Ctrl-C detaches; the run goes on)", style="dim"),
+              soft_wrap=True)
+    out = Console()
+    raise typer.Exit(attach(session, target.host.name, run.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
+                            console=out if out.is_terminal else None, err=err))
+
+
+@runs_app.command("list")
+def runs_list(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted)."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """List the runs on a host: state, GPUs, start, duration, last step and loss."""
+    from .runs import list_runs, runs_table
+
+    target = _state(ctx).session().target(host)
+    runs = list_runs(target)
+    if json_out:
+        typer.echo(json.dumps(runs, indent=2))
+    else:
+        Console().print(runs_table(runs, target.label))
+
+
+@runs_app.command("show")
+def runs_show(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted)."),
+    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the curves to this PNG (needs matplotlib)."),
+    curves: bool = typer.Option(True, "--curves/--no-curves", help="Draw loss and acceptance length in the terminal."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Show one run: run.json fields, a metrics summary, and loss / acceptance-length curves."""
+    from .plot import save_png, terminal_plot
+    from .runs import details_table, show_run
+
+    info = show_run(_state(ctx).session().target(host), run)
+    if json_out:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    console = Console()
+    console.print(details_table(info))
+    drawing = terminal_plot(info.get("metrics") or [], width=min(console.width, 120)) if curves else None
+    if drawing:
+        console.print(Text(drawing), soft_wrap=True)
+    if plot is not None:
+        save_png(info.get("metrics") or [], plot)
+        console.print(Text(f"wrote {plot}"))
+
+
+@runs_app.command("stop")
+def runs_stop(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted)."),
+    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run)."),
+    grace: float = typer.Option(60.0, "--grace", help="Seconds between SIGTERM (trainer checkpoints) and SIGKILL."),
+) -> None:
+    """Stop a run: SIGTERM to its process group, SIGKILL after the grace period; state `stopped`."""
+    from .runs import state_text, stop_run
+
+    target = _state(ctx).session().target(host)
+    err = Console(stderr=True)
+    err.print(Text(f"stopping {run or 'the latest run'} on {target.label} (SIGKILL after {grace:g} s)...", style="dim"))
+    info = stop_run(target, run, grace)
+    verb = "had already ended" if info.get("already") else "is now"
+    Console().print(Text(f"run {info['run_id']} {verb} ") + state_text(info), soft_wrap=True)
+
+
+@logs_app.command("tail")
+def logs_tail(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted; a single non-host argument is a RUN)."),
+    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run)."),
+    lines: int = typer.Option(50, "--lines", "-n", help="How many lines from the end to show first."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep following until the run ends; exit with its state's code."),
+    since_step: Optional[int] = typer.Option(None, "--since-step", help="Start at the first log line of step K or later."),
+) -> None:
+    """Print a run's last lines; with -f follow it (surviving dropped connections) to the end."""
+    from .logs import attach
+
+    session = _state(ctx).session()
+    if host is not None and run is None and host not in session.inventory.hosts:
+        host, run = None, host  # `logs tail RUN` on the default host
+    out = Console()
+    raise typer.Exit(attach(session, host, run, follow=follow, lines=lines, since_step=since_step,
+                            out=sys.stdout.buffer, console=out if out.is_terminal else None,
+                            err=Console(stderr=True)))
 
 
 # --- entry point -------------------------------------------------------------------------------

@@ -1,0 +1,623 @@
+"""Remote side of run management: start detached runs, list, show, stop, and stream logs.
+
+Runs inside the container as `python -c <this source> COMMAND WORKDIR ...` (stdlib only, Python
+3.8+). Commands that answer print one JSON object on stdout; `read` streams frames (see
+`frame`). Layout of a run: `<workdir>/runs/<run-id>/` with run.json, train.log, metrics.jsonl,
+exit_code, stop_request and checkpoints/ (docs/runs.md).
+"""
+
+import json
+import os
+import random
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+RUN_DIR_TOKEN = "{run_dir}"
+LOG = "train.log"
+ROTATED = "train.log.1"
+METRICS = "metrics.jsonl"
+EXIT = "exit_code"
+STOP = "stop_request"
+META = "run.json"
+LOCK = ".lock"
+STARTING_GRACE_S = 60.0  # a run.json without pids is "starting" this long, then "lost"
+POLL_S = 0.05  # reader poll period: bounds the added log latency
+HEARTBEAT_S = 1.0  # an idle reader writes this often, so it notices a vanished client
+SUPERVISOR_POLL_S = 0.2
+STEP_RE = re.compile(rb"\bstep[\s=:\[]*(\d+)", re.I)
+
+
+# --- small helpers ---------------------------------------------------------------------------
+
+
+class RunError(Exception):
+    """An answer that is an error: kind (not_found, ambiguous, conflict), message, extra fields."""
+
+    def __init__(self, kind, message, **extra):
+        Exception.__init__(self, message)
+        self.answer = dict(error=kind, message=message, **extra)
+
+
+def emit(obj):
+    """Print one JSON answer and flush."""
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def write_atomic(path, text):
+    """Write via a temp file and rename, so readers never see half a file."""
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def read_exit_code(run_dir):
+    try:
+        with open(os.path.join(run_dir, EXIT)) as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def runs_root(workdir):
+    return os.path.join(os.path.expanduser(workdir), "runs")
+
+
+def utc_iso(ts):
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+# --- process identity that survives pid reuse ------------------------------------------------
+
+
+def boot_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def proc_stat(pid):
+    """(state letter, start time in clock ticks) from /proc/<pid>/stat, or None if gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
+    fields = data[data.rindex(b")") + 2:].split()
+    return fields[0].decode(), int(fields[19])
+
+
+def marker(pid):
+    """pid + kernel start time + boot id: equal markers mean the very same process."""
+    stat = proc_stat(pid)
+    return {"pid": pid, "start": stat[1] if stat else None, "boot": boot_id()}
+
+
+def alive(mark):
+    """True when the process named by a marker still runs (not a reused pid, not a zombie)."""
+    if not mark:
+        return False
+    if mark.get("boot") and mark["boot"] != boot_id():
+        return False
+    stat = proc_stat(mark["pid"])
+    if stat is None:
+        if os.path.isdir("/proc"):
+            return False
+        try:  # no /proc (not Linux): best effort
+            os.kill(mark["pid"], 0)
+            return True
+        except OSError:
+            return False
+    return stat[0] not in ("Z", "X") and (mark.get("start") is None or stat[1] == mark["start"])
+
+
+# --- run state -------------------------------------------------------------------------------
+
+
+def state_of(run_dir, meta):
+    """running | succeeded | failed | stopped | lost, and the exit code if known."""
+    code = read_exit_code(run_dir)
+    if code is None:
+        if meta.get("supervisor") is None:
+            young = time.time() - meta.get("started_ts", 0) < STARTING_GRACE_S
+            return ("running" if young else "lost"), None
+        if alive(meta.get("supervisor")) or alive(meta.get("trainer")):
+            return "running", None
+        code = read_exit_code(run_dir)  # it may have ended between the two reads
+        if code is None:
+            return "lost", None
+    if os.path.exists(os.path.join(run_dir, STOP)):
+        return "stopped", code
+    return ("succeeded" if code == 0 else "failed"), code
+
+
+def last_line(path, limit=65536):
+    """The last complete line of a file (for the latest metrics record), or None."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - limit))
+            data = fh.read()
+    except OSError:
+        return None
+    # The piece after the last newline is a record still being written: never return it.
+    lines = [ln for ln in data.split(b"\n")[:-1] if ln.strip()]
+    return lines[-1] if lines else None
+
+
+def last_metrics(run_dir):
+    line = last_line(os.path.join(run_dir, METRICS))
+    try:
+        return json.loads(line) if line else None
+    except ValueError:
+        return None
+
+
+def summary(run_dir, meta):
+    """What `runs list` shows of one run."""
+    state, code = state_of(run_dir, meta)
+    ended = None
+    try:
+        ended = os.stat(os.path.join(run_dir, EXIT)).st_mtime
+    except OSError:
+        pass
+    out = dict(meta)
+    out.update(state=state, exit_code=code, ended_ts=ended, last=last_metrics(run_dir), now_ts=time.time())
+    return out
+
+
+def all_runs(root):
+    """(run_id, run_dir, meta) for every run, oldest first (run ids sort by start time)."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        run_dir = os.path.join(root, name)
+        meta = read_json(os.path.join(run_dir, META))
+        if isinstance(meta, dict):
+            found.append((name, run_dir, meta))
+    return found
+
+
+def resolve(root, selector):
+    """The run named by selector: '' = latest, else exact id, unique id prefix, or exact name."""
+    runs = all_runs(root)
+    if not runs:
+        raise RunError("not_found", "no runs yet")
+    if not selector:
+        return runs[-1]
+    exact = [r for r in runs if r[0] == selector]
+    if exact:
+        return exact[0]
+    matches = [r for r in runs if r[0].startswith(selector)] or [r for r in runs if r[2].get("name") == selector]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise RunError("not_found", "no run matches %r" % selector)
+    raise RunError("ambiguous", "%r matches %d runs" % (selector, len(matches)), candidates=[r[0] for r in matches])
+
+
+# --- start and supervise ---------------------------------------------------------------------
+
+
+def new_run_id(root):
+    while True:
+        run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-%04x" % random.getrandbits(16)
+        if not os.path.exists(os.path.join(root, run_id)):
+            return run_id
+
+
+def conflicts(root, gpus):
+    """Live runs that hold any of these GPUs: [(run_id, name, shared gpus)]."""
+    wanted = set(gpus)
+    found = []
+    for run_id, run_dir, meta in all_runs(root):
+        shared = wanted & set(meta.get("gpus") or [])
+        if shared and state_of(run_dir, meta)[0] == "running":
+            found.append((run_id, meta.get("name"), sorted(shared)))
+    return found
+
+
+def cmd_start(workdir):
+    """Check GPUs and start a run under one lock, so concurrent starts cannot both win."""
+    import fcntl
+
+    spec = json.load(sys.stdin)
+    root = runs_root(workdir)
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, LOCK), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        busy = [] if spec.get("force") else conflicts(root, spec["gpus"])
+        if busy:
+            raise RunError("conflict", "GPUs busy", runs=busy)
+        run_id = new_run_id(root)
+        run_dir = os.path.join(root, run_id)
+        os.makedirs(os.path.join(run_dir, "checkpoints"))
+        if spec.get("config_text") is not None:
+            write_atomic(os.path.join(run_dir, spec["config_name"]), spec["config_text"])
+        now = time.time()
+        meta = {
+            "run_id": run_id,
+            "name": spec.get("name"),
+            "host": spec.get("host"),
+            "argv": [a.replace(RUN_DIR_TOKEN, run_dir) for a in spec["argv"]],
+            "cwd": os.path.expanduser(spec["cwd"]),
+            "config": spec.get("config"),
+            "overrides": spec.get("overrides", []),
+            "payload_hash": spec.get("payload_hash"),
+            "gpus": spec["gpus"],
+            "started_at": utc_iso(now),
+            "started_ts": now,
+            "run_dir": run_dir,
+        }
+        write_atomic(os.path.join(run_dir, META), json.dumps(meta, indent=2))
+        os.makedirs(meta["cwd"], exist_ok=True)
+        sup = spawn_supervisor(run_dir, meta, spec.get("env") or {}, lock.fileno())
+        meta = wait_for_pids(run_dir, sup)
+    emit({"run_id": run_id, "run_dir": run_dir, "pid": (meta.get("trainer") or {}).get("pid")})
+
+
+def spawn_supervisor(run_dir, meta, env, lock_fd):
+    """Fork the supervisor into its own session; returns its pid. The child never returns."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        os.close(lock_fd)  # the flock lives on the open file: the child must not keep it held
+        os.setsid()
+        log = os.open(os.path.join(run_dir, LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        # Drop every other inherited descriptor (the SSH channel's pipes above all), so the
+        # connection can close and nothing of it keeps the run alive or the run keeps it open.
+        os.closerange(3, 65536)
+        code = supervise(run_dir, meta, env)
+    except BaseException:  # the supervisor must never fall back into the starter's code
+        code = 1
+    os._exit(code)
+
+
+def supervise(run_dir, meta, env):
+    """Run the trainer, honour stop requests, and record its exit code (128+N for signal N)."""
+    stop_flag = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop_flag.append(1))
+    child_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
+    try:
+        child = subprocess.Popen(meta["argv"], cwd=meta["cwd"], env=child_env, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+    except OSError as exc:
+        sys.stderr.write("dflashctl: cannot start the trainer: %s\n" % exc)
+        sys.stderr.flush()
+        update_meta(run_dir, supervisor=marker(os.getpid()))
+        write_atomic(os.path.join(run_dir, EXIT), "127\n")
+        return 0
+    update_meta(run_dir, supervisor=marker(os.getpid()), trainer=marker(child.pid), pgid=child.pid)
+    code = wait_trainer(run_dir, child, stop_flag)
+    write_atomic(os.path.join(run_dir, EXIT), "%d\n" % code)
+    return 0
+
+
+def wait_trainer(run_dir, child, stop_flag):
+    """Wait for the trainer; on a stop request SIGTERM its group, then SIGKILL after the grace."""
+    kill_at = None
+    while True:
+        try:
+            rc = child.wait(timeout=SUPERVISOR_POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if stop_flag and not os.path.exists(os.path.join(run_dir, STOP)):
+            request_stop(run_dir, 60.0, "signal to supervisor")
+        req = read_json(os.path.join(run_dir, STOP))
+        if req is not None and kill_at is None:
+            signal_group(child.pid, signal.SIGTERM)
+            kill_at = time.time() + float(req.get("grace", 60))
+        elif kill_at is not None and time.time() >= kill_at:
+            signal_group(child.pid, signal.SIGKILL)
+            kill_at = float("inf")
+    # Leftovers of the trainer's group (data loader workers...) must not hold the GPUs.
+    signal_group(child.pid, signal.SIGKILL)
+    return rc if rc >= 0 else 128 - rc
+
+
+def signal_group(pgid, sig):
+    try:
+        os.killpg(pgid, sig)
+    except OSError:
+        pass
+
+
+def request_stop(run_dir, grace, reason):
+    write_atomic(os.path.join(run_dir, STOP), json.dumps({"grace": grace, "at": utc_iso(time.time()), "by": reason}))
+
+
+def update_meta(run_dir, **fields):
+    path = os.path.join(run_dir, META)
+    meta = read_json(path) or {}
+    meta.update(fields)
+    write_atomic(path, json.dumps(meta, indent=2))
+
+
+def wait_for_pids(run_dir, sup_pid, timeout=15.0):
+    """Wait until the supervisor has recorded the pids (or died), so the lock covers the start."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        meta = read_json(os.path.join(run_dir, META)) or {}
+        if meta.get("supervisor"):
+            return meta
+        done, _ = os.waitpid(sup_pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.01)
+    return read_json(os.path.join(run_dir, META)) or {}
+
+
+# --- list / show / stop ----------------------------------------------------------------------
+
+
+def cmd_list(workdir):
+    emit({"runs": [summary(d, m) for _, d, m in all_runs(runs_root(workdir))]})
+
+
+def cmd_show(workdir, selector, max_points="1000"):
+    """One run's summary plus its metrics, thinned to at most max_points records."""
+    _, run_dir, meta = resolve(runs_root(workdir), selector)
+    records = []
+    try:
+        with open(os.path.join(run_dir, METRICS), "rb") as fh:
+            for line in fh:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue  # a half-written last line
+    except OSError:
+        pass
+    stride = max(1, -(-len(records) // int(max_points)))
+    thinned = records[::stride]
+    if records and thinned[-1] is not records[-1]:
+        thinned.append(records[-1])
+    out = summary(run_dir, meta)
+    out.update(metrics=thinned, metrics_count=len(records))
+    emit(out)
+
+
+def cmd_stop(workdir, selector, grace):
+    """Ask the supervisor to stop the run and wait until it has ended."""
+    grace = float(grace)
+    _, run_dir, meta = resolve(runs_root(workdir), selector)
+    state, _ = state_of(run_dir, meta)
+    if state != "running":
+        out = summary(run_dir, meta)
+        out["already"] = True
+        emit(out)
+        return
+    if not os.path.exists(os.path.join(run_dir, STOP)):
+        request_stop(run_dir, grace, "dflashctl runs stop")
+    if meta.get("trainer") and not alive(meta.get("supervisor")):
+        stop_orphan_trainer(run_dir, meta, grace)
+    deadline = time.time() + grace + 30
+    while time.time() < deadline and read_exit_code(run_dir) is None and state_of(run_dir, meta)[0] == "running":
+        time.sleep(0.1)
+    meta = read_json(os.path.join(run_dir, META)) or meta
+    emit(summary(run_dir, meta))
+
+
+def stop_orphan_trainer(run_dir, meta, grace):
+    """The supervisor is gone but the trainer lives: do its job (the exit code is unknowable)."""
+    trainer = meta.get("trainer")
+    signal_group(meta.get("pgid") or trainer["pid"], signal.SIGTERM)
+    deadline = time.time() + grace
+    while alive(trainer) and time.time() < deadline:
+        time.sleep(0.1)
+    code = 128 + signal.SIGTERM
+    if alive(trainer):
+        signal_group(meta.get("pgid") or trainer["pid"], signal.SIGKILL)
+        code = 128 + signal.SIGKILL
+    write_atomic(os.path.join(run_dir, EXIT), "%d\n" % code)
+
+
+# --- log reader ------------------------------------------------------------------------------
+#
+# Frames: 1 type byte + 4-byte big-endian length + payload. Types:
+#   S start {run_id, inode, offset}   D log bytes (in order; the client adds up the offset)
+#   R rotated {inode}: what follows starts at offset 0 of that file
+#   M latest metrics record (JSON)    H heartbeat (empty)
+#   E end {state, exit_code}          X error {error, message, candidates?}
+
+
+def frame(kind, payload=b""):
+    """Write one frame to stdout unbuffered (SIGPIPE is default: a vanished client ends us)."""
+    if not isinstance(payload, bytes):
+        payload = json.dumps(payload).encode()
+    view = memoryview(kind + struct.pack(">I", len(payload)) + payload)
+    while view:
+        view = view[os.write(1, view):]
+
+
+def start_offset(path, lines, since_step):
+    """Where a tail starts: first line with step >= since_step, else the last `lines` lines (<0: all)."""
+    if lines < 0 and since_step is None:
+        return 0
+    try:
+        fh = open(path, "rb")
+    except OSError:
+        return 0
+    with fh:
+        if since_step is not None:
+            pos = 0
+            for line in fh:
+                m = STEP_RE.search(line)
+                if m and int(m.group(1)) >= since_step:
+                    return pos
+                pos += len(line)
+            return pos
+        fh.seek(0, os.SEEK_END)
+        end = pos = fh.tell()
+        if lines == 0:
+            return end
+        found = 0
+        while pos > 0:
+            step = min(65536, pos)
+            pos -= step
+            fh.seek(pos)
+            block = fh.read(step)
+            if pos + step == end and block.endswith(b"\n"):
+                block = block[:-1]  # the final newline does not start a line
+            for i in range(len(block) - 1, -1, -1):
+                if block[i:i + 1] == b"\n":
+                    found += 1
+                    if found == lines:
+                        return pos + i + 1
+        return 0
+
+
+def open_at(run_dir, inode, offset, lines, since_step):
+    """Open the log where the client left off (inode + offset), or at the tail's start."""
+    for name in (LOG, ROTATED):
+        path = os.path.join(run_dir, name)
+        try:
+            fh = open(path, "rb")
+        except OSError:
+            continue
+        st = os.fstat(fh.fileno())
+        if inode is None and name == LOG:
+            fh.seek(start_offset(path, lines, since_step))
+            return fh, st.st_ino
+        if inode is not None and st.st_ino == inode and st.st_size >= offset:
+            fh.seek(offset)
+            return fh, st.st_ino
+        fh.close()
+    return None, None
+
+
+def cmd_read(workdir, selector, inode, offset, lines, since_step, follow, metrics):
+    """Stream the log (and, if asked, the latest metrics) as frames until the run ends."""
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    run_id, run_dir, meta = resolve(runs_root(workdir), selector)
+    inode = int(inode) if inode else None
+    fh, ino = open_at(run_dir, inode, int(offset or 0), int(lines), int(since_step) if since_step else None)
+    if fh is None and inode is not None:
+        # The file the client was reading is gone (rotated twice): restart on the current log.
+        fh, ino = open_at(run_dir, None, 0, -1, None)
+    frame(b"S", {"run_id": run_id, "inode": ino, "offset": fh.tell() if fh else 0})
+    stream_log(run_dir, meta, fh, ino, follow == "1", metrics == "1")
+
+
+def stream_log(run_dir, meta, fh, ino, follow, metrics):
+    log_path = os.path.join(run_dir, LOG)
+    parent = os.getppid()
+    last_write = time.time()
+    metrics_size = -1
+    while True:
+        if fh is None:  # the supervisor has not created the log yet
+            try:
+                fh = open(log_path, "rb")
+                ino = os.fstat(fh.fileno()).st_ino
+                frame(b"R", {"inode": ino})
+            except OSError:
+                pass
+        chunk = fh.read(65536) if fh else b""
+        if chunk:
+            frame(b"D", chunk)
+            last_write = time.time()
+            continue
+        if fh is not None:
+            switched = follow_rotation(fh, ino, log_path)
+            if switched:
+                fh, ino = switched
+                continue
+        if metrics:
+            metrics_size = send_metrics(run_dir, metrics_size)
+        state, code = state_of(run_dir, meta) if follow else ("running", None)
+        if not follow or state != "running":
+            if fh is not None and fh.read(1):  # the last lines arrived after our read: drain first
+                fh.seek(-1, os.SEEK_CUR)
+                continue
+            state, code = state_of(run_dir, meta)
+            frame(b"E", {"state": state, "exit_code": code})
+            return
+        if time.time() - last_write >= HEARTBEAT_S:
+            if os.getppid() != parent:  # whoever started us is gone: nobody is listening
+                return
+            frame(b"H")
+            last_write = time.time()
+        time.sleep(POLL_S)
+
+
+def follow_rotation(fh, ino, log_path):
+    """After EOF: a new train.log (renamed away) or a truncated one means switch or restart."""
+    try:
+        st = os.stat(log_path)
+    except OSError:
+        return None  # renamed, the new one not created yet
+    if st.st_ino != ino:
+        if fh.read(1):  # finish the old file first
+            fh.seek(-1, os.SEEK_CUR)
+            return None
+        fh.close()
+        new = open(log_path, "rb")
+        ino = os.fstat(new.fileno()).st_ino
+        frame(b"R", {"inode": ino})
+        return new, ino
+    if st.st_size < fh.tell():  # truncated in place (copytruncate)
+        fh.seek(0)
+        frame(b"R", {"inode": ino})
+        return fh, ino
+    return None
+
+
+def send_metrics(run_dir, known_size):
+    path = os.path.join(run_dir, METRICS)
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return known_size
+    if size != known_size:
+        line = last_line(path)
+        if line:
+            frame(b"M", line)
+    return size
+
+
+COMMANDS = {"start": cmd_start, "list": cmd_list, "show": cmd_show, "stop": cmd_stop, "read": cmd_read}
+
+
+def main(argv):
+    if not argv or argv[0] not in COMMANDS:
+        sys.stderr.write("usage: runctl {%s} WORKDIR ...\n" % ",".join(COMMANDS))
+        return 2
+    try:
+        COMMANDS[argv[0]](*argv[1:])
+    except RunError as exc:
+        # Answered on stdout (exit 0): the client turns `error` into its own exceptions.
+        if argv[0] == "read":
+            frame(b"X", exc.answer)
+        else:
+            emit(exc.answer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

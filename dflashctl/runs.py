@@ -1,0 +1,285 @@
+"""Training runs on a host: start them detached, list, show and stop them.
+
+The remote half is `dflashctl/remote/runctl.py`; this module builds its requests, turns its
+answers into results or exceptions, and renders them. Layout, states and exit codes:
+docs/runs.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .containers import Target
+from .errors import ConflictError, NotFoundError, RemoteError, UsageError
+from .inventory import HostSpec
+
+TRAINER_MODULE = "dflash_train"
+RUN_DIR_TOKEN = "{run_dir}"  # replaced by runctl with the run's absolute directory
+CONFIG_NAME = "config.input.yaml"  # the --config file as given, copied into the run directory
+CPU = "cpu"  # the "GPU" a run on a host without GPUs holds, so two such runs still conflict
+
+# Exit codes of `train --follow` and `logs tail -f` for how the run ended (see docs/runs.md).
+# They sit above errors.py's 1-6 so a script can tell "the run failed" from "dflashctl failed".
+STATE_EXIT = {"succeeded": 0, "failed": 100, "stopped": 101, "lost": 102}
+EXIT_DETACHED = 130  # Ctrl-C while following: the run goes on
+STATE_STYLE = {"running": "cyan", "succeeded": "green", "failed": "red", "stopped": "yellow", "lost": "magenta"}
+
+
+@dataclass(frozen=True)
+class StartedRun:
+    """What `train` learns at once: the run id, its directory, and the trainer's pid."""
+
+    run_id: str
+    run_dir: str
+    pid: int | None
+
+
+def trainer_argv(
+    host: HostSpec, run_dir: str, config_path: str | None, overrides: Sequence[str], gpus: Sequence[str]
+) -> list[str]:
+    """The trainer's command line: the one place to change when the trainer's interface changes."""
+    argv = [host.interpreter, "-m", TRAINER_MODULE]
+    if config_path:
+        argv += ["--config", config_path]
+    sets = [f"run.output_dir={run_dir}"]
+    numeric = [g for g in gpus if g != CPU]
+    if len(numeric) == 1:
+        sets.append(f"run.device=cuda:{numeric[0]}")
+    elif numeric:
+        sets.append(f"run.gpus=[{','.join(numeric)}]")
+    for item in [*sets, *overrides]:  # the user's overrides come last, so they win
+        argv += ["--set", item]
+    return argv
+
+
+def parse_gpus(text: str | None, host: HostSpec) -> list[str]:
+    """`--gpus 0,1` (else the host's gpus, else `cpu`) as the list of GPU names a run holds."""
+    if text is None:
+        return [str(g) for g in host.gpus] or [CPU]
+    items = [t.strip() for t in text.split(",")]
+    if text.strip().lower() == CPU:
+        return [CPU]
+    if not all(t.isdigit() for t in items):
+        raise UsageError(f"--gpus must be GPU indices like 0,1 (or cpu), got {text!r}")
+    if len(set(items)) != len(items):
+        raise UsageError(f"--gpus lists an index twice: {text!r}")
+    return [str(int(t)) for t in items]
+
+
+def resolved_config(config_file: Path | None, overrides: Sequence[str]) -> dict[str, Any]:
+    """The config as dflashctl sees it (file + `--set a.b=c`), recorded in run.json."""
+    data: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            data = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise UsageError(f"cannot read config {config_file}: {str(exc).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise UsageError(f"config {config_file} must be a mapping at top level")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--set {item!r} is not of the form key=value")
+        node = data
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+    return data
+
+
+def start_run(
+    target: Target,
+    *,
+    gpus: Sequence[str],
+    config_file: Path | None = None,
+    overrides: Sequence[str] = (),
+    name: str | None = None,
+    force: bool = False,
+    payload_hash: str | None = None,
+    env: dict[str, str] | None = None,
+) -> StartedRun:
+    """Start the trainer detached on target; GPU check and start happen under one remote lock."""
+    host = target.host
+    config_path = f"{RUN_DIR_TOKEN}/{CONFIG_NAME}" if config_file else None
+    spec = {
+        "argv": trainer_argv(host, RUN_DIR_TOKEN, config_path, overrides, gpus),
+        "cwd": f"{host.workdir}/payload",
+        "name": name,
+        "host": host.name,
+        "config": resolved_config(config_file, overrides),
+        "config_name": CONFIG_NAME,
+        "config_text": config_file.read_text(encoding="utf-8") if config_file else None,
+        "overrides": list(overrides),
+        "payload_hash": payload_hash,
+        "gpus": list(gpus),
+        "force": force,
+        "env": env or {},
+    }
+    answer = call(target, "start", [host.workdir], stdin=json.dumps(spec).encode())
+    return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"))
+
+
+def push_payload(target: Target, source: Path | None, console: Console) -> str:
+    """Bring `<workdir>/payload` up to date (only changes travel); returns the manifest hash."""
+    from .payload import BarProgress, push
+
+    if console.is_terminal:
+        with BarProgress(console) as bar:
+            result = push(target, source, progress=bar)
+    else:
+        result = push(target, source)
+    console.print(Text(result.summary(), style="dim"), soft_wrap=True)
+    return result.manifest_hash
+
+
+def list_runs(target: Target) -> list[dict[str, Any]]:
+    """Every run on the host, oldest first, with state and latest metrics."""
+    return call(target, "list", [target.host.workdir])["runs"]
+
+
+def show_run(target: Target, selector: str | None) -> dict[str, Any]:
+    """One run (latest when selector is empty) with its metrics, thinned for plotting."""
+    return call(target, "show", [target.host.workdir, selector or ""])
+
+
+def stop_run(target: Target, selector: str | None, grace: float) -> dict[str, Any]:
+    """SIGTERM the run's process group, SIGKILL after grace seconds; returns the final summary."""
+    if grace < 0:
+        raise UsageError(f"--grace must be 0 or more seconds, got {grace:g}")
+    return call(target, "stop", [target.host.workdir, selector or "", f"{grace:g}"], timeout=grace + 90)
+
+
+def call(target: Target, command: str, args: Sequence[str], *, stdin: bytes | None = None,
+         timeout: float | None = 120) -> dict[str, Any]:
+    """Run one runctl command and return its JSON answer; error answers become exceptions."""
+    result = target.python_checked("runctl", [command, *args], stdin=stdin, timeout=timeout)
+    lines = result.text().strip().splitlines()
+    try:
+        answer = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise RemoteError(f"{target.label}: runctl {command} gave no answer: {result.err_line()}") from None
+    if "error" in answer:
+        raise answer_error(target, answer)
+    return answer
+
+
+def answer_error(target: Target, answer: dict[str, Any]) -> Exception:
+    """The exception for a runctl error answer (not_found, ambiguous, conflict)."""
+    kind, message = answer["error"], answer.get("message", "")
+    if kind == "not_found":
+        return NotFoundError(f"{target.label}: {message}")
+    if kind == "ambiguous":
+        return UsageError(f"{target.label}: {message}: {', '.join(answer.get('candidates', []))}; give more of the run id")
+    if kind == "conflict":
+        held = "; ".join(
+            f"run {rid}" + (f" ({name!r})" if name else "") + f" uses {', '.join(shared)}"
+            for rid, name, shared in answer.get("runs", [])
+        )
+        return ConflictError(f"{target.label}: GPUs busy: {held} (stop it, pick other --gpus, or use --force)")
+    return RemoteError(f"{target.label}: {message}")
+
+
+def exit_code_for(state: str) -> int:
+    """The documented exit code for how a run ended (0 succeeded, 100 failed, ...)."""
+    return STATE_EXIT.get(state, 1)
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def duration(run: dict[str, Any]) -> float | None:
+    """Seconds the run ran (until now, on the host's clock, while it runs)."""
+    start = run.get("started_ts")
+    end = run.get("ended_ts") or (run.get("now_ts") if run.get("state") == "running" else None)
+    return end - start if start and end else None
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """`1:02:03` / `4:05`, or `-`."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def state_text(run: dict[str, Any]) -> Text:
+    """The state, coloured, with the exit code when it is not 0."""
+    state = run.get("state", "?")
+    code = run.get("exit_code")
+    label = f"{state} ({code})" if code not in (None, 0) else state
+    return Text(label, style=STATE_STYLE.get(state, ""))
+
+
+def runs_table(runs: Sequence[dict[str, Any]], host: str) -> Table:
+    """`runs list` as a rich table; names are shown literally (Text, never markup)."""
+    table = Table(title=Text(f"runs on {host}"), title_justify="left")
+    for col in ("run", "name", "state", "GPUs", "started", "duration", "step", "loss"):
+        table.add_column(col, justify="right" if col in ("duration", "step", "loss") else "left")
+    for run in runs:
+        last = run.get("last") or {}
+        step = last.get("step")
+        total = last.get("total_steps")
+        table.add_row(
+            Text(run.get("run_id", "?")),
+            Text(run.get("name") or "-"),
+            state_text(run),
+            Text(",".join(run.get("gpus") or []) or "-"),
+            Text(run.get("started_at", "-").replace("T", " ").rstrip("Z")),
+            Text(fmt_duration(duration(run))),
+            Text("-" if step is None else (f"{step}/{total}" if total else str(step))),
+            Text("-" if last.get("loss") is None else f"{last['loss']:.4f}"),
+        )
+    return table
+
+
+def details_table(run: dict[str, Any]) -> Table:
+    """`runs show`: run.json fields and a metrics summary, two columns."""
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    rows: list[tuple[str, Text]] = [
+        ("run", Text(run["run_id"])),
+        ("name", Text(run.get("name") or "-")),
+        ("state", state_text(run)),
+        ("host", Text(str(run.get("host")))),
+        ("GPUs", Text(",".join(run.get("gpus") or []))),
+        ("started", Text(str(run.get("started_at")))),
+        ("duration", Text(fmt_duration(duration(run)))),
+        ("directory", Text(str(run.get("run_dir")))),
+        ("pid", Text(str((run.get("trainer") or {}).get("pid", "-")))),
+        ("payload", Text(str(run.get("payload_hash") or "-"))),
+        ("argv", Text(" ".join(run.get("argv") or []))),
+        ("overrides", Text(" ".join(run.get("overrides") or []) or "-")),
+    ]
+    rows += [(k, Text(v)) for k, v in metrics_summary(run.get("metrics") or [], run.get("metrics_count", 0))]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def metrics_summary(records: Sequence[dict[str, Any]], count: int) -> list[tuple[str, str]]:
+    """Last step, last/best loss, last/best acceptance length, throughput."""
+    if not records:
+        return [("metrics", "none yet")]
+    last = records[-1]
+    losses = [r["loss"] for r in records if isinstance(r.get("loss"), (int, float))]
+    accs = [r["acceptance_length"] for r in records if isinstance(r.get("acceptance_length"), (int, float))]
+    out = [("metrics", f"{count} records"), ("step", f"{last.get('step')}/{last.get('total_steps', '?')}")]
+    if losses:
+        out.append(("loss", f"{losses[-1]:.4f} (best {min(losses):.4f})"))
+    if accs:
+        out.append(("acceptance", f"{accs[-1]:.3f} (best {max(accs):.3f})"))
+    if isinstance(last.get("tokens_per_s"), (int, float)):
+        out.append(("tokens/s", f"{last['tokens_per_s']:.0f}"))
+    return out

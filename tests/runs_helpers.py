@@ -1,0 +1,66 @@
+"""Helpers shared by test_runs.py and test_logs.py: the stand-in payload, waiting, process counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from dflashctl.inventory import parse_inventory
+from dflashctl.session import Session
+
+STANDIN = Path(__file__).parent / "standin_trainer.py"
+
+
+def install_standin(payload: Path) -> Path:
+    """Make `payload/dflash_train` the stand-in trainer, as `python -m dflash_train` finds it."""
+    pkg = payload / "dflash_train"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    shutil.copy(STANDIN, pkg / "__main__.py")
+    return payload
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
+    """Poll predicate until it is truthy (returns it) or fail after timeout (a bound, not a timing check)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def run_dir(workdir: Path, run_id: str) -> Path:
+    """Where a run lives."""
+    return workdir / "runs" / run_id
+
+
+def meta(workdir: Path, run_id: str) -> dict:
+    """The run's run.json."""
+    return json.loads((run_dir(workdir, run_id) / "run.json").read_text())
+
+
+def readers(workdir: Path) -> list[int]:
+    """Pids of `runctl read` processes for this workdir (remote log readers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(args) > 4 and args[1] == b"-c" and args[3] == b"read" and args[4] == os.fsencode(str(workdir)):
+            found.append(int(entry.name))
+    return found
+
+
+def local_session(workdir: Path) -> Session:
+    """A Session whose default host is this machine with the given workdir."""
+    text = f"default: local\nhosts:\n  local: {{transport: local, workdir: {json.dumps(str(workdir))}}}\n"
+    return Session(parse_inventory(text))

@@ -1,0 +1,83 @@
+"""Stand-in for the DFlash trainer in run-lifecycle tests: same command line, no torch.
+
+Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `python -m dflash_train
+--config FILE --set key=value ...` runs it exactly as it would run the real trainer. Keys:
+  run.output_dir        where metrics.jsonl and checkpoints/ go (set by dflashctl)
+  run.steps             number of steps (default 20)
+  standin.step_time     seconds per step (default 0.05)
+  standin.fail_at       exit with standin.fail_code (default 3) at that step
+  standin.ignore_sigterm  true: print that SIGTERM was ignored and keep going
+  standin.lines         log lines per step (default 1)
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+
+def parse(argv):
+    """--config FILE (read as `key: value` lines) and --set key=value pairs, later ones winning."""
+    opts = {"run.steps": "20", "standin.step_time": "0.05", "standin.fail_code": "3", "standin.lines": "1"}
+    it = iter(argv)
+    for arg in it:
+        if arg == "--config":
+            with open(next(it)) as fh:
+                for line in fh:
+                    key, sep, value = line.partition(":")
+                    if sep and value.strip():
+                        opts[key.strip()] = value.strip()
+        elif arg == "--set":
+            key, _, value = next(it).partition("=")
+            opts[key] = value
+    return opts
+
+
+def main():
+    opts = parse(sys.argv[1:])
+    out = opts.get("run.output_dir", ".")
+    steps = int(opts["run.steps"])
+    step_time = float(opts["standin.step_time"])
+    fail_at = int(opts.get("standin.fail_at", -1))
+    ignore = opts.get("standin.ignore_sigterm", "false").lower() in ("1", "true", "yes")
+    state = {"step": 0, "term": False}
+
+    def on_term(signum, frame):
+        if ignore:
+            print("standin: ignoring SIGTERM", flush=True)
+        else:
+            state["term"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    print("standin: pid %d, %d steps, output %s" % (os.getpid(), steps, out), flush=True)
+    with open(os.path.join(out, "metrics.jsonl"), "a") as metrics:
+        for step in range(1, steps + 1):
+            if state["term"]:
+                return checkpoint(out, state["step"])
+            time.sleep(step_time)
+            state["step"] = step
+            loss = 5.0 / (1 + 0.1 * step)
+            for i in range(int(opts["standin.lines"])):
+                print("step %d/%d loss %.4f line %d" % (step, steps, loss, i), flush=True)
+            record = {"step": step, "total_steps": steps, "loss": loss, "acceptance_length": 1 + step / steps * 3,
+                      "lr": 6e-4, "grad_norm": 1.0, "tokens_per_s": 1000.0, "step_time_s": step_time, "gpu_mem_gb": 0.0}
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if step == fail_at:
+                print("standin: failing at step %d" % step, file=sys.stderr, flush=True)
+                return int(opts["standin.fail_code"])
+    print("standin: done", flush=True)
+    return 0
+
+
+def checkpoint(out, step):
+    os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
+    with open(os.path.join(out, "checkpoints", "step-%d.json" % step), "w") as fh:
+        json.dump({"step": step}, fh)
+    print("standin: SIGTERM, checkpoint saved at step %d" % step, flush=True)
+    return 128 + signal.SIGTERM
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Run lifecycle end to end: `train`, `runs list/show/stop`, through real sshd + the pct shim.
+
+The trainer is tests/standin_trainer.py installed as `dflash_train` in the container's payload
+(same command line as the real trainer). Nothing asserts on timing: waits are bounded polls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+from runs_helpers import install_standin, local_session, meta, readers, run_dir, wait_until
+from sshd import CLI, SHIM_VMID
+
+from dflashctl.errors import ConflictError, NotFoundError, UsageError
+from dflashctl.inventory import HostSpec
+from dflashctl.runs import (
+    CPU,
+    RUN_DIR_TOKEN,
+    list_runs,
+    parse_gpus,
+    resolved_config,
+    show_run,
+    start_run,
+    stop_run,
+    trainer_argv,
+)
+
+LONG = ["run.steps=100000", "standin.step_time=0.05"]
+
+
+def kill_leftovers(workdir: Path) -> None:
+    """Whatever a failed test left running must not outlive it."""
+    for path in (workdir / "runs").glob("*/run.json"):
+        info = json.loads(path.read_text())
+        for key in ("trainer", "supervisor"):
+            pid = (info.get(key) or {}).get("pid")
+            if pid and not (path.parent / "exit_code").exists():
+                try:
+                    os.killpg(pid, signal.SIGKILL) if key == "trainer" else os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+
+@pytest.fixture
+def shim(shim_host):
+    """(sshd host, in-process session, container workdir) with the stand-in trainer installed."""
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    install_standin(workdir / "payload")
+    session = shim_host.session()
+    yield shim_host, session, workdir
+    session.close()
+    kill_leftovers(workdir)
+
+
+def state(session, run_id: str) -> str:
+    return show_run(session.target("shim"), run_id)["state"]
+
+
+# --- unit: command line, GPUs, config ----------------------------------------------------------
+
+
+def test_trainer_argv_places_gpus_and_output_dir_before_user_overrides():
+    host = HostSpec(name="h", python="/venv/bin/python")
+    argv = trainer_argv(host, "/w/runs/r1", "/w/runs/r1/c.yaml", ["run.steps=3"], ["0", "2"])
+    assert argv == ["/venv/bin/python", "-m", "dflash_train", "--config", "/w/runs/r1/c.yaml",
+                    "--set", "run.output_dir=/w/runs/r1", "--set", "run.gpus=[0,2]", "--set", "run.steps=3"]
+    assert "--set" in trainer_argv(host, RUN_DIR_TOKEN, None, [], ["1"]) and "run.device=cuda:1" in trainer_argv(
+        host, RUN_DIR_TOKEN, None, [], ["1"])
+    assert not any("device" in a or "gpus" in a for a in trainer_argv(host, RUN_DIR_TOKEN, None, [], [CPU]))
+
+
+def test_parse_gpus_and_resolved_config(tmp_path):
+    host = HostSpec(name="h", gpus=(0, 1))
+    assert parse_gpus(None, host) == ["0", "1"]
+    assert parse_gpus(None, HostSpec(name="l", transport="local")) == [CPU]
+    assert parse_gpus("3, 1", host) == ["3", "1"]
+    for bad in ("0,0", "a", "1,"):
+        with pytest.raises(UsageError):
+            parse_gpus(bad, host)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run: {steps: 5}\nname: x\n")
+    assert resolved_config(cfg, ["run.steps=7", "optim.lr=0.001", "name.sub=1"]) == {
+        "run": {"steps": 7}, "optim": {"lr": 1e-3}, "name": {"sub": 1}}
+    with pytest.raises(UsageError):
+        resolved_config(None, ["novalue"])
+
+
+# --- end to end through sshd + pct shim ----------------------------------------------------------
+
+
+def test_train_follow_pushes_runs_and_stores_hostile_name_literally(shim, tmp_path):
+    host, _, workdir = shim
+    source = install_standin(tmp_path / "payload_src")
+    marker = tmp_path / "pwned"
+    name = f"$(touch {marker}); `touch {marker}` [bold]x[/] 'q\" ü"
+    res = host.run_cli("train", "shim", "--source", str(source), "--follow", "--name", name,
+                       "--set", "run.steps=5", binary=True)
+    assert res.returncode == 0, res.stderr
+    (run_id,) = [p.name for p in (workdir / "runs").iterdir() if p.is_dir()]
+    log = (run_dir(workdir, run_id) / "train.log").read_bytes()
+    assert res.stdout == log and b"standin: done" in log
+    assert f"run {run_id} succeeded".encode() in res.stderr
+    info = meta(workdir, run_id)
+    assert info["name"] == name and info["payload_hash"] and info["gpus"] == [CPU]
+    listing = host.run_cli("runs", "list", "shim", "--json")
+    assert json.loads(listing.stdout)[0]["name"] == name
+    table = host.run_cli("runs", "list", "shim")
+    assert "$(touch" in table.stdout and "[bold]x[/]" in table.stdout
+    assert not marker.exists()
+
+
+def test_failed_run_exit_codes_and_tail(shim):
+    host, _, workdir = shim
+    res = host.run_cli("train", "--no-push", "--follow", "--set", "run.steps=5", "--set", "standin.fail_at=2")
+    assert res.returncode == 100, res.stderr
+    assert "failed (exit code 3)" in res.stderr and "failing at step 2" in res.stdout
+    run_id = res.stderr.split("started run ")[1].split()[0]
+    again = host.run_cli("logs", "tail", "shim", run_id[:-2], "-f")
+    assert again.returncode == 100 and again.stdout == res.stdout
+    tail = host.run_cli("logs", "tail", run_id, "-n", "1")  # one argument that is not a host: a run
+    assert tail.returncode == 0 and tail.stdout == "standin: failing at step 2\n"
+    missing = host.run_cli("logs", "tail", "shim", "nosuchrun")
+    assert missing.returncode == 5 and "no run matches" in missing.stderr
+
+
+def test_run_survives_killed_client(shim):
+    host, session, workdir = shim
+    client = subprocess.Popen([*CLI, "train", "--no-push", "--follow", "--set", "run.steps=30",
+                               "--set", "standin.step_time=0.05"], env=host.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        log = wait_until(lambda: next((workdir / "runs").glob("*/train.log"), None), what="the run's log")
+        wait_until(lambda: b"step 2/" in log.read_bytes(), what="a few steps")
+    finally:
+        client.kill()
+        client.communicate()
+    done = log.parent / "exit_code"
+    wait_until(done.exists, what="the run to finish after the client died")
+    assert done.read_text().strip() == "0" and b"standin: done" in log.read_bytes()
+    assert state(session, log.parent.name) == "succeeded"
+    wait_until(lambda: not readers(workdir), timeout=15, what="the remote log reader to exit")
+
+
+def test_stop_sigterm_within_grace_checkpoints(shim):
+    _, session, workdir = shim
+    run = start_run(session.target("shim"), gpus=["0"], overrides=LONG)
+    wait_until(lambda: b"step 1/" in (run_dir(workdir, run.run_id) / "train.log").read_bytes(), what="steps")
+    info = stop_run(session.target("shim"), run.run_id[:-1], grace=30)
+    assert info["state"] == "stopped" and info["exit_code"] == 143
+    assert list((run_dir(workdir, run.run_id) / "checkpoints").glob("step-*.json"))
+    again = stop_run(session.target("shim"), run.run_id, grace=30)
+    assert again["already"] and again["state"] == "stopped"
+
+
+def test_stop_kills_a_trainer_that_ignores_sigterm(shim):
+    _, session, workdir = shim
+    run = start_run(session.target("shim"), gpus=["0"], overrides=[*LONG, "standin.ignore_sigterm=true"])
+    wait_until(lambda: b"step 1/" in (run_dir(workdir, run.run_id) / "train.log").read_bytes(), what="steps")
+    info = stop_run(session.target("shim"), None, grace=0.5)  # None: the latest run
+    assert info["run_id"] == run.run_id and info["state"] == "stopped" and info["exit_code"] == 137
+    assert b"ignoring SIGTERM" in (run_dir(workdir, run.run_id) / "train.log").read_bytes()
+
+
+def test_gpu_conflict_is_atomic_and_names_the_holder(shim):
+    _, session, _ = shim
+    target = session.target("shim")
+    results: list[object] = []
+
+    def start() -> None:
+        try:
+            results.append(start_run(target, gpus=["0", "1"], overrides=LONG, name="first"))
+        except ConflictError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (winner,) = [r for r in results if not isinstance(r, Exception)]
+    (refused,) = [r for r in results if isinstance(r, ConflictError)]
+    assert winner.run_id in str(refused)
+    with pytest.raises(ConflictError, match=winner.run_id):
+        start_run(target, gpus=["1"], overrides=LONG)
+    other = start_run(target, gpus=["2"], overrides=LONG)
+    forced = start_run(target, gpus=["0"], overrides=LONG, force=True)
+    live = {r["run_id"] for r in list_runs(target) if r["state"] == "running"}
+    assert live == {winner.run_id, other.run_id, forced.run_id}
+    for run in (winner, other, forced):
+        assert stop_run(target, run.run_id, grace=10)["state"] == "stopped"
+
+
+def test_lost_when_supervisor_and_trainer_are_killed(shim):
+    host, session, workdir = shim
+    run = start_run(session.target("shim"), gpus=["0"], overrides=LONG)
+    info = meta(workdir, run.run_id)
+    os.kill(info["supervisor"]["pid"], signal.SIGKILL)
+    os.killpg(info["pgid"], signal.SIGKILL)
+    wait_until(lambda: state(session, run.run_id) == "lost", what="state lost")
+    res = host.run_cli("logs", "tail", "shim", run.run_id, "-f")
+    assert res.returncode == 102 and "lost" in res.stderr
+    start_run(session.target("shim"), gpus=["0"], overrides=["run.steps=1"])  # a lost run holds no GPU
+
+
+def test_run_selection_by_prefix_name_and_latest(shim):
+    host, session, _ = shim
+    target = session.target("shim")
+    ids = [start_run(target, gpus=[CPU], overrides=["run.steps=2"], name=f"n{i}", force=True).run_id
+           for i in range(3)]
+    wait_until(lambda: all(r["state"] == "succeeded" for r in list_runs(target)), what="runs to finish")
+    for run_id in ids:
+        prefix = next(run_id[:n] for n in range(1, len(run_id) + 1)
+                      if sum(o.startswith(run_id[:n]) for o in ids) == 1)
+        assert show_run(target, prefix)["run_id"] == run_id
+    assert show_run(target, None)["run_id"] == max(ids)
+    assert show_run(target, "n1")["run_id"] == ids[1]
+    with pytest.raises(UsageError) as ambiguous:
+        show_run(target, ids[0][:4])
+    assert all(i in str(ambiguous.value) for i in ids)
+    with pytest.raises(NotFoundError):
+        show_run(target, "zzz")
+    shown = host.run_cli("runs", "show", "shim", "n2")
+    assert shown.returncode == 0 and ids[2] in shown.stdout and "acceptance length" in shown.stdout
+    png = host.run_cli("runs", "show", "shim", "--plot", "/tmp/never.png")
+    assert png.returncode in (0, 2) and ("matplotlib" in png.stderr or Path("/tmp/never.png").exists())
+
+
+def test_local_runs_without_gpus_conflict_unless_forced(tmp_path):
+    workdir = tmp_path / "work"
+    install_standin(workdir / "payload")
+    with local_session(workdir) as session:
+        target = session.target(None)
+        try:
+            first = start_run(target, gpus=parse_gpus(None, target.host), overrides=LONG)
+            with pytest.raises(ConflictError, match=first.run_id):
+                start_run(target, gpus=[CPU], overrides=LONG)
+            forced = start_run(target, gpus=[CPU], overrides=["run.steps=1"], force=True)
+            assert forced.run_id != first.run_id
+            assert stop_run(target, first.run_id, grace=10)["state"] == "stopped"
+        finally:
+            kill_leftovers(workdir)
