@@ -15,6 +15,8 @@ Why threads compile the way they do (and the measurements): docs/threaded-compil
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import threading
 import time
 import traceback
@@ -421,3 +423,44 @@ def run_threaded(ops: ReplicaOps, devices: Sequence[torch.device | str], data: C
     coordinator = Coordinator(ops, [torch.device(d) for d in devices], data, steps,
                               options or ThreadedOptions(), on_sync)
     return coordinator.run()
+
+
+# ----------------------------------------------------------------------------------------------
+# The DFlash drafter of train.py as a replica (train.py imports this module: imports are lazy).
+
+
+def drafter_ops(cfg: Any) -> ReplicaOps:
+    """ReplicaOps over train.py's build_replica / forward_backward / optimizer_step for a resolved config."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from . import train
+
+    def build(device: torch.device, seed: int, policy: CompilePolicy) -> Any:
+        # build_replica compiles per run.compile with mode="reduce-overhead", whose CUDAGraph
+        # Trees crash in worker threads: build eager, then compile with the worker policy.
+        eager_cfg = copy.deepcopy(cfg)
+        eager_cfg.run.compile = "off"
+        replica = train.build_replica(eager_cfg, device, seed)
+        if policy.effective != "off":
+            replica.run_drafter = policy.compile(replica.drafter)
+            replica.flex_fn = flex_attention  # traced inside the compiled drafter
+        return replica
+
+    return ReplicaOps(build, train.forward_backward, train.optimizer_step,
+                      lambda replica: list(replica.drafter.parameters()))
+
+
+def shard_batch(batch: Any, rank: int, world: int) -> Any:
+    """Rank's equal slice (dim 0) of every tensor field of a dataclass batch."""
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    n = next(v for v in fields.values() if isinstance(v, torch.Tensor)).shape[0]
+    if n % world:
+        raise ValueError(f"batch of {n} sequences does not split into {world} equal micro-batches")
+    per = n // world
+    return dataclasses.replace(batch, **{k: v[rank * per:(rank + 1) * per] for k, v in fields.items()
+                                         if isinstance(v, torch.Tensor)})
+
+
+def sharded(global_batch: Callable[[int], Any]) -> Callable[[int, int, int], Any]:
+    """`data` for run_threaded from a function of the step that returns the global batch."""
+    return lambda step, rank, world: shard_batch(global_batch(step), rank, world)
