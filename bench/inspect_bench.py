@@ -1,0 +1,126 @@
+"""Benchmark `dflashctl inspect` against the field notes' ssh one-liner, through real sshd + pct shim.
+
+Run from the repo root:  python bench/inspect_bench.py [--runs 7] [--lines 1825:1888]
+
+It starts a throwaway OpenSSH sshd on 127.0.0.1 with the `pct` shim (tests/sshd.py, the same
+harness the tests use; container 200's interpreter is this Python, so torch is importable there)
+and times, as the median wall time of --runs runs each:
+  (a) the one-liner: system `ssh` -> `pct exec 200 -- /bin/bash -lc '... python - <<PY'` that
+      imports torch._inductor.compile_fx and prints the lines from inspect.getsource;
+  (b) `dflashctl inspect compile_fx --lines A:B`, cold (client cache emptied before each run);
+  (c) the same, warm (cache filled).
+It checks that all three print the same lines, then prints a markdown table with the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from sshd import SHIM_VMID, SshdHost  # noqa: E402
+
+GOALS = {"cold": 8.0, "warm": 15.0}
+
+
+def one_liner(host: SshdHost, first: int, last: int) -> list[str]:
+    """The field notes' command, adapted to the shim host (its interpreter instead of a venv)."""
+    script = (
+        "import inspect\n"
+        "import torch._inductor.compile_fx as cfx\n"
+        "src=inspect.getsource(cfx).splitlines()\n"
+        f"for i in range({first},{last + 1}):\n"
+        '    print(f"{i}: {src[i-1]}")\n'
+    )
+    inner = f"{shlex.quote(sys.executable)} - <<'PY'\n{script}PY"
+    remote = shlex.join([str(host.pct_path), "exec", str(SHIM_VMID), "--", "/bin/bash", "-lc", inner])
+    return [
+        "ssh", "-F", "/dev/null", "-i", str(host.home / ".ssh" / "id_ed25519"),
+        "-o", f"UserKnownHostsFile={host.home / '.ssh' / 'known_hosts'}", "-o", "StrictHostKeyChecking=yes",
+        "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-p", str(host.port),
+        f"{host.user}@{host.address}", remote,
+    ]  # fmt: skip
+
+
+def cli_argv(spec: str) -> list[str]:
+    """The installed console script next to this interpreter (what an activated venv runs)."""
+    script = Path(sys.executable).parent / "dflashctl"
+    return [str(script), "inspect", "compile_fx", "--lines", spec]
+
+
+def timed(argv: list[str], env: dict[str, str], before=None) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+    """Wall time and stdout of one run (before() runs first, untimed)."""
+    if before:
+        before()
+    start = time.perf_counter()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"failed ({proc.returncode}): {shlex.join(argv)[:200]}\n{proc.stderr[-2000:]}")
+    return elapsed, proc.stdout
+
+
+def measure(argv: list[str], env: dict[str, str], runs: int, before=None) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+    """Median wall time over runs, and the output of the last run."""
+    times, out = [], ""
+    for _ in range(runs):
+        elapsed, out = timed(argv, env, before)
+        times.append(elapsed)
+    return statistics.median(times), out
+
+
+def torch_version() -> str:
+    """Installed torch version, read from torch/version.py without importing torch."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    assert spec and spec.submodule_search_locations
+    text = (Path(spec.submodule_search_locations[0]) / "version.py").read_text()
+    return text.split("__version__ = ", 1)[1].split("\n", 1)[0].strip("'\"")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--lines", default="1825:1888")
+    args = parser.parse_args()
+    first, last = (int(x) for x in args.lines.split(":"))
+    with tempfile.TemporaryDirectory(prefix="inspect-bench-") as tmp:
+        host = SshdHost(Path(tmp) / "sshd", "127.0.0.1").start()
+        try:
+            cache = Path(tmp) / "cache"
+            env = {**host.env, "XDG_CACHE_HOME": str(cache)}
+            clear = lambda: shutil.rmtree(cache, ignore_errors=True)  # noqa: E731
+            timed(one_liner(host, first, last), env)  # warm the page cache for torch's files
+            a, out_a = measure(one_liner(host, first, last), env, args.runs)
+            b, out_b = measure(cli_argv(args.lines), env, args.runs, before=clear)
+            c, out_c = measure(cli_argv(args.lines), env, args.runs)
+        finally:
+            host.stop()
+    if not out_a == out_b == out_c:
+        raise SystemExit("outputs differ between the one-liner and dflashctl inspect")
+    print(f"{date.today()}, {os.cpu_count()} cores, {platform.python_version()}, torch {torch_version()}, "
+          f"median of {args.runs}, lines {args.lines} ({len(out_a.splitlines())} lines, identical output)\n")  # fmt: skip
+    print("| run | median wall time | speed-up vs (a) | goal |")
+    print("|---|---|---|---|")
+    print(f"| (a) ssh + pct exec + bash -lc + python importing torch | {a * 1000:.0f} ms | 1.0x | |")
+    for label, value, goal in (("(b) dflashctl inspect, cold cache", b, "cold"), ("(c) dflashctl inspect, warm cache", c, "warm")):
+        ratio = a / value
+        verdict = "met" if ratio >= GOALS[goal] else "MISSED"
+        print(f"| {label} | {value * 1000:.0f} ms | {ratio:.1f}x | >= {GOALS[goal]:.0f}x {verdict} |")
+
+
+if __name__ == "__main__":
+    main()
