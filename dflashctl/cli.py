@@ -174,6 +174,36 @@ def push_cmd(
     console.print(Text(result.summary()), soft_wrap=True)
 
 
+# --- inspect -----------------------------------------------------------------------------------
+
+
+@app.command("inspect")
+def inspect_cmd(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., help="Alias (compile_fx, inductor.config, ...), dotted module, symbol or config key."),
+    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host to read from (default host if omitted)."),
+    lines: Optional[str] = typer.Option(None, "--lines", "-l", help="A:B, A:+N (A and N more) or A (with --context)."),
+    context: int = typer.Option(0, "--context", "-C", help="Lines around --lines A or around --grep matches."),
+    grep: Optional[str] = typer.Option(None, "--grep", "-g", help="Regex; show matching lines (config: matching keys)."),
+    path: bool = typer.Option(False, "--path", help="Print the remote file path and package version."),
+    source: bool = typer.Option(False, "--source", help="For config modules: show source instead of live values."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Read remote PyTorch source (lines, symbols, grep) or live config, exactly and fast."""
+    from .introspect import InspectOptions, run_inspect
+
+    opts = InspectOptions(target, lines, context, grep, path, source, json_out)
+    remote = _state(ctx).session().target(host)
+    console = Console()
+    out = sys.stdout.buffer
+
+    def write(text: str) -> None:
+        out.write(text.encode("utf-8"))
+        out.flush()
+
+    run_inspect(remote, opts, write, pretty=console if console.is_terminal and not json_out else None)
+
+
 # --- runs --------------------------------------------------------------------------------------
 # `train`, `runs list/show/stop`, `logs tail`: logic in runs.py / logs.py, exit codes in docs/runs.md.
 
