@@ -108,8 +108,6 @@ def test_train_follow_pushes_runs_and_stores_hostile_name_literally(shim, tmp_pa
     assert f"run {run_id} succeeded".encode() in res.stderr
     info = meta(workdir, run_id)
     assert info["name"] == name and info["payload_hash"] and info["gpus"] == [CPU]
-    listing = host.run_cli("runs", "list", "shim", "--json")
-    assert json.loads(listing.stdout)[0]["name"] == name
     table = host.run_cli("runs", "list", "shim")
     assert "$(touch" in table.stdout and "[bold]x[/]" in table.stdout
     assert not marker.exists()
@@ -125,8 +123,6 @@ def test_failed_run_exit_codes_and_tail(shim):
     assert again.returncode == 100 and again.stdout == res.stdout
     tail = host.run_cli("logs", "tail", run_id, "-n", "1")  # one argument that is not a host: a run
     assert tail.returncode == 0 and tail.stdout == "standin: failing at step 2\n"
-    missing = host.run_cli("logs", "tail", "shim", "nosuchrun")
-    assert missing.returncode == 5 and "no run matches" in missing.stderr
 
 
 def test_run_survives_killed_client(shim):
@@ -208,7 +204,7 @@ def test_lost_when_supervisor_and_trainer_are_killed(shim):
     start_run(session.target("shim"), gpus=["0"], overrides=["run.steps=1"])  # a lost run holds no GPU
 
 
-def test_run_selection_by_prefix_name_and_latest(shim):
+def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     host, session, _ = shim
     target = session.target("shim")
     ids = [start_run(target, gpus=[CPU], overrides=["run.steps=2"], name=f"n{i}", force=True).run_id
@@ -225,10 +221,10 @@ def test_run_selection_by_prefix_name_and_latest(shim):
     assert all(i in str(ambiguous.value) for i in ids)
     with pytest.raises(NotFoundError):
         show_run(target, "zzz")
-    shown = host.run_cli("runs", "show", "shim", "n2")
-    assert shown.returncode == 0 and ids[2] in shown.stdout and "acceptance length" in shown.stdout
-    png = host.run_cli("runs", "show", "shim", "--plot", "/tmp/never.png")
-    assert png.returncode in (0, 2) and ("matplotlib" in png.stderr or Path("/tmp/never.png").exists())
+    png = tmp_path / "curves.png"
+    shown = host.run_cli("runs", "show", "shim", "n2", "--plot", str(png))
+    assert ids[2] in shown.stdout and "acceptance length" in shown.stdout  # details and terminal curves
+    assert (shown.returncode == 0 and png.exists()) or (shown.returncode == 2 and "matplotlib" in shown.stderr)
 
 
 def test_local_runs_without_gpus_conflict_unless_forced(tmp_path):
