@@ -123,8 +123,9 @@ class SourceCache:
     """Remote source files by content hash, per host and container, plus module -> hash refs."""
 
     def __init__(self, root: Path, host: HostSpec):
-        safe = lambda text: re.sub(r"[^A-Za-z0-9._-]", "_", text)  # noqa: E731
-        self.dir = root / safe(host.name) / safe(host.container.describe())
+        # `pct-200`, `docker-trainer`, or `host` when commands run on the host itself.
+        container = "host" if host.container.runtime == "none" else host.container.describe().replace(" ", "-")
+        self.dir = root / _safe(host.name) / _safe(container)
 
     def known(self, modules: Sequence[str]) -> dict[str, str]:
         """{module: sha256} for the modules whose file we hold a copy of."""
@@ -150,6 +151,10 @@ class SourceCache:
         if data is not None:
             _atomic_write(self.dir / "blobs" / sha, data)
         _atomic_write(self.dir / "refs" / module, sha.encode())
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -271,6 +276,7 @@ class SourceView:
     symbol: str | None = None
     span: tuple[int, int] | None = None
     grep: str | None = None
+    context: int = 0
     matches: list[int] = field(default_factory=list)
     cache_hit: bool = False
     received: int = 0
@@ -340,6 +346,7 @@ def read_source(
         symbol=header.get("symbol"),
         span=span,  # type: ignore[arg-type]
         grep=grep,
+        context=context,
         matches=matches,
         cache_hit=fetched.cache_hit,
         received=fetched.received,
@@ -416,23 +423,35 @@ def read_config(target: Target, module: str, key: str = "", grep: str | None = N
     header, _ = _split_reply(target, result.stdout, result)
     if "error" in header:
         raise _config_error(target, module, header)
-    entries = header["entries"]
-    single = [e for e in entries if e["key"] == key]
-    if key and not single:
-        entries = [e for e in entries if e["key"].startswith(key + ".")]
-        if not entries:
-            keys = [e["key"] for e in header["entries"]]
-            raise NotFoundError(f"no config key {key} in {module}{suggest(key, keys)}")
-    if pattern is not None:
-        entries = [e for e in entries if pattern.search(e["key"]) or any(pattern.search(v) for v in e["env_vars"])]
+    keys = [e["key"] for e in header["entries"]]
+    if key and not any(k == key or k.startswith(key + ".") for k in keys):
+        raise NotFoundError(f"no config key {key} in {module}{suggest(key, keys)}")
+    entries, single = select_config(header["entries"], key, pattern)
     return ConfigView(
         host=target.host.name,
         module=module,
         file=header["file"],
         version=header["version"],
-        entries=single or entries,
+        entries=entries,
         key=key if single else None,
     )
+
+
+def select_config(
+    entries: list[dict[str, Any]], key: str, pattern: re.Pattern[str] | None
+) -> tuple[list[dict[str, Any]], bool]:
+    """Entries for key (exact key, else the subtree under it), then those whose key or env var matches.
+
+    Returns the entries and whether key named exactly one key.
+    """
+    exact = [e for e in entries if e["key"] == key]
+    if exact:
+        return exact, True
+    if key:
+        entries = [e for e in entries if e["key"].startswith(key + ".")]
+    if pattern is not None:
+        entries = [e for e in entries if pattern.search(e["key"]) or any(pattern.search(v) for v in e["env_vars"])]
+    return entries, False
 
 
 def _config_error(target: Target, module: str, header: dict[str, Any]) -> Exception:
@@ -448,11 +467,11 @@ def _config_error(target: Target, module: str, header: dict[str, Any]) -> Except
 
 
 def plain_source(view: SourceView) -> str:
-    """`N: text` lines; with --grep and context, context lines read `N- text` and gaps `--`."""
+    """`N: text` lines; with --grep and --context, context lines read `N- text` and gaps `--` (as grep -n)."""
     matched = set(view.matches)
     out, previous = [], None
     for n, text in view.lines:
-        if view.grep and previous is not None and n != previous + 1:
+        if view.grep and view.context and previous is not None and n != previous + 1:
             out.append("--")
         sep = "-" if view.grep and n not in matched else ":"
         out.append(f"{n}{sep} {text}")
