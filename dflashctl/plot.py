@@ -7,13 +7,16 @@ from typing import Any, Sequence
 
 from .errors import UsageError
 
-CURVES = (("loss", "loss"), ("acceptance_length", "acceptance length"))
+CURVES = (("loss", "training loss"), ("acceptance_length", "acceptance length"))
 
 
 def series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    """(steps, values) of one metric, skipping records that lack it."""
+    """(steps, values) of one metric, skipping records that lack it. Loss comes from training
+    records only: the trainer's eval records carry the held-out loss, a different curve."""
     xs, ys = [], []
     for r in records:
+        if key == "loss" and r.get("event", "train") != "train":
+            continue
         step, value = r.get("step"), r.get(key)
         if isinstance(step, (int, float)) and isinstance(value, (int, float)):
             xs.append(step)

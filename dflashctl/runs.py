@@ -20,6 +20,7 @@ from rich.text import Text
 from .containers import Target
 from .errors import ConflictError, NotFoundError, RemoteError, UsageError
 from .inventory import HostSpec
+from .plot import series
 
 TRAINER_MODULE = "dflash_train"
 RUN_DIR_TOKEN = "{run_dir}"  # replaced by runctl with the run's absolute directory
@@ -273,13 +274,14 @@ def metrics_summary(records: Sequence[dict[str, Any]], count: int) -> list[tuple
     if not records:
         return [("metrics", "none yet")]
     last = records[-1]
-    losses = [r["loss"] for r in records if isinstance(r.get("loss"), (int, float))]
-    accs = [r["acceptance_length"] for r in records if isinstance(r.get("acceptance_length"), (int, float))]
+    losses = series(records, "loss")[1]
+    accs = series(records, "acceptance_length")[1]
     out = [("metrics", f"{count} records"), ("step", f"{last.get('step')}/{last.get('total_steps', '?')}")]
     if losses:
         out.append(("loss", f"{losses[-1]:.4f} (best {min(losses):.4f})"))
     if accs:
         out.append(("acceptance", f"{accs[-1]:.3f} (best {max(accs):.3f})"))
-    if isinstance(last.get("tokens_per_s"), (int, float)):
-        out.append(("tokens/s", f"{last['tokens_per_s']:.0f}"))
+    speed = series(records, "tokens_per_s")[1]
+    if speed:
+        out.append(("tokens/s", f"{speed[-1]:.0f}"))
     return out

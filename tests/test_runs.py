@@ -241,3 +241,37 @@ def test_local_runs_without_gpus_conflict_unless_forced(tmp_path):
             assert stop_run(target, first.run_id, grace=10)["state"] == "stopped"
         finally:
             kill_leftovers(workdir)
+
+
+REAL_TRAINER = Path(__file__).resolve().parent.parent / "remote_payload" / "dflash_train" / "train.py"
+TINY = ["run.log_every=1", "data.num_train=8", "data.num_eval=2", "data.batch_size=2", "run.eval_batches=1"]
+
+
+@pytest.mark.skipif(not REAL_TRAINER.exists(), reason="the trainer (remote_payload/) is not in this checkout")
+def test_real_trainer_follow_then_stop_checkpoints(shim):
+    """The real trainer's tiny config through push, start, follow and stop (SIGTERM -> checkpoint)."""
+    pytest.importorskip("torch")
+    from dflashctl.logs import Reconnect, read_log
+    from dflashctl.payload import push
+
+    _, session, workdir = shim
+    target = session.target("shim")
+    pushed = push(target)
+    run = start_run(target, gpus=[CPU], overrides=[*TINY, "run.steps=100000"], payload_hash=pushed.manifest_hash)
+    got = bytearray()
+    stopped: list[dict] = []
+
+    def sink(data: bytes) -> None:
+        got.extend(data)
+        if not stopped and b"step 2/100000" in got:
+            threading.Thread(target=lambda: stopped.append(stop_run(session.target("shim"), run.run_id, 120))).start()
+
+    ending = read_log(session, "shim", run.run_id, on_data=sink, follow=True, lines=-1,
+                      policy=Reconnect(stall_s=60))
+    wait_until(lambda: stopped, what="stop to return")
+    assert ending.state == "stopped" and ending.exit_code == 143 and stopped[0]["state"] == "stopped"
+    rdir = run_dir(workdir, run.run_id)
+    assert bytes(got) == (rdir / "train.log").read_bytes() and b"resume with --resume" in got
+    assert list((rdir / "checkpoints").glob("step_*"))
+    records = [json.loads(line) for line in (rdir / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "total_steps", "loss"} <= set(records[-1]) and meta(workdir, run.run_id)["payload_hash"]

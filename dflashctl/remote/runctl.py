@@ -147,8 +147,8 @@ def state_of(run_dir, meta):
     return ("succeeded" if code == 0 else "failed"), code
 
 
-def last_line(path, limit=65536):
-    """The last complete line of a file (for the latest metrics record), or None."""
+def tail_lines(path, limit=65536):
+    """The complete lines in the last `limit` bytes of a file (none if it does not exist)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
@@ -156,18 +156,27 @@ def last_line(path, limit=65536):
             fh.seek(max(0, size - limit))
             data = fh.read()
     except OSError:
-        return None
-    # The piece after the last newline is a record still being written: never return it.
-    lines = [ln for ln in data.split(b"\n")[:-1] if ln.strip()]
-    return lines[-1] if lines else None
+        return []
+    # The piece after the last newline is a record still being written: never use it.
+    return [ln for ln in data.split(b"\n")[:-1] if ln.strip()]
 
 
 def last_metrics(run_dir):
-    line = last_line(os.path.join(run_dir, METRICS))
-    try:
-        return json.loads(line) if line else None
-    except ValueError:
-        return None
+    """The latest training record, with the latest acceptance length of any record merged in
+    (the trainer logs acceptance on its eval records, whose loss is the held-out one)."""
+    merged = {}
+    for line in tail_lines(os.path.join(run_dir, METRICS)):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        if rec.get("event", "train") == "train":
+            merged.update((k, v) for k, v in rec.items() if v is not None)
+        elif rec.get("acceptance_length") is not None:
+            merged["acceptance_length"] = rec["acceptance_length"]
+    return merged or None
 
 
 def summary(run_dir, meta):
@@ -389,15 +398,19 @@ def cmd_show(workdir, selector, max_points="1000"):
         with open(os.path.join(run_dir, METRICS), "rb") as fh:
             for line in fh:
                 try:
-                    records.append(json.loads(line))
+                    rec = json.loads(line)
                 except ValueError:
                     continue  # a half-written last line
+                if isinstance(rec, dict):
+                    records.append(rec)
     except OSError:
         pass
-    stride = max(1, -(-len(records) // int(max_points)))
-    thinned = records[::stride]
-    if records and thinned[-1] is not records[-1]:
-        thinned.append(records[-1])
+    # Thin only the training records: eval records are few, and a fixed stride could skip all of them.
+    is_train = [r.get("event", "train") == "train" for r in records]
+    stride = max(1, -(-sum(is_train) // int(max_points)))
+    train_idx = [i for i, t in enumerate(is_train) if t]
+    keep = set(train_idx[::stride] + train_idx[-1:])
+    thinned = [r for i, r in enumerate(records) if i in keep or not is_train[i]]
     out = summary(run_dir, meta)
     out.update(metrics=thinned, metrics_count=len(records))
     emit(out)
@@ -595,9 +608,9 @@ def send_metrics(run_dir, known_size):
     except OSError:
         return known_size
     if size != known_size:
-        line = last_line(path)
-        if line:
-            frame(b"M", line)
+        record = last_metrics(run_dir)
+        if record:
+            frame(b"M", record)
     return size
 
 
