@@ -144,8 +144,9 @@ def read_once(
     resume = cursor.run_id is not None
     argv = [
         target.host.interpreter, "-c", remote_script("runctl"), "read", target.host.workdir,
-        cursor.run_id or selector or "", str(cursor.inode or "") if resume else "",
-        str(cursor.offset), str(lines), "" if since_step is None else str(since_step),
+        cursor.run_id or selector or "", str(cursor.inode or "") if resume else "", str(cursor.offset),
+        # A resumed reader continues at the cursor; before the log existed, that is its start.
+        "-1" if resume else str(lines), "" if resume or since_step is None else str(since_step),
         "1" if follow else "0", "1" if on_metrics else "0",
     ]
     proc = target.start(argv)
@@ -251,17 +252,19 @@ def attach(
     try:
         ending = read_log(session, host, selector, on_data=view.write, follow=follow, lines=lines,
                           since_step=since_step, on_metrics=view.metrics if view.live else None,
-                          on_notice=lambda msg: err.print(Text(msg, style="dim")), policy=policy, cursor=cursor)
+                          on_notice=lambda msg: err.print(Text(msg, style="dim"), soft_wrap=True), policy=policy,
+                          cursor=cursor)
     except KeyboardInterrupt:
         view.close()
         run = cursor.run_id or selector or ""
-        err.print(Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {session.host(host).name} {run} -f"))
+        err.print(Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {session.host(host).name} {run} -f"),
+                  soft_wrap=True)
         return EXIT_DETACHED
     view.close()
     if not follow:
         return 0
     code = f" (exit code {ending.exit_code})" if ending.exit_code not in (None, 0) else ""
-    err.print(Text(f"run {ending.run_id} {ending.state}{code}", style=STATE_STYLE.get(ending.state, "")))
+    err.print(Text(f"run {ending.run_id} {ending.state}{code}", style=STATE_STYLE.get(ending.state, "")), soft_wrap=True)
     return exit_code_for(ending.state)
 
 

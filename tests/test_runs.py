@@ -99,15 +99,19 @@ def test_train_follow_pushes_runs_and_stores_hostile_name_literally(shim, tmp_pa
     source = install_standin(tmp_path / "payload_src")
     marker = tmp_path / "pwned"
     name = f"$(touch {marker}); `touch {marker}` [bold]x[/] 'q\" ü"
+    config = tmp_path / "run.yaml"
+    config.write_text("standin.lines: 2\n")
     res = host.run_cli("train", "shim", "--source", str(source), "--follow", "--name", name,
-                       "--set", "run.steps=5", binary=True)
+                       "--config", str(config), "--set", "run.steps=5", binary=True)
     assert res.returncode == 0, res.stderr
     (run_id,) = [p.name for p in (workdir / "runs").iterdir() if p.is_dir()]
     log = (run_dir(workdir, run_id) / "train.log").read_bytes()
-    assert res.stdout == log and b"standin: done" in log
+    assert res.stdout == log and b"standin: done" in log and b"step 5/5 loss 3.3333 line 1" in log
+    assert (run_dir(workdir, run_id) / "config.input.yaml").read_text() == config.read_text()
     assert f"run {run_id} succeeded".encode() in res.stderr
     info = meta(workdir, run_id)
     assert info["name"] == name and info["payload_hash"] and info["gpus"] == [CPU]
+    assert info["config"] == {"standin.lines": 2, "run": {"steps": 5}}
     table = host.run_cli("runs", "list", "shim")
     assert "$(touch" in table.stdout and "[bold]x[/]" in table.stdout
     assert not marker.exists()
