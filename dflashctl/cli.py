@@ -7,7 +7,9 @@ calls one function, and renders its result.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +20,7 @@ from rich.console import Console
 from rich.text import Text
 
 from . import __version__
-from .errors import DflashError, UsageError
+from .errors import ContainerError, DflashError, UsageError
 from .inventory import load_inventory
 from .session import Session
 
@@ -127,19 +129,94 @@ def exec_cmd(
         command = command[1:]
     if not command:
         raise UsageError("exec needs a command: dflashctl exec HOST -- CMD [ARGS...]")
-    session = _state(ctx).session()
-    target = session.target(host)
-    out, err = sys.stdout.buffer, sys.stderr.buffer
+    target = _state(ctx).session().target(host)
+    out = _writer(sys.stdout.buffer)
+    err = _StderrGate(_writer(sys.stderr.buffer))
 
-    def write(stream):  # type: ignore[no-untyped-def]
-        def sink(chunk: bytes) -> None:
-            stream.write(chunk)
-            stream.flush()
+    def on_stdout(chunk: bytes) -> None:
+        err.release()
+        out(chunk)
 
-        return sink
-
-    result = target.run(command, stdin=None, on_stdout=write(out), on_stderr=write(err))
+    try:
+        result = target.run(command, stdin=_forwarded_stdin(), on_stdout=on_stdout, on_stderr=err)
+    except ContainerError:
+        err.discard()  # pct's own complaint; the one-line error says it better
+        raise
+    err.release()
     raise typer.Exit(result.exit_code)
+
+
+def _writer(stream):  # type: ignore[no-untyped-def]
+    def sink(chunk: bytes) -> None:
+        stream.write(chunk)
+        stream.flush()
+
+    return sink
+
+
+def _forwarded_stdin():  # type: ignore[no-untyped-def]
+    """Like ssh: a pipe or file on stdin is forwarded, an interactive terminal is not.
+
+    Reads the raw fd: a daemon thread blocked in sys.stdin.buffer would hold its lock and abort
+    the interpreter at exit.
+    """
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    fd = sys.stdin.fileno()
+    return iter(lambda: os.read(fd, 1 << 16), b"")
+
+
+class _StderrGate:
+    """Holds a command's first stderr bytes for a moment: if the container turns out to be
+    unusable they are pct/docker's own message, which our one-line error replaces."""
+
+    HOLD_S = 0.5
+    LIMIT = 4096
+
+    def __init__(self, sink) -> None:  # type: ignore[no-untyped-def]
+        self._sink = sink
+        self._held = bytearray()
+        self._open = False
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def __call__(self, chunk: bytes) -> None:
+        with self._lock:
+            if not self._open:
+                self._held.extend(chunk)
+                if len(self._held) <= self.LIMIT:
+                    if self._timer is None:
+                        self._timer = threading.Timer(self.HOLD_S, self.release)
+                        self._timer.daemon = True
+                        self._timer.start()
+                    return
+                self._open_locked()
+                return
+        self._sink(chunk)
+
+    def release(self) -> None:
+        """Pass held bytes on and stop holding."""
+        with self._lock:
+            if not self._open:
+                self._open_locked()
+
+    def discard(self) -> None:
+        """Drop held bytes and stop holding."""
+        with self._lock:
+            self._held.clear()
+            self._open = True
+            self._cancel_timer()
+
+    def _open_locked(self) -> None:
+        self._open = True
+        self._cancel_timer()
+        held, self._held = bytes(self._held), bytearray()
+        if held:
+            self._sink(held)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 # --- push --------------------------------------------------------------------------------------

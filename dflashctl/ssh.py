@@ -263,7 +263,9 @@ class SshTransport(Transport):
                     key_filename=[str(p) for p in ep.identity_files] or None,
                     allow_agent=self.options.agent,
                     look_for_keys=False,
-                    timeout=timeout,
+                    # paramiko's handshake wait must outlast its banner wait, or it gives up
+                    # silently and the failure surfaces later as "No existing session".
+                    timeout=2 * timeout,
                     banner_timeout=timeout,
                     auth_timeout=timeout,
                     channel_timeout=timeout,
@@ -395,6 +397,8 @@ def _describe(ep: Endpoint, options: SshOptions, exc: BaseException) -> str | _T
         text = str(exc)
         if "banner" in text.lower():
             return _Transient(f"{ep.name}: no SSH banner from {where} (is it an SSH server?)")
+        if text in ("No existing session", "Negotiation failed."):
+            return _Transient(f"{ep.name}: SSH handshake with {where} did not complete")
         return f"{ep.name}: SSH handshake with {where} failed: {text}"
     if isinstance(exc, OSError):
         return f"{ep.name}: cannot connect to {where}: {exc.strerror or exc}"
@@ -529,9 +533,10 @@ def fetch_host_key(host: HostSpec, options: SshOptions, prefer: Sequence[str] = 
             if prefer:  # ask for the key type already on record, so a comparison is meaningful
                 opts = session.get_security_options()
                 opts.key_types = [*prefer, *(k for k in opts.key_types if k not in prefer)]
+            session.banner_timeout = options.connect_timeout
             with _mapped_errors(ep, options):
-                session.start_client(timeout=options.connect_timeout)
-            return session.get_remote_server_key()
+                session.start_client(timeout=2 * options.connect_timeout)
+                return session.get_remote_server_key()
         finally:
             session.close()
 

@@ -151,7 +151,9 @@ def _write_stdin(pipe: IO[bytes], source: StdinSource) -> None:
         if isinstance(source, (bytes, bytearray, memoryview)):
             pipe.write(bytes(source))
         elif hasattr(source, "read"):
-            while chunk := source.read(CHUNK):  # type: ignore[union-attr]
+            # read1 hands over what a pipe has now instead of waiting for a full chunk
+            read = getattr(source, "read1", source.read)
+            while chunk := read(CHUNK):
                 pipe.write(chunk)
         else:
             for chunk in source:

@@ -1,0 +1,174 @@
+"""`dflashctl hosts`: the inventory as a table, and `check`, which walks a host from SSH to GPUs."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .containers import Target
+from .errors import ContainerError, DflashError
+from .inventory import HostSpec, Inventory
+from .session import Session
+
+CHECK_TIMEOUT_S = 180  # the remote probe imports torch, which can take a while on a cold disk
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of `hosts check`: what was checked, whether it passed, what was seen, what to do."""
+
+    name: str
+    ok: bool
+    detail: str
+    hint: str = ""
+
+
+def render_host_table(inventory: Inventory) -> Table:
+    """The inventory as a rich table; the default host is marked with `*`."""
+    title = f"hosts from {inventory.path}" if inventory.path else "hosts (built in: no hosts.yaml found)"
+    table = Table(title=title, title_justify="left")
+    for column in ("", "name", "transport", "address", "container", "python", "gpus"):
+        table.add_column(column)
+    for name, host in inventory.hosts.items():
+        table.add_row(
+            "*" if name == inventory.default else "",
+            name,
+            host.transport,
+            host.describe_address(),
+            host.container.describe(),
+            host.interpreter,
+            ",".join(map(str, host.gpus)) or "-",
+        )
+    return table
+
+
+def check_host(session: Session, name: str | None) -> list[Check]:
+    """Check a host step by step; stop at the first step that makes the later ones meaningless."""
+    host = session.host(name)
+    checks = [_check_reachable(session, host)]
+    if not checks[-1].ok:
+        return checks
+    target = session.target(host.name)
+    checks.append(_check_container(target))
+    if not checks[-1].ok:
+        return checks
+    try:
+        result = target.python("check", timeout=CHECK_TIMEOUT_S)
+    except ContainerError as exc:  # the interpreter is missing
+        return [*checks, Check("interpreter", False, str(exc), f"set `python` for {host.name} in hosts.yaml")]
+    if not result.ok:
+        return [*checks, Check("interpreter", False, f"{host.interpreter}: {result.err_line()}", "needs Python 3.8+")]
+    try:
+        info = json.loads(result.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return [*checks, Check("interpreter", False, f"{host.interpreter}: unreadable probe output", "run with --debug")]
+    return [*checks, *_interpreter_checks(host, info)]
+
+
+def _check_reachable(session: Session, host: HostSpec) -> Check:
+    if host.transport == "local":
+        return Check("reachable", True, "local (this machine)")
+    from .ssh import SshTransport
+
+    transport = session.transport(host)
+    assert isinstance(transport, SshTransport)
+    started = time.monotonic()
+    try:
+        transport.connection()
+    except DflashError as exc:
+        hint = f"dflashctl hosts trust {host.name}" if "hosts trust" in str(exc) else "check address, port and keys"
+        return Check("reachable", False, str(exc), hint)
+    ep = transport.endpoint
+    ms = (time.monotonic() - started) * 1000
+    via = f" via {ep.proxy_jump}" if ep.proxy_jump else ""
+    return Check("reachable", True, f"ssh {ep.user}@{ep.hostname}:{ep.port}{via} ({ms:.0f} ms)")
+
+
+def _check_container(target: Target) -> Check:
+    spec = target.host.container
+    if spec.runtime == "none":
+        return Check("container", True, "none (commands run on the host)")
+    if spec.runtime == "pct":
+        argv, want, hint = [spec.pct_path, "status", str(spec.vmid)], "status: running", f"pct start {spec.vmid}"
+    else:
+        argv, want, hint = ["docker", "inspect", "-f", "{{.State.Running}}", str(spec.name)], "true", f"docker start {spec.name}"
+    try:
+        result = target.transport.run(argv, timeout=60)
+    except DflashError as exc:
+        return Check("container", False, str(exc), hint)
+    seen = result.text().strip()
+    if result.ok and seen == want:
+        return Check("container", True, f"{spec.describe()} running")
+    if result.ok:
+        return Check("container", False, f"{spec.describe()} is not running ({seen})", hint)
+    if result.exit_code == 127:
+        return Check("container", False, f"`{argv[0]}` not found on {target.host.name}", "set container.pct" if spec.runtime == "pct" else "install docker")
+    return Check("container", False, f"{spec.describe()}: {result.err_line()}", "check the container id/name in hosts.yaml")
+
+
+def _interpreter_checks(host: HostSpec, info: dict[str, Any]) -> list[Check]:
+    """Rows for the interpreter, torch, triton, CUDA and nvidia-smi from the remote probe's answer."""
+    rows = [Check("interpreter", True, f"Python {info.get('python')} ({info.get('executable')})")]
+    wants_gpus = bool(host.gpus)
+    if "torch" in info:
+        rows.append(Check("torch", True, str(info["torch"])))
+    else:
+        rows.append(Check("torch", False, str(info.get("torch_error")), f"pip install torch with {host.interpreter}"))
+    cuda = bool(info.get("cuda_available"))
+    if "triton" in info:
+        rows.append(Check("triton", True, str(info["triton"])))
+    else:
+        needed = cuda or wants_gpus
+        rows.append(
+            Check("triton", not needed, "not installed" + ("" if needed else " (not needed without CUDA)"),
+                  "install the triton that matches torch" if needed else "")
+        )
+    rows.append(_cuda_check(host, info, cuda))
+    rows.append(_smi_check(host, info.get("nvidia_smi")))
+    return rows
+
+
+def _cuda_check(host: HostSpec, info: dict[str, Any], cuda: bool) -> Check:
+    count = int(info.get("gpu_count") or 0)
+    if not cuda:
+        if host.gpus:
+            return Check("cuda", False, "CUDA not available to torch", f"hosts.yaml lists gpus {list(host.gpus)}: check the driver and a CUDA build of torch")
+        return Check("cuda", True, "not available (CPU only; no gpus listed in hosts.yaml)")
+    names = ", ".join(sorted(set(info.get("gpu_names") or [])))
+    detail = f"CUDA {info.get('cuda_version')}, {count} GPU(s): {names}"
+    missing = [g for g in host.gpus if g >= count]
+    if missing:
+        return Check("cuda", False, detail, f"hosts.yaml lists gpus {missing} that torch cannot see")
+    return Check("cuda", True, detail)
+
+
+def _smi_check(host: HostSpec, smi: dict[str, Any] | None) -> Check:
+    if smi is None:
+        if host.gpus:
+            return Check("nvidia-smi", False, "not found in the container", "install the NVIDIA userspace tools matching the host driver")
+        return Check("nvidia-smi", True, "not present (no gpus listed in hosts.yaml)")
+    if "error" in smi:
+        return Check("nvidia-smi", False, str(smi["error"]), "check the driver on the host")
+    gpus = smi.get("gpus") or []
+    listed = "; ".join(f"{g['index']}: {g['name']} {g['memory_used_mib']}/{g['memory_total_mib']} MiB {g['utilization_pct']}%" for g in gpus)
+    return Check("nvidia-smi", True, f"{len(gpus)} GPU(s): {listed}" if gpus else "no GPUs")
+
+
+def render_checks(checks: list[Check], json_out: bool) -> None:
+    """Print checks as a table (or one JSON object with --json) on stdout."""
+    if json_out:
+        print(json.dumps({"ok": all(c.ok for c in checks), "checks": [asdict(c) for c in checks]}, indent=2))
+        return
+    table = Table(show_header=True)
+    for column in ("check", "status", "detail", "hint"):
+        table.add_column(column, overflow="fold")
+    for check in checks:
+        status = Text("ok", style="green") if check.ok else Text("FAIL", style="bold red")
+        table.add_row(check.name, status, check.detail, check.hint)
+    Console(highlight=False).print(table)
