@@ -1,8 +1,8 @@
 """`dflashctl push`: send the trainer payload to `<workdir>/payload` incrementally and atomically.
 
-One remote command (`payload_sync scan`) returns the live payload's verified manifest; the
-client diffs it against the local tree and, if anything differs, one more command
-(`payload_sync apply`) receives a header plus the bytes of new and changed files, builds a
+A push is one remote command, `payload_sync sync`, driven both ways: it prints the live
+payload's verified manifest; the client diffs it against the local tree and, if anything
+differs, streams back a header plus the bytes of new and changed files; the remote builds a
 complete new version next to the live one (unchanged files hard-linked), verifies every hash
 and swaps a symlink with rename(2). Design and failure modes: docs/push.md.
 """
@@ -14,10 +14,12 @@ import os
 import re
 import secrets
 import stat
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Iterator, NoReturn, Protocol
 
 import pathspec
 from rich.console import Console
@@ -26,9 +28,10 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColum
 
 import dflashctl
 
-from .containers import Target, remote_script
-from .errors import ConflictError, ConnectError, ContainerError, RemoteError, UsageError
+from .containers import Target, remote_script, wrap_argv
+from .errors import ConflictError, ConnectError, ContainerError, DflashError, RemoteError, UsageError
 from .remote import payload_sync as wire
+from .transport import CHUNK, STDERR_TAIL, Completed
 
 SCRIPT = "payload_sync"
 IGNORE_FILE = ".dflashignore"
@@ -153,17 +156,16 @@ def scan_local(source: Path) -> dict[str, FileEntry]:
     if not source.is_dir():
         raise UsageError(f"payload source is not a directory: {source}")
     spec = load_ignores(source)
-    entries: dict[str, FileEntry] = {}
+    paths: list[str] = []
     for dirpath, dirnames, filenames in os.walk(source):
         rel_dir = Path(dirpath).relative_to(source).as_posix()
         prefix = "" if rel_dir == "." else rel_dir + "/"
         # Prune ignored directories here so their contents are never even listed.
         dirnames[:] = sorted(d for d in dirnames if not _skip_dir(source, prefix + d, spec))
-        for name in sorted(filenames):
-            rel = prefix + name
-            if not spec.match_file(rel):
-                entries[rel] = _entry(source / rel, rel)
-    return entries
+        paths += [prefix + name for name in sorted(filenames) if not spec.match_file(prefix + name)]
+    # hashlib releases the GIL on large buffers, so threads hash on every core.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(zip(paths, pool.map(lambda rel: _entry(source / rel, rel), paths)))
 
 
 def _skip_dir(source: Path, rel: str, spec: pathspec.GitIgnoreSpec) -> bool:
@@ -205,22 +207,23 @@ def push(target: Target, source: Path | None = None, *, dry_run: bool = False, p
     source = Path(source) if source is not None else default_source()
     local = scan_local(source)
     digest = manifest_hash(local)
-    remote = _scan_remote(target, clean=not dry_run)
-    plan = plan_push(local, _entries(remote["files"]))
-    commands = 1
-    if not dry_run and not plan.empty:
-        _check_space(target, plan, remote["free"])
-        _apply(target, source, plan, remote["vid"], digest, progress)
-        commands += 1
+    with _RemoteSync(target, dry_run=dry_run) as remote:
+        listing = remote.reply()
+        plan = plan_push(local, _entries(listing["files"]))
+        if dry_run or plan.empty:
+            remote.finish()  # closing stdin unsent tells the remote there is nothing to do
+        else:
+            _check_space(target, plan, listing["free"])
+            _apply(remote, source, plan, digest, progress)
     return PushResult(
         files_sent=len(plan.send),
         bytes_sent=sum(e.size for e in plan.send),
         deleted=len(plan.delete),
         unchanged=len(plan.keep),
         elapsed_s=time.monotonic() - started,
-        remote_dir=remote["remote_dir"],
+        remote_dir=listing["remote_dir"],
         manifest_hash=digest,
-        remote_commands=commands,
+        remote_commands=1,
         dry_run=dry_run,
         sent_paths=[e.path for e in plan.send],
         deleted_paths=plan.delete,
@@ -229,12 +232,6 @@ def push(target: Target, source: Path | None = None, *, dry_run: bool = False, p
 
 def _entries(files: list[dict]) -> dict[str, FileEntry]:
     return {f["p"]: FileEntry(f["p"], f["s"], f["h"], f["m"]) for f in files}
-
-
-def _scan_remote(target: Target, *, clean: bool) -> dict:
-    """The live payload's verified manifest; with clean, leftovers of killed pushes go first."""
-    args = ["scan", target.host.workdir] + (["--clean"] if clean else [])
-    return _run_script(target, args)
 
 
 def _check_space(target: Target, plan: PushPlan, free: int) -> None:
@@ -246,22 +243,24 @@ def _check_space(target: Target, plan: PushPlan, free: int) -> None:
         )
 
 
-def _apply(target: Target, source: Path, plan: PushPlan, base_vid: str | None, digest: str, progress: ProgressSink | None) -> None:
-    """Stream the header and new content to `payload_sync apply` and check what it reports."""
+def _apply(remote: "_RemoteSync", source: Path, plan: PushPlan, digest: str, progress: ProgressSink | None) -> None:
+    """Stream the header and new content to the remote and check the manifest hash it reports."""
     vid = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + secrets.token_hex(4)
     files = [dict(e.wire(), src="stream") for e in plan.send] + [dict(e.wire(), src="base") for e in plan.keep]
     files.sort(key=lambda f: f["p"])
-    header = {"format": wire.FORMAT, "vid": vid, "base": base_vid, "hash": digest, "files": files}
+    header = {"format": wire.FORMAT, "vid": vid, "hash": digest, "files": files}
     if progress is not None:
         progress.start(len(plan.send), sum(e.size for e in plan.send))
-    stream = _stream(header, plan.send, source, progress)
+    label = remote.target.label
     try:
-        reply = _run_script(target, ["apply", target.host.workdir], stdin=stream)
+        remote.send(_stream(header, plan.send, source, progress))
+        reply = remote.reply()
+        remote.finish()
     except ConnectError as exc:
         # The swap is one rename: the remote holds the old or the new version, never a mix.
         raise ConnectError(f"{exc} during push; the remote payload is intact (old or new version), run push again") from None
     if reply.get("hash") != digest or reply.get("vid") != vid:
-        raise RemoteError(f"{target.label}: verification failed: remote manifest {str(reply.get('hash'))[:12]} != local {digest[:12]}")
+        raise RemoteError(f"{label}: verification failed: remote manifest {str(reply.get('hash'))[:12]} != local {digest[:12]}")
 
 
 def _stream(header: dict, send: list[FileEntry], source: Path, progress: ProgressSink | None) -> Iterator[bytes]:
@@ -284,31 +283,90 @@ def _stream(header: dict, send: list[FileEntry], source: Path, progress: Progres
             progress.advance(files=1)
 
 
-def _run_script(target: Target, args: list[str], stdin: Iterator[bytes] | None = None) -> dict:
-    """Run payload_sync in the container and return its JSON reply."""
-    interpreter = target.host.interpreter
-    # -S skips site-packages: the script needs only the stdlib, and startup is ~100 ms faster.
-    result = target.run([interpreter, "-S", "-c", remote_script(SCRIPT), *args], stdin=stdin)
-    if not result.ok:
-        _raise_remote(target, result.exit_code, result.err_line())
-    return _parse(target, result.stdout)
+class _RemoteSync:
+    """One `payload_sync sync` process in the container: a listing out, changes in, a reply out.
 
+    Driving one process both ways keeps every push to a single remote command. The remote
+    writes only two short JSON lines to stdout, each read before the next write, so the
+    dialogue cannot deadlock; stderr is drained by a thread for the error message.
+    """
 
-def _parse(target: Target, stdout: bytes) -> dict:
-    try:
-        return json.loads(stdout.decode("utf-8"))
-    except ValueError:
-        raise RemoteError(f"{target.label}: payload_sync printed unexpected output: {stdout[:80]!r}") from None
+    def __init__(self, target: Target, *, dry_run: bool):
+        self.target = target
+        # -S skips site-packages: the script needs only the stdlib, and startup is ~100 ms faster.
+        self.argv = [target.host.interpreter, "-S", "-c", remote_script(SCRIPT), "sync", target.host.workdir]
+        if dry_run:
+            self.argv.append("--dry-run")
+        self._pending = bytearray()
+        self._stderr = bytearray()
+        self._proc = target.start(self.argv)
+        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._drain.start()
+
+    def __enter__(self) -> "_RemoteSync":
+        return self
+
+    def __exit__(self, kind: type | None, *exc: object) -> None:
+        if kind is not None:
+            self._proc.kill()  # Ctrl-C or an error: the remote sees EOF and discards its staging
+
+    def _drain_stderr(self) -> None:
+        try:
+            while chunk := self._proc.stderr.read1(CHUNK):
+                self._stderr.extend(chunk)
+                del self._stderr[:-STDERR_TAIL]
+        except DflashError:
+            pass  # a lost connection also surfaces on stdout, where it is reported
+
+    def reply(self) -> dict:
+        """The next JSON line from the remote; its error, if it ended without one."""
+        while b"\n" not in self._pending:
+            chunk = self._proc.stdout.read1(CHUNK)
+            if not chunk:
+                self._fail()
+            self._pending.extend(chunk)
+        line, _, rest = bytes(self._pending).partition(b"\n")
+        self._pending = bytearray(rest)
+        try:
+            return json.loads(line.decode("utf-8"))
+        except ValueError:
+            raise RemoteError(f"{self.target.label}: payload_sync printed unexpected output: {line[:80]!r}") from None
+
+    def send(self, chunks: Iterator[bytes]) -> None:
+        """Write chunks to the remote's stdin, then close it."""
+        try:
+            for chunk in chunks:
+                self._proc.stdin.write(chunk)
+        except (OSError, EOFError):
+            pass  # the remote stopped reading; its exit status and stderr say why
+        finally:
+            self._close_stdin()
+
+    def finish(self) -> None:
+        """Close stdin and wait; a non-zero exit becomes the remote's one-line error."""
+        self._close_stdin()
+        if self._proc.wait() != 0:
+            self._fail()
+
+    def _close_stdin(self) -> None:
+        try:
+            self._proc.stdin.close()
+        except (OSError, EOFError):
+            pass
+
+    def _fail(self) -> NoReturn:
+        code = self._proc.wait()
+        self._drain.join()
+        result = Completed(wrap_argv(self.target.host.container, self.argv), code, b"", bytes(self._stderr))
+        self.target.raise_for_container(result, self.argv)
+        _raise_remote(self.target, code, result.err_line())
 
 
 _MISSING = re.compile(r"no such file|not found", re.I)
-_REMOTE_ERRORS = {
-    wire.EXIT_BUSY: ConflictError,
-    wire.EXIT_CONFLICT: ConflictError,
-}
+_REMOTE_ERRORS = {wire.EXIT_BUSY: ConflictError}
 
 
-def _raise_remote(target: Target, code: int, line: str) -> None:
+def _raise_remote(target: Target, code: int, line: str) -> NoReturn:
     """Turn a failed remote step into one line; the live payload is untouched by any failure."""
     interpreter = target.host.interpreter
     if interpreter in line and _MISSING.search(line):

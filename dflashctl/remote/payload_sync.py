@@ -1,6 +1,6 @@
 """Remote side of `dflashctl push`: scan the live payload, stage a new version, swap it in.
 
-Runs inside the container as `python -c <this source> scan|apply WORKDIR`, so it may use only
+Runs inside the container as `python -S -c <this source> sync WORKDIR`, so it may use only
 the standard library and must stay compatible with old Python 3 (no walrus, no 3.8+ APIs).
 The client imports the same file for `manifest_hash` and `hash_file`, so both sides agree.
 
@@ -19,9 +19,10 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
+import queue
 import stat
 import sys
+import threading
 import time
 
 FORMAT = 1
@@ -33,7 +34,6 @@ EXIT_PROTOCOL = 2
 EXIT_NOSPACE = 3
 EXIT_DENIED = 4
 EXIT_BUSY = 5
-EXIT_CONFLICT = 6
 EXIT_VERIFY = 7
 EXIT_OS = 8
 
@@ -144,10 +144,10 @@ def verified_entries(layout, manifest):
             continue
         mode = stat.S_IMODE(st.st_mode)
         if st.st_size == entry["s"] and stat_key(st) == entry.get("k"):
-            out.append({"p": entry["p"], "s": entry["s"], "h": entry["h"], "m": mode})
-            continue
-        sha, size = hash_file(path)
-        out.append({"p": entry["p"], "s": size, "h": sha, "m": mode})
+            sha, size = entry["h"], entry["s"]
+        else:
+            sha, size = hash_file(path)
+        out.append({"p": entry["p"], "s": size, "h": sha, "m": mode, "k": stat_key(st)})
     return out
 
 
@@ -177,6 +177,8 @@ def remove(path):
     if os.path.islink(path) or os.path.isfile(path):
         os.unlink(path)
     elif os.path.isdir(path):
+        import shutil  # imported here: most pushes never need it, and startup is paid on every push
+
         shutil.rmtree(path)
 
 
@@ -204,29 +206,48 @@ def free_bytes(path):
     return st.f_bavail * st.f_frsize
 
 
-def cmd_scan(workdir, do_clean):
-    """Print the live payload's verified manifest (and clean leftovers when asked)."""
+def cmd_sync(workdir, dry_run):
+    """Print the live payload's verified manifest, then apply the client's changes from stdin.
+
+    One process does both halves under one lock, so a push is a single remote command and
+    nothing can change the live payload between the listing and the swap.
+    """
     layout = Layout(workdir)
-    vid = layout.current()
-    manifest = read_manifest(layout, vid)
-    if do_clean and os.path.isdir(layout.store):
-        handle = lock(layout)
+    handle = None if dry_run else lock(layout)
+    try:
+        base = read_manifest(layout, layout.current())
+        if handle is not None:
+            clean(layout, keep_set(base))  # leftovers of pushes killed at any point
+        live = verified_entries(layout, base) if base else []
+        write_line({
+            "format": FORMAT,
+            "vid": base["vid"] if base else None,
+            "remote_dir": layout.link,
+            "free": free_bytes(layout.workdir),
+            "files": [dict((k, e[k]) for k in "pshm") for e in live],
+        })
+        if dry_run:
+            return
+        stream = Stream(sys.stdin.buffer)
+        first = stream.raw.readline()
+        if not first:
+            return  # the client had nothing to change (or went away): the live payload stays
+        header = json.loads(stream.line(first).decode("utf-8"))
+        if header.get("format") != FORMAT:
+            raise Failure("client and remote script disagree on the stream format", EXIT_PROTOCOL)
+        vid = header["vid"]
+        stage = os.path.join(layout.store, "stage-" + vid)
         try:
-            vid = layout.current()
-            manifest = read_manifest(layout, vid)
-            clean(layout, keep_set(manifest))
-        finally:
+            entries = build(layout, stage, base, live, header["files"], stream)
+            finish(layout, stage, vid, base["vid"] if base else None, entries, header["hash"])
+        except BaseException:
+            remove(stage)  # best effort; the next push's clean() catches what this misses
+            raise
+        clean(layout, keep_set(read_manifest(layout, vid)))
+        write_line({"vid": vid, "hash": header["hash"], "remote_dir": layout.link})
+    finally:
+        if handle is not None:
             handle.close()
-    files = verified_entries(layout, manifest) if manifest else []
-    result = {
-        "format": FORMAT,
-        "vid": vid if manifest else None,
-        "remote_dir": layout.link,
-        "plain_dir": os.path.isdir(layout.link) and not os.path.islink(layout.link),
-        "free": free_bytes(layout.workdir),
-        "files": files,
-    }
-    write_json(result)
 
 
 def keep_set(manifest):
@@ -242,60 +263,93 @@ class Stream(object):
     def __init__(self, raw):
         self.raw = raw
 
-    def line(self):
-        data = self.raw.readline()
+    def line(self, data):
         if not data.endswith(b"\n"):
             raise Failure("push stream ended early (client gone)", EXIT_PROTOCOL)
         return data
 
-    def copy_to(self, handle, size, digest, buf):
-        view = memoryview(buf)
+    def chunks(self, size):
+        """Exactly size bytes, in pieces of at most CHUNK."""
         left = size
         while left:
-            n = self.raw.readinto(view[: min(left, len(buf))])
-            if not n:
+            data = self.raw.read(min(left, CHUNK))
+            if not data:
                 raise Failure("push stream ended early (client gone)", EXIT_PROTOCOL)
-            digest.update(view[:n])
-            handle.write(view[:n])
-            left -= n
+            left -= len(data)
+            yield data
 
 
-def cmd_apply(workdir):
-    """Build a new version from the live one plus streamed files, verify it, swap it in."""
-    stream = Stream(sys.stdin.buffer)
-    header = json.loads(stream.line().decode("utf-8"))
-    if header.get("format") != FORMAT:
-        raise Failure("client and remote script disagree on the stream format", EXIT_PROTOCOL)
-    layout = Layout(workdir)
-    make_dirs(layout.workdir)
-    handle = lock(layout)
-    try:
-        base = read_manifest(layout, layout.current())
-        base_vid = base["vid"] if base else None
-        if base_vid != header["base"]:
-            raise Failure("the payload changed during this push (another push?); run it again", EXIT_CONFLICT)
-        clean(layout, keep_set(base))
-        vid = header["vid"]
-        stage = os.path.join(layout.store, "stage-" + vid)
-        try:
-            entries = build(layout, stage, base, header["files"], stream)
-            finish(layout, stage, vid, base_vid, entries, header["hash"])
-        except BaseException:
-            remove(stage)  # best effort; the next push's clean() catches what this misses
-            raise
-        clean(layout, set([vid, base_vid]) - set([None]))
-    finally:
-        handle.close()
-    write_json({"vid": vid, "hash": header["hash"], "remote_dir": layout.link})
+class Writer(threading.Thread):
+    """Writes received files on a second thread, so disk work overlaps reading and hashing the stream.
+
+    File creation dominates a first push of many small files; both threads spend that time in
+    system calls, which release the GIL.
+    """
+
+    def __init__(self):
+        threading.Thread.__init__(self)
+        self.daemon = True
+        self.jobs = queue.Queue(maxsize=16)
+        self.error = None
+
+    def run(self):
+        fd = None
+        while True:
+            ops = self.jobs.get()
+            if ops is None:
+                break
+            if self.error is not None:
+                continue  # keep draining so the reader never blocks on a full queue
+            try:
+                for op in ops:
+                    fd = self.do(fd, op)
+            except OSError as exc:
+                self.error = exc
+        if fd is not None:
+            os.close(fd)
+
+    def do(self, fd, op):
+        kind, arg = op
+        if kind == "open":
+            path, mode = arg
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        if kind == "data":
+            view = memoryview(arg)
+            while view:
+                view = view[os.write(fd, view):]
+            return fd
+        os.close(fd)
+        return None
+
+    def finish(self):
+        """Wait for every queued write; raise the first write error."""
+        self.jobs.put(None)
+        self.join()
+        if self.error is not None:
+            raise self.error
 
 
-def build(layout, stage, base, files, stream):
+def build(layout, stage, base, live, files, stream):
     """Fill stage with every file: hard links to the base version, or bytes from the stream."""
     base_root = layout.version_dir(base["vid"]) if base else None
-    buf = bytearray(CHUNK)
+    verified = dict((e["p"], e) for e in live)
     entries = []
     made = set()
     os.makedirs(stage)
+    os.umask(0)  # modes are set exactly at creation: no chmod per file
+    writer = Writer()
+    writer.start()
+    try:
+        receive_all(stage, base_root, verified, files, stream, writer, made, entries)
+    finally:
+        writer.finish()
+    if stream.raw.read(1):
+        raise Failure("push stream has trailing data", EXIT_PROTOCOL)
+    return entries
+
+
+def receive_all(stage, base_root, verified, files, stream, writer, made, entries):
+    """Carry or receive each file of the header, in order, appending its verified entry."""
     for entry in files:
         path = fs_path(stage, entry["p"])
         parent = os.path.dirname(path)
@@ -303,32 +357,46 @@ def build(layout, stage, base, files, stream):
             make_dirs(parent)
             made.add(parent)
         if entry["src"] == "base":
-            sha, size = carry(fs_path(base_root, entry["p"]), path, entry)
+            if entry["p"] not in verified:
+                raise Failure("client asked to keep %s, which the live payload lacks" % entry["p"], EXIT_PROTOCOL)
+            sha, size = carry(fs_path(base_root, entry["p"]), path, verified[entry["p"]])
         else:
-            sha, size = receive(stream, path, entry["s"], buf)
-        os.chmod(path, entry["m"])
+            sha, size = receive(stream, writer, path, entry)
         if (sha, size) != (entry["h"], entry["s"]):
             raise Failure("verification failed for %s: content differs from the local file" % entry["p"], EXIT_VERIFY)
         entries.append({"p": entry["p"], "s": size, "h": sha, "m": entry["m"]})
-    if stream.raw.read(1):
-        raise Failure("push stream has trailing data", EXIT_PROTOCOL)
-    return entries
 
 
-def carry(src, dst, entry):
+def carry(src, dst, live):
     """Bring an unchanged file over without resending it: a hard link, or a copy where links fail."""
     try:
-        os.link(src, dst)
+        os.link(src, dst)  # same inode, so same mode: the client sends files whose mode changed
     except OSError:
+        import shutil
+
         shutil.copyfile(src, dst)
-    return hash_file(dst)  # reread from the page cache: the version is verified as a whole
+        os.chmod(dst, live["m"])
+    st = os.lstat(dst)
+    if stat_key(st) == live["k"] and st.st_size == live["s"]:
+        return live["h"], live["s"]  # the very inode hashed (or stat-verified) moments ago
+    return hash_file(dst)
 
 
-def receive(stream, path, size, buf):
+def receive(stream, writer, path, entry):
+    """Hash a sent file's bytes as they arrive and queue them for the writer thread."""
     digest = hashlib.sha256()
-    with open(path, "wb") as handle:
-        stream.copy_to(handle, size, digest, buf)
-    return digest.hexdigest(), size
+    ops = [("open", (path, entry["m"]))]
+    left = entry["s"]
+    for data in stream.chunks(entry["s"]):
+        digest.update(data)
+        left -= len(data)
+        ops.append(("data", data))
+        if left:  # the last chunk travels with the close: one hand-off per small file
+            writer.jobs.put(ops)
+            ops = []
+    ops.append(("close", None))
+    writer.jobs.put(ops)
+    return digest.hexdigest(), entry["s"]
 
 
 def finish(layout, stage, vid, base_vid, entries, expected_hash):
@@ -369,8 +437,8 @@ def write_file(path, data):
     os.rename(tmp, path)
 
 
-def write_json(obj):
-    sys.stdout.write(json.dumps(obj))
+def write_line(obj):
+    sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
 
 
@@ -385,14 +453,12 @@ def describe_os_error(exc):
 
 
 def main(argv):
-    """Entry point: `scan WORKDIR [--clean]` or `apply WORKDIR`; errors are one stderr line."""
+    """Entry point: `sync WORKDIR [--dry-run]`; errors are one stderr line and an exit code."""
     try:
-        if len(argv) >= 2 and argv[0] == "scan":
-            cmd_scan(argv[1], "--clean" in argv[2:])
-        elif len(argv) == 2 and argv[0] == "apply":
-            cmd_apply(argv[1])
+        if len(argv) in (2, 3) and argv[0] == "sync" and argv[2:] in ([], ["--dry-run"]):
+            cmd_sync(argv[1], dry_run=len(argv) == 3)
         else:
-            raise Failure("usage: payload_sync scan|apply WORKDIR", EXIT_PROTOCOL)
+            raise Failure("usage: payload_sync sync WORKDIR [--dry-run]", EXIT_PROTOCOL)
     except Failure as exc:
         sys.stderr.write("payload_sync: %s\n" % exc)
         return exc.code
