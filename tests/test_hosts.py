@@ -1,0 +1,100 @@
+"""`dflashctl hosts list` and `hosts check`, end to end against the real sshd + pct shim and `local`."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+
+from sshd import CLI
+
+from dflashctl.hosts import _interpreter_checks
+from dflashctl.inventory import HostSpec
+
+
+def rows(result: subprocess.CompletedProcess) -> dict[str, dict]:
+    """`hosts check --json` output as {check name: row}."""
+    assert "Traceback" not in result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["ok"] == (result.returncode == 0)
+    return {row["name"]: row for row in doc["checks"]}
+
+
+def test_hosts_list_shows_every_host_and_the_default(shim_host):
+    result = shim_host.run_cli("hosts", "list")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    shim_line = next(line for line in lines if " shim " in line)
+    assert "*" in shim_line and "pct 200" in shim_line and f"127.0.0.1:{shim_host.port}" in shim_line
+    for name in ("stopped", "bare", "local"):
+        assert any(f" {name} " in line for line in lines), name
+
+
+def test_check_passes_on_shim_host_and_local(shim_host):
+    """Both checks import torch remotely, so they run side by side."""
+    procs = {
+        name: subprocess.Popen([*CLI, "hosts", "check", name, *flags], env=shim_host.env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        for name, flags in (("shim", ["--json"]), ("local", []))
+    }
+    outs = {name: proc.communicate(timeout=300) for name, proc in procs.items()}
+    shim = subprocess.CompletedProcess([], procs["shim"].returncode, *outs["shim"])
+    assert shim.returncode == 0, shim.stdout + shim.stderr
+    checks = rows(shim)
+    assert list(checks) == ["reachable", "container", "interpreter", "torch", "triton", "cuda", "nvidia-smi"]
+    assert checks["container"]["detail"] == "pct 200 running"
+    assert checks["torch"]["detail"].startswith("2.")
+    local_out, local_err = outs["local"]
+    assert procs["local"].returncode == 0, local_out + local_err
+    assert "torch" in local_out and "FAIL" not in local_out
+
+
+def test_check_stopped_container_fails_with_hint(shim_host):
+    result = shim_host.run_cli("hosts", "check", "stopped", "--json")
+    assert result.returncode == 1
+    checks = rows(result)
+    assert checks["reachable"]["ok"] and not checks["container"]["ok"]
+    assert checks["container"]["hint"] == "pct start 201"
+    assert "interpreter" not in checks  # nothing to run it in
+
+
+def test_check_unreachable_host_is_a_failed_row(shim_host, tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", {"x": shim_host.host_entry(None, port=sock.getsockname()[1])})
+        result = shim_host.run_cli("hosts", "check", "x", env={"DFLASHCTL_INVENTORY": str(inventory)})
+    assert result.returncode == 1
+    assert "reachable" in result.stdout and "FAIL" in result.stdout and "connection refused" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_check_unknown_key_hints_trust(shim_host, tmp_path):
+    home = shim_host.make_home(tmp_path / "home", trusted=False)
+    checks = rows(shim_host.run_cli("hosts", "check", "bare", "--json", env={"HOME": str(home)}))
+    assert not checks["reachable"]["ok"] and checks["reachable"]["hint"] == "dflashctl hosts trust bare"
+
+
+def test_check_missing_interpreter(shim_host, tmp_path):
+    inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", {"nopy": shim_host.host_entry(200, python="/nonexistent/python3")})
+    result = shim_host.run_cli("hosts", "check", "nopy", "--json", env={"DFLASHCTL_INVENTORY": str(inventory)})
+    assert result.returncode == 1
+    checks = rows(result)
+    assert checks["container"]["ok"] and not checks["interpreter"]["ok"]
+    assert "/nonexistent/python3" in checks["interpreter"]["detail"]
+
+
+def test_gpu_rows_from_probe_answers():
+    """Row logic for GPU hosts, which CI does not have (the probe's JSON is the interface)."""
+    gpu_host = HostSpec(name="g", gpus=(0, 1))
+    no_cuda = {c.name: c for c in _interpreter_checks(gpu_host, {"python": "3.11", "torch": "2.13.0", "nvidia_smi": None})}
+    assert not no_cuda["cuda"].ok and not no_cuda["nvidia-smi"].ok and not no_cuda["triton"].ok
+    answer = {
+        "python": "3.11", "torch": "2.13.0", "triton": "3.5.0", "cuda_available": True, "cuda_version": "12.8",
+        "gpu_count": 2, "gpu_names": ["NVIDIA H200", "NVIDIA H200"],
+        "nvidia_smi": {"gpus": [{"index": "0", "name": "NVIDIA H200", "memory_total_mib": "143771",
+                                 "memory_used_mib": "0", "utilization_pct": "0"}]},
+    }
+    ok = {c.name: c for c in _interpreter_checks(gpu_host, answer)}
+    assert all(c.ok for c in ok.values()) and "2 GPU(s)" in ok["cuda"].detail
+    three = {c.name: c for c in _interpreter_checks(HostSpec(name="g", gpus=(0, 2)), answer)}
+    assert not three["cuda"].ok and "[2]" in three["cuda"].hint
