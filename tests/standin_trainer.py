@@ -35,6 +35,7 @@ def parse(argv):
 
 
 def main():
+    """Train (pretend), honouring SIGTERM like the real trainer: checkpoint and exit 143."""
     opts = parse(sys.argv[1:])
     out = opts.get("run.output_dir", ".")
     steps = int(opts["run.steps"])
@@ -72,6 +73,7 @@ def main():
 
 
 def checkpoint(out, step):
+    """Write a fake checkpoint and return the exit code for death by SIGTERM."""
     os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
     with open(os.path.join(out, "checkpoints", "step-%d.json" % step), "w") as fh:
         json.dump({"step": step}, fh)

@@ -255,7 +255,7 @@ TINY = ["run.log_every=1", "data.num_train=8", "data.num_eval=2", "data.batch_si
 def test_real_trainer_follow_then_stop_checkpoints(shim):
     """The real trainer's tiny config through push, start, follow and stop (SIGTERM -> checkpoint)."""
     pytest.importorskip("torch")
-    from dflashctl.logs import Reconnect, read_log
+    from dflashctl.logs import read_log
     from dflashctl.payload import push
 
     _, session, workdir = shim
@@ -270,8 +270,7 @@ def test_real_trainer_follow_then_stop_checkpoints(shim):
         if not stopped and b"step 2/100000" in got:
             threading.Thread(target=lambda: stopped.append(stop_run(session.target("shim"), run.run_id, 120))).start()
 
-    ending = read_log(session, "shim", run.run_id, on_data=sink, follow=True, lines=-1,
-                      policy=Reconnect(stall_s=60))
+    ending = read_log(session, "shim", run.run_id, on_data=sink, follow=True, lines=-1)
     wait_until(lambda: stopped, what="stop to return")
     assert ending.state == "stopped" and ending.exit_code == 143 and stopped[0]["state"] == "stopped"
     rdir = run_dir(workdir, run.run_id)

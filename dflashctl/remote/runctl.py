@@ -49,6 +49,7 @@ def emit(obj):
 
 
 def read_json(path):
+    """A JSON file's content, or None if missing or unreadable."""
     try:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
@@ -65,6 +66,7 @@ def write_atomic(path, text):
 
 
 def read_exit_code(run_dir):
+    """The recorded exit code, or None while the run has none."""
     try:
         with open(os.path.join(run_dir, EXIT)) as fh:
             return int(fh.read().strip())
@@ -73,10 +75,12 @@ def read_exit_code(run_dir):
 
 
 def runs_root(workdir):
+    """`<workdir>/runs`, with ~ expanded here, inside the container."""
     return os.path.join(os.path.expanduser(workdir), "runs")
 
 
 def utc_iso(ts):
+    """A timestamp as `2026-11-30T11:30:00Z`."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
@@ -84,6 +88,7 @@ def utc_iso(ts):
 
 
 def boot_id():
+    """The kernel's boot id (changes on every reboot), or None without /proc."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as fh:
             return fh.read().strip()
@@ -229,6 +234,7 @@ def resolve(root, selector):
 
 
 def new_run_id(root):
+    """A fresh sortable run id: UTC start time plus 4 random hex digits."""
     while True:
         run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-%04x" % random.getrandbits(16)
         if not os.path.exists(os.path.join(root, run_id)):
@@ -352,6 +358,7 @@ def wait_trainer(run_dir, child, stop_flag):
 
 
 def signal_group(pgid, sig):
+    """Signal a process group, ignoring one that is already gone."""
     try:
         os.killpg(pgid, sig)
     except OSError:
@@ -359,10 +366,12 @@ def signal_group(pgid, sig):
 
 
 def request_stop(run_dir, grace, reason):
+    """Record a stop request; the supervisor acts on it."""
     write_atomic(os.path.join(run_dir, STOP), json.dumps({"grace": grace, "at": utc_iso(time.time()), "by": reason}))
 
 
 def update_meta(run_dir, **fields):
+    """Merge fields into run.json (atomically)."""
     path = os.path.join(run_dir, META)
     meta = read_json(path) or {}
     meta.update(fields)
@@ -387,6 +396,7 @@ def wait_for_pids(run_dir, sup_pid, timeout=15.0):
 
 
 def cmd_list(workdir):
+    """Every run's summary, oldest first."""
     emit({"runs": [summary(d, m) for _, d, m in all_runs(runs_root(workdir))]})
 
 
@@ -539,6 +549,7 @@ def cmd_read(workdir, selector, inode, offset, lines, since_step, follow, metric
 
 
 def stream_log(run_dir, meta, fh, ino, follow, metrics):
+    """The reader loop: send what the log gains, switch files on rotation, end with the run."""
     log_path = os.path.join(run_dir, LOG)
     parent = os.getppid()
     last_write = time.time()
@@ -563,8 +574,7 @@ def stream_log(run_dir, meta, fh, ino, follow, metrics):
                 continue
         if metrics:
             metrics_size = send_metrics(run_dir, metrics_size)
-        state, code = state_of(run_dir, meta) if follow else ("running", None)
-        if not follow or state != "running":
+        if not follow or state_of(run_dir, meta)[0] != "running":
             if fh is not None and fh.read(1):  # the last lines arrived after our read: drain first
                 fh.seek(-1, os.SEEK_CUR)
                 continue
@@ -602,6 +612,7 @@ def follow_rotation(fh, ino, log_path):
 
 
 def send_metrics(run_dir, known_size):
+    """Send the latest metrics when metrics.jsonl changed; returns its size now."""
     path = os.path.join(run_dir, METRICS)
     try:
         size = os.stat(path).st_size
@@ -618,6 +629,7 @@ COMMANDS = {"start": cmd_start, "list": cmd_list, "show": cmd_show, "stop": cmd_
 
 
 def main(argv):
+    """Dispatch `COMMAND ARGS...`; error answers go to stdout as JSON (or an X frame)."""
     if not argv or argv[0] not in COMMANDS:
         sys.stderr.write("usage: runctl {%s} WORKDIR ...\n" % ",".join(COMMANDS))
         return 2
