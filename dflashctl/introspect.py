@@ -479,33 +479,27 @@ def plain_source(view: SourceView) -> str:
     return "".join(line + "\n" for line in out)
 
 
-def rich_source(view: SourceView) -> list[Any]:
-    """Syntax-highlighted blocks (one per run of consecutive lines) for a terminal."""
+def rich_source(view: SourceView) -> Any:
+    """One syntax-highlighted panel for a terminal; gaps between runs of lines show as a dim `⋮`."""
+    from rich.console import Group
     from rich.panel import Panel
     from rich.syntax import Syntax
+    from rich.text import Text
 
-    blocks, run = [], []  # type: ignore[var-annotated]
+    runs: list[list[tuple[int, str]]] = []
     for n, text in view.lines:
-        if run and n != run[-1][0] + 1:
-            blocks.append(run)
-            run = []
-        run.append((n, text))
-    if run:
-        blocks.append(run)
-    title = f"{view.file}" + (f"  {view.symbol} {view.span[0]}-{view.span[1]}" if view.span else "")
-    rendered = []
-    for block in blocks:
-        code = "\n".join(t for _, t in block)
-        syntax = Syntax(
-            code,
-            "python",
-            line_numbers=True,
-            start_line=block[0][0],
-            highlight_lines=set(view.matches),
-            word_wrap=False,
-        )
-        rendered.append(Panel(syntax, title=title, title_align="left", expand=False))
-    return rendered
+        if runs and n == runs[-1][-1][0] + 1:
+            runs[-1].append((n, text))
+        else:
+            runs.append([(n, text)])
+    parts: list[Any] = []
+    for run in runs:
+        if parts:
+            parts.append(Text("⋮", style="dim"))
+        code = "\n".join(t for _, t in run)
+        parts.append(Syntax(code, "python", line_numbers=True, start_line=run[0][0], highlight_lines=set(view.matches)))
+    title = view.file + (f"  {view.symbol} {view.span[0]}-{view.span[1]}" if view.span else "")
+    return Panel(Group(*parts), title=title, title_align="left", expand=False)
 
 
 def plain_config(view: ConfigView) -> str:
@@ -524,8 +518,9 @@ def plain_config(view: ConfigView) -> str:
 
 
 def rich_config(view: ConfigView) -> Any:
-    """A table of key, value, default and environment for a terminal."""
+    """A table of key, value, default and environment for a terminal (values as Text: no markup)."""
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=f"{view.module} on {view.host} (torch {view.version})", title_justify="left")
     for column in ("key", "value", "default", "env"):
@@ -534,10 +529,10 @@ def rich_config(view: ConfigView) -> Any:
         changed = e["default_repr"] != e["repr"]
         env = ", ".join(f"{k}={v}" for k, v in e["env_set"].items()) or ", ".join(e["env_vars"])
         table.add_row(
-            e["key"],
-            f"[bold yellow]{e['repr']}[/]" if changed else e["repr"],
-            e["default_repr"],
-            f"[bold]{env}[/]" if e["env_set"] else f"[dim]{env}[/]",
+            Text(e["key"]),
+            Text(e["repr"], style="bold yellow" if changed else ""),
+            Text(e["default_repr"]),
+            Text(env, style="bold" if e["env_set"] else "dim"),
         )
     return table
 
@@ -584,8 +579,7 @@ def run_inspect(target: Target, opts: InspectOptions, write: Callable[[str], Non
     if opts.json:
         write(json.dumps(view.to_json(), indent=2) + "\n")
     elif pretty is not None:
-        for block in rich_source(view):
-            pretty.print(block)
+        pretty.print(rich_source(view))
     else:
         write(plain_source(view))
 

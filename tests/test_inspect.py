@@ -482,3 +482,13 @@ def test_line_break_oddities_match_inspect(edgy_dir, reference, monkeypatch, cac
 def test_source_lines_is_getsource_splitlines():
     assert source_lines(b"a\r\nb\rc\x0cd") == ["a", "b", "c", "d"]
     assert source_lines("\ufeffx = '\u2028'\n".encode("utf-8")) == ["x = '", "'"]
+
+
+def test_terminal_rendering_is_highlighted_source_and_table(cache_home):
+    from rich.console import Console
+
+    console = Console(force_terminal=True, width=160, color_system="truecolor", record=True)
+    run_inspect(_local_target(), InspectOptions("compile_fx.cudagraphify", grep="cudagraph_trees"), print, pretty=console)
+    text = console.export_text()
+    assert "compile_fx.py  cudagraphify" in text and "config.triton.cudagraph_trees" in text
+    assert "\x1b[" in console.export_text(styles=True)  # colours reach the terminal
