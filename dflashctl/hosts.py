@@ -34,7 +34,7 @@ def render_host_table(inventory: Inventory) -> Table:
     title = f"hosts from {inventory.path}" if inventory.path else "hosts (built in: no hosts.yaml found)"
     table = Table(title=title, title_justify="left")
     for column in ("", "name", "transport", "address", "container", "python", "gpus"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for name, host in inventory.hosts.items():
         table.add_row(
             "*" if name == inventory.default else "",

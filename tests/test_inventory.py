@@ -1,0 +1,94 @@
+"""hosts.yaml: lookup order and validation messages that name the file, the host and the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflashctl.errors import UsageError
+from dflashctl.inventory import DEFAULT_PCT, load_inventory, parse_inventory
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("hosts:\n  gpu1:\n    container: {runtime: pct, vmid: abc}\n",
+         "hosts.yaml: host 'gpu1': container.vmid must be an integer, got 'abc'"),
+        ("hosts:\n  gpu1:\n    port: 70000\n", "hosts.yaml: host 'gpu1': port must be an integer 1-65535, got 70000"),
+        ("hosts:\n  gpu1:\n    transport: telnet\n", "hosts.yaml: host 'gpu1': transport must be one of ssh, local, got 'telnet'"),
+        ("hosts:\n  gpu1:\n    adress: x\n", "hosts.yaml: host 'gpu1': unknown field 'adress'"),
+        ("hosts:\n  gpu1:\n    container: {runtime: docker}\n",
+         "hosts.yaml: host 'gpu1': container.name must be the docker container's name, got None"),
+        ("hosts:\n  gpu1:\n    container: {runtime: lxd}\n",
+         "hosts.yaml: host 'gpu1': container.runtime must be one of pct, docker, none, got 'lxd'"),
+        ("hosts:\n  gpu1:\n    gpus: [0, 0]\n", "hosts.yaml: host 'gpu1': gpus lists an index twice: [0, 0]"),
+        ("hosts:\n  gpu1:\n    gpus: 2\n", "hosts.yaml: host 'gpu1': gpus must be a list of GPU indices like [0, 1], got 2"),
+        ("hosts:\n  local:\n    address: 10.0.0.1\n",
+         "hosts.yaml: host 'local': address, user, port, identity_file and proxy_jump only apply to transport ssh"),
+        ("default: gpu9\nhosts:\n  gpu1: {}\n", "hosts.yaml: default host 'gpu9' is not defined under hosts"),
+        ("hosts: [a, b]\n", "hosts.yaml: 'hosts' must be a mapping of host name to settings"),
+        ("hosts:\n  gpu1: {address: [}\n", "hosts.yaml: line 2:"),
+    ],
+)
+def test_validation_messages(text, message):
+    with pytest.raises(UsageError) as info:
+        parse_inventory(text)
+    assert str(info.value).startswith(message)
+
+
+def test_a_full_host_entry_parses():
+    inv = parse_inventory(
+        "default: gpu1\nhosts:\n  gpu1:\n    address: 10.1.2.6\n    user: root\n    port: 22\n"
+        "    container: {runtime: pct, vmid: 200}\n    python: /root/venv/bin/python\n    gpus: [0, 1]\n"
+    )
+    host = inv.get(None)
+    assert (host.name, host.address, host.user, host.port, host.gpus) == ("gpu1", "10.1.2.6", "root", 22, (0, 1))
+    assert (host.container.runtime, host.container.vmid, host.container.pct_path) == ("pct", 200, DEFAULT_PCT)
+    assert inv.get("local").transport == "local"  # always there
+
+
+def test_repo_example_inventory_is_valid():
+    from pathlib import Path
+
+    inv = load_inventory(Path(__file__).parent.parent / "hosts.yaml")
+    assert inv.default == "local"
+
+
+def test_cli_reports_bad_inventory_with_exit_2(shim_host, tmp_path):
+    bad = tmp_path / "hosts.yaml"
+    bad.write_text("hosts:\n  gpu1:\n    container: {runtime: pct, vmid: abc}\n")
+    result = shim_host.run_cli("hosts", "list", env={"DFLASHCTL_INVENTORY": str(bad)})
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip() == "error: hosts.yaml: host 'gpu1': container.vmid must be an integer, got 'abc'"
+
+
+def test_lookup_order(shim_host, tmp_path):
+    """--inventory, then $DFLASHCTL_INVENTORY, then ./hosts.yaml, then ~/.config/dflashctl/hosts.yaml."""
+    def inventory(path, name):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"default: {name}\nhosts:\n  {name}: {{transport: local}}\n")
+        return path
+
+    home = tmp_path / "home"
+    inventory(home / ".config/dflashctl/hosts.yaml", "from-config")
+    cwd = tmp_path / "cwd"
+    inventory(cwd / "hosts.yaml", "from-cwd")
+    env_file = inventory(tmp_path / "env.yaml", "from-env")
+    flag_file = inventory(tmp_path / "flag.yaml", "from-flag")
+
+    def chosen(*args, env_var=""):
+        result = shim_host.run_cli(*args, "hosts", "list", cwd=cwd, env={"HOME": str(home), "DFLASHCTL_INVENTORY": env_var})
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split()[2]  # the table title: "hosts from PATH"
+
+    assert chosen("--inventory", str(flag_file), env_var=str(env_file)) == str(flag_file)
+    assert chosen(env_var=str(env_file)) == str(env_file)
+    assert chosen() == str(cwd / "hosts.yaml")
+    (cwd / "hosts.yaml").unlink()
+    assert chosen() == str(home / ".config/dflashctl/hosts.yaml")
+
+
+def test_missing_explicit_inventory_exit_2(shim_host, tmp_path):
+    result = shim_host.run_cli("--inventory", str(tmp_path / "nope.yaml"), "hosts", "list")
+    assert result.returncode == 2
+    assert "inventory file not found" in result.stderr and "Traceback" not in result.stderr
