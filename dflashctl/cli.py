@@ -411,6 +411,37 @@ def logs_tail(
                             err=Console(stderr=True)))
 
 
+# --- doctor ------------------------------------------------------------------------------------
+
+
+@app.command("doctor")
+def doctor_cmd(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(None, help="Host to diagnose (default host if omitted)."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="GPU indices for the smoke tests, e.g. 0,1 (default: the host's gpus, else all)."),
+    quick: bool = typer.Option(False, "--quick", help="Skip the threaded compile smoke tests."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    policies: Optional[str] = typer.Option(None, "--policies", help="Smoke-test only these policies: off,default,cudagraph-trees,cudagraphs."),
+    smoke_timeout: float = typer.Option(120.0, "--smoke-timeout", help="Seconds per smoke test before it counts as a hang."),
+    steps: int = typer.Option(0, "--steps", help="Timed steps per smoke test (default 30 on GPU, 3 on CPU)."),
+    inject: Optional[str] = typer.Option(None, "--inject", hidden=True, help="Test hook, see docs/doctor.md."),
+) -> None:
+    """Diagnose a host: GPUs, driver, torch, caches, and threaded torch.compile smoke tests."""
+    import json
+
+    from .doctor import DoctorOptions, render_report, run_doctor
+
+    target = _state(ctx).session().target(host)
+    err = Console(stderr=True)
+    options = DoctorOptions(quick, gpus, policies, smoke_timeout, steps, inject)
+    doc = run_doctor(target, options, progress=lambda line: err.print(Text(line, style="dim")))
+    if json_out:
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        render_report(doc, Console())
+    raise typer.Exit(0 if doc["ok"] else 1)
+
+
 # --- entry point -------------------------------------------------------------------------------
 
 

@@ -1,0 +1,133 @@
+"""`dflashctl doctor HOST`: push the payload, run its doctor inside the container, render the report.
+
+The checks themselves live in the payload (`remote_payload/dflash_train/doctor.py`) because the
+smoke tests need the trainer's own step and the container's torch. This side only ships the
+payload, starts `report`, streams its progress lines, and turns its JSON into a table.
+Report format and exit codes: docs/doctor.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .containers import Target
+from .errors import RemoteError, UsageError
+
+SCHEMA = "dflashctl.doctor/1"
+# Runs the payload's doctor from wherever push put it: argv[1] is that directory.
+BOOTSTRAP = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "from dflash_train.doctor import main; sys.exit(main(sys.argv[1:]))"
+)
+PROGRESS_PREFIX = "doctor: "
+STARTUP_ALLOWANCE_S = 180  # imports, environment checks and a cold push, on top of the smoke limits
+SMOKE_POLICIES = 4
+STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "n/a": "dim", "skipped": "dim"}
+
+
+@dataclass(frozen=True)
+class DoctorOptions:
+    """What the user asked `dflashctl doctor` for; passed through to the container side."""
+
+    quick: bool = False
+    gpus: str | None = None
+    policies: str | None = None
+    smoke_timeout: float = 120.0
+    steps: int = 0
+    inject: str | None = None
+
+    def argv(self) -> list[str]:
+        """The `report` subcommand's arguments."""
+        args = ["report", "--smoke-timeout", str(self.smoke_timeout)]
+        if self.quick:
+            args.append("--quick")
+        for flag, value in (("--gpus", self.gpus), ("--policies", self.policies), ("--inject", self.inject)):
+            if value:
+                args += [flag, value]
+        if self.steps:
+            args += ["--steps", str(self.steps)]
+        return args
+
+    def time_limit(self) -> float:
+        """How long the whole remote report may take before the client gives up."""
+        return STARTUP_ALLOWANCE_S + (0 if self.quick else SMOKE_POLICIES * (self.smoke_timeout + 5))
+
+
+def run_doctor(target: Target, options: DoctorOptions, progress: Callable[[str], None] | None = None) -> dict:
+    """Push the payload, run the doctor in the container, and return its report (with `host` added)."""
+    from .payload import push
+
+    payload_dir = push(target).remote_dir
+    gpus = options.gpus or ",".join(map(str, target.host.gpus)) or None
+    opts = DoctorOptions(options.quick, gpus, options.policies, options.smoke_timeout, options.steps, options.inject)
+    lines = _LineSplitter(progress)
+    argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, *opts.argv()]
+    result = target.run(argv, timeout=opts.time_limit(), on_stderr=lines.feed)
+    if result.exit_code == 2:
+        raise UsageError(lines.last or "doctor: bad arguments")
+    doc = parse_report(result.stdout)
+    if doc is None:
+        raise RemoteError(f"{target.label}: doctor gave no report (exit {result.exit_code}): {lines.last or 'no output'}")
+    doc["host"] = target.host.name
+    return doc
+
+
+def parse_report(stdout: bytes) -> dict | None:
+    """The report document from the container's stdout (its last JSON line), or None."""
+    for line in reversed(stdout.decode("utf-8", "replace").splitlines()):
+        if line.startswith("{"):
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                return None
+            return doc if doc.get("schema") == SCHEMA else None
+    return None
+
+
+class _LineSplitter:
+    """Turns streamed stderr chunks into lines; progress lines go to the callback, the last line is kept."""
+
+    def __init__(self, progress: Callable[[str], None] | None):
+        self.progress = progress
+        self.buffer = ""
+        self.last = ""
+
+    def feed(self, chunk: bytes) -> None:
+        """Accept a chunk of stderr."""
+        self.buffer += chunk.decode("utf-8", "replace")
+        *complete, self.buffer = self.buffer.split("\n")
+        for line in filter(str.strip, complete):
+            self.last = line.strip()
+            if self.progress and line.startswith(PROGRESS_PREFIX):
+                self.progress(line[len(PROGRESS_PREFIX):])
+
+
+def render_report(doc: dict, console: Console) -> None:
+    """The report as a table: check, status, result, evidence, fix hint; the verdict in its own section."""
+    devices = " + ".join(doc["devices"])
+    table = Table(title=f"doctor {doc.get('host', '')}: torch {doc['torch']}, smoke devices {devices}")
+    table.add_column("check", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    for column in ("result", "evidence", "fix hint"):
+        table.add_column(column, overflow="fold")
+    for row in doc["checks"]:
+        verdict = row["id"] == "verdict"
+        if verdict:
+            table.add_section()
+        table.add_row(
+            Text(row["check"], style="bold" if verdict else ""),
+            Text(row["status"], style=STATUS_STYLES.get(row["status"], "")),
+            Text(row["result"], style="bold" if verdict else ""),
+            Text(row["evidence"]),
+            Text(row["hint"], style="cyan"),
+        )
+    console.print(table)
+    failed = [r["check"] for r in doc["checks"] if r["status"] == "fail"]
+    summary = f"{len(failed)} failed: {', '.join(failed)}" if failed else "no failures"
+    console.print(Text(f"{summary} ({doc['elapsed_s']} s)", style="red" if failed else "green"))

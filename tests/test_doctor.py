@@ -1,0 +1,252 @@
+"""`dflashctl doctor`: how a crashed, segfaulted or hung child is classified, the report's rows,
+and the CLI end to end on `local` (CPU) and through real sshd + the pct shim.
+
+Timing (2 CPU cores): compiling the tiny step with mode="default" on CPU takes 25-45 s, so only
+the one slow-marked test compiles; the others inject a crash and a hang (which fire before any
+replica is built) or use --quick.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from rich.console import Console
+
+from dflashctl.doctor import SCHEMA, DoctorOptions, parse_report, render_report
+
+PAYLOAD = Path(__file__).resolve().parent.parent / "remote_payload"
+sys.path.insert(0, str(PAYLOAD))
+
+from dflash_train import doctor as D  # noqa: E402
+
+CLI = [sys.executable, "-c", "from dflashctl.cli import main; main()"]
+CHECK_IDS = ["python", "torch", "triton", "gpus", "driver", "capability", "inductor_cache", "tmp", "shm",
+             "smoke:off", "smoke:default", "smoke:cudagraph-trees", "smoke:cudagraphs", "verdict"]
+
+
+# --- classification of one child -------------------------------------------------------------
+
+
+def child(tmp_path: Path, body: str, timeout: float = 30) -> D.ChildRun:
+    """Run a small script (written to a file, so frames have a real path) through run_child."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(body))
+    return D.run_child([sys.executable, "-X", "faulthandler", str(script)], timeout)
+
+
+def test_exception_reports_first_line_and_innermost_frame(tmp_path: Path) -> None:
+    run = child(tmp_path, """
+        def inner():
+            raise ValueError("bad shape\\nsecond line")
+
+        inner()
+    """)
+    result = D.classify(run)
+    assert result["outcome"] == "exception" and result["returncode"] == 1
+    assert result["error"] == "ValueError: bad shape"
+    assert result["where"] == f"{tmp_path}/child.py:3 in inner"
+
+
+def test_segfault_reports_the_crashing_frame(tmp_path: Path) -> None:
+    run = child(tmp_path, """
+        import ctypes
+
+        def poke():
+            ctypes.string_at(0)
+
+        poke()
+    """)
+    result = D.classify(run)
+    assert result["outcome"] == "segfault" and result["error"] == "killed by SIGSEGV"
+    assert result["where"].startswith(f"{tmp_path}/child.py:5 in poke (innermost: ")
+    assert result["where"].endswith(" in string_at)")
+
+
+def test_hang_is_killed_with_its_process_group_and_located(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    run = child(tmp_path, f"""
+        import faulthandler, signal, subprocess, threading, time
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        grandchild = subprocess.Popen(["sleep", "300"])
+        open({str(pid_file)!r}, "w").write(str(grandchild.pid))
+
+        def stuck():
+            time.sleep(300)
+
+        worker = threading.Thread(target=stuck)
+        worker.start()
+        worker.join()
+    """, timeout=3)
+    result = D.classify(run)
+    assert result["outcome"] == "hang" and result["error"].startswith("no result within 3 s")
+    assert result["where"] == f"{tmp_path}/child.py:8 in stuck"
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5  # the kernel reaps the killed sleep asynchronously
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild), "the hung child's process group outlived the timeout"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_printed_result_wins(tmp_path: Path) -> None:
+    run = child(tmp_path, """
+        import json
+        print(json.dumps({"outcome": "ok", "ms_per_step": [1.5, 1.6], "losses": [2.0, 2.0], "losses_agree": True}))
+    """)
+    assert D.classify(run) == {"seconds": round(run.seconds, 1), "returncode": 0, "outcome": "ok",
+                               "ms_per_step": [1.5, 1.6], "losses": [2.0, 2.0], "losses_agree": True}
+
+
+# --- rows --------------------------------------------------------------------------------------
+
+
+def test_gpu_mismatch_names_the_absent_device_nodes(tmp_path: Path) -> None:
+    (tmp_path / "nvidiactl").touch()
+    (tmp_path / "nvidia0").touch()
+    smi = {"gpus": [{"index": 0, "name": "NVIDIA H200"}, {"index": 1, "name": "NVIDIA H200"}], "driver": "580", "cuda": "13.0"}
+    row = D.check_gpus(smi, 0, None, dev=tmp_path)
+    assert row.status == "fail" and row.result == "2 seen by nvidia-smi, 0 by torch"
+    assert "absent: /dev/nvidia-uvm /dev/nvidia1" in row.evidence and "lxc.mount.entry" in row.hint
+    assert D.check_gpus(None, 0, None).status == "n/a"
+
+
+def test_smoke_rows_and_verdict() -> None:
+    ok = {"outcome": "ok", "devices": ["cuda:0", "cuda:1"], "ms_per_step": [10.0, 11.0], "compile_s": [20.0, 9.0],
+          "losses": [0.5, 0.5], "losses_agree": True}
+    smoke = {
+        "off": {**ok, "ms_per_step": [9.0, 9.5]},
+        "default": ok,
+        "cudagraph-trees": {"outcome": "exception", "error": "AssertionError: ", "where": "torch/_inductor/cudagraph_trees.py:359 in get_obj"},
+        "cudagraphs": {**ok, "ms_per_step": [5.0, 5.5]},
+    }
+    allowed = {"off", "default", "cudagraphs"}
+    trees = D.smoke_check("cudagraph-trees", smoke["cudagraph-trees"], allowed)
+    assert trees.status == "warn" and trees.evidence.endswith("cudagraph_trees.py:359 in get_obj")
+    diverged = D.smoke_check("default", {**ok, "losses": [0.1, 1.0], "losses_agree": False}, allowed)
+    assert diverged.status == "fail" and "disagree" in diverged.result
+    verdict = D.verdict_check("cuda", "default", smoke)
+    assert verdict.status == "ok" and verdict.result.startswith("trainer uses default")
+    assert verdict.hint == "run.compile: cudagraphs was 2.0x faster here"
+    broken = D.verdict_check("cuda", "default", {**smoke, "default": {"outcome": "hang"}})
+    assert broken.status == "fail" and broken.hint == "set run.compile: cudagraphs (its smoke test passed)"
+
+
+def test_inject_spec() -> None:
+    assert D.parse_inject("crash:default,hang:off") == {"default": "crash", "off": "hang"}
+    with pytest.raises(ValueError, match="FAULT:POLICY"):
+        D.parse_inject("explode:off")
+    assert DoctorOptions(quick=True, inject="hang:off").argv() == ["report", "--smoke-timeout", "120.0", "--quick",
+                                                                  "--inject", "hang:off"]
+
+
+# --- the CLI end to end ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def local_env(tmp_path: Path) -> dict[str, str]:
+    """Environment for the CLI with a `local` host whose work directory is under tmp_path."""
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local", "workdir": str(tmp_path / "work")}}}))
+    return {**os.environ, "DFLASHCTL_INVENTORY": str(inventory), "NO_COLOR": "1", "COLUMNS": "250"}
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run dflashctl in a subprocess."""
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def rows(doc: dict) -> dict[str, dict]:
+    """Report rows by id, after checking the document's shape."""
+    assert doc["schema"] == SCHEMA and [c["id"] for c in doc["checks"]] == CHECK_IDS
+    for row in doc["checks"]:
+        assert set(row) == {"id", "check", "status", "result", "evidence", "hint"}
+        assert row["status"] in ("ok", "warn", "fail", "n/a", "skipped")
+    return {c["id"]: c for c in doc["checks"]}
+
+
+def test_local_injected_crash_and_hang(local_env: dict[str, str]) -> None:
+    started = time.monotonic()
+    proc = cli(local_env, "doctor", "local", "--json", "--inject", "crash:default,hang:off", "--smoke-timeout", "15")
+    assert proc.returncode == 1, proc.stderr
+    doc = json.loads(proc.stdout)
+    by_id = rows(doc)
+    assert doc["host"] == "local" and doc["devices"] == ["cpu", "cpu"] and doc["ok"] is False
+    smoke = {s["policy"]: s for s in doc["smoke"]}
+    assert smoke["default"]["outcome"] == "exception" and smoke["default"]["injected"] == "crash"
+    assert smoke["default"]["error"] == "RuntimeError: injected crash (doctor --inject)"
+    assert smoke["default"]["where"].startswith("dflash_train/doctor.py:") and smoke["default"]["where"].endswith(" in crash_now")
+    assert smoke["off"]["outcome"] == "hang" and smoke["off"]["returncode"] is None
+    assert "in hang_forever" in smoke["off"]["where"]
+    assert by_id["smoke:default"]["status"] == "fail" and by_id["smoke:default"]["result"] == "exception"
+    assert by_id["smoke:off"]["status"] == "fail" and by_id["smoke:off"]["result"] == "hang"
+    for policy in ("cudagraph-trees", "cudagraphs"):
+        assert by_id[f"smoke:{policy}"]["status"] == "n/a"
+    for gpu_row in ("gpus", "driver", "capability"):
+        assert by_id[gpu_row]["status"] == "n/a"
+    assert by_id["verdict"]["status"] == "fail" and by_id["verdict"]["result"].startswith("trainer uses off")
+    assert "smoke off: hang" in proc.stderr  # progress lines stream while it runs
+    assert time.monotonic() - started < 90
+
+    console = Console(record=True, width=250, color_system=None)
+    render_report(doc, console)
+    table = console.export_text()
+    assert "crash_now" in table and "hang_forever" in table
+    assert "3 failed: threads: eager, threads: compile default, verdict" in table
+
+
+def test_local_quick_table(local_env: dict[str, str]) -> None:
+    proc = cli(local_env, "doctor", "local", "--quick")
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split("│")[1].strip(): line for line in proc.stdout.splitlines() if line.count("│") >= 5}
+    assert "skipped" in lines["threads: eager"] and "--quick" in lines["threads: eager"]
+    assert "n/a" in lines["threads: reduce-overhead, trees"] and "n/a" in lines["GPUs"]
+    assert "trainer uses off" in lines["verdict"]
+    assert "no failures" in proc.stdout
+
+
+def test_shim_host_quick(sshd_host) -> None:  # type: ignore[no-untyped-def]
+    # --quick: the smoke tests are the same code as on `local` (tested above); this checks the
+    # push, the bootstrap through ssh + pct exec, and the JSON coming back, in ~10 s of CI time.
+    sshd_host.reset()
+    proc = sshd_host.run_cli("doctor", "shim", "--quick", "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    by_id = rows(doc)
+    assert doc["host"] == "shim" and by_id["python"]["evidence"] == sys.executable
+    assert by_id["smoke:default"]["status"] == "skipped" and by_id["verdict"]["status"] == "ok"
+    assert (sshd_host.container_dir(200) / "work" / "payload" / "dflash_train" / "doctor.py").is_file()
+
+
+def test_parse_report_ignores_noise() -> None:
+    doc = {"schema": SCHEMA, "ok": True}
+    assert parse_report(b"warning: something\n" + json.dumps(doc).encode() + b"\n") == doc
+    assert parse_report(b"{not json\n") is None and parse_report(b'{"schema": "other"}\n') is None
+
+
+@pytest.mark.slow
+def test_local_compile_default_in_threads(local_env: dict[str, str]) -> None:
+    proc = cli(local_env, "doctor", "local", "--json", "--policies", "off,default", "--smoke-timeout", "300", timeout=700)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    by_id = rows(doc)
+    smoke = {s["policy"]: s for s in doc["smoke"]}
+    for policy in ("off", "default"):
+        assert smoke[policy]["outcome"] == "ok" and smoke[policy]["losses_agree"], smoke[policy]
+        assert all(ms > 0 for ms in smoke[policy]["ms_per_step"])
+        assert by_id[f"smoke:{policy}"]["status"] == "ok"
+    assert by_id["verdict"]["status"] == "ok"
