@@ -19,7 +19,7 @@ import pytest
 from sshd import CLI, SHIM_VMID, SshdHost
 
 from dflashctl.containers import Target
-from dflashctl.errors import ConnectError
+from dflashctl.errors import ConnectError, RemoteError
 from dflashctl.inventory import HostSpec
 from dflashctl.payload import push
 from dflashctl.transport import LocalTransport, Process, Transport
@@ -377,3 +377,35 @@ def test_killed_client_keeps_old_payload(shim_host: SshdHost, source: Path, tmp_
         result = push(session.target(host), source)
     assert result.files_sent == BIG_FILES and read_tree(workdir / "payload") == v2
     assert staging_leftovers(target) == []
+
+
+# --- a full disk (a tiny tmpfs; needs root, skipped elsewhere) ----------------------------------
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MB tmpfs with 40 inodes, so both bytes and inodes can run out."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=40", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def test_full_disk_keeps_old_payload(tiny_disk: Path, source: Path) -> None:
+    target = Target(HostSpec(name="local", transport="local", workdir=str(tiny_disk / "work")), LocalTransport())
+    push(target, source)
+    write_tree(source, {"big.bin": (os.urandom(5_000_000), 0o644)})
+    with pytest.raises(RemoteError, match=r"not enough space .* need 5\.0 MB"):
+        push(target, source)  # refused before sending anything
+
+    (source / "big.bin").unlink()
+    write_tree(source, {f"many/f{i}.py": (b"x", 0o644) for i in range(40)})
+    with pytest.raises(RemoteError, match="no space left on device") as caught:
+        push(target, source)  # bytes fit, inodes do not: fails mid-staging
+    assert "previous payload is unchanged" in str(caught.value)
+    assert read_tree(payload_dir(target)) == PAYLOAD and staging_leftovers(target) == []

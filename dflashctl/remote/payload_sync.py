@@ -1,4 +1,4 @@
-"""Remote side of `dflashctl push`: scan the live payload, stage a new version, swap it in.
+"""Remote side of `dflashctl push`: list the live payload, stage a new version, swap it in.
 
 Runs inside the container as `python -S -c <this source> sync WORKDIR`, so it may use only
 the standard library and must stay compatible with old Python 3 (no walrus, no 3.8+ APIs).
@@ -194,7 +194,7 @@ def clean(layout, keep):
                 remove(layout.version_dir(name))
     if os.path.isdir(layout.manifests):
         for name in os.listdir(layout.manifests):
-            if name[: -len(".json")] not in keep:
+            if name.split(".")[0] not in keep:  # <vid>.json, or <vid>.json.tmp from a killed push
                 remove(os.path.join(layout.manifests, name))
 
 
@@ -232,10 +232,14 @@ def cmd_sync(workdir, dry_run):
         first = stream.raw.readline()
         if not first:
             return  # the client had nothing to change (or went away): the live payload stays
-        header = json.loads(stream.line(first).decode("utf-8"))
+        if not first.endswith(b"\n"):
+            raise Failure("push stream ended early (client gone)", EXIT_PROTOCOL)
+        header = json.loads(first.decode("utf-8"))
         if header.get("format") != FORMAT:
             raise Failure("client and remote script disagree on the stream format", EXIT_PROTOCOL)
         vid = header["vid"]
+        if not vid or not all(c.isalnum() or c == "-" for c in vid):
+            raise Failure("bad version id from the client: %r" % vid, EXIT_PROTOCOL)
         stage = os.path.join(layout.store, "stage-" + vid)
         try:
             entries = build(layout, stage, base, live, header["files"], stream)
@@ -262,11 +266,6 @@ class Stream(object):
 
     def __init__(self, raw):
         self.raw = raw
-
-    def line(self, data):
-        if not data.endswith(b"\n"):
-            raise Failure("push stream ended early (client gone)", EXIT_PROTOCOL)
-        return data
 
     def chunks(self, size):
         """Exactly size bytes, in pieces of at most CHUNK."""
@@ -312,7 +311,9 @@ class Writer(threading.Thread):
         kind, arg = op
         if kind == "open":
             path, mode = arg
-            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.fchmod(fd, mode)  # exact bits, whatever the umask
+            return fd
         if kind == "data":
             view = memoryview(arg)
             while view:
@@ -336,7 +337,6 @@ def build(layout, stage, base, live, files, stream):
     entries = []
     made = set()
     os.makedirs(stage)
-    os.umask(0)  # modes are set exactly at creation: no chmod per file
     writer = Writer()
     writer.start()
     try:
@@ -351,6 +351,8 @@ def build(layout, stage, base, live, files, stream):
 def receive_all(stage, base_root, verified, files, stream, writer, made, entries):
     """Carry or receive each file of the header, in order, appending its verified entry."""
     for entry in files:
+        if writer.error is not None:
+            raise writer.error  # e.g. disk full: stop reading the rest of the stream
         path = fs_path(stage, entry["p"])
         parent = os.path.dirname(path)
         if parent not in made:
