@@ -489,6 +489,6 @@ def test_terminal_rendering_is_highlighted_source_and_table(cache_home):
 
     console = Console(force_terminal=True, width=160, color_system="truecolor", record=True)
     run_inspect(_local_target(), InspectOptions("compile_fx.cudagraphify", grep="cudagraph_trees"), print, pretty=console)
-    text = console.export_text()
+    text = console.export_text(clear=False)
     assert "compile_fx.py  cudagraphify" in text and "config.triton.cudagraph_trees" in text
     assert "\x1b[" in console.export_text(styles=True)  # colours reach the terminal
