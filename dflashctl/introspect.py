@@ -230,8 +230,10 @@ def _source_error(target: Target, dotted: str, header: dict[str, Any]) -> Except
     if kind == "no_source" and rest:
         return _missing_module(module, rest[0], header.get("children", []))
     if kind == "no_source":
-        what = "a compiled extension" if header.get("file") else "a namespace package"
-        return NotFoundError(f"no Python source for {module}: it is {what} ({header.get('file') or 'no file'})")
+        if header.get("builtin"):
+            return NotFoundError(f"no Python source for {module}: it is built into the interpreter")
+        what = f"a compiled extension ({header['file']})" if header.get("file") else "a namespace package"
+        return NotFoundError(f"no Python source for {module}: it is {what}")
     if kind == "no_symbol":
         symbol = header["symbol"]
         if header.get("is_package") and "." not in symbol:

@@ -81,7 +81,8 @@ def resolve(parts):
     rest = parts[index:]
     children = list_children(dirs) if rest else []
     if path is None or not path.endswith(".py") or not os.path.isfile(path):
-        return {"error": "no_source", "module": module, "file": path, "rest": rest, "children": children}
+        builtin = index == 1 and spec.origin in ("built-in", "frozen")
+        return {"error": "no_source", "module": module, "file": path, "builtin": builtin, "rest": rest, "children": children}
     return {"module": module, "file": path, "root": root, "is_package": bool(dirs), "rest": rest, "children": children}
 
 
