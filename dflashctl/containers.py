@@ -12,7 +12,7 @@ from typing import Sequence
 
 from .errors import ContainerError, RemoteError
 from .inventory import ContainerSpec, HostSpec
-from .transport import Completed, Process, Sink, StdinSource, Transport
+from .transport import Completed, Process, Sink, StdinSource, Transport, env_argv
 
 _PCT_NOT_RUNNING = re.compile(r"container '?(\d+)'? not running", re.I)
 _DOCKER_NOT_RUNNING = re.compile(r"(is not running|No such container)", re.I)
@@ -42,9 +42,9 @@ class Target:
         inside = self.host.container.describe()
         return self.host.name if inside == "-" else f"{self.host.name} ({inside})"
 
-    def start(self, argv: Sequence[str]) -> Process:
-        """Start argv in the container and return its live streams."""
-        return self.transport.start(wrap_argv(self.host.container, argv))
+    def start(self, argv: Sequence[str], env: dict[str, str] | None = None) -> Process:
+        """Start argv in the container (with env variables set inside it) and return its live streams."""
+        return self.transport.start(wrap_argv(self.host.container, env_argv(argv, env)))
 
     def run(
         self,
@@ -54,10 +54,11 @@ class Target:
         timeout: float | None = None,
         on_stdout: Sink | None = None,
         on_stderr: Sink | None = None,
+        env: dict[str, str] | None = None,
     ) -> Completed:
-        """Run argv in the container; raise ContainerError when the container itself is unusable."""
+        """Run argv in the container (env is set inside it); raise ContainerError when the container is unusable."""
         result = self.transport.run(
-            wrap_argv(self.host.container, argv),
+            wrap_argv(self.host.container, env_argv(argv, env)),
             stdin=stdin,
             timeout=timeout,
             on_stdout=on_stdout,

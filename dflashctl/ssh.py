@@ -25,7 +25,7 @@ from rich.console import Console
 
 from .errors import ConnectError, DflashError, UsageError
 from .inventory import HostSpec
-from .transport import Process, Transport
+from .transport import Process, Transport, env_argv
 
 T = TypeVar("T")
 
@@ -178,7 +178,7 @@ class SshTransport(Transport):
         """Start argv on the host; `env` is applied with `env -- K=V argv` since sshd drops most variables."""
         if not argv:
             raise UsageError("empty command")
-        command = shlex.join(_with_env(argv, env))
+        command = shlex.join(env_argv(argv, env))
         transport, channel = self._open_channel()
         try:
             channel.exec_command(command)
@@ -313,17 +313,6 @@ def _hop_spec(hop: str, earlier: str | None) -> HostSpec:
     if port is not None and not port.isdigit():
         raise UsageError(f"bad ProxyJump hop '{hop}'")
     return HostSpec(name=address, address=address, user=user or None, port=int(port) if port else None, proxy_jump=earlier)
-
-
-def _with_env(argv: Sequence[str], env: dict[str, str] | None) -> list[str]:
-    """Prefix argv with `env -- K=V` (GNU env reads assignments after `--`, then the command)."""
-    argv = [str(a) for a in argv]
-    if not env:
-        return argv
-    for key in env:
-        if not key or "=" in key:
-            raise UsageError(f"bad environment variable name {key!r}")
-    return ["env", "--", *(f"{k}={v}" for k, v in env.items()), *argv]
 
 
 def _tune_socket(sock: socket.socket) -> None:

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import IO, Callable, Iterable, Sequence, Union
 
-from .errors import RemoteError
+from .errors import RemoteError, UsageError
 
 # What `run` accepts as stdin: nothing, bytes, a binary file, or an iterable of chunks.
 StdinSource = Union[None, bytes, IO[bytes], Iterable[bytes]]
@@ -141,6 +141,21 @@ class Transport(abc.ABC):
             exc = errors[0]
             raise exc
         return Completed(list(argv), code, bytes(out), bytes(err))
+
+
+def env_argv(argv: Sequence[str], env: dict[str, str] | None) -> list[str]:
+    """argv prefixed with `env -- K=V ...` (GNU env reads assignments after `--`, then the command).
+
+    Used where variables cannot be passed directly: sshd drops most of them, and `pct exec`
+    may clear the environment.
+    """
+    argv = [str(a) for a in argv]
+    if not env:
+        return argv
+    for key in env:
+        if not key or "=" in key:
+            raise UsageError(f"bad environment variable name {key!r}")
+    return ["env", "--", *(f"{k}={v}" for k, v in env.items()), *argv]
 
 
 def _write_stdin(pipe: IO[bytes], source: StdinSource) -> None:

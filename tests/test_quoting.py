@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dflashctl.containers import Target, wrap_argv
 from dflashctl.inventory import ContainerSpec, HostSpec
-from dflashctl.ssh import _with_env
+from dflashctl.transport import env_argv
 from dflashctl.transport import Completed, Process, Transport
 
 HOSTILE = [
@@ -65,8 +65,8 @@ def test_pct_always_gets_double_dash_even_for_dash_args():
 
 
 def test_env_wrapper_keeps_values_as_single_arguments():
-    assert _with_env(["cmd"], {"A": "x y", "B": "$(id)"}) == ["env", "--", "A=x y", "B=$(id)", "cmd"]
-    assert shlex.split(shlex.join(_with_env(["c"], {"K": "'\n"}))) == ["env", "--", "K='\n", "c"]
+    assert env_argv(["cmd"], {"A": "x y", "B": "$(id)"}) == ["env", "--", "A=x y", "B=$(id)", "cmd"]
+    assert shlex.split(shlex.join(env_argv(["c"], {"K": "'\n"}))) == ["env", "--", "K='\n", "c"]
 
 
 @given(arguments)

@@ -152,6 +152,12 @@ def test_env_is_applied_with_env_wrapper(shim_host):
     assert result.stdout == b"x y|$(id)"
 
 
+def test_target_env_is_set_inside_the_container(shim_host):
+    with shim_host.session() as session:
+        result = session.target("shim").run(["sh", "-c", 'printf "%s|%s" "$X" "$HOME"'], env={"X": "a b"})
+    assert result.stdout == f"a b|{shim_host.container_dir(200)}".encode()
+
+
 def test_dropped_connection_mid_stream_raises_connect_error(shim_host):
     streaming = threading.Event()
 
