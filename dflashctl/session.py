@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 from .containers import Target
@@ -19,6 +20,7 @@ class Session:
         self.inventory = inventory
         self.ssh_options = ssh_options  # None: ~/.ssh of $HOME at connect time
         self._transports: dict[str, Transport] = {}
+        self._lock = threading.Lock()  # multi-host commands ask for transports from several threads
 
     def host(self, name: str | None) -> HostSpec:
         """The named (or default) host's settings."""
@@ -30,19 +32,21 @@ class Session:
 
     def transport(self, host: HostSpec) -> Transport:
         """The transport for host, created once per session (SSH connects lazily on first command)."""
-        if host.name not in self._transports:
-            if host.transport == "local":
-                self._transports[host.name] = LocalTransport(host.name)
-            else:
-                from .ssh import SshTransport
+        with self._lock:
+            if host.name not in self._transports:
+                if host.transport == "local":
+                    self._transports[host.name] = LocalTransport(host.name)
+                else:
+                    from .ssh import SshTransport
 
-                self._transports[host.name] = SshTransport(host, self.ssh_options)
-        return self._transports[host.name]
+                    self._transports[host.name] = SshTransport(host, self.ssh_options)
+            return self._transports[host.name]
 
     def reconnect(self, name: str | None) -> Target:
         """A Target on a fresh connection to the host, after the old one dropped or stalled."""
         host = self.host(name)
-        stale = self._transports.pop(host.name, None)
+        with self._lock:
+            stale = self._transports.pop(host.name, None)
         if stale is not None:
             try:
                 stale.close()

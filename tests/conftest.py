@@ -28,10 +28,14 @@ Methods:
   make_home(dir, trusted=True)    a fresh client HOME with the same key (known_hosts empty if not trusted)
   write_known_hosts(home, trusted), host_key_line(), host_entry(vmid|None, **extra),
   write_inventory(path=None, extra_hosts=None)
+  link(other)                     let this host's client HOME log in to another SshdHost too
 
 `shim_host` (function scope): `sshd_host` after reset(); use it when a test touches containers.
 `shim_container` (function scope): reset, then the `shim` host's container directory (vmid 200).
 `second_sshd_host` (session scope): the same on 127.0.0.2 (its own keys, HOME and inventory).
+  Multi-host: `sshd_host.link(second_sshd_host)`, then
+  `sshd_host.write_inventory(path, {"gpu2": second_sshd_host.host_entry(200)})` and use
+  `sshd_host.session(inventory=path)` or `run_cli(..., env={"DFLASHCTL_INVENTORY": str(path)})`.
 """
 
 from __future__ import annotations

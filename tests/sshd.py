@@ -195,6 +195,18 @@ class SshdHost:
         self.write_known_hosts(where, trusted)
         return where
 
+    def link(self, other: "SshdHost") -> None:
+        """Let this host's client HOME log in to `other` too (its key authorized there, its host key trusted here)."""
+        client_pub = (self.home / ".ssh" / "id_ed25519.pub").read_text().strip()
+        authorized = other.base / "etc" / "authorized_keys"
+        if client_pub not in authorized.read_text():
+            with authorized.open("a") as fh:
+                fh.write(client_pub + "\n")
+        known = self.home / ".ssh" / "known_hosts"
+        if other.host_key_line() not in known.read_text():
+            with known.open("a") as fh:
+                fh.write(other.host_key_line() + "\n")
+
     def host_entry(self, vmid: int | None = None, **extra: object) -> dict:
         """A hosts.yaml entry for this sshd: container pct VMID, or runtime none when vmid is None."""
         entry: dict = {"transport": "ssh", "address": self.address, "port": self.port, "user": self.user,

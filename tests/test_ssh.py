@@ -176,3 +176,12 @@ def test_dropped_connection_mid_stream_raises_connect_error(shim_host):
             target.run(["sh", "-c", "while :; do echo tick; sleep 0.1; done"], on_stdout=on_stdout, timeout=60)
         killer.join()
     assert streaming.is_set()
+
+
+def test_two_hosts_in_one_session(shim_host, second_sshd_host, tmp_path):
+    second_sshd_host.reset()
+    shim_host.link(second_sshd_host)
+    inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", {"gpu2": second_sshd_host.host_entry(200)})
+    with shim_host.session(inventory=inventory) as session:
+        homes = {name: session.target(name).run(["sh", "-c", 'echo "$HOME"']).text().strip() for name in ("shim", "gpu2")}
+    assert homes == {"shim": str(shim_host.container_dir(200)), "gpu2": str(second_sshd_host.container_dir(200))}
