@@ -409,3 +409,21 @@ def test_full_disk_keeps_old_payload(tiny_disk: Path, source: Path) -> None:
         push(target, source)  # bytes fit, inodes do not: fails mid-staging
     assert "previous payload is unchanged" in str(caught.value)
     assert read_tree(payload_dir(target)) == PAYLOAD and staging_leftovers(target) == []
+
+
+def test_version_in_use_by_a_process_survives_later_pushes(source: Path, tmp_path: Path) -> None:
+    target = Target(HostSpec(name="local", transport="local", workdir=str(tmp_path / "work")), LocalTransport())
+    push(target, source)
+    version = payload_dir(target).resolve()  # what `train` runs in: the version, not the link
+    runner = subprocess.Popen(["sleep", "60"], cwd=version)
+    try:
+        for text in (b"v2\n", b"v3\n", b"v4\n"):
+            (source / "train.py").write_bytes(text)
+            push(target, source)
+        assert version.is_dir() and (version / "train.py").read_bytes() == PAYLOAD["train.py"][0]
+    finally:
+        runner.kill()
+        runner.wait()
+    push(target, source)  # nothing to send, but the cleanup runs
+    assert not version.exists()
+    assert len(list((Path(target.host.workdir) / ".payload" / "v").iterdir())) == 2  # live + previous

@@ -183,7 +183,8 @@ def remove(path):
 
 
 def clean(layout, keep):
-    """Remove staging leftovers, stray links and versions other than those in keep."""
+    """Remove staging leftovers, stray links, and versions neither in keep nor in use."""
+    keep = keep | versions_in_use(layout)
     if os.path.isdir(layout.store):
         for name in os.listdir(layout.store):
             if name.startswith("stage-") or name.startswith("link-"):
@@ -196,6 +197,24 @@ def clean(layout, keep):
         for name in os.listdir(layout.manifests):
             if name.split(".")[0] not in keep:  # <vid>.json, or <vid>.json.tmp from a killed push
                 remove(os.path.join(layout.manifests, name))
+
+
+def versions_in_use(layout):
+    """Versions that a live process has as its cwd: a trainer started before older pushes keeps its files."""
+    prefix = os.path.realpath(layout.versions) + os.sep
+    used = set()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return used  # no /proc: only the live and the previous version are kept
+    for pid in pids:
+        try:
+            cwd = os.readlink("/proc/%s/cwd" % pid)
+        except OSError:
+            continue  # gone, or another user's process
+        if cwd.startswith(prefix):
+            used.add(cwd[len(prefix):].split(os.sep)[0])
+    return used
 
 
 def free_bytes(path):
