@@ -117,6 +117,7 @@ class BarProgress:
             transient=True,
         )
         self._task: TaskID | None = None
+        self._done = 0
 
     def __enter__(self) -> "BarProgress":
         self._progress.start()
@@ -133,8 +134,8 @@ class BarProgress:
         """Move the bar by nbytes and the file count by files."""
         if self._task is None:
             return
-        done = self._progress.tasks[self._task].fields["done"] + files
-        self._progress.update(self._task, advance=nbytes, done=done)
+        self._done += files
+        self._progress.update(self._task, advance=nbytes, done=self._done)
 
 
 def default_source() -> Path:
