@@ -146,10 +146,9 @@ class SourceCache:
             return None
         return data if hashlib.sha256(data).hexdigest() == sha else None
 
-    def store(self, module: str, sha: str, data: bytes | None) -> None:
-        """Record module -> sha and, when given, the bytes (atomically, so readers never see halves)."""
-        if data is not None:
-            _atomic_write(self.dir / "blobs" / sha, data)
+    def store(self, module: str, sha: str, data: bytes) -> None:
+        """Record the bytes and module -> sha (atomically, so readers never see halves)."""
+        _atomic_write(self.dir / "blobs" / sha, data)
         _atomic_write(self.dir / "refs" / module, sha.encode())
 
 
@@ -199,7 +198,6 @@ def fetch_source(target: Target, dotted: str, cache: SourceCache, *, content: bo
         header, body = _ask(target, dotted, {}, True)
         cache.store(header["module"], header["sha256"], body)
         return SourceFile(header, body, False, len(body))
-    cache.store(header["module"], header["sha256"], None)
     return SourceFile(header, data, True, 0)
 
 
