@@ -240,9 +240,9 @@ def push_cmd(
     if dry_run:
         result = push(target, src, dry_run=True)
         for path in result.sent_paths:
-            console.print(Text(f"send    {path}"))
+            console.print(Text(f"send    {path}"), soft_wrap=True)  # never wrap a path: scripts read these
         for path in result.deleted_paths:
-            console.print(Text(f"delete  {path}"))
+            console.print(Text(f"delete  {path}"), soft_wrap=True)
     elif console.is_terminal:
         with BarProgress(console) as bar:
             result = push(target, src, progress=bar)
