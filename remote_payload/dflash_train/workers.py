@@ -159,7 +159,7 @@ def param_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(sums).sum()
 
 
-class _GradBuckets:
+class GradBuckets:
     """One flat gradient buffer per dtype, so a step reduces with one collective per dtype."""
 
     def __init__(self, params: Sequence[torch.Tensor]):
@@ -339,7 +339,7 @@ class Coordinator:
             replica = self.ops.build(device, self.opt.seed, self.policy)
             params = list(self.ops.parameters(replica))
         self.replicas[rank] = replica
-        buckets = _GradBuckets(params)
+        buckets = GradBuckets(params)
         self._warm_up(rank, replica, params)
         self._wait(rank, self.ready, "ready")
         self.last_sync_time = t0 = time.monotonic()

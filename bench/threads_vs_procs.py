@@ -1,0 +1,290 @@
+"""Threads vs one process per GPU for the DFlash drafter training step (run on a multi-GPU machine).
+
+    python bench/threads_vs_procs.py --out DIR [--budget-s 540] [--repeats 3] [--configs small,mid]
+
+Every run is a subprocess with a timeout (a hang or crash is a result, not the end of the bench).
+Variants: 1 thread on 1 GPU (cudagraphs: the scaling baseline); threads on every GPU x
+{off, default, cudagraphs}; one process per GPU x {cudagraphs} (torch.distributed NCCL). All use
+workers.py's compile policy and gradient averaging math, so only threads vs processes differs.
+Prints a table last; writes bench.json and bench.log under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "remote_payload"))
+
+PER_GPU_BATCH = 2
+CONFIGS = {
+    # launch-bound: a tiny drafter whose step is mostly kernel launches and Python
+    "small": ["target.hidden_size=256", "target.intermediate_size=768", "target.num_heads=4",
+              "target.num_kv_heads=2", "target.head_dim=64", "target.num_layers=6", "target.vocab_size=4096",
+              "drafter.num_layers=2", "drafter.block_size=16", "data.max_length=256", "data.anchors_per_seq=16"],
+    # mid-size: hidden 2048, 5 draft layers, seq 1024, 128 anchors, block 16; target cut at 6 layers
+    "mid": ["target.hidden_size=2048", "target.intermediate_size=6144", "target.num_heads=16",
+            "target.num_kv_heads=8", "target.head_dim=128", "target.num_layers=8", "target.vocab_size=32768",
+            "drafter.num_layers=5", "drafter.block_size=16", "data.max_length=1024", "data.anchors_per_seq=128"],
+}
+STEPS = {"small": 50, "mid": 30}
+TIMEOUT_S = {"small": 180, "mid": 300}
+
+
+def make_config(name: str, world: int, compile_mode: str, device: str, steps: int = 0):
+    """Resolved bench config: random data, bf16 on CUDA, PER_GPU_BATCH sequences per device."""
+    from dflash_train.config import load_config
+    from dflash_train.train import resolve_config
+
+    over = CONFIGS[name] + ["data.source=random", f"data.batch_size={PER_GPU_BATCH * world}",
+                            "data.num_train=512", "data.num_eval=4", f"run.device={device}",
+                            f"run.dtype={'bf16' if device == 'cuda' else 'fp32'}",
+                            f"run.compile='{compile_mode}'", f"run.steps={steps or STEPS[name]}"]
+    return resolve_config(load_config(overrides=over))
+
+
+def sampler_for(cfg):
+    from dflash_train.data import BlockSampler, build_datasets
+
+    train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
+    return BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
+
+
+def eval_loss(replica, batch) -> float:
+    """Loss of the eager drafter on one fixed batch: equal across GPUs iff replicas are equal."""
+    import torch
+    from dflash_train.train import forward_loss
+
+    compiled, replica.run_drafter = replica.run_drafter, replica.drafter
+    try:
+        with torch.no_grad():
+            return float(forward_loss(replica, batch).loss)
+    finally:
+        replica.run_drafter = compiled
+
+
+def child_threads(args) -> dict:
+    """Threads: workers.run_threaded over GPUs 0..world-1."""
+    from dflash_train import workers as W
+
+    cfg = make_config(args.config, args.world, args.compile, args.device, args.steps)
+    sampler = sampler_for(cfg)
+    opts = W.ThreadedOptions(compile=args.compile, seed=cfg.run.seed, sync_every=20, barrier_timeout_s=240)
+    devices = [f"cuda:{i}" if args.device == "cuda" else "cpu" for i in range(args.world)]
+    t0 = time.monotonic()
+    res = W.run_threaded(W.drafter_ops(cfg), devices,
+                         W.sharded(sampler.batch), cfg.run.steps, opts)
+    batch = W.shard_batch(sampler.batch(0), 0, args.world)
+    return {"warmup_s": res.warmup_s, "step_ms": res.step_ms, "checksums": res.checksums,
+            "train_losses": res.losses, "eval_losses": [eval_loss(r, batch) for r in res.replicas],
+            "wall_s": time.monotonic() - t0, "policy": res.policy.reason}
+
+
+def child_process(args) -> dict:
+    """One rank of one-process-per-GPU: same replica, policy and averaging, NCCL via torch.distributed."""
+    import torch
+    import torch.distributed as dist
+    from dflash_train import workers as W
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    on_cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
+    if on_cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:  # the CPU dry run of this script
+        dist.init_process_group("gloo")
+    cfg = make_config(args.config, world, args.compile, args.device, args.steps)
+    sampler = sampler_for(cfg)
+    data = W.sharded(sampler.batch)
+    ops = W.drafter_ops(cfg)
+    policy = W.choose_compile_policy(args.compile, device.type)
+    torch.manual_seed(cfg.run.seed)
+    replica = ops.build(device, cfg.run.seed, policy)
+    params = ops.parameters(replica)
+    buckets = W.GradBuckets(params)
+    t0 = time.monotonic()
+    for _ in range(2):
+        ops.forward_backward(replica, data(0, rank, world))
+    sync(device)
+    for p in params:
+        p.grad = None
+    warmup = time.monotonic() - t0
+    dist.barrier()
+    t0 = time.monotonic()
+    for step in range(cfg.run.steps):
+        loss = ops.forward_backward(replica, data(step, rank, world))
+        flats = buckets.pack()
+        for flat in flats:
+            dist.all_reduce(flat)
+            flat.div_(world)
+        buckets.unpack(flats)
+        ops.optimizer_step(replica)
+    sync(device)
+    step_ms = (time.monotonic() - t0) / cfg.run.steps * 1e3
+    fixed = W.shard_batch(sampler.batch(0), 0, world)
+    mine = torch.tensor([warmup, step_ms, float(loss), eval_loss(replica, fixed)], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    ck = torch.tensor([int(W.param_checksum(params))], dtype=torch.int64, device=device)
+    cks = [torch.empty_like(ck) for _ in range(world)]
+    dist.all_gather(cks, ck)
+    dist.destroy_process_group()
+    rows = [e.tolist() for e in every]
+    checksums = [int(c.item()) for c in cks]
+    return {"warmup_s": [r[0] for r in rows], "step_ms": [r[1] for r in rows], "train_losses": [r[2] for r in rows],
+            "eval_losses": [r[3] for r in rows], "checksums": checksums, "policy": policy.reason}
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (CUDA only)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def launch(argv: list[str], timeout: float, log, env: dict) -> tuple[str, list[str]]:
+    """Run a child in its own process group; returns (status, output lines)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        status = "HANG (killed)"
+    log.write(f"$ {' '.join(argv[2:])}\n{out}\n")
+    log.flush()
+    return status, out.splitlines()
+
+
+def run_variant(cfg_name: str, kind: str, compile_mode: str, world: int, timeout: float, log, device: str,
+                steps: int) -> dict:
+    """One variant: threads (one child) or processes (world children); parsed results."""
+    base = [sys.executable, __file__, "--config", cfg_name, "--compile", compile_mode, "--world", str(world),
+            "--device", device, "--steps", str(steps)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t0 = time.monotonic()
+    if kind == "threads":
+        status, lines = launch(base + ["--child", "threads"], timeout, log, env)
+        results = [json.loads(l[7:]) for l in lines if l.startswith("RESULT ")]
+    else:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + int(time.time()) % 1000), WORLD_SIZE=str(world))
+        procs = []
+        for rank in range(world):
+            procs.append(subprocess.Popen(base + ["--child", "process"], stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, env=dict(env, RANK=str(rank)),
+                                          start_new_session=True))
+        status, results = "ok", []
+        for rank, proc in enumerate(procs):
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+                if proc.returncode != 0:
+                    status = f"rank {rank} exit {proc.returncode}"
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                out, _ = proc.communicate()
+                status = "HANG (killed)"
+            log.write(f"$ rank {rank}: {' '.join(base[2:])} --child process\n{out}\n")
+            results += [json.loads(l[7:]) for l in out.splitlines() if l.startswith("RESULT ")][:1]
+    row = {"config": cfg_name, "kind": kind, "compile": compile_mode, "world": world, "status": status,
+           "wall_s": round(time.monotonic() - t0, 1)}
+    if results:
+        r = results[0]
+        row.update(r)
+        row["ms"] = max(r["step_ms"])
+        row["samples_per_s"] = PER_GPU_BATCH * world / (row["ms"] / 1e3)
+        row["params_equal"] = len(set(r["checksums"])) == 1
+        row["eval_loss_equal"] = len(set(r["eval_losses"])) == 1
+    if status == "ok" and not results:
+        row["status"] = "no result"
+    return row
+
+
+PLAN = [("threads", "cudagraphs", 1), ("threads", "off", 2), ("threads", "default", 2),
+        ("threads", "cudagraphs", 2), ("procs", "cudagraphs", 2)]
+REPEATED = [("threads", "cudagraphs", 2), ("procs", "cudagraphs", 2)]  # the chosen policy vs its reference
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table of every run, then the ratios the goals are about."""
+    head = "| config | variant | GPUs | rep | status | ms/step per GPU | samples/s | warm-up s per GPU | params equal | eval loss equal |"
+    out = [head, "|" + " --- |" * 10]
+    for r in rows:
+        ms = " / ".join(f"{x:.2f}" for x in r.get("step_ms", [])) or "-"
+        warm = " / ".join(f"{x:.1f}" for x in r.get("warmup_s", [])) or "-"
+        sps = f"{r['samples_per_s']:.1f}" if "samples_per_s" in r else "-"
+        out.append(f"| {r['config']} | {r['kind']} {r['compile']} | {r['world']} | {r.get('rep', 1)} | {r['status']} | "
+                   f"{ms} | {sps} | {warm} | {r.get('params_equal', '-')} | {r.get('eval_loss_equal', '-')} |")
+    out.append("")
+    for cfg in CONFIGS:
+        def best(kind, comp, world):
+            ms = [r["ms"] for r in rows if (r["config"], r["kind"], r["compile"], r["world"]) == (cfg, kind, comp, world)
+                  and r["status"] == "ok" and "ms" in r]
+            return sorted(ms)[len(ms) // 2] if ms else None  # median over repeats
+        t2, p2, t1 = best("threads", "cudagraphs", 2), best("procs", "cudagraphs", 2), best("threads", "cudagraphs", 1)
+        if t2 and p2:
+            out.append(f"{cfg}: threads/procs per-GPU throughput (cudagraphs) = {p2 / t2:.3f}x")
+        if t2 and t1:
+            out.append(f"{cfg}: 2-GPU scaling, threads cudagraphs = {2 * t1 / t2:.3f}x")
+    return "\n".join(out)
+
+
+def main() -> None:
+    """Drive every variant within the time budget, then print the table."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", choices=["threads", "process"])
+    ap.add_argument("--config", default="small")
+    ap.add_argument("--compile", default="cudagraphs")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget-s", type=float, default=540)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--configs", default="small,mid")
+    ap.add_argument("--steps", type=int, default=0, help="timed steps (0: the config's default)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the logic")
+    args = ap.parse_args()
+    if args.child:
+        result = child_threads(args) if args.child == "threads" else child_process(args)
+        if args.child == "threads" or int(os.environ["RANK"]) == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        return
+    import torch
+
+    deadline = time.monotonic() + args.budget_s
+    out = Path(args.out)
+    rows: list[dict] = []
+    jobs = [(c, v, 1) for c in args.configs.split(",") for v in PLAN]
+    jobs += [(c, v, rep) for rep in range(2, args.repeats + 1) for c in args.configs.split(",") for v in REPEATED]
+    with open(out / "bench.log", "w") as log:
+        log.write(f"torch {torch.__version__} gpus {torch.cuda.device_count()}\n")
+        for cfg_name, (kind, comp, world), rep in jobs:
+            left = deadline - time.monotonic()
+            if left < 30:
+                rows.append({"config": cfg_name, "kind": kind, "compile": comp, "world": world, "rep": rep,
+                             "status": "skipped (budget)"})
+                continue
+            row = run_variant(cfg_name, kind, comp, world, min(TIMEOUT_S[cfg_name], left), log, args.device,
+                              args.steps)
+            row["rep"] = rep
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "policy"}), flush=True)
+            (out / "bench.json").write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    print(f"\ntorch {torch.__version__}, {torch.cuda.device_count()} x {gpu}, {time.strftime('%Y-%m-%d')}")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
