@@ -214,6 +214,11 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+def short_time(iso: str | None) -> str:
+    """`2026-11-30T11:46:43Z` as `11-30 11:46` (UTC), for narrow tables."""
+    return f"{iso[5:10]} {iso[11:16]}" if iso and len(iso) >= 16 else "-"
+
+
 def state_text(run: dict[str, Any]) -> Text:
     """The state, coloured, with the exit code when it is not 0."""
     state = run.get("state", "?")
@@ -224,9 +229,11 @@ def state_text(run: dict[str, Any]) -> Text:
 
 def runs_table(runs: Sequence[dict[str, Any]], host: str) -> Table:
     """`runs list` as a rich table; names are shown literally (Text, never markup)."""
-    table = Table(title=Text(f"runs on {host}"), title_justify="left")
+    table = Table(title=Text(f"runs on {host} (times UTC)"), title_justify="left")
     for col in ("run", "name", "state", "GPUs", "started", "duration", "step", "loss"):
-        table.add_column(col, justify="right" if col in ("duration", "step", "loss") else "left")
+        # The run id never wraps: a cut id cannot be copied into the next command.
+        table.add_column(col, justify="right" if col in ("duration", "step", "loss") else "left",
+                         no_wrap=col == "run", min_width=20 if col == "run" else None, overflow="fold")
     for run in runs:
         last = run.get("last") or {}
         step = last.get("step")
@@ -236,7 +243,7 @@ def runs_table(runs: Sequence[dict[str, Any]], host: str) -> Table:
             Text(run.get("name") or "-"),
             state_text(run),
             Text(",".join(run.get("gpus") or []) or "-"),
-            Text(run.get("started_at", "-").replace("T", " ").rstrip("Z")),
+            Text(short_time(run.get("started_at"))),
             Text(fmt_duration(duration(run))),
             Text("-" if step is None else (f"{step}/{total}" if total else str(step))),
             Text("-" if last.get("loss") is None else f"{last['loss']:.4f}"),

@@ -248,7 +248,7 @@ def test_local_runs_without_gpus_conflict_unless_forced(tmp_path):
 
 
 REAL_TRAINER = Path(__file__).resolve().parent.parent / "remote_payload" / "dflash_train" / "train.py"
-TINY = ["run.log_every=1", "data.num_train=8", "data.num_eval=2", "data.batch_size=2", "run.eval_batches=1"]
+TINY = ["data.source=random", "run.log_every=1", "data.num_train=8", "data.num_eval=2", "data.batch_size=2", "run.eval_batches=1"]
 
 
 @pytest.mark.skipif(not REAL_TRAINER.exists(), reason="the trainer (remote_payload/) is not in this checkout")
@@ -264,14 +264,15 @@ def test_real_trainer_follow_then_stop_checkpoints(shim):
     run = start_run(target, gpus=[CPU], overrides=[*TINY, "run.steps=100000"], payload_hash=pushed.manifest_hash)
     got = bytearray()
     stopped: list[dict] = []
+    stopper = threading.Thread(target=lambda: stopped.append(stop_run(session.target("shim"), run.run_id, 120)))
 
     def sink(data: bytes) -> None:
         got.extend(data)
-        if not stopped and b"step 2/100000" in got:
-            threading.Thread(target=lambda: stopped.append(stop_run(session.target("shim"), run.run_id, 120))).start()
+        if not stopper.is_alive() and not stopped and b"step 2/100000" in got:
+            stopper.start()  # stop while following: the follow must end with the run
 
     ending = read_log(session, "shim", run.run_id, on_data=sink, follow=True, lines=-1)
-    wait_until(lambda: stopped, what="stop to return")
+    stopper.join(150)
     assert ending.state == "stopped" and ending.exit_code == 143 and stopped[0]["state"] == "stopped"
     rdir = run_dir(workdir, run.run_id)
     assert bytes(got) == (rdir / "train.log").read_bytes() and b"resume with --resume" in got

@@ -275,7 +275,9 @@ def cmd_start(workdir):
             "name": spec.get("name"),
             "host": spec.get("host"),
             "argv": [a.replace(RUN_DIR_TOKEN, run_dir) for a in spec["argv"]],
-            "cwd": os.path.expanduser(spec["cwd"]),
+            # The payload version itself (push swaps `payload`, a symlink): a later push does not
+            # move a running trainer, and run.json says which code it runs.
+            "cwd": os.path.realpath(os.path.expanduser(spec["cwd"])),
             "config": spec.get("config"),
             "overrides": spec.get("overrides", []),
             "payload_hash": spec.get("payload_hash"),
