@@ -112,6 +112,19 @@ def test_a_printed_result_wins(tmp_path: Path) -> None:
                                "ms_per_step": [1.5, 1.6], "losses": [2.0, 2.0], "losses_agree": True}
 
 
+def test_a_crash_after_the_result_is_noted(tmp_path: Path) -> None:
+    run = child(tmp_path, """
+        import ctypes, json
+        print(json.dumps({"outcome": "exception", "error": "RuntimeError: x", "where": "a.py:1"}), flush=True)
+        ctypes.string_at(0)
+    """)
+    result = D.classify(run)
+    assert result["outcome"] == "exception" and result["returncode"] == -11
+    assert result["after"] == "then died of SIGSEGV while exiting"
+    row = D.smoke_check("default", {**result, "devices": ["cpu", "cpu"]}, {"off", "default"})
+    assert row.status == "fail" and row.evidence == "RuntimeError: x at a.py:1; then died of SIGSEGV while exiting"
+
+
 # --- rows --------------------------------------------------------------------------------------
 
 
@@ -148,8 +161,12 @@ def test_smoke_rows_and_verdict() -> None:
 
 def test_inject_spec() -> None:
     assert D.parse_inject("crash:default,hang:off") == {"default": "crash", "off": "hang"}
-    with pytest.raises(ValueError, match="FAULT:POLICY"):
+    with pytest.raises(D.ArgumentError, match="FAULT:POLICY"):
         D.parse_inject("explode:off")
+    assert D.parse_gpus("1,0", 2) == [1, 0] and D.parse_gpus(None, 2) == [0, 1]
+    for bad in ("2", "0,x"):
+        with pytest.raises(D.ArgumentError, match="--gpus"):
+            D.parse_gpus(bad, 2)
     assert DoctorOptions(quick=True, inject="hang:off").argv() == ["report", "--smoke-timeout", "120.0", "--quick",
                                                                   "--inject", "hang:off"]
 
@@ -190,8 +207,10 @@ def test_local_injected_crash_and_hang(local_env: dict[str, str]) -> None:
     assert smoke["default"]["outcome"] == "exception" and smoke["default"]["injected"] == "crash"
     assert smoke["default"]["error"] == "RuntimeError: injected crash (doctor --inject)"
     assert smoke["default"]["where"].startswith("dflash_train/doctor.py:") and smoke["default"]["where"].endswith(" in crash_now")
+    assert any("injected crash" in line for line in smoke["default"]["stderr_tail"])
     assert smoke["off"]["outcome"] == "hang" and smoke["off"]["returncode"] is None
     assert "in hang_forever" in smoke["off"]["where"]
+    assert any("hang_forever" in line for line in smoke["off"]["stderr_tail"])  # the faulthandler dump
     assert by_id["smoke:default"]["status"] == "fail" and by_id["smoke:default"]["result"] == "exception"
     assert by_id["smoke:off"]["status"] == "fail" and by_id["smoke:off"]["result"] == "hang"
     for policy in ("cudagraph-trees", "cudagraphs"):
@@ -217,6 +236,12 @@ def test_local_quick_table(local_env: dict[str, str]) -> None:
     assert "n/a" in lines["threads: reduce-overhead, trees"] and "n/a" in lines["GPUs"]
     assert "trainer uses off" in lines["verdict"]
     assert "no failures" in proc.stdout
+
+
+def test_bad_gpu_index_is_a_usage_error(local_env: dict[str, str]) -> None:
+    proc = cli(local_env, "doctor", "local", "--quick", "--gpus", "7")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().endswith("error: doctor: --gpus 7: torch sees 0 GPU(s), no index 7")
 
 
 def test_shim_host_quick(sshd_host) -> None:  # type: ignore[no-untyped-def]

@@ -43,7 +43,12 @@ POLICY_TITLES = {
 INJECTIONS = ("crash", "hang")
 GIB = 1024**3
 LOSS_RTOL = 2e-2  # bf16 replicas on identical data agree to ~1%; a broken replica is off by x10
-HANG_DUMP_GRACE_S = 2.0  # time the child gets to print its thread stacks before it is killed
+STDERR_TAIL_LINES = 60
+HANG_DUMP_GRACE_S = 1.0  # faulthandler writes from its signal handler: a second is plenty
+
+
+class ArgumentError(ValueError):
+    """A bad --gpus / --policies / --inject value: exit 2 with one line."""
 
 
 @dataclass
@@ -88,18 +93,19 @@ def nvidia_smi() -> dict | None:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
-    query = [exe, "--query-gpu=index,name,driver_version,memory.total,compute_cap", "--format=csv,noheader,nounits"]
+    query = [exe, "--query-gpu=index,name,driver_version", "--format=csv,noheader"]
     try:
         listing = subprocess.run(query, capture_output=True, text=True, timeout=30)
         header = subprocess.run([exe], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"error": f"nvidia-smi: {exc}", "gpus": []}
     if listing.returncode != 0:
-        return {"error": (listing.stderr or listing.stdout).strip().splitlines()[-1:], "gpus": []}
+        lines = (listing.stderr or listing.stdout).strip().splitlines()
+        return {"error": lines[-1] if lines else f"exit code {listing.returncode}", "gpus": []}
     gpus = []
     for line in listing.stdout.strip().splitlines():
-        index, name, driver, memory, cap = (f.strip() for f in line.split(","))
-        gpus.append({"index": int(index), "name": name, "driver": driver, "memory_mib": memory, "compute_cap": cap})
+        index, name, driver = (f.strip() for f in line.split(","))
+        gpus.append({"index": int(index), "name": name, "driver": driver})
     cuda = re.search(r"CUDA Version:\s*([\d.]+)", header.stdout)
     return {"gpus": gpus, "driver": gpus[0]["driver"] if gpus else None, "cuda": cuda.group(1) if cuda else None}
 
@@ -115,8 +121,11 @@ def check_gpus(smi: dict | None, torch_count: int, cuda_error: str | None, dev: 
     if smi is None and torch_count == 0:
         return Check("gpus", "GPUs", "n/a", "no GPU", "nvidia-smi not found; torch.cuda.device_count() = 0")
     if smi is not None and smi.get("error"):
-        return Check("gpus", "GPUs", "fail", "nvidia-smi fails", str(smi["error"]),
+        return Check("gpus", "GPUs", "fail", "nvidia-smi fails", smi["error"],
                      "the driver is not usable in this container: check the host driver and the passthrough")
+    if smi is None and not cuda_error:
+        return Check("gpus", "GPUs", "warn", f"{torch_count} seen by torch", "nvidia-smi not found on PATH",
+                     "install nvidia-smi (nvidia-utils) in the container to see driver and GPU details")
     smi_count = len(smi["gpus"]) if smi else 0
     evidence = f"nvidia-smi: {smi_count}, torch.cuda.device_count(): {torch_count}"
     if cuda_error:
@@ -133,8 +142,9 @@ def check_gpus(smi: dict | None, torch_count: int, cuda_error: str | None, dev: 
         hint = ("pass the missing nodes into the container (LXC: `lxc.mount.entry: /dev/nvidia-uvm dev/nvidia-uvm "
                 "none bind,optional,create=file` per node, and `lxc.cgroup2.devices.allow: c 195:* rwm` plus the "
                 "uvm major from `ls -l /dev/nvidia-uvm`)")
-    elif visible is not None:
-        hint = "CUDA_VISIBLE_DEVICES hides GPUs from torch; unset it or list every GPU"
+    elif visible is not None and torch_count and not cuda_error:
+        return Check("gpus", "GPUs", "warn", f"{torch_count} of {smi_count} visible to torch", evidence,
+                     "CUDA_VISIBLE_DEVICES hides the others; unset it to use every GPU")
     else:
         hint = "torch cannot use GPUs nvidia-smi sees: check that torch's CUDA build fits the driver (row below)"
     return Check("gpus", "GPUs", "fail", f"{smi_count} seen by nvidia-smi, {torch_count} by torch", evidence, hint)
@@ -352,7 +362,11 @@ def classify(run: ChildRun) -> dict:
     """Outcome of a smoke child: ok, exception, segfault, signal, hang or error, with where it happened."""
     result = _last_json(run.stdout)
     base = {"seconds": round(run.seconds, 1), "returncode": run.returncode}
-    if result is not None:  # it reported, even if it then failed to exit in time
+    if result is not None:  # it reported; what happened after is worth a note, not a new outcome
+        if run.timed_out:
+            result["after"] = "then did not exit; process group killed"
+        elif run.returncode is not None and run.returncode < 0:
+            result["after"] = f"then died of {signal.Signals(-run.returncode).name} while exiting"
         return {**base, **result}
     if run.timed_out:
         return {**base, "outcome": "hang", "error": f"no result within {run.timeout:g} s; process group killed",
@@ -387,10 +401,14 @@ def root_cause(exc: BaseException) -> BaseException:
 
 
 def exception_record(exc: BaseException) -> dict:
-    """An exception as a smoke result: its first line and the file:line of its innermost frame."""
+    """An exception as a smoke result: its first line, the file:line of its innermost frame, and
+    the innermost trainer frame when the error is raised deeper (in torch)."""
     exc = root_cause(exc)
     frames = traceback.extract_tb(exc.__traceback__)
     where = _where(frames[-1].filename, frames[-1].lineno, frames[-1].name) if frames else None
+    ours = [f for f in frames if "/dflash_train/" in f.filename and not f.filename.endswith("/workers.py")]
+    if where and ours and ours[-1] is not frames[-1]:
+        where += f", from {_where(ours[-1].filename, ours[-1].lineno, ours[-1].name)}"
     lines = str(exc).strip().splitlines()
     error = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     return {"outcome": "exception", "error": error, "where": where}
@@ -487,12 +505,12 @@ def smoke_main(args: argparse.Namespace) -> int:
 
 
 def parse_inject(spec: str | None) -> dict[str, str]:
-    """`crash:default,hang:off` -> {policy: fault}; unknown faults or policies raise ValueError."""
+    """`crash:default,hang:off` -> {policy: fault}; unknown faults or policies raise ArgumentError."""
     faults: dict[str, str] = {}
     for item in filter(None, (spec or "").split(",")):
         fault, _, policy = item.partition(":")
         if fault not in INJECTIONS or policy not in POLICIES:
-            raise ValueError(f"--inject takes FAULT:POLICY with FAULT in {INJECTIONS} and POLICY in {POLICIES}, got {item!r}")
+            raise ArgumentError(f"--inject takes FAULT:POLICY with FAULT in {INJECTIONS} and POLICY in {POLICIES}, got {item!r}")
         faults[policy] = fault
     return faults
 
@@ -501,10 +519,12 @@ def parse_gpus(spec: str | None, count: int) -> list[int]:
     """`0,1` -> [0, 1] checked against the GPUs torch sees; None -> every visible GPU."""
     if not spec:
         return list(range(count))
+    if not re.fullmatch(r"\d+(,\d+)*", spec):
+        raise ArgumentError(f"--gpus takes indices like 0,1, got {spec!r}")
     indices = [int(g) for g in spec.split(",")]
     bad = [g for g in indices if not 0 <= g < count]
     if bad:
-        raise ValueError(f"--gpus {spec}: torch sees {count} GPU(s), no index {bad[0]}")
+        raise ArgumentError(f"--gpus {spec}: torch sees {count} GPU(s), no index {bad[0]}")
     return indices
 
 
@@ -531,7 +551,12 @@ def run_smoke(policy: str, devices: list[str], steps: int, timeout: float, injec
             "--policy", policy, "--devices", ",".join(devices), "--steps", str(steps)]
     if inject:
         argv += ["--inject", inject]
-    return {"policy": policy, "devices": devices, "injected": inject, **classify(run_child(argv, timeout, child_env()))}
+    run = run_child(argv, timeout, child_env())
+    record = {"policy": policy, "devices": devices, "injected": inject, **classify(run)}
+    if record["outcome"] != "ok" or "after" in record:
+        # The whole stack (tracebacks, faulthandler dumps) for --json readers and bug reports.
+        record["stderr_tail"] = run.stderr.splitlines()[-STDERR_TAIL_LINES:]
+    return record
 
 
 def smoke_check(policy: str, detail: dict, trainer_policies: set[str]) -> Check:
@@ -549,7 +574,8 @@ def smoke_check(policy: str, detail: dict, trainer_policies: set[str]) -> Check:
                          "one replica trains on different numbers: do not train with this policy")
         return Check(f"smoke:{policy}", title, "ok", f"ok, {ms} ms/step, losses agree", evidence)
     where = f" at {detail['where']}" if detail.get("where") else ""
-    evidence = f"{detail['error']}{where}"
+    after = f"; {detail['after']}" if detail.get("after") else ""
+    evidence = f"{detail['error']}{where}{after}"
     if detail.get("injected"):
         evidence += f" [injected {detail['injected']}]"
     expected = policy not in trainer_policies
@@ -559,10 +585,11 @@ def smoke_check(policy: str, detail: dict, trainer_policies: set[str]) -> Check:
 
 def _failure_hint(policy: str, outcome: str, expected: bool) -> str:
     if expected:
-        return "known in worker threads on torch < 2.13; the trainer never uses trees in threads (cudagraphs = trees off)"
+        return ("CUDAGraph Trees are not thread-safe before torch 2.13; the trainer never uses them in threads "
+                "(its cudagraphs policy turns trees off)")
     if outcome == "hang":
-        return f"compile: {policy} hangs in threads here: use another policy; report with the stack above"
-    return f"compile: {policy} fails in threads here: set run.compile to a policy whose row is ok"
+        return f"compile: {policy} hangs in threads here: use another policy (stacks: --json, stderr_tail)"
+    return f"compile: {policy} fails in threads here: set run.compile to a policy whose row is ok (traceback: --json)"
 
 
 def trainer_policies(device_type: str) -> set[str]:
@@ -639,7 +666,7 @@ def smoke_tests(args: argparse.Namespace, devices: list[str], faults: dict[str, 
     wanted = args.policies.split(",") if args.policies else list(POLICIES)
     unknown = sorted(set(wanted) - set(POLICIES))
     if unknown:
-        raise ValueError(f"--policies: unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
+        raise ArgumentError(f"--policies: unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
     results = {}
     for policy in POLICIES:
         if policy in GRAPH_POLICIES and devices[0] == "cpu":
@@ -719,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
         return smoke_main(args)
     try:
         doc = report(args)
-    except ValueError as exc:  # bad --gpus / --inject / --policies: one line for the client
+    except ArgumentError as exc:  # one line for the client, which exits 2 with it
         print(f"doctor: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(doc), flush=True)
