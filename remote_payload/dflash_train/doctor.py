@@ -24,7 +24,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -409,9 +408,13 @@ def exception_record(exc: BaseException) -> dict:
     ours = [f for f in frames if "/dflash_train/" in f.filename and not f.filename.endswith("/workers.py")]
     if where and ours and ours[-1] is not frames[-1]:
         where += f", from {_where(ours[-1].filename, ours[-1].lineno, ours[-1].name)}"
+    return {"outcome": "exception", "error": first_line(exc), "where": where}
+
+
+def first_line(exc: BaseException) -> str:
+    """`Type: first line of the message`."""
     lines = str(exc).strip().splitlines()
-    error = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return {"outcome": "exception", "error": error, "where": where}
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def hang_forever(*_build_args) -> None:
@@ -609,7 +612,7 @@ def verdict_check(device_type: str, mode: str, smoke: dict[str, dict]) -> Check:
     tested = smoke.get(policy.effective, {})
     faster = _fastest_ok(smoke)
     if tested.get("outcome") in (None, "skipped", "n/a"):
-        return Check("verdict", "verdict", "ok", result, evidence + "; not smoke-tested (--quick)")
+        return Check("verdict", "verdict", "ok", result, f"{evidence}; not smoke-tested ({tested.get('error', 'not run')})")
     if tested["outcome"] != "ok" or not tested["losses_agree"]:
         hint = f"set run.compile: {faster} (its smoke test passed)" if faster else "no policy passed: see the rows above"
         return Check("verdict", "verdict", "fail", result + f": its smoke test gave {tested['outcome']}", evidence, hint)
@@ -658,7 +661,7 @@ def cuda_devices(torch) -> tuple[int, str | None]:
             torch.cuda.init()
         return count, None
     except Exception as exc:  # noqa: BLE001 - reported as evidence on the GPU row
-        return 0, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        return 0, first_line(exc)
 
 
 def smoke_tests(args: argparse.Namespace, devices: list[str], faults: dict[str, str]) -> dict[str, dict]:
