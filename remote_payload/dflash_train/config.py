@@ -1,0 +1,276 @@
+"""Typed run configuration: nested dataclasses, built-in presets, YAML files and `--set` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line, meant for the user."""
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target model: a local HF Qwen3 directory, or a random one of this shape."""
+
+    path: str | None = None  # HF checkpoint dir; None builds a random target from the fields below
+    seed: int = 0  # init seed of the random target
+    num_layers: int = 6
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    vocab_size: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = True
+    init_std: float = 0.07  # random target only: 0.07 gives greedy text with runs and jumps (learnable)
+
+
+@dataclass
+class DrafterConfig:
+    """The DFlash drafter: width comes from the target, depth and block from here."""
+
+    num_layers: int = 1
+    block_size: int = 8
+    target_layer_ids: list[int] | None = None  # None: `num_target_features` spread evenly (see target.py)
+    num_target_features: int = 5
+    mask_token_id: int | None = None  # None: `<|MASK|>` from the tokenizer, or the last id of a random target
+    attention: str = "auto"  # auto | flex | dense (auto: flex on CUDA, dense on CPU)
+    init_std: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    """Where sequences come from and how blocks are sampled from them."""
+
+    source: str = "demo"  # demo (greedy continuations of the random target) | jsonl | random
+    train_path: str | None = None  # jsonl rows: {"input_ids", "loss_mask"} or {"messages"}
+    eval_path: str | None = None  # held-out jsonl; None holds out `eval_fraction` of train
+    eval_fraction: float = 0.05
+    tokenizer_path: str | None = None  # for chat rows; None uses target.path
+    max_length: int = 64
+    anchors_per_seq: int = 8
+    batch_size: int = 8
+    num_train: int = 256  # demo/random: number of training sequences
+    num_eval: int = 32  # demo/random: number of held-out sequences
+    prompt_length: int = 8  # demo: random prompt tokens before the greedy continuation
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay (paper defaults)."""
+
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float | None = None  # loss decay; None: 7 for block 16, 5 for 10, 4 for 8 (see loss.py)
+    loss_chunk_rows: int = 1024  # rows of LM-head logits materialised at once
+
+
+@dataclass
+class RunConfig:
+    """Length, cadence, placement and output of one training run."""
+
+    steps: int = 300
+    epochs: int = 0  # > 0 overrides steps with epochs * batches per epoch
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    seed: int = 0
+    cpu_threads: int = 1  # torch intra-op threads; tiny ops gain nothing from more, and OpenMP
+    # spin-waits make 2 threads 10x slower on a busy 2-core machine; 0 keeps torch's default
+    output_dir: str = "runs/tiny"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
+    compile: str | None = None  # off | default | cudagraphs; None: off on CPU, default on CUDA
+    gpus: list[int] = field(default_factory=list)  # for the multi-GPU workers; empty: one device
+    export_dir: str | None = None  # None: <output_dir>/export
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+CHOICES = {
+    "data.source": ("demo", "jsonl", "random"),
+    "drafter.attention": ("auto", "flex", "dense"),
+    "run.dtype": ("auto", "bf16", "fp32"),
+    "run.compile": ("off", "default", "cudagraphs", None),
+}
+
+# Presets are override dicts on top of the dataclass defaults (which are the tiny run).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"optim": {"lr": 2e-3}},  # the tiny drafter learns faster than the paper's 6e-4 allows
+    "qwen3-8b": {
+        "target": {
+            "num_layers": 36, "hidden_size": 4096, "intermediate_size": 12288, "num_heads": 32,
+            "num_kv_heads": 8, "head_dim": 128, "vocab_size": 151936, "rope_theta": 1000000.0,
+            "max_position_embeddings": 40960, "tie_word_embeddings": False, "init_std": 0.02,
+        },
+        "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
+        "data": {"source": "random", "max_length": 3072, "anchors_per_seq": 512, "batch_size": 1,
+                 "num_train": 64, "num_eval": 4},
+        "run": {"output_dir": "runs/qwen3-8b", "dtype": "bf16", "eval_every": 1000,
+                "checkpoint_every": 1000},
+    },
+}
+
+
+def load_config(path: str | None = None, preset: str | None = None,
+                overrides: list[str] = ()) -> Config:
+    """Preset (default tiny), then the YAML file, then `a.b=c` overrides, validated."""
+    file_data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            file_data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {str(exc).splitlines()[0]}") from None
+        if not isinstance(file_data, dict):
+            raise ConfigError(f"config {path} must be a mapping at top level")
+    preset = preset or file_data.pop("preset", None) or "tiny"
+    file_data.pop("preset", None)
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+    cfg = Config()
+    _apply_dict(cfg, PRESETS[preset], "")
+    _apply_dict(cfg, file_data, "")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        set_key(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    validate(cfg)
+    return cfg
+
+
+def set_key(cfg: Config, dotted: str, value: Any) -> None:
+    """Set one dotted key (e.g. `run.steps`) with type coercion."""
+    section_name, _, name = dotted.partition(".")
+    section = getattr(cfg, section_name, None) if section_name in _field_names(cfg) else None
+    if section is None or not name:
+        raise ConfigError(f"unknown config key {dotted!r} (sections: {', '.join(_field_names(cfg))})")
+    if name not in _field_names(section):
+        raise ConfigError(f"unknown config key {dotted!r} (keys in {section_name}: "
+                          f"{', '.join(_field_names(section))})")
+    hint = typing.get_type_hints(type(section))[name]
+    setattr(section, name, _coerce(value, hint, dotted))
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain nested dicts (for YAML/JSON)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a Config saved with `to_dict`."""
+    cfg = Config()
+    _apply_dict(cfg, data, "")
+    validate(cfg)
+    return cfg
+
+
+def dump_yaml(cfg: Config) -> str:
+    """The resolved config as YAML text."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def validate(cfg: Config) -> None:
+    """Reject values that are well-typed but meaningless."""
+    for dotted, allowed in CHOICES.items():
+        section, name = dotted.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            shown = ", ".join("null" if a is None else a for a in allowed)
+            raise ConfigError(f"{dotted} must be one of {shown}, got {value!r}")
+    d, data = cfg.drafter, cfg.data
+    if d.block_size < 2:
+        raise ConfigError("drafter.block_size must be at least 2")
+    if data.max_length < d.block_size + 1:
+        raise ConfigError("data.max_length must exceed drafter.block_size")
+    positive = [("run", "steps"), ("run", "log_every"), ("run", "eval_every"), ("run", "eval_batches"),
+                ("run", "checkpoint_every"), ("data", "batch_size"), ("data", "anchors_per_seq")]
+    for section, name in positive:
+        if getattr(getattr(cfg, section), name) < 1:
+            raise ConfigError(f"{section}.{name} must be positive")
+    if data.source == "jsonl" and not data.train_path:
+        raise ConfigError("data.source jsonl needs data.train_path")
+
+
+def _field_names(obj: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def _apply_dict(obj: Any, data: dict[str, Any], prefix: str) -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping")
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in _field_names(obj):
+            raise ConfigError(f"unknown config key {dotted!r} (keys here: {', '.join(_field_names(obj))})")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _apply_dict(current, value, dotted + ".")
+        else:
+            setattr(obj, key, _coerce(value, typing.get_type_hints(type(obj))[key], dotted))
+
+
+def _coerce(value: Any, hint: Any, dotted: str) -> Any:
+    """Coerce a YAML value to a field's annotated type, or raise a one-line ConfigError."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], dotted)
+    if typing.get_origin(hint) is list:
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            value = [value] if isinstance(value, int) else yaml.safe_load(f"[{value}]")
+        if not isinstance(value, list):
+            raise ConfigError(f"{dotted} must be a list, got {value!r}")
+        return [_coerce(v, args[0], dotted) for v in value]
+    try:
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            raise TypeError
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if hint is str:
+            if value is None or isinstance(value, (dict, list)):
+                raise TypeError
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise ConfigError(f"{dotted}: unsupported type {hint}")
+    raise ConfigError(f"{dotted} must be {getattr(hint, '__name__', hint)}, got {value!r}")

@@ -1,0 +1,205 @@
+"""Training data: token sequences with loss masks, and per-epoch anchor (block) sampling.
+
+A batch is a pure function of (dataset, seed, step): resuming at step t rebuilds the exact batches
+an uninterrupted run would have seen, with no sampler state to checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import Config, DataConfig
+from .target import Qwen3Target, build_tiny_target
+
+Sequence = tuple[torch.Tensor, torch.Tensor]  # (input_ids [T] long, loss_mask [T] bool)
+
+
+@dataclass
+class Batch:
+    """One training batch; N sequences padded to S, A anchors each."""
+
+    input_ids: torch.Tensor     # [N, S] long (right-padded)
+    loss_mask: torch.Tensor     # [N, S] bool: tokens the drafter is trained to predict
+    anchors: torch.Tensor       # [N, A] long: block start positions (0 where invalid)
+    anchor_valid: torch.Tensor  # [N, A] bool: False for padding anchors of short sequences
+    lengths: torch.Tensor       # [N] long: unpadded lengths
+
+    def to(self, device: torch.device | str) -> "Batch":
+        """The batch on `device` (non-blocking copies)."""
+        return Batch(*(t.to(device, non_blocking=True) for t in
+                       (self.input_ids, self.loss_mask, self.anchors, self.anchor_valid, self.lengths)))
+
+    @property
+    def num_tokens(self) -> int:
+        """Unpadded sequence tokens in the batch (what the target reads)."""
+        return int(self.lengths.sum())
+
+
+def seeded_generator(*parts: int) -> torch.Generator:
+    """A CPU generator seeded from integers (seed, epoch, index, ...), independent of global RNG."""
+    value = 0
+    for part in parts:
+        value = (value * 1_000_003 + int(part) + 1) % (2**63 - 1)
+    return torch.Generator().manual_seed(value)
+
+
+def sample_anchors(loss_mask: torch.Tensor, num: int, block_size: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num` distinct sorted anchors among positions with loss_mask=1 that leave room for a
+    whole block; returns (anchors [num], valid [num]), padded with invalid anchors at 0."""
+    room = max(0, loss_mask.shape[0] - block_size + 1)
+    candidates = loss_mask[:room].nonzero().flatten()
+    chosen = candidates[torch.randperm(candidates.numel(), generator=generator)[:num]].sort().values
+    anchors = torch.zeros(num, dtype=torch.long)
+    valid = torch.zeros(num, dtype=torch.bool)
+    anchors[: chosen.numel()] = chosen
+    valid[: chosen.numel()] = True
+    return anchors, valid
+
+
+def collate(seqs: list[Sequence], max_length: int, anchors_per_seq: int, block_size: int,
+            generators: list[torch.Generator], pad_id: int = 0) -> Batch:
+    """Pad sequences to `max_length` (static shapes for compile) and sample their anchors."""
+    n = len(seqs)
+    ids = torch.full((n, max_length), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, max_length), dtype=torch.bool)
+    anchors = torch.zeros((n, anchors_per_seq), dtype=torch.long)
+    valid = torch.zeros((n, anchors_per_seq), dtype=torch.bool)
+    lengths = torch.zeros(n, dtype=torch.long)
+    for i, ((seq_ids, seq_mask), gen) in enumerate(zip(seqs, generators)):
+        t = min(seq_ids.shape[0], max_length)
+        ids[i, :t], mask[i, :t], lengths[i] = seq_ids[:t], seq_mask[:t], t
+        anchors[i], valid[i] = sample_anchors(mask[i, :t], anchors_per_seq, block_size, gen)
+    return Batch(ids, mask, anchors, valid, lengths)
+
+
+class BlockSampler:
+    """Deterministic batches: shuffled per epoch, anchors resampled per epoch, all from `seed`."""
+
+    def __init__(self, seqs: list[Sequence], cfg: DataConfig, block_size: int, seed: int,
+                 shuffle: bool = True):
+        if len(seqs) < cfg.batch_size:
+            raise ValueError(f"{len(seqs)} sequences are fewer than one batch ({cfg.batch_size})")
+        self.seqs, self.cfg, self.block_size, self.seed, self.shuffle = seqs, cfg, block_size, seed, shuffle
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Full batches per epoch (the ragged tail is dropped)."""
+        return len(self.seqs) // self.cfg.batch_size
+
+    def batch(self, step: int) -> Batch:
+        """The batch for global step `step` (0-based)."""
+        epoch, j = divmod(step, self.steps_per_epoch)
+        order = (torch.randperm(len(self.seqs), generator=seeded_generator(self.seed, epoch))
+                 if self.shuffle else torch.arange(len(self.seqs)))
+        idx = order[j * self.cfg.batch_size:(j + 1) * self.cfg.batch_size].tolist()
+        gens = [seeded_generator(self.seed, epoch, i) for i in idx]
+        return collate([self.seqs[i] for i in idx], self.cfg.max_length, self.cfg.anchors_per_seq,
+                       self.block_size, gens)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources.
+
+
+def load_jsonl(path: str | Path, tokenizer_path: str | None = None) -> list[Sequence]:
+    """Rows of {"input_ids", "loss_mask"?} or chat {"messages"} (tokenised with the target's
+    chat template via `transformers`, imported only if such rows appear)."""
+    seqs, tokenizer = [], None
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "input_ids" in row:
+                ids = torch.tensor(row["input_ids"], dtype=torch.long)
+                mask = torch.tensor(row.get("loss_mask", [1] * len(row["input_ids"])), dtype=torch.bool)
+                if mask.shape != ids.shape:
+                    raise ValueError(f"{path}:{line_no}: loss_mask and input_ids differ in length")
+            elif "messages" in row:
+                tokenizer = tokenizer or load_tokenizer(tokenizer_path, path)
+                ids, mask = tokenize_chat(row["messages"], tokenizer)
+            else:
+                raise ValueError(f"{path}:{line_no}: row has neither input_ids nor messages")
+            seqs.append((ids, mask))
+    return seqs
+
+
+def load_tokenizer(tokenizer_path: str | None, data_path: str | Path):
+    """The HF tokenizer for chat rows; a clear error if `transformers` or the path is missing."""
+    if tokenizer_path is None:
+        raise ValueError(f"{data_path} has chat rows: set data.tokenizer_path or target.path")
+    try:
+        from transformers import AutoTokenizer  # lazy: only chat data needs it
+    except ImportError:
+        raise ValueError(f"{data_path} has chat rows, which need the `transformers` package; "
+                         "install it or pre-tokenise to input_ids/loss_mask") from None
+    return AutoTokenizer.from_pretrained(tokenizer_path)
+
+
+def tokenize_chat(messages: list[dict], tokenizer) -> Sequence:
+    """Render with the chat template; loss_mask=1 on tokens that assistant turns add.
+
+    Each prefix of the conversation is rendered and the new tokens attributed to the last
+    message, which assumes the template renders prefixes consistently (true for Qwen3 chats
+    without earlier-turn reasoning, which its template strips).
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, message in enumerate(messages):
+        rendered = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True)
+        new = rendered[len(ids):]
+        ids = list(rendered)
+        mask += [int(message.get("role") == "assistant")] * len(new)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+
+
+def demo_sequences(target: Qwen3Target, cfg: DataConfig, mask_token_id: int, seed: int) -> tuple[list[Sequence], list[Sequence]]:
+    """Greedy continuations of random prompts by the target itself: (train, held-out).
+
+    Prompts are masked out of the loss; the continuation is deterministic given its prefix, so
+    the drafter has something learnable.
+    """
+    n = cfg.num_train + cfg.num_eval
+    gen = seeded_generator(seed, 7)
+    prompts = torch.randint(0, target.cfg.vocab_size - 1, (n, cfg.prompt_length), generator=gen)
+    prompts[prompts >= mask_token_id] += 1  # never the MASK id (random targets reserve the last)
+    ids = target.generate_greedy(prompts.to(target.embed_tokens.weight.device), cfg.max_length,
+                                 mask_token_id).cpu()
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, : cfg.prompt_length] = False
+    seqs = list(zip(ids.unbind(0), mask.unbind(0)))
+    return seqs[: cfg.num_train], seqs[cfg.num_train:]
+
+
+def random_sequences(vocab_size: int, num: int, length: int, mask_token_id: int, seed: int) -> list[Sequence]:
+    """Uniform random tokens (for speed benchmarks: the step's cost does not depend on them)."""
+    ids = torch.randint(0, vocab_size - 1, (num, length), generator=seeded_generator(seed, 11))
+    ids[ids >= mask_token_id] += 1
+    return [(row, torch.ones(length, dtype=torch.bool)) for row in ids.unbind(0)]
+
+
+def build_datasets(cfg: Config, mask_token_id: int) -> tuple[list[Sequence], list[Sequence]]:
+    """(train, held-out) sequences for the configured source (the same on every machine)."""
+    d, seed = cfg.data, cfg.run.seed
+    if d.source == "demo":
+        if cfg.target.path is not None:
+            raise ValueError("data.source demo needs the random target (unset target.path)")
+        # Generated on CPU in fp32 so the data do not depend on where training runs.
+        return demo_sequences(build_tiny_target(cfg.target, cfg.target.seed), d, mask_token_id, seed)
+    if d.source == "random":
+        seqs = random_sequences(cfg.target.vocab_size, d.num_train + d.num_eval, d.max_length,
+                                mask_token_id, seed)
+        return seqs[: d.num_train], seqs[d.num_train:]
+    tokenizer_path = d.tokenizer_path or cfg.target.path
+    train = load_jsonl(d.train_path, tokenizer_path)
+    if d.eval_path:
+        return train, load_jsonl(d.eval_path, tokenizer_path)
+    # Hold out a deterministic slice of the shuffled rows.
+    order = torch.randperm(len(train), generator=seeded_generator(seed, 13)).tolist()
+    num_eval = max(1, int(len(train) * d.eval_fraction))
+    return [train[i] for i in order[num_eval:]], [train[i] for i in order[:num_eval]]

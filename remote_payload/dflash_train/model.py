@@ -1,0 +1,292 @@
+"""Qwen3 building blocks and the DFlash drafter (arXiv 2602.06036), in one readable file.
+
+Notation for tensor shapes in comments:
+    N  sequences in the batch          S  context (sequence) length
+    A  anchors (blocks) per sequence   B  block size        Q = A*B block tokens
+    H  hidden size    L  target feature layers    nh / nkv  query / key-value heads    d  head_dim
+
+Training layout (one forward pass trains all A blocks of every sequence):
+    keys/values = [context (S) ; blocks (Q)]     queries = blocks (Q) only
+A block anchored at position a holds [token a, MASK x (B-1)] at positions a..a+B-1; it attends to
+the context strictly before a and bidirectionally to its own B tokens, never to other blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Width of one Qwen3 decoder layer (shared by target and drafter)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim] -> [..., dim]
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for integer positions [..., T] -> two [..., T, d] tensors (HF Qwen3 layout)."""
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)                       # [d/2]
+    freqs = positions.float()[..., None] * inv_freq            # [..., T, d/2], fp32 so large positions stay exact
+    emb = torch.cat([freqs, freqs], dim=-1)                    # [..., T, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [N, heads, T, d] by cos/sin [N or 1, T, d] (rotate-half convention)."""
+    cos, sin = cos[:, None], sin[:, None]                      # [N, 1, T, d]: broadcast over heads
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, shape: Shape):
+        super().__init__()
+        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., H] -> [..., H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Qwen3 attention projections: GQA, per-head q_norm/k_norm before RoPE, no biases."""
+
+    def __init__(self, shape: Shape):
+        super().__init__()
+        h, d = shape.hidden_size, shape.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, d
+        self.q_proj = nn.Linear(h, shape.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, shape.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, shape.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(shape.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, shape.rms_norm_eps)
+        self.k_norm = RMSNorm(d, shape.rms_norm_eps)
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, T, H] -> normed queries [N, nh, T, d] (before RoPE)."""
+        n, t, _ = x.shape
+        return self.q_norm(self.q_proj(x).view(n, t, self.num_heads, self.head_dim)).transpose(1, 2)
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, T, H] -> normed keys, values [N, nkv, T, d] (keys before RoPE)."""
+        n, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(n, t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, t, self.num_kv_heads, self.head_dim)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn [N, nh, T, d] -> [N, T, H]."""
+        n, _, t, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(n, t, self.num_heads * self.head_dim))
+
+    def causal(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention (the target's): x [N, S, H], cos/sin [1, S, d] -> [N, S, H]."""
+        q = apply_rope(self.queries(x), cos, sin)
+        k, v = self.keys_values(x)
+        out = F.scaled_dot_product_attention(q, apply_rope(k, cos, sin), v, is_causal=True, enable_gqa=True)
+        return self.output(out)
+
+    def extend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               past: tuple[torch.Tensor, torch.Tensor] | None):
+        """Causal attention for new tokens x [N, T, H] after cached keys/values `past`
+        ([N, nkv, T0, d] each, or None); cos/sin [1, T, d] at positions T0..T0+T-1.
+        Returns ([N, T, H], the cache extended to T0+T). Used for greedy generation."""
+        q = apply_rope(self.queries(x), cos, sin)
+        k, v = self.keys_values(x)
+        k = apply_rope(k, cos, sin)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        # With a cache, new tokens come one at a time and see every cached key: no mask needed.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=past is None, enable_gqa=True)
+        return self.output(out), (k, v)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer; `forward` is the target's causal layer."""
+
+    def __init__(self, shape: Shape):
+        super().__init__()
+        self.self_attn = Attention(shape)
+        self.mlp = MLP(shape)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [N, S, H] -> [N, S, H]
+        x = x + self.self_attn.causal(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def extend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               past: tuple[torch.Tensor, torch.Tensor] | None):
+        """`forward` for new tokens after a key/value cache; returns (x, extended cache)."""
+        attn, cache = self.self_attn.extend(self.input_layernorm(x), cos, sin, past)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+# ----------------------------------------------------------------------------------------------
+# Block attention mask: built once per batch, shared by every draft layer.
+
+
+def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Absolute positions of the block tokens: anchors [N, A] -> [N, A*B] (token k of block a: a+k)."""
+    offsets = torch.arange(block_size, device=anchors.device)
+    return (anchors[:, :, None] + offsets).flatten(1)
+
+
+def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Boolean mask [N, 1, Q, S+Q] (True = attend) for SDPA: context < anchor, own block only."""
+    n, a = anchors.shape
+    q = a * block_size
+    q_block = torch.arange(q, device=anchors.device) // block_size            # [Q] block index of each query
+    q_anchor = anchors[:, q_block]                                            # [N, Q]
+    ctx_pos = torch.arange(seq_len, device=anchors.device)                    # [S]
+    sees_ctx = ctx_pos[None, None, :] < q_anchor[:, :, None]                  # [N, Q, S]
+    sees_block = (q_block[:, None] == q_block[None, :]).expand(n, q, q)       # [N, Q, Q]
+    return torch.cat([sees_ctx, sees_block], dim=-1)[:, None]                 # [N, 1, Q, S+Q]
+
+
+def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> BlockMask:
+    """The same mask as `dense_block_mask`, as a FlexAttention BlockMask."""
+    n, a = anchors.shape
+    q = a * block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // block_size
+        in_ctx = kv_idx < seq_len
+        sees_ctx = in_ctx & (kv_idx < anchors[b, blk])
+        sees_block = ~in_ctx & ((kv_idx - seq_len) // block_size == blk)
+        return sees_ctx | sees_block
+
+    return create_block_mask(mask_mod, n, None, q, seq_len + q, device=anchors.device)
+
+
+def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, backend: str) -> torch.Tensor | BlockMask:
+    """The mask for `backend` ('flex' or 'dense')."""
+    if backend == "flex":
+        return flex_block_mask(anchors, seq_len, block_size)
+    return dense_block_mask(anchors, seq_len, block_size)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask,
+           flex_fn=flex_attention) -> torch.Tensor:
+    """q [N, nh, Q, d], k/v [N, nkv, S+Q, d] under a dense or block mask -> [N, nh, Q, d]."""
+    if isinstance(mask, BlockMask):
+        return flex_fn(q, k, v, block_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The drafter.
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """Everything that fixes the drafter's parameters and math (exported as config.json)."""
+
+    shape: Shape
+    num_layers: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+
+
+class DraftLayer(DecoderLayer):
+    """Decoder layer with KV injection: block queries attend to [k_proj(ctx); k_proj(block)]."""
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | BlockMask, flex_fn=flex_attention) -> torch.Tensor:
+        # x: [N, Q, H] block stream; ctx: [N, S, H] fused target features (not normed again, no MLP,
+        # no residual: the context only supplies keys and values); cos/sin: [N, S+Q, d]
+        s = ctx.shape[1]
+        attn = self.self_attn
+        h = self.input_layernorm(x)
+        q = apply_rope(attn.queries(h), cos[:, s:], sin[:, s:])          # [N, nh, Q, d]
+        k_ctx, v_ctx = attn.keys_values(ctx)                              # [N, nkv, S, d]
+        k_blk, v_blk = attn.keys_values(h)                                # [N, nkv, Q, d]
+        k = apply_rope(torch.cat([k_ctx, k_blk], dim=2), cos, sin)        # [N, nkv, S+Q, d]
+        v = torch.cat([v_ctx, v_blk], dim=2)                              # [N, nkv, S+Q, d]
+        x = x + attn.output(attend(q, k, v, mask, flex_fn))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """The trainable drafter; parameter names match the published z-lab DFlash checkpoints.
+
+    The embedding and LM head are the target's (frozen, shared) and deliberately not submodules,
+    so `state_dict()` is exactly the exported tensor set.
+    """
+
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        self.spec = spec
+        h, eps = spec.shape.hidden_size, spec.shape.rms_norm_eps
+        self.layers = nn.ModuleList(DraftLayer(spec.shape) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(h, eps)
+        self.fc = nn.Linear(len(spec.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, eps)
+
+    def init_weights(self, std: float, generator: torch.Generator) -> None:
+        """Normal(0, std) linear weights and unit norms, drawn from `generator` only."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                with torch.no_grad():
+                    module.weight.normal_(0.0, std, generator=generator)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(self, target_hidden: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
+                mask: torch.Tensor | BlockMask, flex_fn=flex_attention) -> torch.Tensor:
+        """Hidden states of all block tokens after the final norm: [N, Q, H]."""
+        # target_hidden: [N, S, L*H]; block_embeds: [N, Q, H]; anchors: [N, A]
+        n, s, _ = target_hidden.shape
+        ctx = self.hidden_norm(self.fc(target_hidden))                                   # [N, S, H]
+        ctx_pos = torch.arange(s, device=anchors.device).expand(n, s)                     # [N, S]
+        positions = torch.cat([ctx_pos, block_positions(anchors, self.spec.block_size)], 1)  # [N, S+Q]
+        cos, sin = rope_cos_sin(positions, self.spec.shape.head_dim, self.spec.shape.rope_theta,
+                                ctx.dtype)                                                # [N, S+Q, d]
+        x = block_embeds.to(ctx.dtype)
+        for layer in self.layers:
+            x = layer(x, ctx, cos, sin, mask, flex_fn)
+        return self.norm(x)
+
+
+def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                    mask_token_id: int) -> torch.Tensor:
+    """Block token ids [N, A*B]: the anchor's token, then MASK x (B-1)."""
+    n, a = anchors.shape
+    ids = torch.full((n, a, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    ids[:, :, 0] = input_ids.gather(1, anchors)
+    return ids.flatten(1)
