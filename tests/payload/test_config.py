@@ -1,0 +1,76 @@
+"""Config loading: presets, YAML, `--set` coercion, one-line errors with exit code 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_train.__main__ import main
+from dflash_train.config import ConfigError, load_config
+from dflash_train.train import resolve_config
+
+PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
+
+
+def test_yaml_then_overrides_with_coercion(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  steps: 50\n  seed: 3\ndrafter:\n  block_size: 16\n")
+    cfg = load_config(str(path), overrides=["run.steps=7", "optim.lr=1e-3", "drafter.target_layer_ids=[1, 2]",
+                                            "target.tie_word_embeddings=false", "run.gpus=0,1"])
+    assert (cfg.run.steps, cfg.run.seed, cfg.drafter.block_size) == (7, 3, 16)
+    assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.lr, float)
+    assert cfg.drafter.target_layer_ids == [1, 2]
+    assert cfg.target.tie_word_embeddings is False
+    assert cfg.run.gpus == [0, 1]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("drafter.blok_size=3", "unknown config key 'drafter.blok_size'"),
+    ("nosection.x=1", "unknown config key 'nosection.x'"),
+    ("run.steps=abc", "run.steps must be int"),
+    ("run.steps=2.5", "run.steps must be int"),
+    ("target.tie_word_embeddings=3", "must be bool"),
+    ("run.compile=fast", "run.compile must be one of"),
+    ("run.steps", "not of the form key=value"),
+])
+def test_bad_overrides_raise_one_line_errors(override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(overrides=[override])
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_yaml_key_and_preset(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  maxlen: 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'data.maxlen'"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="unknown preset"):
+        load_config(preset="qwen9")
+
+
+def test_cli_exit_code_2_and_one_line(capsys):
+    assert main(["--set", "optim.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown config key 'optim.lrr'") and err.count("\n") == 1
+
+
+def test_cli_bad_config_in_a_fresh_process():
+    proc = subprocess.run([sys.executable, "-m", "dflash_train", "--set", "run.steps=0"],
+                          cwd=PAYLOAD, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: run.steps must be positive"
+
+
+def test_qwen3_8b_preset_resolves_to_the_published_recipe():
+    cfg = resolve_config(load_config(preset="qwen3-8b", overrides=["run.device=cpu"]))
+    assert cfg.drafter.target_layer_ids == [1, 9, 17, 25, 33]
+    assert (cfg.drafter.num_layers, cfg.drafter.block_size, cfg.drafter.mask_token_id) == (5, 16, 151669)
+    assert (cfg.data.max_length, cfg.data.anchors_per_seq) == (3072, 512)
+    assert cfg.optim.gamma == 7.0 and cfg.optim.lr == 6e-4
+    assert cfg.run.dtype == "bf16"
+
+
+def test_resolve_rejects_layer_ids_outside_the_target():
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        resolve_config(load_config(overrides=["drafter.target_layer_ids=[1, 6]"]))
