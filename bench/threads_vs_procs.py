@@ -12,6 +12,7 @@ Prints a table last; writes bench.json and bench.log under --out.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -171,8 +172,8 @@ def run_variant(cfg_name: str, kind: str, compile_mode: str, world: int, timeout
                 steps: int) -> dict:
     """One variant: threads (one child) or processes (world children); parsed results."""
     base = [sys.executable, __file__, "--config", cfg_name, "--compile", compile_mode, "--world", str(world),
-            "--device", device, "--steps", str(steps)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+            "--device", device, "--steps", str(steps), "--hang-dump-s", str(max(10.0, timeout - 10))]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_LOGS="perf_hints")  # perf_hints: "skipping cudagraphs"
     t0 = time.monotonic()
     if kind == "threads":
         status, lines = launch(base + ["--child", "threads"], timeout, log, env)
@@ -252,10 +253,16 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default="small,mid")
+    ap.add_argument("--plan", default="", help="runs to do, in order: config:kind:compile:world,... "
+                    "(default: every config x PLAN, then REPEATED for repeats 2..)")
+    ap.add_argument("--hang-dump-s", type=float, default=0, help="child: dump all threads and exit after this")
     ap.add_argument("--steps", type=int, default=0, help="timed steps (0: the config's default)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the logic")
     args = ap.parse_args()
     if args.child:
+        faulthandler.enable()  # a segfault prints every thread's Python stack
+        if args.hang_dump_s:
+            faulthandler.dump_traceback_later(args.hang_dump_s, exit=True)
         result = child_threads(args) if args.child == "threads" else child_process(args)
         if args.child == "threads" or int(os.environ["RANK"]) == 0:
             print("RESULT " + json.dumps(result), flush=True)
@@ -265,8 +272,11 @@ def main() -> None:
     deadline = time.monotonic() + args.budget_s
     out = Path(args.out)
     rows: list[dict] = []
-    jobs = [(c, v, 1) for c in args.configs.split(",") for v in PLAN]
-    jobs += [(c, v, rep) for rep in range(2, args.repeats + 1) for c in args.configs.split(",") for v in REPEATED]
+    if args.plan:
+        jobs = [(c, (k, m, int(w)), 1) for c, k, m, w in (item.split(":") for item in args.plan.split(","))]
+    else:
+        jobs = [(c, v, 1) for c in args.configs.split(",") for v in PLAN]
+        jobs += [(c, v, rep) for rep in range(2, args.repeats + 1) for c in args.configs.split(",") for v in REPEATED]
     with open(out / "bench.log", "w") as log:
         log.write(f"torch {torch.__version__} gpus {torch.cuda.device_count()}\n")
         for cfg_name, (kind, comp, world), rep in jobs:

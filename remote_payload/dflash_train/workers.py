@@ -32,7 +32,9 @@ COMPILE_MODES = ("off", "default", "cudagraphs")
 # Inductor options for "cudagraphs": reduce-overhead's CUDA graphs without CUDAGraph Trees.
 # Passed to every torch.compile call, never set in torch._inductor.config: from torch 2.12 config
 # overrides are per-thread, so a value set by the main thread is not seen by the workers.
-CUDAGRAPH_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_trees": False}
+# Graph partitions off: the tree-less path treats every non-tangent backward input as a static
+# address, which only holds when the whole forward is one captured graph (docs/threaded-compile.md).
+CUDAGRAPH_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_trees": False, "graph_partition": False}
 
 
 class WorkerError(RuntimeError):

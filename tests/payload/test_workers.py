@@ -163,7 +163,7 @@ def test_bad_fault_spec_is_rejected(setup):
 def test_cudagraphs_policy_turns_trees_off_per_call_on_every_version(version, expected):
     policy = W.choose_compile_policy("cudagraphs", "cuda", version)
     assert policy.effective == "cudagraphs" and expected in policy.reason
-    assert policy.options == {"triton.cudagraphs": True, "triton.cudagraph_trees": False}
+    assert policy.options == {"triton.cudagraphs": True, "triton.cudagraph_trees": False, "graph_partition": False}
     assert W.choose_compile_policy("cudagraphs", "cpu", version).effective == "default"
     assert W.choose_compile_policy("off", "cuda", version).options is None
 
