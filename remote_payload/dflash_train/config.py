@@ -266,6 +266,9 @@ def _coerce(value: Any, hint: Any, dotted: str) -> Any:
                 raise TypeError
             return float(value)
         if hint is str:
+            if isinstance(value, bool):
+                # YAML 1.1 reads a bare `off`/`on` (e.g. `compile: off`) as a boolean.
+                return "on" if value else "off"
             if value is None or isinstance(value, (dict, list)):
                 raise TypeError
             return str(value)

@@ -40,6 +40,13 @@ def test_bad_overrides_raise_one_line_errors(override, message):
     assert "\n" not in str(err.value)
 
 
+def test_bare_off_is_a_string_not_false(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  compile: off\n")
+    assert load_config(str(path)).run.compile == "off"
+    assert load_config(overrides=["run.compile=off"]).run.compile == "off"
+
+
 def test_unknown_yaml_key_and_preset(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("data:\n  maxlen: 3\n")

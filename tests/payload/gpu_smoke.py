@@ -1,0 +1,115 @@
+"""GPU smoke checks for the trainer (run by hand on a CUDA machine, from the repo root):
+
+    python3 tests/payload/gpu_smoke.py [hf|paths|tiny|8b ...]
+
+hf     our Qwen3 target vs transformers' Qwen3ForCausalLM on the same random checkpoint
+paths  flex (CUDA) vs dense attention: same loss and gradients in fp32
+tiny   the tiny run on CUDA (bf16, FlexAttention, compile default): time and acceptance length
+8b     the qwen3-8b preset: ms/step and peak memory, eager (flex compiled) and compiled
+"""
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "remote_payload"))
+
+from dflash_train.config import TargetConfig, load_config  # noqa: E402
+from dflash_train.data import BlockSampler, build_datasets  # noqa: E402
+from dflash_train.target import build_tiny_target, load_hf_target  # noqa: E402
+from dflash_train.train import (build_replica, forward_loss, resolve_config, run_training,  # noqa: E402
+                                train_step)
+
+
+def check_hf() -> None:
+    """Hidden states and logits of our target equal transformers' on one checkpoint (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = TargetConfig(tie_word_embeddings=False)
+    ours = build_tiny_target(cfg, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps({
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+            "attention_bias": False, "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+            "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": False, "torch_dtype": "float32",
+            "max_position_embeddings": cfg.max_position_embeddings}))
+        save_file({("" if k.startswith("lm_head") else "model.") + k: v.contiguous()
+                   for k, v in ours.state_dict().items()}, str(Path(tmp) / "model.safetensors"))
+        hf = AutoModelForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).cuda().eval()
+        loaded = load_hf_target(tmp, [1, 3], "cuda", torch.float32)
+    ids = torch.randint(0, 511, (2, 48), device="cuda")
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+    ours = ours.cuda()
+    feats = loaded.features(ids, [1, 3])
+    ref = torch.cat([out.hidden_states[2], out.hidden_states[4]], -1)
+    print(f"hf: features max abs diff {(feats - ref).abs().max().item():.2e}, "
+          f"logits max abs diff {(ours.logits(ids) - out.logits.float()).abs().max().item():.2e}")
+
+
+def check_paths() -> None:
+    """Flex vs dense on CUDA in fp32: loss and every gradient."""
+    grads = {}
+    for attention in ("dense", "flex"):
+        cfg = resolve_config(load_config(overrides=["run.device=cuda", "run.dtype=fp32", "run.compile=off",
+                                                    f"drafter.attention={attention}", "drafter.num_layers=2"]))
+        train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
+        replica = build_replica(cfg, "cuda", 0)
+        batch = BlockSampler(train, cfg.data, cfg.drafter.block_size, 0).batch(0)
+        out = forward_loss(replica, batch)
+        out.loss.backward()
+        grads[attention] = (out.loss.item(), {k: p.grad.clone() for k, p in replica.drafter.named_parameters()})
+    (ld, gd), (lf, gf) = grads["dense"], grads["flex"]
+    worst = max(((gd[k] - gf[k]).norm() / gd[k].norm()).item() for k in gd)
+    print(f"paths: loss dense {ld:.6f} flex {lf:.6f}; worst relative grad diff {worst:.2e}")
+
+
+def check_tiny() -> None:
+    """The default tiny run on the GPU."""
+    for policy in ("off", "default"):
+        cfg = load_config(overrides=[f"run.output_dir=/tmp/tiny_{policy}", f"run.compile={policy}"])
+        lines = []
+        t0 = time.perf_counter()
+        rc = run_training(cfg, overwrite=True, log=lines.append)
+        print(f"tiny compile={policy}: rc {rc}, {time.perf_counter() - t0:.1f} s; {lines[-1]}")
+
+
+def check_8b() -> None:
+    """Qwen3-8B-shaped step: ms/step and peak memory."""
+    for policy in ("off", "default"):
+        cfg = resolve_config(load_config(preset="qwen3-8b", overrides=[f"run.compile={policy}"]))
+        train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
+        sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, 0)
+        t0 = time.perf_counter()
+        replica = build_replica(cfg, "cuda", 0)
+        print(f"8b compile={policy}: built in {time.perf_counter() - t0:.1f} s", flush=True)
+        for step in range(3):
+            t0 = time.perf_counter()
+            loss, _ = train_step(replica, sampler.batch(step))
+            print(f"  warm-up step {step}: loss {loss.item():.4f} {time.perf_counter() - t0:.1f} s", flush=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for step in range(3, 8):
+            train_step(replica, sampler.batch(step))
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / 5 * 1000
+        print(f"  {ms:.0f} ms/step ({1000 / ms:.2f} samples/s), peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB",
+              flush=True)
+        del replica
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+if __name__ == "__main__":
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}", flush=True)
+    checks = {"hf": check_hf, "paths": check_paths, "tiny": check_tiny, "8b": check_8b}
+    for name in sys.argv[1:] or list(checks):
+        checks[name]()
