@@ -185,14 +185,6 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def from_dict(data: dict[str, Any]) -> Config:
-    """Rebuild a Config saved with `to_dict`."""
-    cfg = Config()
-    _apply_dict(cfg, data, "")
-    validate(cfg)
-    return cfg
-
-
 def dump_yaml(cfg: Config) -> str:
     """The resolved config as YAML text."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)

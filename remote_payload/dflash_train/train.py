@@ -47,6 +47,8 @@ def resolve_config(cfg: Config) -> Config:
         run.compile = "default" if on_cuda else "off"
     if d.attention == "auto":
         d.attention = "flex" if on_cuda else "dense"
+    if d.attention == "flex" and not on_cuda:
+        raise ConfigError("drafter.attention flex needs CUDA (FlexAttention has no CPU backward)")
     if cfg.target.path is not None:
         try:
             loaded = read_hf_config(cfg.target.path)
@@ -223,6 +225,18 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
 
+def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    keys = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys += _changed_keys(a, b, f"{prefix}{key}.")
+        elif a != b:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
 def _gpu_mem_gb(device: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
 
@@ -265,8 +279,12 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
 
     start = 0
     if ckpt is not None:
-        start = load_checkpoint(ckpt, replica.drafter, replica.optimizer, replica.scheduler, device)["step"]
+        meta = load_checkpoint(ckpt, replica.drafter, replica.optimizer, replica.scheduler, device)
+        start = meta["step"]
         log(f"resumed from {ckpt} at step {start}")
+        changed = _changed_keys(meta["config"], to_dict(cfg))
+        if changed:
+            log(f"warning: config differs from the checkpoint's in {', '.join(changed)}")
     metrics = MetricsLog(out / "metrics.jsonl", start if ckpt is not None else None)
     total = cfg.run.steps
 
@@ -303,7 +321,8 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
                       "loss": float(window_loss) / window_steps, "acceptance_length": None,
                       "lr": m["lr"], "grad_norm": float(m["grad_norm"]),
                       "tokens_per_s": window_tokens / elapsed, "step_time_s": elapsed / window_steps,
-                      "gpu_mem_gb": _gpu_mem_gb(device)}
+                      "gpu_mem_gb": _gpu_mem_gb(device),
+                      "train_acceptance_length": float(m["train_acceptance_length"])}
             if eval_now:
                 record["acceptance_length"] = run_eval(done, "eval")
             metrics.write(record)
