@@ -206,6 +206,15 @@ def evaluate(replica: Replica, batches: list[Batch]) -> dict[str, float]:
 # The program.
 
 
+def load_data(cfg: Config) -> tuple[BlockSampler, list[Batch]]:
+    """The training sampler and the fixed held-out batches (first epoch's anchors, unshuffled)."""
+    train_seqs, eval_seqs = build_datasets(cfg, cfg.drafter.mask_token_id)
+    sampler = BlockSampler(train_seqs, cfg.data, cfg.drafter.block_size, cfg.run.seed)
+    eval_cfg = dataclasses.replace(cfg.data, batch_size=min(cfg.data.batch_size, len(eval_seqs)))
+    held_out = BlockSampler(eval_seqs, eval_cfg, cfg.drafter.block_size, cfg.run.seed + 1, shuffle=False)
+    return sampler, [held_out.batch(i) for i in range(min(cfg.run.eval_batches, held_out.steps_per_epoch))]
+
+
 class MetricsLog:
     """Appends JSON lines to <out>/metrics.jsonl."""
 
@@ -259,11 +268,7 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
     if cfg.run.cpu_threads > 0:
         torch.set_num_threads(cfg.run.cpu_threads)
 
-    train_seqs, eval_seqs = build_datasets(cfg, cfg.drafter.mask_token_id)
-    sampler = BlockSampler(train_seqs, cfg.data, cfg.drafter.block_size, cfg.run.seed)
-    eval_cfg = dataclasses.replace(cfg.data, batch_size=min(cfg.data.batch_size, len(eval_seqs)))
-    eval_sampler = BlockSampler(eval_seqs, eval_cfg, cfg.drafter.block_size, cfg.run.seed + 1, shuffle=False)
-    eval_batches = [eval_sampler.batch(i) for i in range(min(cfg.run.eval_batches, eval_sampler.steps_per_epoch))]
+    sampler, eval_batches = load_data(cfg)
     if cfg.run.epochs > 0:
         cfg.run.steps = cfg.run.epochs * sampler.steps_per_epoch
 
@@ -275,7 +280,9 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
     replica = build_replica(cfg, device, cfg.run.seed)
     n_params = sum(p.numel() for p in replica.drafter.parameters())
     log(f"drafter: {n_params / 1e6:.2f}M trainable parameters; target layers "
-        f"{cfg.drafter.target_layer_ids}; {len(train_seqs)} train / {len(eval_seqs)} held-out sequences")
+        f"{cfg.drafter.target_layer_ids}; {len(sampler.seqs)} training sequences")
+    if resume and ckpt is None:
+        log(f"no checkpoint in {out}: starting from step 0")
 
     start = 0
     if ckpt is not None:
