@@ -67,11 +67,14 @@ def test_replicas_stay_identical_and_match_one_replica_on_the_global_batch(setup
     for step in range(STEPS):
         forward_backward(single, sampler.batch(step))
         optimizer_step(single)
+    # Summation order differs (micro-batches vs one batch); Adam divides by sqrt(v), so an element
+    # with a tiny gradient can move by a fraction of one step: allow a tenth of the peak lr.
+    step = cfg.optim.lr
     for a, b in zip(threaded, single.drafter.parameters()):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a, b.detach(), rtol=1e-3, atol=step / 10)
     moved = max((a - b).abs().max().item() for a, b in zip(threaded, build_replica(cfg, "cpu", cfg.run.seed)
                                                            .drafter.parameters()))
-    assert moved > 1e-4  # training really changed the parameters
+    assert moved > step  # training moved the parameters by far more than the tolerance
 
 
 @pytest.mark.parametrize("fail_at,phase", [("build", "build"), ("compile", "compile/warm-up"),
