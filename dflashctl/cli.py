@@ -7,9 +7,7 @@ calls one function, and renders its result.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +18,8 @@ from rich.console import Console
 from rich.text import Text
 
 from . import __version__
-from .errors import ContainerError, DflashError, UsageError
+from .errors import DflashError, UsageError
+from .passthrough import run_passthrough
 from .inventory import load_inventory
 from .session import Session
 
@@ -130,93 +129,7 @@ def exec_cmd(
     if not command:
         raise UsageError("exec needs a command: dflashctl exec HOST -- CMD [ARGS...]")
     target = _state(ctx).session().target(host)
-    out = _writer(sys.stdout.buffer)
-    err = _StderrGate(_writer(sys.stderr.buffer))
-
-    def on_stdout(chunk: bytes) -> None:
-        err.release()
-        out(chunk)
-
-    try:
-        result = target.run(command, stdin=_forwarded_stdin(), on_stdout=on_stdout, on_stderr=err)
-    except ContainerError:
-        err.discard()  # pct's own complaint; the one-line error says it better
-        raise
-    err.release()
-    raise typer.Exit(result.exit_code)
-
-
-def _writer(stream):  # type: ignore[no-untyped-def]
-    def sink(chunk: bytes) -> None:
-        stream.write(chunk)
-        stream.flush()
-
-    return sink
-
-
-def _forwarded_stdin():  # type: ignore[no-untyped-def]
-    """Like ssh: a pipe or file on stdin is forwarded, an interactive terminal is not.
-
-    Reads the raw fd: a daemon thread blocked in sys.stdin.buffer would hold its lock and abort
-    the interpreter at exit.
-    """
-    if sys.stdin is None or sys.stdin.isatty():
-        return None
-    fd = sys.stdin.fileno()
-    return iter(lambda: os.read(fd, 1 << 16), b"")
-
-
-class _StderrGate:
-    """Holds a command's first stderr bytes for a moment: if the container turns out to be
-    unusable they are pct/docker's own message, which our one-line error replaces."""
-
-    HOLD_S = 0.5
-    LIMIT = 4096
-
-    def __init__(self, sink) -> None:  # type: ignore[no-untyped-def]
-        self._sink = sink
-        self._held = bytearray()
-        self._open = False
-        self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
-
-    def __call__(self, chunk: bytes) -> None:
-        with self._lock:
-            if not self._open:
-                self._held.extend(chunk)
-                if len(self._held) <= self.LIMIT:
-                    if self._timer is None:
-                        self._timer = threading.Timer(self.HOLD_S, self.release)
-                        self._timer.daemon = True
-                        self._timer.start()
-                    return
-                self._open_locked()
-                return
-        self._sink(chunk)
-
-    def release(self) -> None:
-        """Pass held bytes on and stop holding."""
-        with self._lock:
-            if not self._open:
-                self._open_locked()
-
-    def discard(self) -> None:
-        """Drop held bytes and stop holding."""
-        with self._lock:
-            self._held.clear()
-            self._open = True
-            self._cancel_timer()
-
-    def _open_locked(self) -> None:
-        self._open = True
-        self._cancel_timer()
-        held, self._held = bytes(self._held), bytearray()
-        if held:
-            self._sink(held)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+    raise typer.Exit(run_passthrough(target, command))
 
 
 # --- push --------------------------------------------------------------------------------------
@@ -290,10 +203,26 @@ logs_app = typer.Typer(help="Run logs: tail and follow.", no_args_is_help=True)
 app.add_typer(logs_app, name="logs")
 
 
+def _parse_env(items: List[str]) -> dict:
+    """`--env KEY=VALUE` (repeatable) as a dict; bad names are a usage error."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not key.replace("_", "a").isalnum() or key[0].isdigit():
+            raise UsageError(f"--env {item!r} is not of the form NAME=VALUE")
+        env[key] = value
+    return env
+
+
+def _first_host(session: Session, spec: Optional[str]) -> Optional[str]:
+    """The host to ask first for HOST given as a host, `a,b` or a group name (None: the default)."""
+    return session.inventory.resolve_many(spec)[0].name if spec else None
+
+
 @app.command("train")
 def train_cmd(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host to train on (default host if omitted)."),
+    host: Optional[str] = typer.Argument(None, help="Host to train on (default host if omitted); `h1,h2` or a group: one run across those hosts."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="GPU indices like 0,1 (default: the host's gpus, else cpu)."),
     config: Optional[Path] = typer.Option(None, "--config", help="Trainer config (YAML); copied into the run directory."),
     overrides: List[str] = typer.Option([], "--set", help="Config override key=value (repeatable)."),
@@ -302,20 +231,28 @@ def train_cmd(
     force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),
     no_push: bool = typer.Option(False, "--no-push", help="Use the payload already in the container."),
     source: Optional[Path] = typer.Option(None, "--source", help="Payload directory to push (default: the repo's remote_payload/)."),
+    rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Several hosts: the rendezvous (MASTER_PORT) on the first host."),
+    env_items: List[str] = typer.Option([], "--env", help="NAME=VALUE for the trainer's environment (repeatable), e.g. NCCL_SOCKET_IFNAME=eth0."),
 ) -> None:
     """Push the payload if it changed, start the trainer detached, and (optionally) follow it."""
     from .logs import attach
     from .runs import parse_gpus, push_payload, start_run
 
     session = _state(ctx).session()
-    target = session.target(host)
-    err = Console(stderr=True)
-    gpu_list = parse_gpus(gpus, target.host)
+    env = _parse_env(env_items)
     if config is not None and not config.is_file():
         raise UsageError(f"--config: no such file: {config}")
+    hosts = session.inventory.resolve_many(host)
+    if len(hosts) > 1:
+        raise typer.Exit(_train_group(session, hosts, gpus=gpus, config=config, overrides=overrides, name=name,
+                                      follow=follow, force=force, no_push=no_push, source=source,
+                                      rdzv_port=rdzv_port, env=env))
+    target = session.target(hosts[0].name)
+    err = Console(stderr=True)
+    gpu_list = parse_gpus(gpus, target.host)
     payload_hash = None if no_push else push_payload(target, source.expanduser() if source else None, err)
     run = start_run(target, gpus=gpu_list, config_file=config, overrides=overrides, name=name, force=force,
-                    payload_hash=payload_hash)
+                    payload_hash=payload_hash, env=env)
     if not (sys.stdout.isatty() if follow is None else follow):
         typer.echo(run.run_id)
         err.print(Text(f"started run {run.run_id} on {target.label}; follow it: "
@@ -328,21 +265,55 @@ def train_cmd(
                             console=out if out.is_terminal else None, err=err))
 
 
+def _train_group(session: Session, hosts: list, *, gpus: Optional[str], config: Optional[Path], overrides: List[str],
+                 name: Optional[str], follow: Optional[bool], force: bool, no_push: bool, source: Optional[Path],
+                 rdzv_port: int, env: dict) -> int:
+    """`train h1,h2`: one run across hosts (docs/multihost.md); returns the exit code."""
+    from functools import partial
+
+    from .logs import attach
+    from .multihost import check_hosts, final_state, push_all, start_group
+    from .runs import parse_gpus
+
+    check_hosts(hosts)
+    err = Console(stderr=True)
+    gpu_lists = {h.name: parse_gpus(gpus, h) for h in hosts}
+    hashes = {} if no_push else push_all(session, hosts, source.expanduser() if source else None, err)
+    group = start_group(session, hosts, gpus=gpu_lists, config_file=config, overrides=overrides, name=name,
+                        force=force, payload_hashes=hashes, rdzv_port=rdzv_port, env=env)
+    names = ", ".join(f"{h.name} (rank {i})" for i, h in enumerate(hosts))
+    first = hosts[0].name
+    if not (sys.stdout.isatty() if follow is None else follow):
+        typer.echo(group.run_id)
+        err.print(Text(f"started run {group.run_id} on {names}, rendezvous {group.rendezvous}; follow it: "
+                       f"dflashctl logs tail {first} {group.run_id} -f (--all: every node)", style="dim"),
+                  soft_wrap=True)
+        return 0
+    err.print(Text(f"started run {group.run_id} on {names}, rendezvous {group.rendezvous}; following {first} "
+                   f"(Ctrl-C detaches; the run goes on)", style="dim"), soft_wrap=True)
+    out = Console()
+    return attach(session, first, group.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
+                  console=out if out.is_terminal else None, err=err, final=partial(final_state, session, first))
+
+
 @runs_app.command("list")
 def runs_list(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted)."),
+    host: Optional[str] = typer.Argument(None, help="Host, `h1,h2` or a group (default host if omitted)."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """List the runs on a host: state, GPUs, start, duration, last step and loss."""
-    from .runs import list_runs, runs_table
+    from .multihost import list_group_runs
+    from .runs import runs_table
 
-    target = _state(ctx).session().target(host)
-    runs = list_runs(target)
+    session = _state(ctx).session()
+    hosts = session.inventory.resolve_many(host)
+    runs = list_group_runs(session, hosts)  # a multi-host run appears once, its state over all nodes
     if json_out:
         typer.echo(json.dumps(runs, indent=2))
     else:
-        Console().print(runs_table(runs, target.label))
+        label = session.target(hosts[0].name).label if len(hosts) == 1 else ", ".join(h.name for h in hosts)
+        Console().print(runs_table(runs, label))
 
 
 @runs_app.command("show")
@@ -355,10 +326,12 @@ def runs_show(
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Show one run: run.json fields, a metrics summary, and loss / acceptance-length curves."""
+    from .multihost import show_group
     from .plot import save_png, terminal_plot
-    from .runs import details_table, show_run
+    from .runs import details_table
 
-    info = show_run(_state(ctx).session().target(host), run)
+    session = _state(ctx).session()
+    info = show_group(session, _first_host(session, host), run)  # several hosts: combined over the nodes
     if json_out:
         typer.echo(json.dumps(info, indent=2))
         return
@@ -380,14 +353,17 @@ def runs_stop(
     grace: float = typer.Option(60.0, "--grace", help="Seconds between SIGTERM (trainer checkpoints) and SIGKILL."),
 ) -> None:
     """Stop a run: SIGTERM to its process group, SIGKILL after the grace period; state `stopped`."""
-    from .runs import state_text, stop_run
+    from .multihost import stop_group
+    from .runs import state_text
 
-    target = _state(ctx).session().target(host)
+    session = _state(ctx).session()
+    target = session.target(_first_host(session, host))
     err = Console(stderr=True)
     err.print(Text(f"stopping {run or 'the latest run'} on {target.label} (SIGKILL after {grace:g} s)...", style="dim"))
-    info = stop_run(target, run, grace)
+    info = stop_group(session, target.host.name, run, grace)  # a multi-host run: every node
     verb = "had already ended" if info.get("already") else "is now"
-    Console().print(Text(f"run {info['run_id']} {verb} ") + state_text(info), soft_wrap=True)
+    where = f" on {info['host']}" if info.get("nodes") else ""
+    Console().print(Text(f"run {info['run_id']} {verb} ") + state_text(info) + Text(where), soft_wrap=True)
 
 
 @logs_app.command("tail")
@@ -398,17 +374,31 @@ def logs_tail(
     lines: int = typer.Option(50, "--lines", "-n", help="How many lines from the end to show first."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep following until the run ends; exit with its state's code."),
     since_step: Optional[int] = typer.Option(None, "--since-step", help="Start at the first log line of step K or later."),
+    node: Optional[str] = typer.Option(None, "--host", help="Multi-host run: the node whose log to show (default: rank 0 for `h1,h2`/a group)."),
+    all_nodes: bool = typer.Option(False, "--all", help="Multi-host run: every node's log, lines prefixed with [host]."),
 ) -> None:
     """Print a run's last lines; with -f follow it (surviving dropped connections) to the end."""
+    from functools import partial
+
     from .logs import attach
+    from .multihost import attach_all, final_state, pick_node
 
     session = _state(ctx).session()
-    if host is not None and run is None and host not in session.inventory.hosts:
+    inv = session.inventory
+    if host is not None and run is None and host not in inv.hosts and host not in inv.groups and "," not in host:
         host, run = None, host  # `logs tail RUN` on the default host
+    err = Console(stderr=True)
+    if all_nodes:
+        if node is not None:
+            raise UsageError("--all and --host exclude each other")
+        raise typer.Exit(attach_all(session, host, run, follow=follow, lines=lines, since_step=since_step,
+                                    out=sys.stdout.buffer, err=err))
+    where, run, info = pick_node(session, host, run, node)
+    multi = info is not None and info.get("group") or (host is not None and len(inv.resolve_many(host)) > 1)
     out = Console()
-    raise typer.Exit(attach(session, host, run, follow=follow, lines=lines, since_step=since_step,
+    raise typer.Exit(attach(session, where, run, follow=follow, lines=lines, since_step=since_step,
                             out=sys.stdout.buffer, console=out if out.is_terminal else None,
-                            err=Console(stderr=True)))
+                            err=err, final=partial(final_state, session, where) if multi else None))
 
 
 # --- doctor ------------------------------------------------------------------------------------

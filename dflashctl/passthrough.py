@@ -1,0 +1,102 @@
+"""`dflashctl exec`: run a command in a container with the terminal's streams passed through."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Sequence
+
+from .containers import Target
+from .errors import ContainerError
+
+
+def run_passthrough(target: Target, command: Sequence[str]) -> int:
+    """Run command in the target's container, streaming its output live; return its exit code."""
+    out = _writer(sys.stdout.buffer)
+    err = _StderrGate(_writer(sys.stderr.buffer))
+
+    def on_stdout(chunk: bytes) -> None:
+        err.release()
+        out(chunk)
+
+    try:
+        result = target.run(command, stdin=_forwarded_stdin(), on_stdout=on_stdout, on_stderr=err)
+    except ContainerError:
+        err.discard()  # pct's own complaint; the one-line error says it better
+        raise
+    err.release()
+    return result.exit_code
+
+
+def _writer(stream):  # type: ignore[no-untyped-def]
+    def sink(chunk: bytes) -> None:
+        stream.write(chunk)
+        stream.flush()
+
+    return sink
+
+
+def _forwarded_stdin():  # type: ignore[no-untyped-def]
+    """Like ssh: a pipe or file on stdin is forwarded, an interactive terminal is not.
+
+    Reads the raw fd: a daemon thread blocked in sys.stdin.buffer would hold its lock and abort
+    the interpreter at exit.
+    """
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    fd = sys.stdin.fileno()
+    return iter(lambda: os.read(fd, 1 << 16), b"")
+
+
+class _StderrGate:
+    """Holds a command's first stderr bytes for a moment: if the container turns out to be
+    unusable they are pct/docker's own message, which our one-line error replaces."""
+
+    HOLD_S = 0.5
+    LIMIT = 4096
+
+    def __init__(self, sink) -> None:  # type: ignore[no-untyped-def]
+        self._sink = sink
+        self._held = bytearray()
+        self._open = False
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def __call__(self, chunk: bytes) -> None:
+        with self._lock:
+            if not self._open:
+                self._held.extend(chunk)
+                if len(self._held) <= self.LIMIT:
+                    if self._timer is None:
+                        self._timer = threading.Timer(self.HOLD_S, self.release)
+                        self._timer.daemon = True
+                        self._timer.start()
+                    return
+                self._open_locked()
+                return
+        self._sink(chunk)
+
+    def release(self) -> None:
+        """Pass held bytes on and stop holding."""
+        with self._lock:
+            if not self._open:
+                self._open_locked()
+
+    def discard(self) -> None:
+        """Drop held bytes and stop holding."""
+        with self._lock:
+            self._held.clear()
+            self._open = True
+            self._cancel_timer()
+
+    def _open_locked(self) -> None:
+        self._open = True
+        self._cancel_timer()
+        held, self._held = bytes(self._held), bytearray()
+        if held:
+            self._sink(held)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
