@@ -394,11 +394,10 @@ def logs_tail(
         raise typer.Exit(attach_all(session, host, run, follow=follow, lines=lines, since_step=since_step,
                                     out=sys.stdout.buffer, err=err))
     where, run, info = pick_node(session, host, run, node)
-    multi = info is not None and info.get("group") or (host is not None and len(inv.resolve_many(host)) > 1)
     out = Console()
     raise typer.Exit(attach(session, where, run, follow=follow, lines=lines, since_step=since_step,
                             out=sys.stdout.buffer, console=out if out.is_terminal else None,
-                            err=err, final=partial(final_state, session, where) if multi else None))
+                            err=err, final=partial(final_state, session, where)))  # several hosts: the whole run's state
 
 
 # --- doctor ------------------------------------------------------------------------------------

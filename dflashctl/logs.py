@@ -243,10 +243,12 @@ def attach(
     console: Console | None,
     err: Console,
     policy: Reconnect = Reconnect(),
+    final: Callable[[Ending], tuple[Ending, str | None]] | None = None,
 ) -> int:
     """Show a run's log (following it to the end if asked); returns the CLI's exit code.
 
-    Ctrl-C only detaches: the run goes on, and the message says how to come back."""
+    Ctrl-C only detaches: the run goes on, and the message says how to come back. `final` turns
+    the followed node's ending into the whole run's (state, reason) for a multi-host run."""
     cursor = Cursor()
     view = LogView(out, console if follow else None)
     try:
@@ -263,8 +265,13 @@ def attach(
     view.close()
     if not follow:
         return 0
+    reason = None
+    if final is not None:
+        ending, reason = final(ending)
     code = f" (exit code {ending.exit_code})" if ending.exit_code not in (None, 0) else ""
-    err.print(Text(f"run {ending.run_id} {ending.state}{code}", style=STATE_STYLE.get(ending.state, "")), soft_wrap=True)
+    why = f": {reason}" if reason else ""
+    err.print(Text(f"run {ending.run_id} {ending.state}{code}{why}", style=STATE_STYLE.get(ending.state, "")),
+              soft_wrap=True)
     return exit_code_for(ending.state)
 
 

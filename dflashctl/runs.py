@@ -109,8 +109,13 @@ def start_run(
     force: bool = False,
     payload_hash: str | None = None,
     env: dict[str, str] | None = None,
+    run_id: str | None = None,
+    group: dict[str, Any] | None = None,
 ) -> StartedRun:
-    """Start the trainer detached on target; GPU check and start happen under one remote lock."""
+    """Start the trainer detached on target; GPU check and start happen under one remote lock.
+
+    run_id: use this id instead of a fresh one (a multi-host run has one id on every node);
+    group: the multi-host membership recorded in run.json (multihost.py)."""
     host = target.host
     config_path = f"{RUN_DIR_TOKEN}/{CONFIG_NAME}" if config_file else None
     spec = {
@@ -127,6 +132,10 @@ def start_run(
         "force": force,
         "env": env or {},
     }
+    if run_id:
+        spec["run_id"] = run_id
+    if group:
+        spec["group"] = group
     answer = call(target, "start", [host.workdir], stdin=json.dumps(spec).encode())
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"))
 
@@ -149,9 +158,9 @@ def list_runs(target: Target) -> list[dict[str, Any]]:
     return call(target, "list", [target.host.workdir])["runs"]
 
 
-def show_run(target: Target, selector: str | None) -> dict[str, Any]:
-    """One run (latest when selector is empty) with its metrics, thinned for plotting."""
-    return call(target, "show", [target.host.workdir, selector or ""])
+def show_run(target: Target, selector: str | None, metrics: bool = True) -> dict[str, Any]:
+    """One run (latest when selector is empty) with its metrics thinned for plotting (or none)."""
+    return call(target, "show", [target.host.workdir, selector or "", "1000" if metrics else "0"])
 
 
 def stop_run(target: Target, selector: str | None, grace: float) -> dict[str, Any]:
@@ -228,9 +237,14 @@ def state_text(run: dict[str, Any]) -> Text:
 
 
 def runs_table(runs: Sequence[dict[str, Any]], host: str) -> Table:
-    """`runs list` as a rich table; names are shown literally (Text, never markup)."""
+    """`runs list` as a rich table; names are shown literally (Text, never markup).
+    A run across several hosts (docs/multihost.md) shows its nodes in a `hosts` column."""
     table = Table(title=Text(f"runs on {host} (times UTC)"), title_justify="left")
-    for col in ("run", "name", "state", "GPUs", "started", "duration", "step", "loss"):
+    multi = any(run.get("nodes") for run in runs)
+    columns = ("run", "name", "state", "GPUs", "started", "duration", "step", "loss")
+    if multi:
+        columns = columns[:3] + ("hosts",) + columns[3:]
+    for col in columns:
         # The run id never wraps: a cut id cannot be copied into the next command.
         table.add_column(col, justify="right" if col in ("duration", "step", "loss") else "left",
                          no_wrap=col == "run", min_width=20 if col == "run" else None, overflow="fold")
@@ -238,7 +252,7 @@ def runs_table(runs: Sequence[dict[str, Any]], host: str) -> Table:
         last = run.get("last") or {}
         step = last.get("step")
         total = last.get("total_steps")
-        table.add_row(
+        cells = [
             Text(run.get("run_id", "?")),
             Text(run.get("name") or "-"),
             state_text(run),
@@ -247,7 +261,10 @@ def runs_table(runs: Sequence[dict[str, Any]], host: str) -> Table:
             Text(fmt_duration(duration(run))),
             Text("-" if step is None else (f"{step}/{total}" if total else str(step))),
             Text("-" if last.get("loss") is None else f"{last['loss']:.4f}"),
-        )
+        ]
+        if multi:
+            cells.insert(3, Text(",".join(n["host"] for n in run.get("nodes") or []) or str(run.get("host") or "-")))
+        table.add_row(*cells)
     return table
 
 
@@ -270,10 +287,28 @@ def details_table(run: dict[str, Any]) -> Table:
         ("argv", Text(" ".join(run.get("argv") or []))),
         ("overrides", Text(" ".join(run.get("overrides") or []) or "-")),
     ]
+    extra: list[tuple[str, Text]] = []  # right after the state
+    if run.get("reason"):
+        extra.append(("reason", Text(str(run["reason"]), style="red")))
+    if run.get("nodes"):
+        extra.append(("nodes", node_states(run["nodes"])))
+        extra.append(("rendezvous", Text(str((run.get("group") or {}).get("rendezvous", "-")))))
+    rows[3:3] = extra
     rows += [(k, Text(v)) for k, v in metrics_summary(run.get("metrics") or [], run.get("metrics_count", 0))]
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+def node_states(nodes: Sequence[dict[str, Any]]) -> Text:
+    """`h1 (rank 0) failed (75), h2 (rank 1) lost`: every node of a multi-host run."""
+    text = Text()
+    for i, node in enumerate(nodes):
+        if i:
+            text.append(", ")
+        text.append(f"{node['host']} (rank {node['rank']}) ")
+        text.append_text(state_text(node))
+    return text
 
 
 def metrics_summary(records: Sequence[dict[str, Any]], count: int) -> list[tuple[str, str]]:

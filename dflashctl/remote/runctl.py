@@ -3,7 +3,7 @@
 Runs inside the container as `python -c <this source> COMMAND WORKDIR ...` (stdlib only, Python
 3.8+). Commands that answer print one JSON object on stdout; `read` streams frames (see
 `frame`). Layout of a run: `<workdir>/runs/<run-id>/` with run.json, train.log, metrics.jsonl,
-exit_code, stop_request and checkpoints/ (docs/runs.md).
+exit_code, stop_request, reason and checkpoints/ (docs/runs.md; several hosts: docs/multihost.md).
 """
 
 import json
@@ -23,12 +23,14 @@ METRICS = "metrics.jsonl"
 EXIT = "exit_code"
 STOP = "stop_request"
 META = "run.json"
+REASON = "reason"  # why the run failed, in words, when the trainer knows (a lost node, ...)
 LOCK = ".lock"
 STARTING_GRACE_S = 60.0  # a run.json without pids is "starting" this long, then "lost"
 POLL_S = 0.05  # reader poll period: bounds the added log latency
 HEARTBEAT_S = 1.0  # an idle reader writes this often, so it notices a vanished client
 SUPERVISOR_POLL_S = 0.2
 STEP_RE = re.compile(rb"\bstep[\s=:\[]*(\d+)", re.I)
+RUN_ID_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._-]{0,99}$")
 
 
 # --- small helpers ---------------------------------------------------------------------------
@@ -184,6 +186,15 @@ def last_metrics(run_dir):
     return merged or None
 
 
+def read_reason(run_dir):
+    """The failure reason the trainer recorded (first 2000 characters), or None."""
+    try:
+        with open(os.path.join(run_dir, REASON), encoding="utf-8", errors="replace") as fh:
+            return fh.read(2000).strip() or None
+    except OSError:
+        return None
+
+
 def summary(run_dir, meta):
     """What `runs list` shows of one run."""
     state, code = state_of(run_dir, meta)
@@ -193,7 +204,8 @@ def summary(run_dir, meta):
     except OSError:
         pass
     out = dict(meta)
-    out.update(state=state, exit_code=code, ended_ts=ended, last=last_metrics(run_dir), now_ts=time.time())
+    out.update(state=state, exit_code=code, ended_ts=ended, last=last_metrics(run_dir), now_ts=time.time(),
+               reason=read_reason(run_dir) if state != "running" else None)
     return out
 
 
@@ -264,8 +276,12 @@ def cmd_start(workdir):
         busy = [] if spec.get("force") else conflicts(root, spec["gpus"])
         if busy:
             raise RunError("conflict", "GPUs busy", runs=busy)
-        run_id = new_run_id(root)
+        run_id = spec.get("run_id") or new_run_id(root)
+        if not RUN_ID_RE.match(run_id):
+            raise RunError("bad_request", "bad run id %r" % run_id)
         run_dir = os.path.join(root, run_id)
+        if os.path.exists(run_dir):
+            raise RunError("bad_request", "run %s already exists on this host" % run_id)
         os.makedirs(os.path.join(run_dir, "checkpoints"))
         if spec.get("config_text") is not None:
             write_atomic(os.path.join(run_dir, spec["config_name"]), spec["config_text"])
@@ -286,6 +302,9 @@ def cmd_start(workdir):
             "started_ts": now,
             "run_dir": run_dir,
         }
+        if spec.get("group"):
+            # One run across several hosts: nodes (host names by rank), this node's rank, rendezvous.
+            meta["group"] = spec["group"]
         write_atomic(os.path.join(run_dir, META), json.dumps(meta, indent=2))
         os.makedirs(meta["cwd"], exist_ok=True)
         sup = spawn_supervisor(run_dir, meta, spec.get("env") or {}, lock.fileno())
@@ -321,6 +340,7 @@ def supervise(run_dir, meta, env):
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop_flag.append(1))
     child_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
+    child_env["DFLASHCTL_REASON_FILE"] = os.path.join(run_dir, REASON)
     try:
         child = subprocess.Popen(meta["argv"], cwd=meta["cwd"], env=child_env, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
@@ -403,8 +423,13 @@ def cmd_list(workdir):
 
 
 def cmd_show(workdir, selector, max_points="1000"):
-    """One run's summary plus its metrics, thinned to at most max_points records."""
+    """One run's summary plus its metrics, thinned to at most max_points records (0: none)."""
     _, run_dir, meta = resolve(runs_root(workdir), selector)
+    if int(max_points) <= 0:
+        out = summary(run_dir, meta)
+        out.update(metrics=[], metrics_count=0)
+        emit(out)
+        return
     records = []
     try:
         with open(os.path.join(run_dir, METRICS), "rb") as fh:
