@@ -90,15 +90,19 @@ class Target:
         script: str,
         args: Sequence[str] = (),
         *,
+        flags: Sequence[str] = (),
         stdin: StdinSource = None,
         timeout: float | None = None,
         on_stdout: Sink | None = None,
         on_stderr: Sink | None = None,
     ) -> Completed:
-        """Run one of dflashctl's remote-side scripts (`dflashctl/remote/<script>.py`) with the host's interpreter."""
+        """Run one of dflashctl's remote-side scripts (`dflashctl/remote/<script>.py`) with the host's interpreter.
+
+        flags go to the interpreter before `-c` (e.g. `-S` for scripts that need no site set-up).
+        """
         source = remote_script(script)
         return self.run(
-            [self.host.interpreter, "-c", source, *args],
+            [self.host.interpreter, *flags, "-c", source, *args],
             stdin=stdin,
             timeout=timeout,
             on_stdout=on_stdout,

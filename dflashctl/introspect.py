@@ -203,7 +203,7 @@ def fetch_source(target: Target, dotted: str, cache: SourceCache, *, content: bo
 
 def _ask(target: Target, dotted: str, have: dict[str, str], content: bool) -> tuple[dict[str, Any], bytes]:
     request = json.dumps({"target": dotted, "have": have, "content": content})
-    result = target.python("introspect_source", [request], timeout=SOURCE_TIMEOUT)
+    result = target.python("introspect_source", [request], flags=["-S"], timeout=SOURCE_TIMEOUT)
     return _split_reply(target, result.stdout, result)
 
 

@@ -13,19 +13,36 @@ import hashlib
 import logging
 import os
 import shlex
+import re
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
-import paramiko
-from rich.console import Console
 
-from .errors import ConnectError, DflashError, UsageError
-from .inventory import HostSpec
-from .transport import Process, Transport, env_argv
+def _import_paramiko():  # type: ignore[no-untyped-def]
+    """paramiko without `invoke`: paramiko.config imports it (~170 ms, a third of a remote
+    command's start-up) only to run `Match exec` lines; `_ssh_config` attaches it on demand."""
+    blocked = "invoke" not in sys.modules
+    if blocked:
+        sys.modules["invoke"] = None  # type: ignore[assignment]  # makes `import invoke` fail fast
+    try:
+        import paramiko
+    finally:
+        if blocked:
+            del sys.modules["invoke"]
+    return paramiko
+
+
+paramiko = _import_paramiko()
+from rich.console import Console  # noqa: E402
+
+from .errors import ConnectError, DflashError, UsageError  # noqa: E402
+from .inventory import HostSpec  # noqa: E402
+from .transport import Process, Transport, env_argv  # noqa: E402
 
 T = TypeVar("T")
 
@@ -117,7 +134,12 @@ def _ssh_config(options: SshOptions) -> paramiko.SSHConfig:
     if not path.is_file():
         return paramiko.SSHConfig()
     try:
-        return paramiko.SSHConfig.from_path(str(path))
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if re.search(r"^\s*match\b.*\bexec\b", text, re.I | re.M):
+            import invoke  # `Match exec` needs it (see _import_paramiko)
+
+            paramiko.config.invoke = invoke
+        return paramiko.SSHConfig.from_text(text)
     except (OSError, paramiko.ConfigParseError) as exc:
         raise UsageError(f"{path}: cannot parse: {exc}") from None
 

@@ -201,6 +201,19 @@ def test_ssh_config_alias_and_proxy_jump(shim_host, tmp_path):
     assert via_jump.returncode == 5, via_jump.stderr
 
 
+def test_ssh_config_match_exec_is_honoured(shim_host, tmp_path):
+    """`Match exec` needs invoke, which dflashctl only imports for such configs: it must still work."""
+    home = shim_host.make_home(tmp_path / "home")
+    (home / ".ssh" / "config").write_text(
+        f'Match host gpubox exec "true"\n  HostName 127.0.0.1\n  Port {shim_host.port}\n'
+        f"  User {shim_host.user}\n  IdentityFile {home}/.ssh/id_ed25519\n"
+    )
+    extra = {"alias": {"address": "gpubox"}}
+    env = {"HOME": str(home), "DFLASHCTL_INVENTORY": str(shim_host.write_inventory(tmp_path / "hosts.yaml", extra))}
+    result = shim_host.run_cli("exec", "alias", "--", "sh", "-c", "exit 6", env=env)
+    assert result.returncode == 6, result.stderr
+
+
 # --- global options ------------------------------------------------------------------------------
 
 

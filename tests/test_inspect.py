@@ -492,3 +492,12 @@ def test_terminal_rendering_is_highlighted_source_and_table(cache_home):
     text = console.export_text(clear=False)
     assert "compile_fx.py  cudagraphify" in text and "config.triton.cudagraph_trees" in text
     assert "\x1b[" in console.export_text(styles=True)  # colours reach the terminal
+
+
+def test_package_found_only_through_a_pth_file(sshd_host, tmp_path):
+    """Source reads run with `python -S`; a package that only a .pth file puts on sys.path (here
+    dflashctl itself, installed editable) is still found through the full site set-up."""
+    result = sshd_host.run_cli("inspect", "dflashctl.errors", "--lines", "1:2", "-H", "local", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    expected = (Path(__file__).resolve().parent.parent / "dflashctl" / "errors.py").read_text().splitlines()[:2]
+    assert result.stdout.splitlines() == [f"{n}: {line}" for n, line in enumerate(expected, 1)]
