@@ -375,7 +375,7 @@ def logs_tail(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep following until the run ends; exit with its state's code."),
     since_step: Optional[int] = typer.Option(None, "--since-step", help="Start at the first log line of step K or later."),
     node: Optional[str] = typer.Option(None, "--host", help="Multi-host run: the node whose log to show (default: rank 0 for `h1,h2`/a group)."),
-    all_nodes: bool = typer.Option(False, "--all", help="Multi-host run: every node's log, lines prefixed with [host]."),
+    all_nodes: bool = typer.Option(False, "--all", help="Multi-host run: every node's log, each line prefixed with its host name."),
 ) -> None:
     """Print a run's last lines; with -f follow it (surviving dropped connections) to the end."""
     from functools import partial

@@ -307,13 +307,18 @@ def pick_node(session: Session, host_spec: str | None, selector: str | None,
     return node, info["run_id"], info
 
 
-def final_state(session: Session, host: str, ending: Ending) -> tuple[Ending, str | None]:
-    """After following one node to its end: the whole run's state (all nodes) and reason."""
-    try:
-        info = show_group(session, host, ending.run_id, metrics=False)
-    except Exception:  # noqa: BLE001 - the node's own ending is still worth reporting
-        return ending, None
-    return Ending(ending.run_id, info["state"], info.get("exit_code")), info.get("reason")
+def final_state(session: Session, host: str, ending: Ending, wait_s: float = 75.0) -> tuple[Ending, str | None]:
+    """After following one node to its end: the whole run's state (all nodes) and reason. The
+    other nodes end within seconds of it (a lost peer is noticed within a minute): wait for them."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = show_group(session, host, ending.run_id, metrics=False)
+        except Exception:  # noqa: BLE001 - the node's own ending is still worth reporting
+            return ending, None
+        if info["state"] != "running" or not info.get("nodes") or time.monotonic() > deadline:
+            return Ending(ending.run_id, info["state"], info.get("exit_code")), info.get("reason")
+        time.sleep(0.5)
 
 
 class Prefixer:

@@ -181,6 +181,7 @@ class NodeGroup:
         self.device_type = device_type
         self.on_lost = on_lost or _exit_node_lost
         self._closed = False
+        self.last_check: tuple[int, int] | None = None  # (number of checks, common checksum)
         self._store = self._rendezvous()
         backend = "nccl" if device_type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=env.timeout_s)
@@ -252,6 +253,7 @@ class NodeGroup:
             at = f" at step {step}" if step is not None else ""
             shown = ", ".join(f"{self.env.node(r)} {s}" for r, s in enumerate(sums))
             raise DivergenceError(f"hosts diverged{at}: parameter checksums {shown}")
+        self.last_check = ((self.last_check or (0, 0))[0] + 1, sums[0])
 
     def mean(self, local_values: Sequence[float]) -> float:
         """The mean over every replica of every host, from this host's replicas' values."""
@@ -266,6 +268,11 @@ class NodeGroup:
         with self._collective("flag all-reduce"):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         return bool(t.item())
+
+    def stop_agreement(self, requested: Callable[[], bool]) -> "AgreedStop":
+        """run_threaded's `should_stop` for several hosts: a stop seen on any node (SIGTERM
+        arrives at slightly different steps) stops every node at the same step."""
+        return AgreedStop(self, requested)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """`obj` of rank `src` on every rank (pickled; keep it small-ish)."""
@@ -353,6 +360,9 @@ class NodeGroup:
             return
         if error is not None and not isinstance(error, NodeLost):
             self.report_failure(f"{_first_line(error)} (see that node's train.log)")
+        if error is None and self.last_check is not None:
+            self.log(f"nodes in sync: parameter checksum {self.last_check[1]} on all {self.world_size} nodes "
+                     f"({self.last_check[0]} checks)")
         if error is None and self.is_main:
             self._store.set(f"done/{self.rank}", "1")
             while not all(self._store.check([f"done/{r}"]) for r in range(1, self.world_size)):
@@ -376,6 +386,19 @@ class NodeGroup:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.close(exc if isinstance(exc, Exception) else None)
+
+
+class AgreedStop:
+    """Called once per step (in the gradient barrier's action): True on every node as soon as any
+    node's local flag is; `requested` stays True afterwards (for the checkpoint-and-exit path)."""
+
+    def __init__(self, group: NodeGroup, local: Callable[[], bool]):
+        self.group, self.local, self.requested = group, local, False
+
+    def __call__(self) -> bool:
+        if not self.requested:
+            self.requested = self.group.any(self.local())
+        return self.requested
 
 
 def write_reason(reason: str) -> None:
@@ -411,6 +434,6 @@ def init_from_env(device_type: str, local_replicas: int, log: Callable[[str], No
         return None
     try:
         return NodeGroup(env, device_type, local_replicas, log=log)
-    except NodeLost as exc:
-        write_reason(str(exc))
-        raise
+    except NodeLost as exc:  # rendezvous failed: same message, record and exit code as a lost node
+        _exit_node_lost(str(exc))
+        raise  # unreachable unless os._exit is patched

@@ -1,0 +1,261 @@
+"""Multi-host runs end to end: `dflashctl train shim,gpu2` through two real sshd hosts (127.0.0.1
+and 127.0.0.2), each with its pct shim container, the real trainer on CPU (gloo), 2 threads per host.
+
+Both "hosts" are loopback addresses of this machine, so the rendezvous is 127.0.0.1 and gloo is
+told to use `lo` (GLOO_SOCKET_IFNAME, docs/multihost.md). Waits are bounded polls; the one timing
+assertion is the issue's: a node death ends the other node within 60 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from runs_helpers import wait_until
+from sshd import SHIM_VMID, free_port
+
+from dflashctl.multihost import Prefixer, combine, node_env, rendezvous_address
+from dflashctl.inventory import HostSpec
+
+torch = pytest.importorskip("torch")
+from safetensors.torch import load_file  # noqa: E402
+
+TRAIN_PY = Path(os.environ.get("MULTIHOST_TEST_SOURCE") or Path(__file__).resolve().parent.parent / "remote_payload") \
+    / "dflash_train" / "train.py"
+STEPS = 6
+# Random tokens: every anchor is valid and every micro-batch has the same loss weight, so the mean
+# of 4 micro-batch gradients is the global batch's gradient however the replicas are spread.
+TINY = ["data.source=random", f"run.steps={STEPS}", "data.batch_size=2", "data.num_train=24", "data.num_eval=2",
+        "run.eval_batches=1", "run.log_every=1", "run.eval_every=1000", "run.checkpoint_every=1000"]
+LONG = [s for s in TINY if not s.startswith("run.steps=")] + ["run.steps=100000"]
+
+
+# Push another payload directory than remote_payload/ (a trainer under development).
+SOURCE = ["--source", os.environ["MULTIHOST_TEST_SOURCE"]] if os.environ.get("MULTIHOST_TEST_SOURCE") else []
+
+
+def sets(items: list[str]) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
+class Pair:
+    """Two sshd hosts in one inventory: `shim` (127.0.0.1, rank 0) and `gpu2` (127.0.0.2), group `pair`."""
+
+    def __init__(self, first, second, inventory: Path):
+        self.first, self.second, self.inventory = first, second, inventory
+        self.work = {"shim": first.container_dir(SHIM_VMID) / "work", "gpu2": second.container_dir(SHIM_VMID) / "work"}
+
+    def cli(self, *args: str, timeout: float = 120):
+        return self.first.run_cli(*args, timeout=timeout, env={"DFLASHCTL_INVENTORY": str(self.inventory)})
+
+    def run_dir(self, host: str, run_id: str) -> Path:
+        return self.work[host] / "runs" / run_id
+
+    def meta(self, host: str, run_id: str) -> dict:
+        return json.loads((self.run_dir(host, run_id) / "run.json").read_text())
+
+    def exit_code(self, host: str, run_id: str) -> int | None:
+        path = self.run_dir(host, run_id) / "exit_code"
+        return int(path.read_text()) if path.exists() else None
+
+    def log(self, host: str, run_id: str) -> str:
+        path = self.run_dir(host, run_id) / "train.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def train(self, hosts: str, extra: list[str], *args: str) -> str:
+        port = free_port("127.0.0.1")
+        done = self.cli("train", hosts, "--detach", "--gpus", "cpu", "--rdzv-port", str(port),
+                        "--env", "GLOO_SOCKET_IFNAME=lo", *SOURCE, *args, *sets(extra))
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    def losses(self, host: str, run_id: str) -> list[float]:
+        lines = (self.run_dir(host, run_id) / "metrics.jsonl").read_text().splitlines()
+        return [r["loss"] for r in map(json.loads, lines) if r.get("event") == "train"]
+
+
+@pytest.fixture
+def pair(sshd_host, second_sshd_host, tmp_path):
+    sshd_host.reset()
+    second_sshd_host.reset()
+    sshd_host.link(second_sshd_host)
+    path = sshd_host.write_inventory(tmp_path / "hosts.yaml", {"gpu2": second_sshd_host.host_entry(SHIM_VMID)})
+    data = yaml.safe_load(path.read_text())
+    data["groups"] = {"pair": ["shim", "gpu2"]}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    pair = Pair(sshd_host, second_sshd_host, path)
+    yield pair
+    for work in pair.work.values():  # nothing a failed test started may outlive it
+        for meta_path in (work / "runs").glob("*/run.json"):
+            info = json.loads(meta_path.read_text())
+            if (meta_path.parent / "exit_code").exists():
+                continue
+            for key in ("trainer", "supervisor"):
+                pid = (info.get(key) or {}).get("pid")
+                try:
+                    if pid:
+                        os.killpg(pid, signal.SIGKILL) if key == "trainer" else os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+
+needs_trainer = pytest.mark.skipif(
+    not TRAIN_PY.exists() or "distributed.init_from_env" not in TRAIN_PY.read_text(),
+    reason="the trainer does not join a process group yet (train.py must call distributed.init_from_env)")
+
+
+# --- unit ----------------------------------------------------------------------------------------
+
+
+def test_rendezvous_address_and_node_env():
+    h1 = HostSpec(name="h1", address="10.0.0.1")
+    h2 = HostSpec(name="h2", address="10.0.0.2", rendezvous_address="172.16.0.2")
+    assert rendezvous_address(h1) == "10.0.0.1" and rendezvous_address(h2) == "172.16.0.2"
+    with pytest.raises(Exception, match="rendezvous_address"):
+        rendezvous_address(HostSpec(name="local", transport="local"))
+    env = node_env([h2, h1], 1, "r1", "172.16.0.2", 29500, {"NCCL_SOCKET_IFNAME": "eth0", "RANK": "9"})
+    assert env == {"NCCL_SOCKET_IFNAME": "eth0", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "172.16.0.2",
+                   "MASTER_PORT": "29500", "DFLASH_NODES": "h2,h1", "DFLASH_RUN_ID": "r1"}
+
+
+def view(host, rank, state, code=None, reason=None):
+    return {"host": host, "rank": rank, "state": state, "exit_code": code, "reason": reason}
+
+
+def test_combined_state_and_reason():
+    lost = "lost node b (rank 1): no heartbeat for 3 s"
+    assert combine([view("a", 0, "failed", 75, lost), view("b", 1, "lost")]) == ("failed", 75, lost)
+    assert combine([view("a", 0, "failed", 75, lost), view("b", 1, "failed", 137)])[2] == lost
+    assert combine([view("a", 0, "running"), view("b", 1, "lost")])[0] == "running"
+    assert combine([view("a", 0, "succeeded", 0), view("b", 1, "succeeded", 0)]) == ("succeeded", 0, None)
+    assert combine([view("a", 0, "stopped", 143), view("b", 1, "failed", 75, lost)])[0] == "stopped"
+    assert combine([view("a", 0, "succeeded", 0), view("b", 1, "failed", 1)]) == \
+        ("failed", 1, "node b (rank 1) failed with exit code 1")
+    unknown = {**view("b", 1, "unknown"), "error": "connection refused"}
+    assert combine([view("a", 0, "lost"), unknown]) == ("lost", None, "node a (rank 0) lost")
+
+
+def test_prefixer_writes_whole_lines_per_host():
+    import io
+
+    out = io.BytesIO()
+    p = Prefixer(out)
+    a, b = p.sink("a"), p.sink("b")
+    a(b"one\ntw")
+    b(b"x\n")
+    a(b"o\n")
+    b(b"tail")
+    p.flush()
+    assert out.getvalue() == b"[a] one\n[b] x\n[a] two\n[b] tail\n"
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+
+@needs_trainer
+def test_two_hosts_two_threads_match_one_host_four_threads(pair):
+    """2 hosts x 2 threads (gloo) == 1 host x 4 threads on the same global batch of 8 sequences."""
+    port = free_port("127.0.0.1")
+    done = pair.cli("train", "pair", "--follow", "--gpus", "cpu", "--rdzv-port", str(port), "--env",
+                    "GLOO_SOCKET_IFNAME=lo", *SOURCE, *sets([*TINY, "run.threads=2"]))
+    assert done.returncode == 0, done.stderr
+    run_id = next(p.name for p in (pair.work["shim"] / "runs").iterdir() if p.is_dir())
+    assert f"run {run_id} succeeded" in done.stderr
+    logs = {h: pair.log(h, run_id) for h in ("shim", "gpu2")}
+    for host, rank in (("shim", 0), ("gpu2", 1)):
+        assert f"node {host} (rank {rank}) of 2 joined gloo group at 127.0.0.1:{port}" in logs[host]
+        assert "replicas per node [2, 2] (global 4)" in logs[host]
+        assert pair.meta(host, run_id)["group"] == {"nodes": ["shim", "gpu2"], "rank": rank, "world_size": 2,
+                                                     "rendezvous": f"127.0.0.1:{port}"}
+    # All 4 replicas equal: 2 per process (checked in-process at every step) and across the hosts.
+    sums = [line.split("checksum ")[1].split()[0] for h in ("shim", "gpu2")
+            for line in logs[h].splitlines() if line.startswith("nodes in sync:")]
+    assert len(sums) == 2 and sums[0] == sums[1]
+    losses = pair.losses("shim", run_id)
+    assert len(losses) == STEPS and losses == pair.losses("gpu2", run_id)  # all-reduced: the same bits
+    # Only rank 0 writes checkpoints and the export.
+    assert list((pair.run_dir("shim", run_id) / "checkpoints").glob("step_*"))
+    assert not list((pair.run_dir("gpu2", run_id) / "checkpoints").glob("step_*"))
+    assert (pair.run_dir("shim", run_id) / "export").is_dir() and not (pair.run_dir("gpu2", run_id) / "export").exists()
+
+    shown = json.loads(pair.cli("runs", "show", "gpu2", run_id, "--json").stdout)
+    assert shown["state"] == "succeeded" and [n["state"] for n in shown["nodes"]] == ["succeeded", "succeeded"]
+    listed = json.loads(pair.cli("runs", "list", "shim", "--json").stdout)
+    assert [(r["run_id"], r["host"]) for r in listed] == [(run_id, "shim,gpu2")]
+
+    # The reference: one host, 4 threads, same global batch (4 x 2 sequences), same seed.
+    ref = pair.train("shim", [*TINY, "run.threads=4"])
+    wait_until(lambda: pair.exit_code("shim", ref) is not None, 120, "the 1-host run to end")
+    assert pair.exit_code("shim", ref) == 0, pair.log("shim", ref)
+    # Tolerance: only the order of float32 additions in the gradient mean differs
+    # (((g0+g1)/2 + (g2+g3)/2)/2 against (g0+g1+g2+g3)/4), a few ulps (~1e-7 relative) per step.
+    # Losses see it through parameters: rtol 1e-5. Adam divides by sqrt(v): an element whose
+    # gradient is itself rounding noise can move by up to one lr step differently, so parameters
+    # get atol lr/10 as in tests/payload/test_workers.py, and most must be equal to 1e-5.
+    torch.testing.assert_close(losses, pair.losses("shim", ref), rtol=1e-5, atol=0)
+    ckpt = f"checkpoints/step_{STEPS:08d}/drafter.safetensors"
+    multi = load_file(str(pair.run_dir("shim", run_id) / ckpt))
+    single = load_file(str(pair.run_dir("shim", ref) / ckpt))
+    lr = 2e-3  # the tiny preset's
+    assert multi.keys() == single.keys()
+    for key in multi:
+        torch.testing.assert_close(multi[key], single[key], rtol=1e-3, atol=lr / 10)
+    close = sum(int(torch.isclose(multi[k], single[k], rtol=1e-5, atol=1e-7).sum()) for k in multi)
+    assert close >= 0.99 * sum(t.numel() for t in multi.values())
+
+
+@needs_trainer
+def test_killed_node_fails_the_other_within_60s_naming_it(pair):
+    run_id = pair.train("shim,gpu2", [*LONG, "run.threads=2"])
+    wait_until(lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id), 90,
+               "both nodes to train")
+    dead = pair.meta("gpu2", run_id)
+    os.killpg(dead["trainer"]["pid"], signal.SIGKILL)  # the node dies: its trainer and its supervisor
+    os.kill(dead["supervisor"]["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_until(lambda: pair.exit_code("shim", run_id) is not None, 60, "the surviving node to exit")
+    assert time.monotonic() - t0 < 60
+    assert pair.exit_code("shim", run_id) == 75
+    log = pair.log("shim", run_id)
+    assert "error: lost node gpu2 (rank 1)" in log, log[-3000:]
+    assert not list((pair.run_dir("shim", run_id)).glob("checkpoints/.tmp*"))
+
+    shown = json.loads(pair.cli("runs", "show", "shim", run_id, "--json").stdout)
+    assert shown["state"] == "failed" and shown["exit_code"] == 75
+    assert shown["reason"].startswith("lost node gpu2 (rank 1)")
+    assert [(n["host"], n["state"]) for n in shown["nodes"]] == [("shim", "failed"), ("gpu2", "lost")]
+    text = pair.cli("runs", "show", "pair", run_id, "--no-curves").stdout
+    assert "failed (75)" in text and "reason" in text and "lost node gpu2 (rank 1)" in text
+
+
+@needs_trainer
+def test_logs_per_node_and_all_then_stop_stops_every_node(pair):
+    run_id = pair.train("pair", [*LONG, "run.threads=2"])
+    wait_until(lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id), 90,
+               "both nodes to train")
+    rank0 = pair.cli("logs", "tail", "pair", run_id, "-n", "1000")
+    assert rank0.returncode == 0 and "node shim (rank 0) of 2 joined" in rank0.stdout
+    other = pair.cli("logs", "tail", "shim", run_id, "--host", "gpu2", "-n", "1000")
+    assert "node gpu2 (rank 1) of 2 joined" in other.stdout and "node shim (rank 0)" not in other.stdout
+    both = pair.cli("logs", "tail", "shim", run_id, "--all", "-n", "1000").stdout.splitlines()
+    assert any(line.startswith("[shim] node shim (rank 0) of 2 joined") for line in both)
+    assert any(line.startswith("[gpu2] node gpu2 (rank 1) of 2 joined") for line in both)
+    assert all(line.startswith(("[shim] ", "[gpu2] ")) for line in both)
+    listed = pair.cli("runs", "list", "pair")
+    assert run_id in listed.stdout and "shim,gpu2" in listed.stdout and "running" in listed.stdout
+
+    stopped = pair.cli("runs", "stop", "gpu2", run_id, "--grace", "60")
+    assert stopped.returncode == 0, stopped.stderr
+    assert f"run {run_id} is now stopped (143) on shim,gpu2" in stopped.stdout
+    assert pair.exit_code("shim", run_id) == 143 and pair.exit_code("gpu2", run_id) == 143
+    step = int(pair.log("shim", run_id).split("after step ")[1].split(";")[0])
+    assert f"after step {step};" in pair.log("gpu2", run_id)  # the nodes agreed on the step
+    assert (pair.run_dir("shim", run_id) / f"checkpoints/step_{step:08d}").is_dir()
+    assert not list((pair.run_dir("gpu2", run_id)).glob("checkpoints/step_*"))
+    followed = pair.cli("logs", "tail", "pair", run_id, "-f", "-n", "0")
+    assert followed.returncode == 101 and f"run {run_id} stopped" in followed.stderr
