@@ -270,6 +270,21 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
+    def compile_layers(self, **compile_kwargs) -> "DFlashDrafter":
+        """Regional compilation: `torch.compile` each draft layer in place (`Module.compile`).
+
+        All layers run the same code with their parameters as graph inputs, so Dynamo traces and
+        Inductor compiles one layer (forward and backward) and the others reuse it: compile time is
+        about one layer's instead of the whole drafter's, and each layer's norms, RoPE, SwiGLU and
+        FlexAttention (its own Triton kernel, with the batch's BlockMask as an input) are fused.
+        Parameter names and `state_dict()` are unchanged (no `_orig_mod.` prefix), so export and
+        checkpoints do not notice. `compile_kwargs` go to `torch.compile` (e.g. `dynamic=False`,
+        `options=` from `workers.choose_compile_policy`).
+        """
+        for layer in self.layers:
+            layer.compile(**compile_kwargs)
+        return self
+
     def forward(self, target_hidden: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
                 mask: torch.Tensor | BlockMask, flex_fn=flex_attention) -> torch.Tensor:
         """Hidden states of all block tokens after the final norm: [N, Q, H]."""
