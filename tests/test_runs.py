@@ -147,6 +147,28 @@ def test_run_survives_killed_client(shim):
     wait_until(lambda: not readers(workdir), timeout=15, what="the remote log reader to exit")
 
 
+def test_ctrl_c_detaches_and_the_run_goes_on(shim):
+    """Ctrl-C while following: exit 130, a re-attach hint, the run still finishes, no reader left."""
+    host, session, workdir = shim
+    client = subprocess.Popen([*CLI, "train", "--no-push", "--follow", "--set", "run.steps=30",
+                               "--set", "standin.step_time=0.05"], env=host.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        log = wait_until(lambda: next((workdir / "runs").glob("*/train.log"), None), what="the run's log")
+        wait_until(lambda: b"step 2/" in log.read_bytes(), what="a few steps")
+        client.send_signal(signal.SIGINT)
+        _, err = client.communicate(timeout=30)
+    finally:
+        client.kill()
+    assert client.returncode == 130, err
+    assert b"logs tail" in err and b"Traceback" not in err
+    done = log.parent / "exit_code"
+    wait_until(done.exists, what="the run to finish after the client detached")
+    assert done.read_text().strip() == "0"
+    assert state(session, log.parent.name) == "succeeded"
+    wait_until(lambda: not readers(workdir), timeout=15, what="the remote log reader to exit")
+
+
 def test_stop_sigterm_within_grace_checkpoints(shim):
     _, session, workdir = shim
     run = start_run(session.target("shim"), gpus=["0"], overrides=LONG)
