@@ -259,3 +259,42 @@ def test_logs_per_node_and_all_then_stop_stops_every_node(pair):
     assert not list((pair.run_dir("gpu2", run_id)).glob("checkpoints/step_*"))
     followed = pair.cli("logs", "tail", "pair", run_id, "-f", "-n", "0")
     assert followed.returncode == 101 and f"run {run_id} stopped" in followed.stderr
+
+
+def trainer_pair(out: Path, extra: list[str], *args: str, timeout: float = 90) -> list[str]:
+    """Rank 0 and rank 1 trainers as local processes (no dflashctl): their logs, after both exited 0."""
+    import subprocess
+    import sys
+
+    port = free_port("127.0.0.1")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH", "RANK", "WORLD_SIZE", "MASTER_"))}
+    procs = []
+    for rank in (0, 1):
+        env = {**base, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "DFLASH_NODES": "a,b", "GLOO_SOCKET_IFNAME": "lo"}
+        argv = [sys.executable, "-m", "dflash_train", *args, *sets([*extra, f"run.output_dir={out / str(rank)}"])]
+        procs.append(subprocess.Popen(argv, cwd=TRAIN_PY.parent.parent, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    return logs
+
+
+@needs_trainer
+def test_resume_across_the_group_from_rank_0s_checkpoint(tmp_path):
+    """Only rank 0 has checkpoints; on --resume it hands its latest to rank 1, and the resumed run
+    ends bit for bit where the uninterrupted one did."""
+    cfg = [s for s in TINY if not s.startswith(("run.steps=", "run.checkpoint_every="))]
+    cfg += ["run.steps=4", "run.checkpoint_every=2"]
+    trainer_pair(tmp_path, cfg)
+    ckpts = tmp_path / "0" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000002", "step_00000004"]
+    assert not (tmp_path / "1" / "checkpoints").exists() or not list((tmp_path / "1" / "checkpoints").iterdir())
+    straight = load_file(str(ckpts / "step_00000004" / "drafter.safetensors"))
+    import shutil
+
+    shutil.rmtree(ckpts / "step_00000004")  # as if the run had stopped after step 2
+    logs = trainer_pair(tmp_path, cfg, "--resume")
+    assert "resuming from" in logs[0] and "step_00000002" in logs[1]  # rank 1 loaded rank 0's copy
+    resumed = load_file(str(ckpts / "step_00000004" / "drafter.safetensors"))
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -385,7 +385,7 @@ class NodeGroup:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self.close(exc if isinstance(exc, Exception) else None)
+        self.close(exc)  # Ctrl-C / SystemExit too: never wait for the others then
 
 
 class AgreedStop:
