@@ -298,26 +298,34 @@ class NodeGroup:
         offset, total = self.replica_offset, self.total_replicas
         return lambda step, rank, world: data(step, offset + rank, total)
 
-    def sync_checkpoint(self, out_dir: str | Path) -> Path | None:
+    def sync_checkpoint(self, out_dir: str | Path, chunk_bytes: int = 64 << 20) -> Path | None:
         """Rank 0's latest checkpoint, on every node: rank 0 returns its own directory; the others
-        get a copy under <out_dir>/.resume/ (only rank 0 ever writes <out_dir>/checkpoints/)."""
+        get a copy under <out_dir>/.resume/ (only rank 0 ever writes <out_dir>/checkpoints/).
+        Files travel in chunks as uint8 tensors (no pickling of gigabytes under the GIL, which
+        would starve the heartbeat thread)."""
         from .checkpoint import latest_checkpoint
 
-        files = None
-        if self.is_main:
-            path = latest_checkpoint(out_dir)
-            files = None if path is None else (path.name, {f.name: f.read_bytes() for f in path.iterdir()
-                                                             if f.is_file()})
-        files = self.broadcast(files)
-        if self.is_main:
-            return latest_checkpoint(out_dir)
-        if files is None:
+        path = latest_checkpoint(out_dir) if self.is_main else None
+        manifest = None
+        if path is not None:
+            manifest = (path.name, [(f.name, f.stat().st_size) for f in sorted(path.iterdir()) if f.is_file()])
+        manifest = self.broadcast(manifest)
+        if manifest is None:
             return None
-        name, contents = files
-        dest = Path(out_dir) / ".resume" / name
-        dest.mkdir(parents=True, exist_ok=True)
-        for fname, data in contents.items():
-            (dest / fname).write_bytes(data)
+        name, files = manifest
+        dest = path if self.is_main else Path(out_dir) / ".resume" / name
+        if not self.is_main:
+            dest.mkdir(parents=True, exist_ok=True)
+        for fname, size in files:
+            with open(dest / fname, "rb" if self.is_main else "wb") as fh:
+                for offset in range(0, size, chunk_bytes):
+                    n = min(chunk_bytes, size - offset)
+                    buf = (torch.frombuffer(bytearray(fh.read(n)), dtype=torch.uint8) if self.is_main
+                           else torch.empty(n, dtype=torch.uint8))
+                    with self._collective("checkpoint broadcast"):
+                        dist.broadcast(buf, src=0, group=self.control)
+                    if not self.is_main:
+                        fh.write(buf.numpy().tobytes())
         return dest
 
     # -- failure and shutdown -----------------------------------------------------------------
