@@ -19,8 +19,8 @@ import yaml
 from runs_helpers import wait_until
 from sshd import SHIM_VMID, free_port
 
-from dflashctl.multihost import Prefixer, combine, node_env, rendezvous_address
 from dflashctl.inventory import HostSpec
+from dflashctl.multihost import Prefixer, combine, node_env, rendezvous_address
 
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file  # noqa: E402
