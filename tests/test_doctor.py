@@ -205,9 +205,9 @@ def test_local_injected_crash_and_hang(local_env: dict[str, str]) -> None:
     assert doc["host"] == "local" and doc["devices"] == ["cpu", "cpu"] and doc["ok"] is False
     smoke = {s["policy"]: s for s in doc["smoke"]}
     assert smoke["default"]["outcome"] == "exception" and smoke["default"]["injected"] == "crash"
-    assert smoke["default"]["error"] == "RuntimeError: injected crash (doctor --inject)"
-    assert smoke["default"]["where"].startswith("dflash_train/doctor.py:") and smoke["default"]["where"].endswith(" in crash_now")
-    assert any("injected crash" in line for line in smoke["default"]["stderr_tail"])
+    assert smoke["default"]["error"] == "InjectedFault: injected fault at build on worker 0 (fail_at=build)"
+    assert smoke["default"]["where"].startswith("dflash_train/workers.py:") and smoke["default"]["where"].endswith(" in _maybe_fail")
+    assert any("injected fault" in line for line in smoke["default"]["stderr_tail"])
     assert smoke["off"]["outcome"] == "hang" and smoke["off"]["returncode"] is None
     assert "in hang_forever" in smoke["off"]["where"]
     assert any("hang_forever" in line for line in smoke["off"]["stderr_tail"])  # the faulthandler dump
@@ -224,7 +224,7 @@ def test_local_injected_crash_and_hang(local_env: dict[str, str]) -> None:
     console = Console(record=True, width=250, color_system=None)
     render_report(doc, console)
     table = console.export_text()
-    assert "crash_now" in table and "hang_forever" in table
+    assert "_maybe_fail" in table and "hang_forever" in table
     assert "3 failed: threads: eager, threads: compile default, verdict" in table
 
 

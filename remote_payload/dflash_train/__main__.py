@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import PRESETS, ConfigError, load_config
@@ -25,9 +26,19 @@ def main(argv: list[str] | None = None) -> int:
         from .checkpoint import StopFlag
         from .train import run_training
 
+        from .workers import WorkerError
+
         stop = StopFlag()
         stop.install()
-        return run_training(cfg, resume=args.resume, overwrite=args.overwrite, stop=stop)
+        try:
+            return run_training(cfg, resume=args.resume, overwrite=args.overwrite, stop=stop)
+        except WorkerError as exc:
+            # The failing worker's traceback; the others were stopped (or are stuck in a compile:
+            # they are daemon threads, and os._exit does not wait for them or run their finalizers).
+            print(f"error: {exc}", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -100,8 +100,22 @@ class RunConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
     compile: str | None = None  # off | default | cudagraphs; None: off on CPU, default on CUDA
-    gpus: list[int] = field(default_factory=list)  # for the multi-GPU workers; empty: one device
+    compile_scope: str = "step"  # step: the whole forward+loss is compiled | drafter: only the
+    # drafter | layers: each draft and target layer (regional; not with cudagraphs)
+    gpus: list[int] = field(default_factory=list)  # one worker thread per listed GPU; empty: run.device
+    threads: int = 0  # worker threads; 0: one per entry of gpus (else 1); N > 1 without gpus: N
+    # replicas on run.device (CPU tests of the data-parallel path)
+    barrier_timeout_s: float = 1800.0  # a worker not reaching the next barrier in this time is an error
     export_dir: str | None = None  # None: <output_dir>/export
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for tests of the failure paths (and `dflashctl doctor --inject`)."""
+
+    fail_at: str | None = None  # build | compile | step:K (K from 1): raise InjectedFault there
+    hang_at: str | None = None  # same places: block forever there (a stalled worker)
+    fail_rank: int = 0  # which worker fails or hangs
 
 
 @dataclass
@@ -113,6 +127,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 CHOICES = {
@@ -120,6 +135,7 @@ CHOICES = {
     "drafter.attention": ("auto", "flex", "dense"),
     "run.dtype": ("auto", "bf16", "fp32"),
     "run.compile": ("off", "default", "cudagraphs", None),
+    "run.compile_scope": ("step", "drafter", "layers"),
 }
 
 # Presets are override dicts on top of the dataclass defaults (which are the tiny run).
@@ -210,6 +226,31 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{section}.{name} must be positive")
     if data.source == "jsonl" and not data.train_path:
         raise ConfigError("data.source jsonl needs data.train_path")
+    run = cfg.run
+    if run.threads < 0 or run.barrier_timeout_s <= 0:
+        raise ConfigError("run.threads must be >= 0 and run.barrier_timeout_s > 0")
+    if run.gpus and run.threads not in (0, len(run.gpus)):
+        raise ConfigError(f"run.threads {run.threads} contradicts run.gpus {run.gpus} (one thread per GPU)")
+    if any(g < 0 for g in run.gpus) or len(set(run.gpus)) != len(run.gpus):
+        raise ConfigError(f"run.gpus must list distinct GPU indices, got {run.gpus}")
+    for name in ("fail_at", "hang_at"):
+        spec = getattr(cfg.debug, name)
+        if spec is not None and parse_fault_site(spec) is None:
+            raise ConfigError(f"debug.{name} must be build, compile or step:K (K >= 1), got {spec!r}")
+    if run.compile == "cudagraphs" and run.compile_scope == "layers":
+        raise ConfigError("run.compile_scope layers cannot use run.compile cudagraphs (use step)")
+    if cfg.debug.fail_rank < 0:
+        raise ConfigError("debug.fail_rank must be >= 0")
+
+
+def parse_fault_site(spec: str) -> str | None:
+    """'build', 'compile' or 'step:K' (K >= 1) in canonical form; None when malformed."""
+    if spec in ("build", "compile"):
+        return spec
+    kind, _, k = spec.partition(":")
+    if kind != "step" or not k.strip().isdigit() or int(k) < 1:
+        return None
+    return f"step:{int(k)}"
 
 
 def _field_names(obj: Any) -> list[str]:

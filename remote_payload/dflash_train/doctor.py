@@ -417,17 +417,6 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def hang_forever(*_build_args) -> None:
-    """Test hook (`--inject hang:P`): the worker blocks for good where it would build its replica."""
-    while True:
-        time.sleep(3600)
-
-
-def crash_now(*_build_args) -> None:
-    """Test hook (`--inject crash:P`): the worker raises where it would build its replica."""
-    raise RuntimeError("injected crash (doctor --inject)")
-
-
 def losses_agree(losses: list[float], rtol: float = LOSS_RTOL) -> bool:
     """True when every thread's final loss is within rtol of the first one's."""
     ref = losses[0]
@@ -475,10 +464,12 @@ def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str
     cfg = smoke_config(devices[0].split(":")[0])
     ops, batches = drafter_ops(cfg), smoke_batches(cfg)
     policy = smoke_policy(policy_name, cfg.run.device)
-    # The hooks fire before anything is built, so the CI tests of these paths stay fast.
-    build = {"hang": hang_forever, "crash": crash_now}.get(inject, lambda device, seed, _: ops.build(device, seed, policy))
-    wrapped = ReplicaOps(build, ops.forward_backward, ops.optimizer_step, ops.parameters)
-    options = ThreadedOptions(compile=policy.effective, warmup_steps=2, sync_every=steps)
+    wrapped = ReplicaOps(lambda device, seed, _: ops.build(device, seed, policy), ops.forward_backward,
+                         ops.optimizer_step, ops.parameters)
+    # Injected faults use the trainer's own mechanism (run config `debug.fail_at` / `debug.hang_at`),
+    # at "build": before anything is built, so the CI tests of these paths stay fast.
+    fault = {"fail_at": "build"} if inject == "crash" else {"hang_at": "build"} if inject == "hang" else {}
+    options = ThreadedOptions(compile=policy.effective, warmup_steps=2, sync_every=steps, **fault)
     # Every worker gets the same micro-batch, so equal losses are a correctness check.
     result = run_threaded(wrapped, devices, lambda step, rank, world: batches[step % len(batches)], steps, options)
     return {

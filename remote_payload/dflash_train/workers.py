@@ -15,7 +15,6 @@ Why threads compile the way they do (and the measurements): docs/threaded-compil
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import threading
 import time
@@ -107,33 +106,55 @@ class ReplicaOps:
     """How to build and train one replica; the workers are generic over these four callables."""
 
     build: Callable[[torch.device, int, CompilePolicy], Any]  # (device, seed, policy) -> replica
-    forward_backward: Callable[[Any, Any], torch.Tensor]  # (replica, batch) -> loss; grads in .grad
-    optimizer_step: Callable[[Any], None]  # clip, step, zero grads
+    forward_backward: Callable[[Any, Any], torch.Tensor]  # (replica, batch) -> loss; grads accumulate in .grad
+    optimizer_step: Callable[[Any], None]  # clip, step, zero grads (in place: never set .grad to None)
     parameters: Callable[[Any], Sequence[torch.Tensor]]  # trainable params, same order on every replica
 
 
 @dataclass
 class ThreadedOptions:
-    """Knobs of the threaded run (fail_at/fail_rank come from the run config's debug section)."""
+    """Knobs of the threaded run. The trainer fills them from the run config (train.py)."""
 
     compile: str = "off"  # off | default | cudagraphs
     seed: int = 0
     warmup_steps: int = 2  # fwd+bwd calls per worker under the warm-up lock (compile + capture)
     sync_every: int = 10  # compare checksums and call on_sync every this many steps (and at the end)
-    barrier_timeout_s: float = 1800.0  # a barrier not passed in this time is a stall: error
+    barrier_timeout_s: float = 1800.0  # a barrier (or the build/compile lock) not passed in time: error
     grace_s: float = 5.0  # after a failure, how long to wait for the other workers to stop
-    fail_at: str | None = None  # fault injection: build | compile | step:K (K from 1)
-    fail_rank: int = 0
+    start_step: int = 0  # steps already done (resume): training runs steps start_step+1 .. steps
+    # Fault injection (the run config's `debug` section, and `dflashctl doctor --inject`):
+    fail_at: str | None = None  # build | compile | step:K (K from 1): raise InjectedFault there
+    hang_at: str | None = None  # same places: block forever there (tests the stall paths)
+    fail_rank: int = 0  # the worker that fails or hangs
+    # Polled once per step in the gradient barrier's action; True makes this step a sync point and
+    # the last one (SIGTERM -> checkpoint -> exit). Must be cheap: a flag read.
+    should_stop: Callable[[], bool] | None = None
+    # Called in rank 0's thread after warm-up, before the first step, while every worker waits
+    # (the trainer's step-0 evaluation). Gets a SyncPoint with step=start_step and no losses.
+    on_start: Callable[["SyncPoint"], None] | None = None
+    # Multi-host hooks (distributed.py). cross_reduce(flats) runs in the gradient barrier's action
+    # after the in-process average, on replica 0's flat gradient buffers (one per dtype, on replica
+    # 0's device), and must average them across hosts in place (e.g. dist.all_reduce + div_, in
+    # stream order, no host sync needed); the result is then copied to every replica.
+    cross_reduce: Callable[[list[torch.Tensor]], None] | None = None
+    # cross_check(checksum) runs at every sync point after the in-process replicas agreed, with
+    # their common parameter checksum, and must raise (e.g. DivergenceError) if another host's differs.
+    cross_check: Callable[[int], None] | None = None
 
 
 @dataclass
 class SyncPoint:
-    """Handed to `on_sync` while every worker waits: a safe point to log or checkpoint rank 0."""
+    """Handed to `on_sync` (in rank 0's thread) while every other worker waits: a safe point to
+    log, evaluate or checkpoint replica 0."""
 
     step: int
     losses: list[float]  # this step's loss on each replica (own micro-batch)
-    seconds_since_last: float
+    seconds_since_last: float  # wall time since the previous sync point (or the start)
     replicas: list[Any]
+    loss_sums: list[float] = field(default_factory=list)  # per replica: sum of losses since the previous sync
+    steps_since_last: int = 0
+    checksum: int = 0  # the replicas' common parameter checksum (compared already)
+    warmup_s: list[float] = field(default_factory=list)  # per replica: compile + warm-up seconds
 
     @property
     def loss(self) -> float:
@@ -146,7 +167,7 @@ class ThreadedResult:
     """What a finished threaded run reports."""
 
     policy: CompilePolicy
-    steps: int
+    steps: int  # the last step done
     losses: list[float]
     checksums: list[int]
     warmup_s: list[float]
@@ -162,16 +183,44 @@ def param_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class GradBuckets:
-    """One flat gradient buffer per dtype, so a step reduces with one collective per dtype."""
+    """One flat gradient buffer per dtype, so a step reduces with one collective per dtype.
+
+    `attach()` makes every param's `.grad` a view into persistent flat buffers: backward then
+    accumulates straight into them (no packing copy per step), the reduction works in place, and
+    the optimizer reads the result through the same views. `pack`/`unpack` are the copying
+    variant (kept for bench/threads_vs_procs.py's process-per-GPU baseline).
+    """
 
     def __init__(self, params: Sequence[torch.Tensor]):
         self.params = list(params)
         self.groups: dict[torch.dtype, list[int]] = {}
         for i, p in enumerate(self.params):
             self.groups.setdefault(p.dtype, []).append(i)
+        self.flats: list[torch.Tensor] = []
+
+    def attach(self) -> list[torch.Tensor]:
+        """Allocate zeroed flat buffers and point every param's .grad at its slice; returns them."""
+        self.flats = []
+        for dtype, idx in self.groups.items():
+            device = self.params[idx[0]].device
+            flat = torch.zeros(sum(self.params[i].numel() for i in idx), dtype=dtype, device=device)
+            self.flats.append(flat)
+        self.unpack(self.flats)
+        return self.flats
+
+    def attached(self) -> bool:
+        """True while every param's .grad still aliases the flat buffers (nothing replaced them)."""
+        return bool(self.flats) and all(
+            p.grad is not None and p.grad.untyped_storage().data_ptr() == self._flat_of(i).untyped_storage().data_ptr()
+            for i, p in enumerate(self.params))
+
+    def zero(self) -> None:
+        """Zero the attached buffers (one kernel per dtype)."""
+        for flat in self.flats:
+            flat.zero_()
 
     def pack(self) -> list[torch.Tensor]:
-        """Concatenate the current grads (None counts as zeros) into flat buffers."""
+        """Concatenate the current grads (None counts as zeros) into new flat buffers."""
         flats = []
         for idx in self.groups.values():
             parts = [self._grad(self.params[i]).reshape(-1) for i in idx]
@@ -179,7 +228,7 @@ class GradBuckets:
         return flats
 
     def unpack(self, flats: list[torch.Tensor]) -> None:
-        """Point every param's .grad at its slice of the reduced buffers (no copy)."""
+        """Point every param's .grad at its slice of the buffers (no copy)."""
         for flat, idx in zip(flats, self.groups.values()):
             offset = 0
             for i in idx:
@@ -187,36 +236,62 @@ class GradBuckets:
                 p.grad = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
 
+    def _flat_of(self, i: int) -> torch.Tensor:
+        for flat, idx in zip(self.flats, self.groups.values()):
+            if i in idx:
+                return flat
+        raise KeyError(i)
+
     @staticmethod
     def _grad(p: torch.Tensor) -> torch.Tensor:
         return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
-def _average_cpu(per_rank: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-    """Fixed-order sum then mean; each rank gets its own copy (optimizers clip grads in place)."""
+def _average_local(per_rank: list[list[torch.Tensor]],
+                   cross: Callable[[list[torch.Tensor]], None] | None) -> None:
+    """Replicas on one device (CPU tests, or one GPU twice): fixed-order sum into rank 0's buffers,
+    mean, the cross-host hook, then a copy into every other rank's buffers. In place."""
     world = len(per_rank)
-    out = []
     for bucket in zip(*per_rank):
-        total = bucket[0].clone()
+        total = bucket[0]
         for t in bucket[1:]:
             total += t
         total /= world
-        out.append(total)
-    return [[t if r == 0 else t.clone() for t in out] for r in range(world)]
+    if cross is not None:
+        cross(per_rank[0])
+    for bucket in zip(*per_rank):
+        for t in bucket[1:]:
+            t.copy_(bucket[0])
 
 
-def _average_nccl(per_rank: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-    """In-place NCCL all-reduce across the ranks' devices, from this one thread, then mean.
+def _average_nccl(per_rank: list[list[torch.Tensor]],
+                  cross: Callable[[list[torch.Tensor]], None] | None) -> None:
+    """NCCL across the ranks' GPUs from this one thread, in place.
 
     Enqueued on each device's current stream; every worker thread uses the default stream, so
     the collective is ordered after its backward and before its optimizer step with no host sync.
+    Without a cross-host hook: all-reduce then mean. With one: reduce to rank 0, mean, hook on
+    rank 0's buffers, broadcast back.
     """
     world = len(per_rank)
+    if cross is None:
+        for bucket in zip(*per_rank):
+            torch.cuda.nccl.all_reduce(list(bucket))
+            for t in bucket:
+                t.div_(world)
+        return
     for bucket in zip(*per_rank):
-        torch.cuda.nccl.all_reduce(list(bucket))
-        for t in bucket:
-            t.div_(world)
-    return per_rank
+        torch.cuda.nccl.reduce(list(bucket), root=0)
+        bucket[0].div_(world)
+    cross(per_rank[0])
+    for bucket in zip(*per_rank):
+        torch.cuda.nccl.broadcast(list(bucket), root=0)
+
+
+def hang_forever() -> None:
+    """Fault injection (`hang_at`): the worker blocks for good, as a deadlocked compile would."""
+    while True:
+        time.sleep(3600)
 
 
 class _Stopped(Exception):
@@ -235,10 +310,18 @@ class Coordinator:
         if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
             raise ValueError(f"workers need devices of one kind, cpu or cuda: {self.devices}")
         self.policy = choose_compile_policy(options.compile, self.devices[0].type)
-        self.reduce = _average_nccl if kinds == {"cuda"} and self.world > 1 else _average_cpu
-        self.fault = _parse_fault(options.fail_at)
+        if len(set(self.devices)) == 1:
+            self.reduce = _average_local  # CPU "devices", or one GPU shared by several replicas
+        elif kinds == {"cuda"} and len(set(self.devices)) == self.world:
+            self.reduce = _average_nccl
+        else:
+            raise ValueError(f"workers need one device shared by all or distinct GPUs: {self.devices}")
+        self.fault = _parse_fault(options.fail_at, "fail_at")
+        self.hang = _parse_fault(options.hang_at, "hang_at")
         if options.sync_every < 1 or steps < 1:
             raise ValueError("steps and sync_every must be positive")
+        if not 0 <= options.start_step <= steps:
+            raise ValueError(f"start_step {options.start_step} outside [0, {steps}]")
         # Building and warm-up are serialised: same seed => identical replicas, and CUDA graph
         # capture must not overlap another thread's capture (torch < 2.13 has no lock of its own).
         self.serial = threading.Lock()
@@ -249,17 +332,25 @@ class Coordinator:
         self.ready = threading.Barrier(self.world)
         self.reduced = threading.Barrier(self.world, action=self._reduce_action)
         self.synced = threading.Barrier(self.world, action=self._sync_action)
+        self.resumed = threading.Barrier(self.world)
+        self.barriers = (self.ready, self.reduced, self.synced, self.resumed)
         self.replicas: list[Any] = [None] * self.world
-        self.flats: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
+        self.buckets: list[GradBuckets | None] = [None] * self.world
+        # Gradients need a reduction unless one replica trains alone with no cross-host hook.
+        self.reducing = self.world > 1 or options.cross_reduce is not None
         self.loss: list[torch.Tensor | None] = [None] * self.world
+        self.loss_sum: list[torch.Tensor | None] = [None] * self.world
         self.sums: list[torch.Tensor | None] = [None] * self.world
         self.checksums: list[int] = [0] * self.world
         self.last_losses: list[float] = [float("nan")] * self.world
         self.warmup_s = [0.0] * self.world
         self.step_ms = [0.0] * self.world
         self.finish_after = steps
-        self.sync_step = 0
+        self.step_now = options.start_step  # the step the current barrier is for
+        self.sync_now = False  # decided once per step in the gradient barrier's action
+        self.last_sync_step = options.start_step
         self.last_sync_time = 0.0
+        self.point: SyncPoint | None = None
 
     # -- coordinator side -------------------------------------------------------------------
 
@@ -282,8 +373,12 @@ class Coordinator:
         return ThreadedResult(self.policy, self.finish_after, self.last_losses, self.checksums,
                               self.warmup_s, self.step_ms, self.replicas)
 
-    def _fail(self, rank: int | None, phase: str, exc: BaseException) -> None:
-        """Record the first failure, then abort every barrier so no worker waits forever."""
+    def _fail(self, rank: int | None, phase: str, exc: BaseException, abort: bool = True) -> None:
+        """Record the first failure, then abort every barrier so no worker waits forever.
+
+        Barrier actions pass abort=False: they run holding their barrier's (non-reentrant) lock,
+        so aborting from inside would deadlock that thread; their exception breaks the barrier,
+        and the thread aborts the others when it reaches `_worker`'s handler."""
         with self.error_lock:
             secondary = self.stop.is_set() and isinstance(exc, (threading.BrokenBarrierError, _Stopped))
             if self.error is None and not secondary:
@@ -291,36 +386,47 @@ class Coordinator:
                 detail = "".join(traceback.format_exception(exc))
                 if isinstance(exc, threading.BrokenBarrierError):
                     detail += f"barrier timed out after {self.opt.barrier_timeout_s}s; phases: {self.phase}\n"
+                elif isinstance(exc, TimeoutError):
+                    detail += f"phases: {self.phase}\n"
                 self.error = WorkerError(rank, device, phase, detail)
                 self.error.__cause__ = exc
             self.stop.set()
-        for barrier in (self.ready, self.reduced, self.synced):
-            barrier.abort()
+        if abort:
+            for barrier in self.barriers:
+                barrier.abort()
 
     def _reduce_action(self) -> None:
-        """Runs in the last thread to arrive: average every rank's gradient buffers."""
+        """Runs in the last thread to arrive: average every rank's gradient buffers, and decide
+        whether this step is a sync point (and the last one, when a stop was requested)."""
+        step = self.step_now
         try:
-            self.flats = self.reduce(self.flats)
+            if self.reducing:
+                self.reduce([b.flats for b in self.buckets], self.opt.cross_reduce)
+            if self.opt.should_stop is not None and self.opt.should_stop():
+                self.finish_after = min(self.finish_after, step)
+            self.sync_now = step % self.opt.sync_every == 0 or step >= self.finish_after
         except BaseException as exc:  # recorded before the broken barrier wakes the others
-            self._fail(None, "gradient all-reduce", exc)
+            self._fail(None, f"step {step} gradient all-reduce", exc, abort=False)
             raise
 
     def _sync_action(self) -> None:
-        """Runs in the last thread to arrive: compare checksums, report, maybe finish early."""
-        step = self.sync_step
+        """Runs in the last thread to arrive: compare checksums (here and across hosts), collect losses."""
+        step = self.step_now
         try:
             sums = [int(s.item()) for s in self.sums]
             losses = [float(loss.item()) for loss in self.loss]
+            loss_sums = [float(s.item()) for s in self.loss_sum]
             self.checksums, self.last_losses = sums, losses
             if len(set(sums)) != 1:
                 raise DivergenceError(f"replicas diverged at step {step}: parameter checksums {sums}")
+            if self.opt.cross_check is not None:
+                self.opt.cross_check(sums[0])
             now = time.monotonic()
-            point = SyncPoint(step, losses, now - self.last_sync_time, self.replicas)
-            self.last_sync_time = now
-            if self.on_sync is not None and self.on_sync(point):
-                self.finish_after = step
+            self.point = SyncPoint(step, losses, now - self.last_sync_time, self.replicas, loss_sums,
+                                   step - self.last_sync_step, sums[0], list(self.warmup_s))
+            self.last_sync_time, self.last_sync_step = now, step
         except BaseException as exc:  # recorded before the broken barrier wakes the others
-            self._fail(None, f"step {step} sync", exc)
+            self._fail(None, f"step {step} sync", exc, abort=False)
             raise
 
     # -- worker side ------------------------------------------------------------------------
@@ -341,47 +447,74 @@ class Coordinator:
             replica = self.ops.build(device, self.opt.seed, self.policy)
             params = list(self.ops.parameters(replica))
         self.replicas[rank] = replica
-        buckets = GradBuckets(params)
+        buckets = self.buckets[rank] = GradBuckets(params)
+        if self.reducing:
+            buckets.attach()
         self._warm_up(rank, replica, params)
+        self.loss_sum[rank] = torch.zeros((), device=device)
         self._wait(rank, self.ready, "ready")
+        if self.opt.on_start is not None:
+            if rank == 0:
+                self.phase[rank] = "on_start"
+                self.opt.on_start(SyncPoint(self.opt.start_step, [], 0.0, self.replicas,
+                                            warmup_s=list(self.warmup_s)))
+            self._wait(rank, self.resumed, "start")
         self.last_sync_time = t0 = time.monotonic()
-        step = 0
+        step = self.opt.start_step
         while step < self.finish_after:
             step += 1
             self.phase[rank] = f"step {step} forward/backward"
             self._maybe_fail(rank, f"step:{step}")
-            self.loss[rank] = self.ops.forward_backward(replica, self.data(step - 1, rank, self.world)).detach()
-            self.flats[rank] = buckets.pack()
+            loss = self.ops.forward_backward(replica, self.data(step - 1, rank, self.world)).detach()
+            self.loss[rank] = loss
+            self.loss_sum[rank] += loss
+            self.step_now = step
             self._wait(rank, self.reduced, f"step {step} gradient all-reduce")
-            buckets.unpack(self.flats[rank])
+            if self.sync_now and self.reducing and not buckets.attached():
+                raise RuntimeError("a gradient was replaced instead of accumulated in place (optimizer_step "
+                                   "must zero grads with set_to_none=False)")
             self.phase[rank] = f"step {step} optimizer"
             self.ops.optimizer_step(replica)
-            if step % self.opt.sync_every == 0 or step == self.finish_after:
+            if self.sync_now:
                 self.sums[rank] = param_checksum(params)
-                self.sync_step = step
                 self._wait(rank, self.synced, f"step {step} sync")
+                self.loss_sum[rank].zero_()
+                if rank == 0 and self.on_sync is not None:
+                    self.phase[rank] = f"step {step} on_sync"
+                    if self.on_sync(self.point):
+                        self.finish_after = step
+                self._wait(rank, self.resumed, f"step {step} after sync")
         _synchronize(device)
-        self.step_ms[rank] = (time.monotonic() - t0) / max(step, 1) * 1e3
+        done = step - self.opt.start_step
+        self.step_ms[rank] = (time.monotonic() - t0) / max(done, 1) * 1e3
 
     def _warm_up(self, rank: int, replica: Any, params: list[torch.Tensor]) -> None:
         """Compile and capture under the lock, leaving parameters and optimizer untouched."""
         with self._serialised(rank, "compile/warm-up"):
             t0 = time.monotonic()
             self._maybe_fail(rank, "compile")
-            batch = self.data(0, rank, self.world)
-            for _ in range(self.opt.warmup_steps):
-                self.ops.forward_backward(replica, batch)
-            _synchronize(self.devices[rank])
-            for p in params:
-                p.grad = None
+            if self.opt.warmup_steps:
+                batch = self.data(self.opt.start_step, rank, self.world)
+                for _ in range(self.opt.warmup_steps):
+                    self.ops.forward_backward(replica, batch)
+                _synchronize(self.devices[rank])
+            if self.reducing:
+                self.buckets[rank].zero()
+            else:
+                for p in params:
+                    p.grad = None
             self.warmup_s[rank] = time.monotonic() - t0
 
     @contextmanager
     def _serialised(self, rank: int, phase: str) -> Iterator[None]:
         self.phase[rank] = f"waiting for lock ({phase})"
+        deadline = time.monotonic() + self.opt.barrier_timeout_s
         while not self.serial.acquire(timeout=0.1):
             if self.stop.is_set():
                 raise _Stopped()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {rank} waited {self.opt.barrier_timeout_s}s for the "
+                                   f"build/compile lock ({phase})")
         try:
             self.phase[rank] = phase
             yield
@@ -395,17 +528,21 @@ class Coordinator:
         barrier.wait(timeout=self.opt.barrier_timeout_s)
 
     def _maybe_fail(self, rank: int, where: str) -> None:
-        if self.fault == where and rank == self.opt.fail_rank:
+        if rank != self.opt.fail_rank:
+            return
+        if self.hang == where:
+            hang_forever()
+        if self.fault == where:
             raise InjectedFault(f"injected fault at {where} on worker {rank} (fail_at={self.opt.fail_at})")
 
 
-def _parse_fault(fail_at: str | None) -> str | None:
-    """Validate `fail_at`: None, 'build', 'compile' or 'step:K' with K >= 1."""
-    if fail_at is None or fail_at in ("build", "compile"):
-        return fail_at
-    kind, _, k = fail_at.partition(":")
+def _parse_fault(spec: str | None, name: str = "fail_at") -> str | None:
+    """Validate a fault site: None, 'build', 'compile' or 'step:K' with K >= 1."""
+    if spec is None or spec in ("build", "compile"):
+        return spec
+    kind, _, k = spec.partition(":")
     if kind != "step" or not k.isdigit() or int(k) < 1:
-        raise ValueError(f"fail_at must be build, compile or step:K (K >= 1), got {fail_at!r}")
+        raise ValueError(f"{name} must be build, compile or step:K (K >= 1), got {spec!r}")
     return f"step:{int(k)}"
 
 
@@ -414,13 +551,20 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def live_workers() -> list[str]:
+    """Names of worker threads still running (stuck in a compile, or hung on purpose)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("dflash-worker-") and t.is_alive()]
+
+
 def run_threaded(ops: ReplicaOps, devices: Sequence[torch.device | str], data: Callable[[int, int, int], Any],
                  steps: int, options: ThreadedOptions | None = None,
                  on_sync: Callable[[SyncPoint], bool | None] | None = None) -> ThreadedResult:
     """Train one replica per device in one thread each, data-parallel; raise WorkerError on any failure.
 
-    `data(step, rank, world)` returns rank's micro-batch for 0-based `step`; `on_sync` runs every
-    `options.sync_every` steps while all workers wait, and may return True to end the run there.
+    `data(step, rank, world)` returns rank's micro-batch for 0-based `step`; `on_sync` runs in
+    rank 0's thread every `options.sync_every` steps, at the last step and at a requested stop,
+    while all other workers wait; it may return True to end the run there. A single device is
+    the same loop with one thread (world 1: no gradient reduction).
     """
     coordinator = Coordinator(ops, [torch.device(d) for d in devices], data, steps,
                               options or ThreadedOptions(), on_sync)
@@ -433,22 +577,9 @@ def run_threaded(ops: ReplicaOps, devices: Sequence[torch.device | str], data: C
 
 def drafter_ops(cfg: Any) -> ReplicaOps:
     """ReplicaOps over train.py's build_replica / forward_backward / optimizer_step for a resolved config."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     from . import train
 
-    def build(device: torch.device, seed: int, policy: CompilePolicy) -> Any:
-        # build_replica compiles per run.compile with mode="reduce-overhead", whose CUDAGraph
-        # Trees crash in worker threads: build eager, then compile with the worker policy.
-        eager_cfg = copy.deepcopy(cfg)
-        eager_cfg.run.compile = "off"
-        replica = train.build_replica(eager_cfg, device, seed)
-        if policy.effective != "off":
-            replica.run_drafter = policy.compile(replica.drafter)
-            replica.flex_fn = flex_attention  # traced inside the compiled drafter
-        return replica
-
-    return ReplicaOps(build, train.forward_backward, train.optimizer_step,
+    return ReplicaOps(lambda device, seed, policy: train.build_replica(cfg, device, seed, policy), train.forward_backward, train.optimizer_step,
                       lambda replica: list(replica.drafter.parameters()))
 
 

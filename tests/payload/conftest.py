@@ -17,6 +17,17 @@ from dflash_train.train import resolve_config  # noqa: E402
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--regen-golden", action="store_true", default=False,
+                     help="rewrite tests/payload/golden/*.json from this run (after an intended change to the math)")
+
+
+@pytest.fixture
+def regen_golden(request) -> bool:
+    """True when pytest ran with --regen-golden."""
+    return bool(request.config.getoption("--regen-golden", default=False))  # absent unless this conftest loaded first
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path):
     """The resolved tiny config, writing into a temporary output dir."""

@@ -1,11 +1,10 @@
 """Golden per-step losses of the tiny config: catches accidental changes to the math.
 
 Regenerate (after an intended change, say why in the commit):
-    DFLASH_REGEN_GOLDEN=1 python -m pytest tests/payload/test_golden.py
+    python -m pytest tests/payload/test_golden.py --regen-golden
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,9 @@ def tiny_losses(cfg) -> list[float]:
     return [float(train_step(replica, sampler.batch(step))[0]) for step in range(STEPS)]
 
 
-def test_tiny_losses_match_golden(tiny_cfg):
+def test_tiny_losses_match_golden(tiny_cfg, regen_golden):
     losses = tiny_losses(tiny_cfg)
-    if os.environ.get("DFLASH_REGEN_GOLDEN"):
+    if regen_golden:
         GOLDEN.write_text(json.dumps({"steps": STEPS, "config": "tiny preset, seed 0, CPU fp32",
                                       "losses": losses}, indent=1) + "\n")
     golden = json.loads(GOLDEN.read_text())["losses"]

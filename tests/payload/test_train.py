@@ -1,10 +1,12 @@
-"""End-to-end training on the tiny config: learning, frozen target, resume, SIGTERM, export."""
+"""End-to-end training on the tiny config through the threaded workers: learning, frozen target,
+resume, SIGTERM, export, and `python -m dflash_train` in several threads with injected faults."""
 
 import json
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,12 +30,17 @@ def read_metrics(out):
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+# Two worker threads with 4 sequences each: the same global batches (8) as the one-thread default.
+THREADED = ["run.threads=2", "data.batch_size=4"]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """One 120-step tiny run (checkpoints at 60 and 120), shared by the tests below."""
+    """One 120-step tiny run in two worker threads (checkpoints at 60 and 120), shared below."""
     out = tmp_path_factory.mktemp("tiny") / "run"
     cfg = load_config(overrides=[f"run.output_dir={out}", f"run.steps={STEPS}", "run.log_every=1",
-                                 "run.eval_every=60", "run.checkpoint_every=60", "run.keep_checkpoints=3"])
+                                 "run.eval_every=60", "run.checkpoint_every=60", "run.keep_checkpoints=3",
+                                 *THREADED])
     logs = []
     assert run_training(cfg, log=logs.append) == 0
     return out, logs
@@ -48,6 +55,7 @@ def test_held_out_acceptance_length_rises(tiny_run):
     assert untrained < 1.1
     assert final > 2.5
     assert logs[-1].startswith("final held-out acceptance length")
+    assert any(line.startswith("workers: 2 replica(s) in sync at step 120") for line in logs)
 
 
 def test_metrics_records(tiny_run):
@@ -69,7 +77,7 @@ def test_resume_reproduces_the_uninterrupted_loss(tiny_run, tmp_path):
     shutil.copytree(Path(out) / "checkpoints" / "step_00000060", resumed / "checkpoints" / "step_00000060")
     shutil.copy(Path(out) / "metrics.jsonl", resumed / "metrics.jsonl")
     cfg = load_config(overrides=[f"run.output_dir={resumed}", f"run.steps={STEPS}", "run.log_every=1",
-                                 "run.eval_every=60", "run.checkpoint_every=60"])
+                                 "run.eval_every=60", "run.checkpoint_every=60", *THREADED])
     stop = StopFlag()
     stop.signum = signal.SIGTERM  # as if SIGTERM came during the first resumed step
     assert run_training(cfg, resume=True, stop=stop, log=lambda _: None) == 143
@@ -116,11 +124,17 @@ def test_target_and_embeddings_stay_frozen(tiny_cfg):
     assert set(changed) == set(drafter_before)  # every drafter tensor trains (fc and norms too)
 
 
+def trainer(out, *sets, **popen):
+    """`python -m dflash_train` on the tiny config with --set overrides."""
+    argv = [sys.executable, "-m", "dflash_train", "--set", f"run.output_dir={out}"]
+    for item in sets:
+        argv += ["--set", item]
+    return subprocess.Popen(argv, cwd=PAYLOAD, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
 def test_sigterm_saves_and_exits_143(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_train", "--set", f"run.output_dir={out}",
-                             "--set", "run.steps=100000", "--set", "run.log_every=1"],
-                            cwd=PAYLOAD, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = trainer(out, "run.steps=100000", "run.log_every=1", *THREADED)
     for line in proc.stdout:
         if line.startswith("step 3/"):
             proc.send_signal(signal.SIGTERM)
@@ -131,3 +145,53 @@ def test_sigterm_saves_and_exits_143(tmp_path):
     step = int(latest_checkpoint(out).name.split("_")[1])
     assert step >= 3
     assert read_metrics(out)[-1]["step"] == step
+
+
+# Small and fast: random tokens, few sequences (the CLI tests below pay mostly for importing torch).
+SMALL = ["data.source=random", "data.num_train=48", "data.num_eval=8", "target.num_layers=4"]
+
+
+def test_cli_three_threads_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    proc = trainer(out, *SMALL, "run.threads=3", "data.batch_size=2", "run.steps=12", "run.log_every=4",
+                   "run.eval_every=6", "run.checkpoint_every=6")
+    text = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, text
+    assert "workers: 3 thread(s) on cpu, cpu, cpu; 2 sequences each per step" in text
+    assert "workers: 3 replica(s) in sync at step 12" in text
+    assert "final held-out acceptance length" in text
+    records = read_metrics(out)
+    train = [r for r in records if r["event"] == "train"]
+    assert [r["step"] for r in train] == [4, 6, 8, 12]  # log_every, plus the eval step
+    assert [r["step"] for r in records if r["event"] in ("eval", "final")] == [0, 6, 12]
+    # tokens_per_s counts every replica's sequences: 3 x 2 sequences of 64 tokens per step.
+    assert all(r["tokens_per_s"] > 0 and r["step_time_s"] > 0 for r in train)
+    assert train[0]["tokens_per_s"] == pytest.approx(4 * 6 * 64 / (4 * train[0]["step_time_s"]), rel=1e-6)
+    assert [p.name for p in sorted((out / "checkpoints").glob("step_*"))] == ["step_00000006", "step_00000012"]
+
+
+@pytest.mark.parametrize("fault,phase", [("fail_at=build", "build"), ("fail_at=compile", "compile/warm-up"),
+                                         ("fail_at=step:1", "step 1 forward/backward"),
+                                         ("fail_at=step:5", "step 5 forward/backward"),
+                                         ("hang_at=step:2", "step 2 gradient all-reduce")])
+def test_cli_fault_exits_nonzero_within_seconds_with_the_traceback(tmp_path, fault, phase):
+    started = time.monotonic()
+    proc = trainer(tmp_path / "run", *SMALL, "run.threads=2", "data.batch_size=2", "run.steps=8",
+                   f"debug.{fault}", "debug.fail_rank=1", "run.barrier_timeout_s=2")
+    text = proc.communicate(timeout=60)[0]
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1, text
+    if fault.startswith("fail_at"):
+        assert f"error: worker 1 (cpu) failed during {phase}:" in text
+        assert "Traceback (most recent call last)" in text and "InjectedFault: injected fault at" in text
+    else:  # the hung worker is 1; worker 0 times out at the barrier and names every worker's phase
+        assert "error: worker 0 (cpu) failed during step 2 gradient all-reduce:" in text
+        assert "barrier timed out after 2.0s; phases: ['step 2 gradient all-reduce', 'step 2 forward/backward']" in text
+    assert elapsed < 30, elapsed  # start-up (torch import, data) is most of it; a hang would be 60
+
+
+def test_bad_debug_fault_spec_is_a_config_error():
+    from dflash_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="debug.fail_at must be build, compile or step:K"):
+        load_config(overrides=["debug.fail_at=step:0"])

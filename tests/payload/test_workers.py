@@ -1,16 +1,15 @@
 """Threaded data-parallel workers on CPU "devices" with the real tiny DFlash drafter.
 
 Covers: identical replicas, equality with one replica on the global batch, every failure path
-(build, compile, step 1, step K, a stalled barrier, a diverged replica) ending in a WorkerError
-with the worker's traceback, a process exiting non-zero, and compile (slow) in two threads.
+(build, compile, step 1, step K, a hung worker, a stalled barrier, a diverged replica) ending in
+a WorkerError with the worker's traceback, the multi-host hooks, a stop request, and compile
+(slow) in two threads. The trainer's process-level paths (exit codes, CLI): test_train.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -41,10 +40,11 @@ def setup():
     return cfg, BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
 
 
-def run(cfg, sampler, world=3, steps=STEPS, ops=None, **options):
+def run(cfg, sampler, world=3, steps=STEPS, ops=None, on_sync=None, **options):
     """run_threaded over `world` CPU workers with the drafter ops."""
     opts = W.ThreadedOptions(seed=cfg.run.seed, **{"sync_every": 2, **options})
-    return W.run_threaded(ops or W.drafter_ops(cfg), ["cpu"] * world, W.sharded(sampler.batch), steps, opts)
+    return W.run_threaded(ops or W.drafter_ops(cfg), ["cpu"] * world, W.sharded(sampler.batch), steps, opts,
+                          on_sync)
 
 
 def worker_threads_alive() -> list[str]:
@@ -53,28 +53,47 @@ def worker_threads_alive() -> list[str]:
 
 def test_replicas_stay_identical_and_match_one_replica_on_the_global_batch(setup):
     cfg, sampler = setup
-    syncs = []
+    syncs, first_grads = [], {}
+    base = W.drafter_ops(cfg)
+
+    def step(replica):  # the averaged gradients the optimizer sees at step 1, per replica
+        if replica.scheduler.last_epoch == 0:
+            first_grads[id(replica)] = [p.grad.clone() for p in replica.drafter.parameters()]
+        base.optimizer_step(replica)
+
     opts = W.ThreadedOptions(seed=cfg.run.seed, sync_every=2)
-    result = W.run_threaded(W.drafter_ops(cfg), ["cpu"] * 3, W.sharded(sampler.batch), STEPS, opts,
-                            on_sync=lambda point: syncs.append(point.step))
+    result = W.run_threaded(dataclasses.replace(base, optimizer_step=step), ["cpu"] * 3,
+                            W.sharded(sampler.batch), STEPS, opts, on_sync=lambda point: syncs.append(point.step))
     assert syncs == [2, 4, 6]
     assert len(set(result.checksums)) == 1
     threaded = [p.detach() for p in result.replicas[0].drafter.parameters()]
-    for replica in result.replicas[1:]:
+    for replica in result.replicas[1:]:  # bit for bit: the replicas must never differ at all
         assert all(torch.equal(a, b) for a, b in zip(threaded, replica.drafter.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(first_grads[id(result.replicas[0])], first_grads[id(replica)]))
 
     single = build_replica(cfg, "cpu", cfg.run.seed)
-    for step in range(STEPS):
-        forward_backward(single, sampler.batch(step))
+    lrs = []
+    for step_index in range(STEPS):
+        forward_backward(single, sampler.batch(step_index))
+        if step_index == 0:
+            single_grads = [p.grad.clone() for p in single.drafter.parameters()]
+        lrs.append(single.optimizer.param_groups[0]["lr"])
         optimizer_step(single)
-    # Summation order differs (micro-batches vs one batch); Adam divides by sqrt(v), so an element
-    # with a tiny gradient can move by a fraction of one step: allow a tenth of the peak lr.
-    step = cfg.optim.lr
-    for a, b in zip(threaded, single.drafter.parameters()):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-3, atol=step / 10)
+    # The mean of 3 micro-batch gradients equals the global batch's gradient up to fp32 summation
+    # order: measured <= 3e-8 on gradients of size 1e-2..1e-1, so 1e-5 of each tensor's scale is tight.
+    for a, b in zip(first_grads[id(result.replicas[0])], single_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    # Parameters after 6 AdamW steps: Adam divides by sqrt(v)+eps, so an element whose gradient is
+    # near zero turns an O(1e-8) gradient difference into an O(lr) update difference (measured: one
+    # element in 4096 off by 1.6e-5). Honest checks: nearly every element agrees to 1e-6, and none
+    # differs by more than the total step budget sum(lr_t) (the most AdamW can move an element
+    # with bounded m/sqrt(v) per step here: beta1 0.9 < sqrt(beta2)).
+    diffs = torch.cat([(a - b.detach()).abs().flatten() for a, b in zip(threaded, single.drafter.parameters())])
+    assert (diffs > 1e-6).float().mean().item() < 1e-3
+    assert diffs.max().item() < sum(lrs)
     moved = max((a - b).abs().max().item() for a, b in zip(threaded, build_replica(cfg, "cpu", cfg.run.seed)
                                                            .drafter.parameters()))
-    assert moved > step  # training moved the parameters by far more than the tolerance
+    assert moved > 10 * 1e-6  # training moved the parameters by far more than the tight tolerance
 
 
 @pytest.mark.parametrize("fail_at,phase", [("build", "build"), ("compile", "compile/warm-up"),
@@ -135,24 +154,56 @@ def test_a_diverged_replica_is_an_error(setup):
     assert err.value.rank is None and "DivergenceError" in str(err.value)
 
 
-def test_the_process_exits_nonzero_with_the_worker_traceback():
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(PAYLOAD)!r})
-        from dflash_train import workers as W
-        from dflash_train.config import load_config
-        from dflash_train.data import BlockSampler, build_datasets
-        from dflash_train.train import resolve_config
-        cfg = resolve_config(load_config(overrides={TINY!r}))
-        train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
-        sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
-        W.run_threaded(W.drafter_ops(cfg), ["cpu", "cpu"], W.sharded(sampler.batch), {STEPS},
-                       W.ThreadedOptions(fail_at="step:3", fail_rank=0))
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "worker 0 (cpu) failed during step 3 forward/backward" in proc.stderr
-    assert "InjectedFault: injected fault at step:3 on worker 0" in proc.stderr
+@pytest.mark.parametrize("hang_at", ["build", "step:2"])
+def test_a_hung_worker_is_an_error_within_the_timeout(setup, hang_at):
+    # build: the hung worker holds the build lock, the other times out waiting for it;
+    # step:2: the other worker times out at the gradient barrier.
+    cfg, sampler = setup
+    started = time.monotonic()
+    with pytest.raises(W.WorkerError) as err:
+        run(cfg, sampler, world=2, steps=3, hang_at=hang_at, fail_rank=1, barrier_timeout_s=1.0,
+            warmup_steps=0, grace_s=0.5)
+    assert time.monotonic() - started < 20
+    assert err.value.rank == 0 and "phases:" in str(err.value)
+    assert "hang_forever" not in worker_threads_alive()  # the hung daemon thread is simply left behind
+
+
+def test_cross_host_hooks_see_replica_zero_buffers_and_checksums(setup):
+    cfg, sampler = setup
+    reduced, checked = [], []
+
+    def cross_reduce(flats):  # a second host with identical gradients: the mean is unchanged
+        reduced.append([(f.device.type, f.dtype, f.numel()) for f in flats])
+        for f in flats:
+            f.add_(f.clone()).div_(2)
+
+    plain = run(cfg, sampler, world=2, steps=4)
+    hooked = run(cfg, sampler, world=2, steps=4, cross_reduce=cross_reduce, cross_check=checked.append)
+    assert len(reduced) == 4 and reduced[0] == [("cpu", torch.float32, sum(
+        p.numel() for p in plain.replicas[0].drafter.parameters()))]
+    assert len(checked) == 2 and checked[-1] == hooked.checksums[0]  # sync points 2 and 4
+    assert hooked.checksums == plain.checksums  # the default path and an identity hook agree bit for bit
+
+    def mismatch(checksum):
+        raise W.DivergenceError(f"hosts diverged: {checksum} vs 0")
+
+    with pytest.raises(W.WorkerError, match="hosts diverged") as err:
+        run(cfg, sampler, world=2, steps=2, cross_check=mismatch)
+    assert err.value.rank is None
+
+
+def test_a_stop_request_ends_the_run_at_that_step_with_a_sync(setup):
+    cfg, sampler = setup
+    seen, steps_done = [], []
+
+    def should_stop():
+        steps_done.append(1)
+        return len(steps_done) >= 3  # polled once per step
+
+    result = run(cfg, sampler, world=2, steps=STEPS, sync_every=5, should_stop=should_stop,
+                 on_start=lambda point: seen.append(("start", point.step)))
+    assert result.steps == 3 and len(set(result.checksums)) == 1
+    assert seen == [("start", 0)]
 
 
 def test_bad_fault_spec_is_rejected(setup):
@@ -174,7 +225,19 @@ def test_cudagraphs_policy_turns_trees_off_per_call_on_every_version(version, ex
 @pytest.mark.slow
 def test_compiled_drafter_in_two_threads(setup):
     cfg, sampler = setup
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, compile_scope="drafter"))
     result = run(cfg, sampler, world=2, steps=2, compile="default", warmup_steps=1)
     assert result.policy.effective == "default"
     assert len(set(result.checksums)) == 1
     assert all(torch.isfinite(torch.tensor(result.losses)))
+
+
+@pytest.mark.slow
+def test_compiled_whole_step_in_two_threads_matches_eager(setup):
+    # run.compile_scope: step (the default): target features, mask, drafter and chunked CE in one
+    # compiled function. Cold compile on 2 CPU cores: about 1.5 min; cached afterwards.
+    cfg, sampler = setup
+    eager = run(cfg, sampler, world=2, steps=2)
+    compiled = run(cfg, sampler, world=2, steps=2, compile="default", warmup_steps=1)
+    assert len(set(compiled.checksums)) == 1
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
