@@ -11,7 +11,7 @@ Row modes (the trainer's building blocks from remote_payload/dflash_train, weigh
     fast     draft layers and target layers compiled per layer (`compile_layers`, `--compile`
              policy from workers.choose_compile_policy), fused chunked LM head + CE, fused AdamW
     trainer  what train.build_replica does today with run.compile=<--compile>: the whole drafter
-             torch.compile'd, eager target, eager chunked CE (DFLASH_FUSED_CE=0 semantics)
+             torch.compile'd, eager target, eager chunked CE (the pre-fast-path trainer)
     eager    run.compile=off: eager drafter with compiled FlexAttention, eager target, eager CE
 
 FLOPs are counted exactly per sample from the shapes and the sampled anchors (see `count_flops`):

@@ -4,7 +4,6 @@ and the teacher-forced acceptance length."""
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -66,11 +65,6 @@ def _ce_chunk_compiled():
     return torch.compile(_ce_chunk, dynamic=False)
 
 
-def fused_head_default(device: torch.device) -> bool:
-    """Whether the LM head + CE runs the compiled chunk: on CUDA unless DFLASH_FUSED_CE=0."""
-    return device.type == "cuda" and os.environ.get("DFLASH_FUSED_CE", "1") != "0"
-
-
 class ChunkedHeadCE(torch.autograd.Function):
     """Per-row cross-entropy and argmax of `hidden @ weight.T`, `chunk_rows` rows at a time.
 
@@ -114,18 +108,16 @@ class ChunkedHeadCE(torch.autograd.Function):
 
 
 def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                       chunk_rows: int, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       chunk_rows: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(ce [R] fp32, argmax [R]) of the LM head on hidden [R, H], without all logits at once.
 
-    `fused`: each chunk through the compiled `_ce_chunk` (None: `fused_head_default`, i.e. on
-    CUDA). Inside an enclosing `torch.compile` (a compiled whole step) the out-of-place chunk is
-    traced into that graph instead, which Inductor fuses the same way."""
+    `fused`: each chunk through the compiled `_ce_chunk` (the trainer turns it on for CUDA when
+    compiling is allowed). Inside an enclosing `torch.compile` (a compiled whole step) the
+    out-of-place chunk is traced into that graph instead, which Inductor fuses the same way."""
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     if torch.compiler.is_compiling():
         mode = "traced"
     else:
-        if fused is None:
-            fused = fused_head_default(hidden.device)
         mode = "compiled" if fused else "eager"
     return ChunkedHeadCE.apply(hidden, weight, labels, chunk_rows, need_grad, mode)
 
@@ -141,7 +133,7 @@ class LossOutput:
 
 def dflash_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                 label_mask: torch.Tensor, anchor_valid: torch.Tensor, gamma: float,
-                chunk_rows: int, fused: bool | None = None) -> LossOutput:
+                chunk_rows: int, fused: bool = False) -> LossOutput:
     """Decayed CE over block positions 1..B-1 normalised by the weight sum, and acceptance length.
 
     hidden: [N, A, B-1, H] drafter outputs; labels / label_mask: [N, A, B-1]; anchor_valid: [N, A].

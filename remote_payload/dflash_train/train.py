@@ -216,8 +216,11 @@ def _loss(replica: Replica, input_ids: torch.Tensor, loss_mask: torch.Tensor, an
     label_pos = (anchors[:, :, None] + torch.arange(1, bs, device=dev)).flatten(1)       # [N, A*(B-1)]
     labels = input_ids.gather(1, label_pos).view(n, a, bs - 1)
     label_mask = loss_mask.gather(1, label_pos).view(n, a, bs - 1) & anchor_valid[:, :, None]
+    # The compiled CE chunk only on CUDA and only when compiling is allowed (`run.compile: off`
+    # must mean no torch.compile anywhere, e.g. while debugging the compiler).
+    fused = dev.type == "cuda" and cfg.run.compile != "off"
     return dflash_loss(hidden, replica.target.lm_head.weight, labels, label_mask, anchor_valid,
-                       cfg.optim.gamma, cfg.optim.loss_chunk_rows)
+                       cfg.optim.gamma, cfg.optim.loss_chunk_rows, fused)
 
 
 def forward_loss(replica: Replica, batch: Batch) -> LossOutput:

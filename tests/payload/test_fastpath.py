@@ -56,13 +56,6 @@ def test_fused_chunk_math_matches_reference(dtype, tol):
     assert _ce_chunk(hidden, weight, labels, False)[2] is None
 
 
-def test_fused_flag_off_on_cpu_by_default(monkeypatch):
-    from dflash_train.loss import fused_head_default
-    assert not fused_head_default(torch.device("cpu"))
-    monkeypatch.setenv("DFLASH_FUSED_CE", "0")
-    assert not fused_head_default(torch.device("cuda"))
-
-
 def small_problem(seed=0):
     """A small drafter (2 layers, block 4) over a random 3-layer target's features, fp32."""
     tcfg = TargetConfig(num_layers=3, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
