@@ -23,6 +23,14 @@ def position_weights(block_size: int, gamma: float, device: torch.device | str =
     return torch.exp(-(k - 1) / gamma)
 
 
+def _head_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
+    """fp32 logits [r, V] of one chunk, their log-sum-exp, per-row CE and argmax."""
+    logits = (hidden.to(weight.dtype) @ weight.T).float()                            # [r, V]
+    lse = logits.logsumexp(-1)                                                       # [r]
+    ce = lse - logits.gather(1, labels[:, None])[:, 0]
+    return logits, lse, ce, logits.argmax(-1)
+
+
 def _ce_chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, need_grad: bool):
     """One chunk, out of place (the form Inductor fuses): hidden [r, H], weight [V, H], labels [r]
     -> (ce [r] fp32, argmax [r], d ce / d hidden [r, H] or None).
@@ -32,10 +40,7 @@ def _ce_chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     softmax - onehot in bf16 for the second matmul, about 3 passes over r x V bf16 instead of the
     ~12 r x V bf16-equivalents eager `_ce_chunk_inplace` moves. Same math, same fp32 rounding.
     """
-    logits = (hidden.to(weight.dtype) @ weight.T).float()                            # [r, V]
-    lse = logits.logsumexp(-1)                                                       # [r]
-    ce = lse - logits.gather(1, labels[:, None])[:, 0]
-    pred = logits.argmax(-1)
+    logits, lse, ce, pred = _head_stats(hidden, weight, labels)
     if not need_grad:
         return ce, pred, None
     onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == labels[:, None]
@@ -46,10 +51,7 @@ def _ce_chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
 def _ce_chunk_inplace(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, need_grad: bool):
     """`_ce_chunk` for eager mode: the softmax is formed in place in the fp32 logits buffer, so one
     chunk peaks at one [r, V] fp32 tensor (plus the matmul's bf16 output)."""
-    logits = (hidden.to(weight.dtype) @ weight.T).float()                            # [r, V]
-    lse = logits.logsumexp(-1)                                                       # [r]
-    ce = lse - logits.gather(1, labels[:, None])[:, 0]
-    pred = logits.argmax(-1)
+    logits, lse, ce, pred = _head_stats(hidden, weight, labels)
     if not need_grad:
         return ce, pred, None
     probs = logits.sub_(lse[:, None]).exp_()                                         # softmax, in place
