@@ -129,9 +129,26 @@ def _interpreter_checks(host: HostSpec, info: dict[str, Any]) -> list[Check]:
             Check("triton", not needed, "not installed" + ("" if needed else " (not needed without CUDA)"),
                   "install the triton that matches torch" if needed else "")
         )
+    rows.append(_packages_check(host, info.get("packages")))
     rows.append(_cuda_check(host, info, cuda))
     rows.append(_smi_check(host, info.get("nvidia_smi")))
     return rows
+
+
+PIP_NAMES = {"yaml": "pyyaml"}
+
+
+def _packages_check(host: HostSpec, packages: dict[str, Any] | None) -> Check:
+    """The trainer's other imports (numpy, safetensors, yaml); unknown when torch's probe failed."""
+    if packages is None:
+        return Check("trainer packages", False, "not checked (the torch probe failed)", "")
+    missing = [name for name, version in packages.items() if version is None]
+    found = ", ".join(f"{name} {version}" for name, version in packages.items() if version is not None)
+    if missing:
+        wanted = " ".join(PIP_NAMES.get(name, name) for name in missing)
+        return Check("trainer packages", False, f"missing: {', '.join(missing)}" + (f" (have {found})" if found else ""),
+                     f"{host.interpreter} -m pip install {wanted}")
+    return Check("trainer packages", True, found)
 
 
 def _cuda_check(host: HostSpec, info: dict[str, Any], cuda: bool) -> Check:

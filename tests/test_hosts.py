@@ -41,7 +41,8 @@ def test_check_passes_on_shim_host_and_local(shim_host):
     shim = subprocess.CompletedProcess([], procs["shim"].returncode, *outs["shim"])
     assert shim.returncode == 0, shim.stdout + shim.stderr
     checks = rows(shim)
-    assert list(checks) == ["reachable", "container", "interpreter", "torch", "triton", "cuda", "nvidia-smi"]
+    assert list(checks) == ["reachable", "container", "interpreter", "torch", "triton", "trainer packages", "cuda",
+                           "nvidia-smi"]
     assert checks["container"]["detail"] == "pct 200 running"
     assert checks["torch"]["detail"].startswith("2.")
     local_out, local_err = outs["local"]
@@ -91,6 +92,7 @@ def test_gpu_rows_from_probe_answers():
     answer = {
         "python": "3.11", "torch": "2.13.0", "triton": "3.5.0", "cuda_available": True, "cuda_version": "12.8",
         "gpu_count": 2, "gpu_names": ["NVIDIA H200", "NVIDIA H200"],
+        "packages": {"numpy": "2.1.0", "safetensors": "0.4.5", "yaml": "6.0.2"},
         "nvidia_smi": {"gpus": [{"index": "0", "name": "NVIDIA H200", "memory_total_mib": "143771",
                                  "memory_used_mib": "0", "utilization_pct": "0"}]},
     }
@@ -98,3 +100,5 @@ def test_gpu_rows_from_probe_answers():
     assert all(c.ok for c in ok.values()) and "2 GPU(s)" in ok["cuda"].detail
     three = {c.name: c for c in _interpreter_checks(HostSpec(name="g", gpus=(0, 2)), answer)}
     assert not three["cuda"].ok and "[2]" in three["cuda"].hint
+    missing = {c.name: c for c in _interpreter_checks(gpu_host, {**answer, "packages": {**answer["packages"], "yaml": None}})}
+    assert not missing["trainer packages"].ok and missing["trainer packages"].hint.endswith("pip install pyyaml")

@@ -33,6 +33,13 @@ try:
     info["triton"] = triton.__version__
 except Exception as exc:
     info["triton_error"] = "%s: %s" % (type(exc).__name__, exc)
+# What the trainer imports besides torch (safetensors writes through numpy).
+info["packages"] = {}
+for name in ("numpy", "safetensors", "yaml"):
+    try:
+        info["packages"][name] = getattr(__import__(name), "__version__", "?")
+    except Exception as exc:
+        info["packages"][name] = None
 print(json.dumps(info))
 """
 
