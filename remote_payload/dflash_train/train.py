@@ -8,10 +8,12 @@ module-level mutable state, so one replica per thread per device is safe.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import math
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from . import workers
+from . import distributed, workers
 from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import Batch, BlockSampler, build_datasets
@@ -381,16 +383,29 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
     cfg = resolve_config(cfg)
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = latest_checkpoint(out) if resume else None
+    devices = worker_devices(cfg)
+    world = len(devices)
+    # Several hosts (WORLD_SIZE > 1, set by `dflashctl train h1,h2`): docs/multihost.md.
+    group = distributed.init_from_env(torch.device(devices[0]).type, world, log=log)
+    with group or contextlib.nullcontext():
+        return _train(cfg, out, devices, group, resume, overwrite, stop, log)
+
+
+def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGroup | None, resume: bool,
+           overwrite: bool, stop: StopFlag | None, log: Callable[[str], None]) -> int:
+    world = len(devices)
+    main = group is None or group.is_main  # only rank 0 writes checkpoints and the export
+    if group is not None and resume:
+        ckpt = group.sync_checkpoint(out)  # rank 0's latest, on every node
+    else:
+        ckpt = latest_checkpoint(out) if resume else None
     if not resume and latest_checkpoint(out) is not None and not overwrite:
         raise ConfigError(f"{out} already has checkpoints: pass --resume to continue or --overwrite")
     torch.manual_seed(cfg.run.seed)
     if cfg.run.cpu_threads > 0:
         torch.set_num_threads(cfg.run.cpu_threads)
 
-    devices = worker_devices(cfg)
-    world = len(devices)
-    sampler, eval_batches = load_data(cfg, world)
+    sampler, eval_batches = load_data(cfg, group.total_replicas if group else world)
     if cfg.run.epochs > 0:
         cfg.run.steps = cfg.run.epochs * sampler.steps_per_epoch
 
@@ -456,9 +471,9 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
     def on_sync(point: workers.SyncPoint) -> bool:
         """Rank 0's thread, every other worker waiting: metrics, eval, checkpoint, export."""
         replica, done = point.replicas[0], point.step
-        state["loss_sum"] += sum(point.loss_sums) / world
+        state["loss_sum"] += group.mean(point.loss_sums) if group else sum(point.loss_sums) / world
         state["steps"] += point.steps_since_last
-        stopping = stop.requested
+        stopping = should_stop.requested if group else stop.requested
         eval_now = done % cfg.run.eval_every == 0 and done < total
         if done % cfg.run.log_every == 0 or done == total or eval_now or stopping:
             elapsed = time.perf_counter() - state["t0"]
@@ -477,7 +492,7 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
                 f"gnorm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s "
                 f"{record['step_time_s'] * 1000:.1f} ms/step")
             state.update(loss_sum=0.0, steps=0, record_step=done)
-        if done % cfg.run.checkpoint_every == 0 or done == total or stopping:
+        if main and (done % cfg.run.checkpoint_every == 0 or done == total or stopping):
             save(replica, done)
         if stopping:
             state["stopped"] = done
@@ -485,23 +500,27 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
         if done == total:
             log(f"workers: {world} replica(s) in sync at step {done} (parameter checksum {point.checksum})")
             final = run_eval(replica, total, "final")
-            export_dir = export_drafter(replica.drafter, cfg.target, cfg.run.export_dir, DTYPES[cfg.run.dtype])
-            log(f"exported drafter to {export_dir}")
+            if main:
+                export_dir = export_drafter(replica.drafter, cfg.target, cfg.run.export_dir, DTYPES[cfg.run.dtype])
+                log(f"exported drafter to {export_dir}")
             before = f" (untrained: {state['untrained']:.3f})" if state["untrained"] is not None else ""
             log(f"final held-out acceptance length: {final:.3f}{before}")
         state["t0"] = time.perf_counter()
         return False
 
     run = cfg.run
+    should_stop = group.stop_agreement(lambda: stop.requested) if group else (lambda: stop.requested)
     options = workers.ThreadedOptions(
         compile=run.compile, seed=run.seed, warmup_steps=warmup_steps(policy),
         sync_every=math.gcd(run.log_every, run.eval_every, run.checkpoint_every),
         barrier_timeout_s=run.barrier_timeout_s, start_step=start,
         fail_at=cfg.debug.fail_at, hang_at=cfg.debug.hang_at, fail_rank=cfg.debug.fail_rank,
-        should_stop=lambda: stop.requested, on_start=on_start)
+        should_stop=should_stop, on_start=on_start,
+        cross_reduce=group.cross_reduce if group else None, cross_check=group.cross_check if group else None)
     workers.run_threaded(workers.ReplicaOps(build, ops.forward_backward, ops.optimizer_step, ops.parameters),
-                         devices, data, total, options, on_sync)
+                         devices, group.sharded(data) if group else data, total, options, on_sync)
     if state["stopped"] is not None:
-        log(f"stopped by signal {stop.signum} after step {state['stopped']}; resume with --resume")
-        return stop.exit_code
+        by = f"signal {stop.signum}" if stop.requested else "another node's stop request"
+        log(f"stopped by {by} after step {state['stopped']}; resume with --resume")
+        return stop.exit_code if stop.requested else 128 + signal.SIGTERM
     return 0
