@@ -104,9 +104,7 @@ def pair(sshd_host, second_sshd_host, tmp_path):
                     pass
 
 
-needs_trainer = pytest.mark.skipif(
-    not TRAIN_PY.exists() or "distributed.init_from_env" not in TRAIN_PY.read_text(),
-    reason="the trainer does not join a process group yet (train.py must call distributed.init_from_env)")
+needs_trainer = pytest.mark.skipif(not TRAIN_PY.exists(), reason="the trainer (remote_payload/) is not in this checkout")
 
 
 # --- unit ----------------------------------------------------------------------------------------
