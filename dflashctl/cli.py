@@ -29,7 +29,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-hosts_app = typer.Typer(help="Inventory: list, check and trust hosts.", no_args_is_help=True)
+hosts_app = typer.Typer(help="Inventory: list, check, trust and disconnect hosts.", no_args_is_help=True)
 app.add_typer(hosts_app, name="hosts")
 
 
@@ -111,6 +111,32 @@ def hosts_trust(
 
     session = _state(ctx).session()
     trust_host(session.host(host), confirm=None if yes else _confirm)
+
+
+@hosts_app.command("disconnect")
+def hosts_disconnect(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(None, help="Host whose persistent connection to close (default host if omitted)."),
+    all_hosts: bool = typer.Option(False, "--all", help="Close every persistent connection of this user."),
+) -> None:
+    """Stop the background connection (mux) kept by `persist:`, like `ssh -O exit`."""
+    from .mux import MuxUnavailable, stop_all_muxes, stop_mux
+
+    out = Console(highlight=False)
+    try:
+        if all_hosts:
+            if host:
+                raise UsageError("give a HOST or --all, not both")
+            stopped = stop_all_muxes()
+            out.print(f"closed {len(stopped)} connection(s)" + (f": {', '.join(stopped)}" if stopped else ""))
+            return
+        spec = _state(ctx).session().host(host)
+        if spec.transport != "ssh":
+            out.print(f"{spec.name}: transport {spec.transport}, no connection to close")
+            return
+        out.print(f"{spec.name}: " + ("connection closed" if stop_mux(spec) else "no persistent connection"))
+    except MuxUnavailable as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _confirm(question: str) -> bool:
@@ -374,7 +400,7 @@ def logs_tail(
     lines: int = typer.Option(50, "--lines", "-n", help="How many lines from the end to show first."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep following until the run ends; exit with its state's code."),
     since_step: Optional[int] = typer.Option(None, "--since-step", help="Start at the first log line of step K or later."),
-    node: Optional[str] = typer.Option(None, "--host", help="Multi-host run: the node whose log to show (default: rank 0 for `h1,h2`/a group)."),
+    node: Optional[str] = typer.Option(None, "--host", help="Multi-host run: the node whose log to show (default: the rank-0 node)."),
     all_nodes: bool = typer.Option(False, "--all", help="Multi-host run: every node's log, each line prefixed with its host name."),
 ) -> None:
     """Print a run's last lines; with -f follow it (surviving dropped connections) to the end."""
@@ -393,7 +419,7 @@ def logs_tail(
             raise UsageError("--all and --host exclude each other")
         raise typer.Exit(attach_all(session, host, run, follow=follow, lines=lines, since_step=since_step,
                                     out=sys.stdout.buffer, err=err))
-    where, run, info = pick_node(session, host, run, node)
+    where, run = pick_node(session, host, run, node)
     out = Console()
     raise typer.Exit(attach(session, where, run, follow=follow, lines=lines, since_step=since_step,
                             out=sys.stdout.buffer, console=out if out.is_terminal else None,

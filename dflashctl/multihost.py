@@ -290,21 +290,17 @@ def stop_group(session: Session, host: str | None, selector: str | None, grace: 
 
 
 def pick_node(session: Session, host_spec: str | None, selector: str | None,
-              node: str | None) -> tuple[str, str | None, dict[str, Any] | None]:
-    """Which host's log `logs tail` reads: (host, run selector, the run's info if looked up).
-
-    A comma list or group as HOST means the run's rank-0 node; `--host NAME` picks a node; a
-    single HOST without --host is read directly (it is a node, or a single-host run)."""
+              node: str | None) -> tuple[str, str | None]:
+    """Which host's log `logs tail` reads, and the run: HOST (a host, `a,b` or a group) says where
+    to find the run; a multi-host run's log is its rank-0 node's unless `--host NAME` picks one."""
     hosts = session.inventory.resolve_many(host_spec) if host_spec else [session.host(None)]
-    if len(hosts) == 1 and node is None:
-        return hosts[0].name, selector, None
     info = show_run(session.target(hosts[0].name), selector, metrics=False)
     nodes = list((info.get("group") or {}).get("nodes") or [info.get("host") or hosts[0].name])
     if node is None:
-        return nodes[0], info["run_id"], info
+        return (nodes[0] if info.get("group") else hosts[0].name), info["run_id"]
     if node not in nodes:
         raise UsageError(f"run {info['run_id']} has no node '{node}' (nodes: {', '.join(nodes)})")
-    return node, info["run_id"], info
+    return node, info["run_id"]
 
 
 def final_state(session: Session, host: str, ending: Ending, wait_s: float = 75.0) -> tuple[Ending, str | None]:

@@ -236,8 +236,9 @@ def test_logs_per_node_and_all_then_stop_stops_every_node(pair):
     run_id = pair.train("pair", [*LONG, "run.threads=2"])
     wait_until(lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id), 90,
                "both nodes to train")
-    rank0 = pair.cli("logs", "tail", "pair", run_id, "-n", "1000")
-    assert rank0.returncode == 0 and "node shim (rank 0) of 2 joined" in rank0.stdout
+    for where in ("pair", "gpu2"):  # any node, or the group: rank 0's log unless --host
+        rank0 = pair.cli("logs", "tail", where, run_id, "-n", "1000")
+        assert rank0.returncode == 0 and "node shim (rank 0) of 2 joined" in rank0.stdout
     other = pair.cli("logs", "tail", "shim", run_id, "--host", "gpu2", "-n", "1000")
     assert "node gpu2 (rank 1) of 2 joined" in other.stdout and "node shim (rank 0)" not in other.stdout
     both = pair.cli("logs", "tail", "shim", run_id, "--all", "-n", "1000").stdout.splitlines()
