@@ -1,6 +1,6 @@
 """Benchmark `dflashctl inspect` against the field notes' ssh one-liner, through real sshd + pct shim.
 
-Run from the repo root:  python bench/inspect_bench.py [--runs 7] [--lines 1825:1888]
+Run from the repo root:  python bench/inspect_bench.py [--runs 7] [--lines 1825:1888] [--persist N]
 
 It starts a throwaway OpenSSH sshd on 127.0.0.1 with the `pct` shim (tests/sshd.py, the same
 harness the tests use; container 200's interpreter is this Python, so torch is importable there)
@@ -8,7 +8,10 @@ and times, as the median wall time of --runs runs each:
   (a) the one-liner: system `ssh` -> `pct exec 200 -- /bin/bash -lc '... python - <<PY'` that
       imports torch._inductor.compile_fx and prints the lines from inspect.getsource;
   (b) `dflashctl inspect compile_fx --lines A:B`, cold (client cache emptied before each run);
-  (c) the same, warm (cache filled).
+  (c) the same, warm (cache filled);
+with --persist N also (d) cold and (e) warm with `persist: N` on the host, i.e. through the
+background mux that keeps the SSH connection between calls (started by an untimed first run,
+stopped with `hosts disconnect --all` at the end).
 It checks that all three print the same lines, then prints a markdown table with the ratios.
 """
 
@@ -95,6 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--lines", default="1825:1888")
+    parser.add_argument("--persist", type=int, default=0, help="also time the host with `persist: N` (a mux)")
     args = parser.parse_args()
     first, last = (int(x) for x in args.lines.split(":"))
     with tempfile.TemporaryDirectory(prefix="inspect-bench-") as tmp:
@@ -107,9 +111,22 @@ def main() -> None:
             a, out_a = measure(one_liner(host, first, last), env, args.runs)
             b, out_b = measure(cli_argv(args.lines), env, args.runs, before=clear)
             c, out_c = measure(cli_argv(args.lines), env, args.runs)
+            d = e = 0.0
+            out_d = out_e = out_a
+            if args.persist:
+                runtime = Path(tmp) / "rt"
+                runtime.mkdir(mode=0o700)
+                penv = {**env, "XDG_RUNTIME_DIR": str(runtime)}
+                host.write_inventory(extra_hosts={"shim": host.host_entry(SHIM_VMID, persist=args.persist)})
+                try:
+                    timed(cli_argv(args.lines), penv)  # starts the mux
+                    d, out_d = measure(cli_argv(args.lines), penv, args.runs, before=clear)
+                    e, out_e = measure(cli_argv(args.lines), penv, args.runs)
+                finally:
+                    subprocess.run([*cli_argv("1")[:1], "hosts", "disconnect", "--all"], env=penv, capture_output=True)
         finally:
             host.stop()
-    if not out_a == out_b == out_c:
+    if not out_a == out_b == out_c == out_d == out_e:
         raise SystemExit("outputs differ between the one-liner and dflashctl inspect")
     print(f"{date.today()}, {os.cpu_count()} cores, {platform.python_version()}, torch {torch_version()}, "
           f"median of {args.runs}, lines {args.lines} ({len(out_a.splitlines())} lines, identical output)\n")  # fmt: skip
@@ -120,6 +137,12 @@ def main() -> None:
         ratio = a / value
         verdict = "met" if ratio >= GOALS[goal] else "MISSED"
         print(f"| {label} | {value * 1000:.0f} ms | {ratio:.1f}x | >= {GOALS[goal]:.0f}x {verdict} |")
+    if args.persist:
+        for label, value, goal in ((f"(d) dflashctl inspect, cold cache, persist: {args.persist}", d, "cold"),
+                                   (f"(e) dflashctl inspect, warm cache, persist: {args.persist}", e, "warm")):  # fmt: skip
+            ratio = a / value
+            verdict = "met" if ratio >= GOALS[goal] else "MISSED"
+            print(f"| {label} | {value * 1000:.0f} ms | {ratio:.1f}x | >= {GOALS[goal]:.0f}x {verdict} |")
 
 
 if __name__ == "__main__":

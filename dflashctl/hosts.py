@@ -77,13 +77,18 @@ def _check_reachable(session: Session, host: HostSpec) -> Check:
     from .ssh import SshTransport
 
     transport = session.transport(host)
-    assert isinstance(transport, SshTransport)
+    own = not isinstance(transport, SshTransport)  # a persist host's mux: check with a direct connection
+    if own:
+        transport = SshTransport(host, session.ssh_options)
     started = time.monotonic()
     try:
         transport.connection()
     except DflashError as exc:
         hint = f"dflashctl hosts trust {host.name}" if "hosts trust" in str(exc) else "check address, port and keys"
         return Check("reachable", False, str(exc), hint)
+    finally:
+        if own:
+            transport.close()
     ep = transport.endpoint
     ms = (time.monotonic() - started) * 1000
     via = f" via {ep.proxy_jump}" if ep.proxy_jump else ""

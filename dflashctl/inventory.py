@@ -54,6 +54,7 @@ class HostSpec:
     workdir: str = DEFAULT_WORKDIR
     gpus: tuple[int, ...] = ()
     rendezvous_address: str | None = None
+    persist: int = 0  # seconds a background mux keeps the SSH connection open between CLI calls; 0 = off
 
     @property
     def interpreter(self) -> str:
@@ -174,7 +175,7 @@ def parse_inventory(text: str, path: Path | None = None) -> Inventory:
 
 _HOST_KEYS = {
     "transport", "address", "user", "port", "identity_file", "proxy_jump", "container",
-    "python", "workdir", "gpus", "rendezvous_address",
+    "python", "workdir", "gpus", "rendezvous_address", "persist",
 }
 _CONTAINER_KEYS = {"runtime", "vmid", "name", "pct"}
 
@@ -205,6 +206,13 @@ def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
         strings[key] = value
     if transport == "local" and any(strings[k] for k in ("address", "user", "identity_file", "proxy_jump")) | (port is not None):
         raise fail("address, user, port, identity_file and proxy_jump only apply to transport ssh")
+    persist = raw.get("persist", 0)
+    if persist is None:
+        persist = 0
+    if isinstance(persist, bool) or not isinstance(persist, int) or persist < 0:
+        raise fail(f"persist must be a non-negative integer (seconds; 0 = off), got {persist!r}")
+    if transport == "local" and persist:
+        raise fail("persist only applies to transport ssh")
     gpus = raw.get("gpus", [])
     if gpus is None:
         gpus = []
@@ -225,6 +233,7 @@ def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
         workdir=strings["workdir"] or DEFAULT_WORKDIR,
         gpus=tuple(gpus),
         rendezvous_address=strings["rendezvous_address"],
+        persist=persist,
     )
 
 

@@ -36,6 +36,10 @@ class Session:
             if host.name not in self._transports:
                 if host.transport == "local":
                     self._transports[host.name] = LocalTransport(host.name)
+                elif host.persist > 0:  # a background mux keeps the connection between calls
+                    from .mux import MuxTransport
+
+                    self._transports[host.name] = MuxTransport(host, self.ssh_options)
                 else:
                     from .ssh import SshTransport
 
