@@ -103,10 +103,11 @@ def mux(shim_host, tmp_path, monkeypatch):
     try:
         yield helper
     finally:
-        try:
-            (runtime / "dflashctl").chmod(0o700)
-        except OSError:
-            pass
+        for path in (runtime, runtime / "dflashctl"):
+            if path.exists():
+                path.chmod(0o700)
+        for sock in (runtime / "dflashctl").glob("*.sock"):
+            sock.chmod(0o600)
         stop_all_muxes()
         leftover = [pid for pid in _mux_pids(runtime) if not _gone(pid, 5)]
         for pid in leftover:
@@ -285,3 +286,27 @@ def test_in_process_connect_error_is_relayed(mux, tmp_path):
     result = mux.cli("exec", "pbare", "--", "true", env={"HOME": str(home)})
     assert result.returncode == 3
     assert "unknown host key" in result.stderr and "dflashctl hosts trust pbare" in result.stderr
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not Path("/usr/bin/python3").exists(), reason="needs root and a system python3")
+def test_mux_serves_only_its_own_uid(mux):
+    """SO_PEERCRED: even with the directory and socket opened up, another uid gets no answer."""
+    assert mux.cli("exec", "pbare", "--", "true").returncode == 0
+    path = socket_path(mux.hosts["pbare"], None)
+    for p in (mux.runtime, path.parent):
+        p.chmod(0o711)
+    path.chmod(0o777)
+    probe = (
+        "import socket, struct, sys\n"
+        "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+        "s.sendall(struct.pack('!cI', b'Q', 0)); s.settimeout(10)\n"
+        "try:\n    print('answer' if s.recv(100) else 'hung up')\n"
+        "except ConnectionResetError:\n    print('hung up')\n"
+    )
+    result = subprocess.run(["/usr/bin/python3", "-c", probe, str(path)], capture_output=True, text=True, timeout=30,
+                            user=65534, group=65534)  # fmt: skip
+    assert result.returncode == 0, result.stderr  # it could connect...
+    assert result.stdout.strip() == "hung up"  # ...but got no answer
+    path.chmod(0o600)
+    path.parent.chmod(0o700)
+    assert mux.stats("pbare")["pid"]  # the owner is still served
