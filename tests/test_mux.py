@@ -299,9 +299,10 @@ def test_mux_serves_only_its_own_uid(mux):
     probe = (
         "import socket, struct, sys\n"
         "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
-        "s.sendall(struct.pack('!cI', b'Q', 0)); s.settimeout(10)\n"
-        "try:\n    print('answer' if s.recv(100) else 'hung up')\n"
-        "except ConnectionResetError:\n    print('hung up')\n"
+        "try:\n"
+        "    s.sendall(struct.pack('!cI', b'Q', 0)); s.settimeout(10)\n"
+        "    print('answer' if s.recv(100) else 'hung up')\n"
+        "except (BrokenPipeError, ConnectionResetError):\n    print('hung up')\n"
     )
     result = subprocess.run(["/usr/bin/python3", "-c", probe, str(path)], capture_output=True, text=True, timeout=30,
                             user=65534, group=65534)  # fmt: skip
