@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Sequence
 from . import errors as _errors
 from .errors import ConnectError, DflashError, UsageError
 from .inventory import HostSpec
-from .transport import CHUNK, Process, Transport
+from .transport import CHUNK, Process, Read1Stream, Transport
 
 if TYPE_CHECKING:
     from .ssh import SshOptions
@@ -224,7 +224,7 @@ def _error(payload: bytes) -> DflashError:
     return cls(str(data.get("msg")))
 
 
-class _Pipe:
+class _Pipe(Read1Stream):
     """stdout or stderr fed by the frame reader; `read1` returns what has arrived."""
 
     def __init__(self) -> None:
@@ -257,16 +257,6 @@ class _Pipe:
             data = bytes(self._buf[:n])
             del self._buf[:n]
             return data
-
-    def read(self, n: int = -1) -> bytes:
-        """Everything up to n bytes (all of it when n < 0)."""
-        chunks = bytearray()
-        while n < 0 or len(chunks) < n:
-            data = self.read1(65536 if n < 0 else n - len(chunks))
-            if not data:
-                break
-            chunks.extend(data)
-        return bytes(chunks)
 
     def close(self) -> None:
         """Nothing to release."""

@@ -42,7 +42,7 @@ from rich.console import Console  # noqa: E402
 
 from .errors import ConnectError, DflashError, UsageError  # noqa: E402
 from .inventory import HostSpec  # noqa: E402
-from .transport import Process, Transport, env_argv  # noqa: E402
+from .transport import Process, Read1Stream, Transport, env_argv  # noqa: E402
 
 T = TypeVar("T")
 
@@ -417,7 +417,7 @@ def _describe(ep: Endpoint, options: SshOptions, exc: BaseException) -> str | _T
     return None
 
 
-class _ChannelReader:
+class _ChannelReader(Read1Stream):
     """stdout or stderr of a channel as a stream whose `read1` returns what is available."""
 
     def __init__(self, channel: paramiko.Channel, stderr: bool, lost: Callable[[], ConnectError]):
@@ -431,16 +431,6 @@ class _ChannelReader:
         if not data and not self._channel.eof_received and not self._channel.get_transport().is_active():
             raise self._lost()
         return data
-
-    def read(self, n: int = -1) -> bytes:
-        """Everything up to n bytes (all of it when n < 0)."""
-        chunks = bytearray()
-        while n < 0 or len(chunks) < n:
-            data = self.read1(65536 if n < 0 else n - len(chunks))
-            if not data:
-                break
-            chunks.extend(data)
-        return bytes(chunks)
 
     def close(self) -> None:
         """Nothing to release: the channel is closed by the process."""

@@ -48,6 +48,24 @@ class Completed:
         return lines[-1].strip() if lines else f"exit code {self.exit_code}"
 
 
+class Read1Stream(abc.ABC):
+    """A binary input stream built on `read1`; subclasses say how to get the next bytes."""
+
+    @abc.abstractmethod
+    def read1(self, n: int = CHUNK) -> bytes:
+        """Up to n bytes, blocking only until some arrive; b'' at end of stream."""
+
+    def read(self, n: int = -1) -> bytes:
+        """Everything up to n bytes (all of it when n < 0)."""
+        chunks = bytearray()
+        while n < 0 or len(chunks) < n:
+            data = self.read1(CHUNK if n < 0 else n - len(chunks))
+            if not data:
+                break
+            chunks.extend(data)
+        return bytes(chunks)
+
+
 class Process(abc.ABC):
     """A started command: binary stdin/stdout/stderr streams plus wait and kill.
 
