@@ -24,6 +24,15 @@ STOPPED_VMID = 201
 CLI = [sys.executable, "-c", "from dflashctl.cli import main; main()"]
 
 
+def run_concurrently(target, count: int = 8) -> list:  # type: ignore[no-untyped-def]
+    """Run `count` overlapping commands on one Target from threads (command i sleeps, echoes i,
+    exits i); returns their Completed results in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(lambda i: target.run(["sh", "-c", f"sleep 0.3; echo {i}; exit {i}"]), range(count)))
+
+
 def keygen(path: Path, comment: str) -> str:
     """Create an ed25519 key pair at path (no passphrase); return the public key line."""
     subprocess.run(

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from dflashctl.errors import ContainerError, UsageError
 from dflashctl.inventory import parse_inventory
 from dflashctl.mux import MuxUnavailable, mux_stats, socket_path, stop_all_muxes
-from sshd import CLI
+from sshd import CLI, run_concurrently
 
 from test_quoting import PRINT_ARGS, arguments
 
@@ -175,16 +174,7 @@ def test_20mb_both_ways_and_concurrent_channels(mux):
         result = target.run([sys.executable, "-c", ECHO_BOTH], stdin=payload, timeout=120)
         assert result.exit_code == 0
         assert result.stdout == payload and result.stderr == payload
-        results = [None] * 8
-
-        def work(i: int) -> None:
-            results[i] = target.run(["sh", "-c", f"sleep 0.3; echo {i}; exit {i}"])
-
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = run_concurrently(target)
     assert [(r.exit_code, r.text()) for r in results] == [(i, f"{i}\n") for i in range(8)]
 
 

@@ -1,8 +1,16 @@
 """SSH transport and the test harness: real sshd, the pct shim, exit codes, streaming, drops."""
 
+import hashlib
 import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from sshd import run_concurrently
 
 from dflashctl.containers import Target
+from dflashctl.errors import ConnectError, RemoteError
 
 
 def test_ssh_client_binary_logs_in(sshd_host):
@@ -65,15 +73,6 @@ def test_kill_connections_drops_ssh(sshd_host):
 
 # --- streaming -----------------------------------------------------------------------------------
 
-import hashlib  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-import pytest  # noqa: E402
-
-from dflashctl.errors import ConnectError, RemoteError  # noqa: E402
-
 MB = 1024 * 1024
 
 # Copies stdin to stdout and stderr as it reads: all three streams are busy at once, so a pump
@@ -123,18 +122,8 @@ def test_connection_reused_for_every_command(shim_host):
 
 def test_concurrent_commands_share_one_connection(shim_host):
     with shim_host.session() as session:
-        target = session.target("bare")
-        results = [None] * 8
-
-        def work(i: int) -> None:
-            results[i] = target.run(["sh", "-c", f"sleep 0.3; echo {i}"])
-
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert [r.text().strip() for r in results] == [str(i) for i in range(8)]
+        results = run_concurrently(session.target("bare"))
+    assert [(r.exit_code, r.text()) for r in results] == [(i, f"{i}\n") for i in range(8)]
 
 
 def test_timeout_raises_remote_error(shim_host):
