@@ -25,18 +25,13 @@ from dflashctl.multihost import Prefixer, combine, node_env, rendezvous_address
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file  # noqa: E402
 
-TRAIN_PY = Path(os.environ.get("MULTIHOST_TEST_SOURCE") or Path(__file__).resolve().parent.parent / "remote_payload") \
-    / "dflash_train" / "train.py"
+TRAIN_PY = Path(__file__).resolve().parent.parent / "remote_payload" / "dflash_train" / "train.py"
 STEPS = 6
 # Random tokens: every anchor is valid and every micro-batch has the same loss weight, so the mean
 # of 4 micro-batch gradients is the global batch's gradient however the replicas are spread.
 TINY = ["data.source=random", f"run.steps={STEPS}", "data.batch_size=2", "data.num_train=24", "data.num_eval=2",
         "run.eval_batches=1", "run.log_every=1", "run.eval_every=1000", "run.checkpoint_every=1000"]
 LONG = [s for s in TINY if not s.startswith("run.steps=")] + ["run.steps=100000"]
-
-
-# Push another payload directory than remote_payload/ (a trainer under development).
-SOURCE = ["--source", os.environ["MULTIHOST_TEST_SOURCE"]] if os.environ.get("MULTIHOST_TEST_SOURCE") else []
 
 
 def sets(items: list[str]) -> list[str]:
@@ -70,7 +65,7 @@ class Pair:
     def train(self, hosts: str, extra: list[str], *args: str) -> str:
         port = free_port("127.0.0.1")
         done = self.cli("train", hosts, "--detach", "--gpus", "cpu", "--rdzv-port", str(port),
-                        "--env", "GLOO_SOCKET_IFNAME=lo", *SOURCE, *args, *sets(extra))
+                        "--env", "GLOO_SOCKET_IFNAME=lo", *args, *sets(extra))
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
@@ -102,9 +97,6 @@ def pair(sshd_host, second_sshd_host, tmp_path):
                         os.killpg(pid, signal.SIGKILL) if key == "trainer" else os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-
-
-needs_trainer = pytest.mark.skipif(not TRAIN_PY.exists(), reason="the trainer (remote_payload/) is not in this checkout")
 
 
 # --- unit ----------------------------------------------------------------------------------------
@@ -155,12 +147,11 @@ def test_prefixer_writes_whole_lines_per_host():
 # --- end to end ----------------------------------------------------------------------------------
 
 
-@needs_trainer
 def test_two_hosts_two_threads_match_one_host_four_threads(pair):
     """2 hosts x 2 threads (gloo) == 1 host x 4 threads on the same global batch of 8 sequences."""
     port = free_port("127.0.0.1")
     done = pair.cli("train", "pair", "--follow", "--gpus", "cpu", "--rdzv-port", str(port), "--env",
-                    "GLOO_SOCKET_IFNAME=lo", *SOURCE, *sets([*TINY, "run.threads=2"]))
+                    "GLOO_SOCKET_IFNAME=lo", *sets([*TINY, "run.threads=2"]))
     assert done.returncode == 0, done.stderr
     run_id = next(p.name for p in (pair.work["shim"] / "runs").iterdir() if p.is_dir())
     assert f"run {run_id} succeeded" in done.stderr
@@ -207,7 +198,6 @@ def test_two_hosts_two_threads_match_one_host_four_threads(pair):
     assert close >= 0.99 * sum(t.numel() for t in multi.values())
 
 
-@needs_trainer
 def test_killed_node_fails_the_other_within_60s_naming_it(pair):
     run_id = pair.train("shim,gpu2", [*LONG, "run.threads=2"])
     wait_until(lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id), 90,
@@ -231,7 +221,6 @@ def test_killed_node_fails_the_other_within_60s_naming_it(pair):
     assert "failed (75)" in text and "reason" in text and "lost node gpu2 (rank 1)" in text
 
 
-@needs_trainer
 def test_logs_per_node_and_all_then_stop_stops_every_node(pair):
     run_id = pair.train("pair", [*LONG, "run.threads=2"])
     wait_until(lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id), 90,
@@ -279,7 +268,6 @@ def trainer_pair(out: Path, extra: list[str], *args: str, timeout: float = 90) -
     return logs
 
 
-@needs_trainer
 def test_resume_across_the_group_from_rank_0s_checkpoint(tmp_path):
     """Only rank 0 has checkpoints; on --resume it hands its latest to rank 1, and the resumed run
     ends bit for bit where the uninterrupted one did."""
