@@ -63,25 +63,22 @@ def eval_loss(replica, batch) -> float:
     import torch
     from dflash_train.train import forward_loss
 
-    compiled, replica.run_drafter = replica.run_drafter, replica.drafter
-    try:
-        with torch.no_grad():
-            return float(forward_loss(replica, batch).loss)
-    finally:
-        replica.run_drafter = compiled
+    with torch.no_grad():
+        return float(forward_loss(replica, batch).loss)
 
 
 def child_threads(args) -> dict:
-    """Threads: workers.run_threaded over GPUs 0..world-1."""
+    """Threads: workers.run_threaded over GPUs 0..world-1, fed like the trainer (GlobalBatches)."""
     from dflash_train import workers as W
+    from dflash_train.train import GlobalBatches
 
     cfg = make_config(args.config, args.world, args.compile, args.device, args.steps)
     sampler = sampler_for(cfg)
     opts = W.ThreadedOptions(compile=args.compile, seed=cfg.run.seed, sync_every=20, barrier_timeout_s=240)
     devices = [f"cuda:{i}" if args.device == "cuda" else "cpu" for i in range(args.world)]
     t0 = time.monotonic()
-    res = W.run_threaded(W.drafter_ops(cfg), devices,
-                         W.sharded(sampler.batch), cfg.run.steps, opts)
+    res = W.run_threaded(W.drafter_ops(cfg), devices, GlobalBatches(sampler, pin=args.device == "cuda"),
+                         cfg.run.steps, opts)
     batch = W.shard_batch(sampler.batch(0), 0, args.world)
     return {"warmup_s": res.warmup_s, "step_ms": res.step_ms, "checksums": res.checksums,
             "train_losses": res.losses, "eval_losses": [eval_loss(r, batch) for r in res.replicas],
@@ -104,30 +101,32 @@ def child_process(args) -> dict:
         dist.init_process_group("gloo")
     cfg = make_config(args.config, world, args.compile, args.device, args.steps)
     sampler = sampler_for(cfg)
-    data = W.sharded(sampler.batch)
+
+    def data(step: int) -> object:  # this rank's slice, pinned like the trainer's batches
+        batch = W.shard_batch(sampler.batch(step), rank, world)
+        return batch.pinned() if on_cuda else batch
+
     ops = W.drafter_ops(cfg)
     policy = W.choose_compile_policy(args.compile, device.type)
     torch.manual_seed(cfg.run.seed)
     replica = ops.build(device, cfg.run.seed, policy)
     params = ops.parameters(replica)
-    buckets = W.GradBuckets(params)
+    flats = W.GradBuckets(params).attach()  # as the threads do: backward accumulates into flat buffers
     t0 = time.monotonic()
     for _ in range(2):
-        ops.forward_backward(replica, data(0, rank, world))
+        ops.forward_backward(replica, data(0))
     sync(device)
-    for p in params:
-        p.grad = None
+    for flat in flats:
+        flat.zero_()
     warmup = time.monotonic() - t0
     dist.barrier()
     t0 = time.monotonic()
     for step in range(cfg.run.steps):
-        loss = ops.forward_backward(replica, data(step, rank, world))
-        flats = buckets.pack()
+        loss = ops.forward_backward(replica, data(step))
         for flat in flats:
             dist.all_reduce(flat)
             flat.div_(world)
-        buckets.unpack(flats)
-        ops.optimizer_step(replica)
+        ops.optimizer_step(replica)  # zeroes the flat buffers in place
     sync(device)
     step_ms = (time.monotonic() - t0) / cfg.run.steps * 1e3
     fixed = W.shard_batch(sampler.batch(0), 0, world)
@@ -185,7 +184,7 @@ def run_variant(cfg_name: str, kind: str, compile_mode: str, world: int, timeout
             procs.append(subprocess.Popen(base + ["--child", "process"], stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True, env=dict(env, RANK=str(rank)),
                                           start_new_session=True))
-        status, results = "ok", []
+        status, results, skipped = "ok", [], 0
         for rank, proc in enumerate(procs):
             try:
                 out, _ = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
@@ -199,8 +198,11 @@ def run_variant(cfg_name: str, kind: str, compile_mode: str, world: int, timeout
                 status = "HANG (killed)"
             log.write(f"$ rank {rank}: {' '.join(base[2:])} --child process\n{out}\n")
             results += [json.loads(l[7:]) for l in out.splitlines() if l.startswith("RESULT ")][:1]
+            skipped += out.count("skipping cudagraphs")
     row = {"config": cfg_name, "kind": kind, "compile": compile_mode, "world": world, "status": status,
            "wall_s": round(time.monotonic() - t0, 1)}
+    # perf_hints names every graph that inductor refused to capture; 0 means all were CUDA graphs
+    row["skipped_cudagraphs"] = sum("skipping cudagraphs" in l for l in lines) if kind == "threads" else skipped
     if results:
         r = results[0]
         row.update(r)
@@ -220,14 +222,15 @@ REPEATED = [("threads", "cudagraphs", 2), ("procs", "cudagraphs", 2)]  # the cho
 
 def table(rows: list[dict]) -> str:
     """Markdown table of every run, then the ratios the goals are about."""
-    head = "| config | variant | GPUs | rep | status | ms/step per GPU | samples/s | warm-up s per GPU | params equal | eval loss equal |"
-    out = [head, "|" + " --- |" * 10]
+    head = "| config | variant | GPUs | rep | status | ms/step per GPU | samples/s | warm-up s per GPU | params equal | eval loss equal | graphs not captured |"
+    out = [head, "|" + " --- |" * 11]
     for r in rows:
         ms = " / ".join(f"{x:.2f}" for x in r.get("step_ms", [])) or "-"
         warm = " / ".join(f"{x:.1f}" for x in r.get("warmup_s", [])) or "-"
         sps = f"{r['samples_per_s']:.1f}" if "samples_per_s" in r else "-"
         out.append(f"| {r['config']} | {r['kind']} {r['compile']} | {r['world']} | {r.get('rep', 1)} | {r['status']} | "
-                   f"{ms} | {sps} | {warm} | {r.get('params_equal', '-')} | {r.get('eval_loss_equal', '-')} |")
+                   f"{ms} | {sps} | {warm} | {r.get('params_equal', '-')} | {r.get('eval_loss_equal', '-')} | "
+                   f"{r.get('skipped_cudagraphs', '-')} |")
     out.append("")
     for cfg in CONFIGS:
         def best(kind, comp, world):
@@ -273,7 +276,9 @@ def main() -> None:
     out = Path(args.out)
     rows: list[dict] = []
     if args.plan:
-        jobs = [(c, (k, m, int(w)), 1) for c, k, m, w in (item.split(":") for item in args.plan.split(","))]
+        items = [item.split(":") for item in args.plan.split(",")]
+        # a variant listed again is a repeat of it
+        jobs = [(c, (k, m, int(w)), items[:n].count([c, k, m, w]) + 1) for n, (c, k, m, w) in enumerate(items)]
     else:
         jobs = [(c, v, 1) for c in args.configs.split(",") for v in PLAN]
         jobs += [(c, v, rep) for rep in range(2, args.repeats + 1) for c in args.configs.split(",") for v in REPEATED]

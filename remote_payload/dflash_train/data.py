@@ -33,6 +33,12 @@ class Batch:
         return Batch(*(t.to(device, non_blocking=True) for t in
                        (self.input_ids, self.loss_mask, self.anchors, self.anchor_valid, self.lengths)))
 
+    def pinned(self) -> "Batch":
+        """The batch in page-locked host memory: copies from pageable memory wait for the GPU's
+        queued work, pinned ones do not, so the host can enqueue the next step early."""
+        return Batch(*(t.pin_memory() for t in
+                       (self.input_ids, self.loss_mask, self.anchors, self.anchor_valid, self.lengths)))
+
     @property
     def num_tokens(self) -> int:
         """Unpadded sequence tokens in the batch (what the target reads)."""

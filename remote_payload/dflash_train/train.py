@@ -302,10 +302,12 @@ def worker_devices(cfg: Config) -> list[str]:
 
 class GlobalBatches:
     """`data(step, rank, world)` for run_threaded: each global batch is built once (by the first
-    worker to ask) and sliced per rank; its token count is kept for tokens/s."""
+    worker to ask) and sliced per rank; its token count is kept for tokens/s. `pin`: keep batches
+    in page-locked memory (for CUDA workers; the slices stay pinned)."""
 
-    def __init__(self, sampler: BlockSampler):
+    def __init__(self, sampler: BlockSampler, pin: bool = False):
         self.sampler = sampler
+        self.pin = pin
         self.lock = threading.Lock()
         self.cache: dict[int, Batch] = {}
         self.tokens: dict[int, int] = {}
@@ -314,7 +316,8 @@ class GlobalBatches:
         with self.lock:
             batch = self.cache.get(step)
             if batch is None:
-                batch = self.cache[step] = self.sampler.batch(step)
+                batch = self.sampler.batch(step)
+                batch = self.cache[step] = batch.pinned() if self.pin else batch
                 self.tokens[step] = batch.num_tokens
                 # Workers are at most one step apart (a barrier per step): older batches are done.
                 for old in [s for s in self.cache if s < step - 1]:
@@ -436,7 +439,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         log(f"checkpoint step {start} is already at run.steps {total}: nothing to train")
         return 0
     stop = stop or StopFlag()
-    data = GlobalBatches(sampler)
+    data = GlobalBatches(sampler, pin=any(torch.device(d).type == "cuda" for d in devices))
     ops = workers.drafter_ops(cfg)
 
     def build(device: torch.device, seed: int, pol: workers.CompilePolicy) -> Replica:

@@ -187,8 +187,7 @@ class GradBuckets:
 
     `attach()` makes every param's `.grad` a view into persistent flat buffers: backward then
     accumulates straight into them (no packing copy per step), the reduction works in place, and
-    the optimizer reads the result through the same views. `pack`/`unpack` are the copying
-    variant (kept for bench/threads_vs_procs.py's process-per-GPU baseline).
+    the optimizer reads the result through the same views.
     """
 
     def __init__(self, params: Sequence[torch.Tensor]):
@@ -205,7 +204,11 @@ class GradBuckets:
             device = self.params[idx[0]].device
             flat = torch.zeros(sum(self.params[i].numel() for i in idx), dtype=dtype, device=device)
             self.flats.append(flat)
-        self.unpack(self.flats)
+            offset = 0
+            for i in idx:
+                p = self.params[i]
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
         return self.flats
 
     def attached(self) -> bool:
@@ -219,32 +222,11 @@ class GradBuckets:
         for flat in self.flats:
             flat.zero_()
 
-    def pack(self) -> list[torch.Tensor]:
-        """Concatenate the current grads (None counts as zeros) into new flat buffers."""
-        flats = []
-        for idx in self.groups.values():
-            parts = [self._grad(self.params[i]).reshape(-1) for i in idx]
-            flats.append(torch.cat(parts))
-        return flats
-
-    def unpack(self, flats: list[torch.Tensor]) -> None:
-        """Point every param's .grad at its slice of the buffers (no copy)."""
-        for flat, idx in zip(flats, self.groups.values()):
-            offset = 0
-            for i in idx:
-                p = self.params[i]
-                p.grad = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-
     def _flat_of(self, i: int) -> torch.Tensor:
         for flat, idx in zip(self.flats, self.groups.values()):
             if i in idx:
                 return flat
         raise KeyError(i)
-
-    @staticmethod
-    def _grad(p: torch.Tensor) -> torch.Tensor:
-        return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 def _average_local(per_rank: list[list[torch.Tensor]],
