@@ -288,20 +288,22 @@ def test_resume_across_the_group_from_rank_0s_checkpoint(tmp_path):
 
 
 def test_rendezvous_timeout_names_the_missing_node(tmp_path):
-    """A node that never comes: the one waiting exits 75 naming it (and records the reason)."""
+    """A node that never comes: the one waiting exits 75 naming it (and records the reason), after
+    the config's `dist.rendezvous_timeout_s` (given as a trainer override, not the 300 s default)."""
     import subprocess
     import sys
 
-    code = "from dflash_train import distributed as D; D.init_from_env('cpu', 1)"
     procs = {}
     for rank, port in ((0, free_port("127.0.0.1")), (1, free_port("127.0.0.1"))):  # two separate groups of one
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "DFLASH_NODES": "a,b", "DFLASH_RDZV_TIMEOUT_S": "2",
+               "MASTER_PORT": str(port), "DFLASH_NODES": "a,b",
                "GLOO_SOCKET_IFNAME": "lo", "DFLASHCTL_REASON_FILE": str(tmp_path / f"reason{rank}")}
-        procs[rank] = subprocess.Popen([sys.executable, "-c", code], cwd=TRAIN_PY.parent.parent, env=env,
-                                       stderr=subprocess.PIPE, text=True)
+        argv = sets(["dist.rendezvous_timeout_s=2", "run.device=cpu", f"run.output_dir={tmp_path / str(rank)}"])
+        procs[rank] = subprocess.Popen([sys.executable, "-m", "dflash_train", *argv], cwd=TRAIN_PY.parent.parent,
+                                       env=env, stderr=subprocess.PIPE, text=True)
     errs = {rank: p.communicate(timeout=60)[1] for rank, p in procs.items()}
     assert [procs[r].returncode for r in (0, 1)] == [75, 75], errs
     assert "error: b (rank 1) did not join the rendezvous at 127.0.0.1:" in errs[0]
     assert "error: cannot reach the rendezvous of a (rank 0) at 127.0.0.1:" in errs[1]
+    assert all(" within 2 s" in err for err in errs.values()), errs
     assert (tmp_path / "reason0").read_text().startswith("b (rank 1) did not join")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -110,6 +111,16 @@ class RunConfig:
 
 
 @dataclass
+class DistConfig:
+    """Multi-host tuning (docs/multihost.md): rendezvous, collective and liveness timeouts."""
+
+    timeout_s: float = 1800.0  # collective timeout, a backstop (the first GPU steps compile for minutes)
+    rendezvous_timeout_s: float = 300.0  # every node must have joined by then
+    heartbeat_s: float = 1.0  # each node bumps its heartbeat counter this often
+    lost_after_s: float = 15.0  # a peer whose heartbeat stalls this long is lost
+
+
+@dataclass
 class DebugConfig:
     """Fault injection for tests of the failure paths (and `dflashctl doctor --inject`)."""
 
@@ -127,6 +138,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
@@ -233,6 +245,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"run.threads {run.threads} contradicts run.gpus {run.gpus} (one thread per GPU)")
     if any(g < 0 for g in run.gpus) or len(set(run.gpus)) != len(run.gpus):
         raise ConfigError(f"run.gpus must list distinct GPU indices, got {run.gpus}")
+    for name in ("timeout_s", "rendezvous_timeout_s", "heartbeat_s", "lost_after_s"):
+        # Finite too: timedelta(seconds=inf) overflows inside torch.distributed, nan compares false.
+        value = getattr(cfg.dist, name)
+        if not 0 < value < math.inf:
+            raise ConfigError(f"dist.{name} must be a positive number of seconds, got {value!r}")
+    if cfg.dist.lost_after_s <= cfg.dist.heartbeat_s:
+        raise ConfigError(f"dist.lost_after_s {cfg.dist.lost_after_s:g} must exceed dist.heartbeat_s "
+                          f"{cfg.dist.heartbeat_s:g}")
     for name in ("fail_at", "hang_at"):
         spec = getattr(cfg.debug, name)
         if spec is not None and parse_fault_site(spec) is None:

@@ -13,13 +13,14 @@ this module adds the second level:
   mismatch raises workers.DivergenceError naming the hosts.
 - `NodeGroup.sharded(data)`: global replica indices, so every replica of every host gets its own
   slice of the global batch (same slices as one host with as many threads).
-- Liveness: every process bumps a heartbeat counter in the rendezvous TCPStore each second and
-  watches the others'. A peer whose counter stalls for `lost_after_s` (15 s; 3 s once a
-  collective has failed), a peer that reported its own failure, or a rendezvous store that stops
-  answering (rank 0 died) ends this process within seconds: the reason, naming the node, goes to
-  stderr and to $DFLASHCTL_REASON_FILE (runctl shows it as the run's failure reason), then
-  `os._exit(EXIT_NODE_LOST)`. A hard exit on purpose: a thread stuck inside a collective cannot
-  be interrupted otherwise. Collectives also carry the process-group timeout as a backstop.
+- Liveness: every process bumps a heartbeat counter in the rendezvous TCPStore every
+  `dist.heartbeat_s` (1 s) and watches the others'. A peer whose counter stalls for
+  `dist.lost_after_s` (15 s; 3 s once a collective has failed), a peer that reported its own
+  failure, or a rendezvous store that stops answering (rank 0 died) ends this process within
+  seconds: the reason, naming the node, goes to stderr and to $DFLASHCTL_REASON_FILE (runctl
+  shows it as the run's failure reason), then `os._exit(EXIT_NODE_LOST)`. A hard exit on purpose:
+  a thread stuck inside a collective cannot be interrupted otherwise. Collectives also carry the
+  process-group timeout (`dist.timeout_s`) as a backstop.
 - Checkpoints: rank 0 writes them (`NodeGroup.is_main`); on resume, `sync_checkpoint` sends rank
   0's latest checkpoint to every node, so `load_checkpoint` works the same everywhere.
 
@@ -42,34 +43,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .config import DistConfig
+
 EXIT_NODE_LOST = 75  # sysexits EX_TEMPFAIL: another node died; rerun (or resume) when it is back
 REASON_FILE_ENV = "DFLASHCTL_REASON_FILE"  # set by dflashctl's runctl for every run
 
 
-def _env_float(environ: Mapping[str, str], key: str, default: float) -> float:
-    try:
-        return float(environ.get(key, default))
-    except ValueError:
-        raise ValueError(f"{key} must be a number of seconds, got {environ[key]!r}") from None
-
-
 @dataclass(frozen=True)
 class NodeEnv:
-    """Where this process sits in the group, from the environment dflashctl sets."""
+    """Where this process sits in the group (the environment dflashctl sets) and the config's
+    `dist` timeouts."""
 
     rank: int
     world_size: int
     master_addr: str
     master_port: int
     nodes: tuple[str, ...]  # host names by rank, for messages
+    timeout_s: float  # the four below: config.DistConfig
+    rendezvous_timeout_s: float
+    heartbeat_s: float
+    lost_after_s: float
     run_id: str = "run"
-    timeout_s: float = 1800.0  # collectives (first steps compile: minutes on GPUs)
-    rendezvous_timeout_s: float = 300.0  # every node must have joined by then
-    heartbeat_s: float = 1.0
-    lost_after_s: float = 15.0
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "NodeEnv | None":
+    def from_env(cls, cfg: DistConfig, environ: Mapping[str, str] | None = None) -> "NodeEnv | None":
         """The group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, or None (one host)."""
         env = os.environ if environ is None else environ
         world = int(env.get("WORLD_SIZE", "1") or 1)
@@ -85,11 +82,9 @@ class NodeEnv:
         if len(names) != world:
             names = tuple(f"rank{r}" for r in range(world))
         return cls(rank, world, env["MASTER_ADDR"], int(env["MASTER_PORT"]), names,
-                   env.get("DFLASH_RUN_ID", "run"),
-                   _env_float(env, "DFLASH_DIST_TIMEOUT_S", cls.timeout_s),
-                   _env_float(env, "DFLASH_RDZV_TIMEOUT_S", cls.rendezvous_timeout_s),
-                   _env_float(env, "DFLASH_HEARTBEAT_S", cls.heartbeat_s),
-                   _env_float(env, "DFLASH_LOST_AFTER_S", cls.lost_after_s))
+                   timeout_s=cfg.timeout_s, rendezvous_timeout_s=cfg.rendezvous_timeout_s,
+                   heartbeat_s=cfg.heartbeat_s, lost_after_s=cfg.lost_after_s,
+                   run_id=env.get("DFLASH_RUN_ID", "run"))
 
     def node(self, rank: int) -> str:
         """`h2 (rank 1)`: how messages name a node."""
@@ -434,10 +429,10 @@ def _exit_node_lost(reason: str) -> None:
     os._exit(EXIT_NODE_LOST)
 
 
-def init_from_env(device_type: str, local_replicas: int, log: Callable[[str], None] = print,
+def init_from_env(device_type: str, local_replicas: int, cfg: DistConfig, log: Callable[[str], None] = print,
                   environ: Mapping[str, str] | None = None) -> NodeGroup | None:
-    """The NodeGroup when WORLD_SIZE > 1 (dflashctl multi-host runs), else None."""
-    env = NodeEnv.from_env(environ)
+    """The NodeGroup when WORLD_SIZE > 1 (dflashctl multi-host runs), else None; timeouts from `cfg`."""
+    env = NodeEnv.from_env(cfg, environ)
     if env is None:
         return None
     try:

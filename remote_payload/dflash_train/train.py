@@ -389,7 +389,7 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
     devices = worker_devices(cfg)
     world = len(devices)
     # Several hosts (WORLD_SIZE > 1, set by `dflashctl train h1,h2`): docs/multihost.md.
-    group = distributed.init_from_env(torch.device(devices[0]).type, world, log=log)
+    group = distributed.init_from_env(torch.device(devices[0]).type, world, cfg.dist, log=log)
     with group or contextlib.nullcontext():
         return _train(cfg, out, devices, group, resume, overwrite, stop, log)
 

@@ -8,6 +8,7 @@ import pytest
 
 from dflash_train.__main__ import main
 from dflash_train.config import ConfigError, load_config
+from dflash_train.distributed import NodeEnv
 from dflash_train.train import resolve_config
 
 PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
@@ -33,11 +34,33 @@ def test_yaml_then_overrides_with_coercion(tmp_path):
     ("target.tie_word_embeddings=3", "must be bool"),
     ("run.compile=fast", "run.compile must be one of"),
     ("run.steps", "not of the form key=value"),
+    ("dist.heartbeat_s=0", "dist.heartbeat_s must be a positive number of seconds, got 0.0"),
+    ("dist.timeout_s=-5", "dist.timeout_s must be a positive number of seconds"),
+    ("dist.rendezvous_timeout_s=.inf", "dist.rendezvous_timeout_s must be a positive number of seconds"),
+    ("dist.lost_after_s=1", "dist.lost_after_s 1 must exceed dist.heartbeat_s 1"),
+    ("dist.lost_after_s=soon", "dist.lost_after_s must be float"),
 ])
 def test_bad_overrides_raise_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config(overrides=[override])
     assert "\n" not in str(err.value)
+
+
+def test_dist_section_from_yaml_and_overrides_reaches_the_node_group(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("dist:\n  timeout_s: 600\n  heartbeat_s: 0.5\n")
+    cfg = load_config(str(path), overrides=["dist.rendezvous_timeout_s=2"])
+    assert (cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s, cfg.dist.heartbeat_s, cfg.dist.lost_after_s) == (
+        600.0, 2.0, 0.5, 15.0)
+    assert isinstance(cfg.dist.timeout_s, float)
+    # The config, not the environment, sets the group's timeouts (the old DFLASH_*_S switches are gone).
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500",
+               "DFLASH_RDZV_TIMEOUT_S": "9"}
+    env = NodeEnv.from_env(cfg.dist, environ)
+    assert (env.timeout_s, env.rendezvous_timeout_s, env.heartbeat_s, env.lost_after_s) == (600.0, 2.0, 0.5, 15.0)
+    path.write_text("dist:\n  heartbeat_s: 20\n")
+    with pytest.raises(ConfigError, match=r"^dist.lost_after_s 15 must exceed dist.heartbeat_s 20$"):
+        load_config(str(path))
 
 
 def test_bare_off_is_a_string_not_false(tmp_path):
