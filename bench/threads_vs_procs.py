@@ -48,7 +48,13 @@ def make_config(name: str, world: int, compile_mode: str, device: str, steps: in
                             "data.num_train=512", "data.num_eval=4", f"run.device={device}",
                             f"run.dtype={'bf16' if device == 'cuda' else 'fp32'}",
                             f"run.compile='{compile_mode}'", f"run.steps={steps or STEPS[name]}"]
-    return resolve_config(load_config(overrides=over))
+    cfg = resolve_config(load_config(overrides=over))
+    import torch
+
+    # As train.py does: several Python threads each running OpenMP-parallel CPU ops would
+    # oversubscribe the cores (the trainer's default is one intra-op thread).
+    torch.set_num_threads(cfg.run.cpu_threads)
+    return cfg
 
 
 def sampler_for(cfg):
@@ -77,7 +83,7 @@ def child_threads(args) -> dict:
     opts = W.ThreadedOptions(compile=args.compile, seed=cfg.run.seed, sync_every=20, barrier_timeout_s=240)
     devices = [f"cuda:{i}" if args.device == "cuda" else "cpu" for i in range(args.world)]
     t0 = time.monotonic()
-    res = W.run_threaded(W.drafter_ops(cfg), devices, GlobalBatches(sampler, pin=args.device == "cuda"),
+    res = W.run_threaded(W.drafter_ops(cfg), devices, GlobalBatches(sampler, pin=args.device == "cuda" and args.pin),
                          cfg.run.steps, opts)
     batch = W.shard_batch(sampler.batch(0), 0, args.world)
     return {"warmup_s": res.warmup_s, "step_ms": res.step_ms, "checksums": res.checksums,
@@ -104,7 +110,7 @@ def child_process(args) -> dict:
 
     def data(step: int) -> object:  # this rank's slice, pinned like the trainer's batches
         batch = W.shard_batch(sampler.batch(step), rank, world)
-        return batch.pinned() if on_cuda else batch
+        return batch.pinned() if on_cuda and args.pin else batch
 
     ops = W.drafter_ops(cfg)
     policy = W.choose_compile_policy(args.compile, device.type)
@@ -167,12 +173,14 @@ def launch(argv: list[str], timeout: float, log, env: dict) -> tuple[str, list[s
     return status, out.splitlines()
 
 
-def run_variant(cfg_name: str, kind: str, compile_mode: str, world: int, timeout: float, log, device: str,
-                steps: int) -> dict:
+def run_variant(cfg_name: str, kind: str, compile_mode: str, world: int, timeout: float, log, args) -> dict:
     """One variant: threads (one child) or processes (world children); parsed results."""
     base = [sys.executable, __file__, "--config", cfg_name, "--compile", compile_mode, "--world", str(world),
-            "--device", device, "--steps", str(steps), "--hang-dump-s", str(max(10.0, timeout - 10))]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_LOGS="perf_hints")  # perf_hints: "skipping cudagraphs"
+            "--device", args.device, "--steps", str(args.steps), "--hang-dump-s", str(max(10.0, timeout - 10))]
+    base += [] if args.pin else ["--no-pin"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_LOGS=args.torch_logs)
+    if not args.torch_logs:
+        del env["TORCH_LOGS"]  # an empty TORCH_LOGS breaks `import torch` (2.13)
     t0 = time.monotonic()
     if kind == "threads":
         status, lines = launch(base + ["--child", "threads"], timeout, log, env)
@@ -260,6 +268,9 @@ def main() -> None:
                     "(default: every config x PLAN, then REPEATED for repeats 2..)")
     ap.add_argument("--hang-dump-s", type=float, default=0, help="child: dump all threads and exit after this")
     ap.add_argument("--steps", type=int, default=0, help="timed steps (0: the config's default)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false", help="feed pageable batches (A/B of pinning)")
+    ap.add_argument("--torch-logs", default="perf_hints", help="TORCH_LOGS of the children (perf_hints: "
+                    "'skipping cudagraphs' lines are counted)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the logic")
     args = ap.parse_args()
     if args.child:
@@ -290,8 +301,7 @@ def main() -> None:
                 rows.append({"config": cfg_name, "kind": kind, "compile": comp, "world": world, "rep": rep,
                              "status": "skipped (budget)"})
                 continue
-            row = run_variant(cfg_name, kind, comp, world, min(TIMEOUT_S[cfg_name], left), log, args.device,
-                              args.steps)
+            row = run_variant(cfg_name, kind, comp, world, min(TIMEOUT_S[cfg_name], left), log, args)
             row["rep"] = rep
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "policy"}), flush=True)

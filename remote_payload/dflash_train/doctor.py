@@ -459,9 +459,12 @@ def smoke_batches(cfg, count: int = 4) -> list:
 
 def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str | None) -> dict:
     """The trainer's tiny step in one worker thread per device under one policy, via run_threaded."""
+    import torch
+
     from .workers import ReplicaOps, ThreadedOptions, drafter_ops, run_threaded
 
     cfg = smoke_config(devices[0].split(":")[0])
+    torch.set_num_threads(cfg.run.cpu_threads)  # as the trainer does (threads x OpenMP oversubscribe)
     ops, batches = drafter_ops(cfg), smoke_batches(cfg)
     policy = smoke_policy(policy_name, cfg.run.device)
     wrapped = ReplicaOps(lambda device, seed, _: ops.build(device, seed, policy), ops.forward_backward,
