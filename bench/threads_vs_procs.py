@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "remote_payload"))
 
 PER_GPU_BATCH = 2
+SYNC_EVERY = 10  # checksum + host sync cadence; also the timing windows of the steady-state figure
 CONFIGS = {
     # launch-bound: a tiny drafter whose step is mostly kernel launches and Python
     "small": ["target.hidden_size=256", "target.intermediate_size=768", "target.num_heads=4",
@@ -64,6 +65,13 @@ def sampler_for(cfg):
     return BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
 
 
+def steady_ms(windows: list[tuple[int, float]]) -> float | None:
+    """ms/step over every (steps, seconds) window but the first: one-off costs of the first steps
+    (optimizer state, allocator growth) stay out of the steady-state figure."""
+    rest = windows[1:]
+    return sum(s for _, s in rest) / sum(n for n, _ in rest) * 1e3 if rest else None
+
+
 def eval_loss(replica, batch) -> float:
     """Loss of the eager drafter on one fixed batch: equal across GPUs iff replicas are equal."""
     import torch
@@ -80,13 +88,19 @@ def child_threads(args) -> dict:
 
     cfg = make_config(args.config, args.world, args.compile, args.device, args.steps)
     sampler = sampler_for(cfg)
-    opts = W.ThreadedOptions(compile=args.compile, seed=cfg.run.seed, sync_every=20, barrier_timeout_s=240)
+    opts = W.ThreadedOptions(compile=args.compile, seed=cfg.run.seed, sync_every=SYNC_EVERY, barrier_timeout_s=240)
+    windows: list[tuple[int, float]] = []
+
+    def on_sync(point) -> bool:
+        windows.append((point.steps_since_last, point.seconds_since_last))
+        return False
+
     devices = [f"cuda:{i}" if args.device == "cuda" else "cpu" for i in range(args.world)]
     t0 = time.monotonic()
     res = W.run_threaded(W.drafter_ops(cfg), devices, GlobalBatches(sampler, pin=args.device == "cuda" and args.pin),
-                         cfg.run.steps, opts)
+                         cfg.run.steps, opts, on_sync)
     batch = W.shard_batch(sampler.batch(0), 0, args.world)
-    return {"warmup_s": res.warmup_s, "step_ms": res.step_ms, "checksums": res.checksums,
+    return {"warmup_s": res.warmup_s, "step_ms": res.step_ms, "steady_ms": steady_ms(windows), "checksums": res.checksums,
             "train_losses": res.losses, "eval_losses": [eval_loss(r, batch) for r in res.replicas],
             "wall_s": time.monotonic() - t0, "policy": res.policy.reason}
 
@@ -126,17 +140,24 @@ def child_process(args) -> dict:
         flat.zero_()
     warmup = time.monotonic() - t0
     dist.barrier()
-    t0 = time.monotonic()
+    t0 = last = time.monotonic()
+    windows = []
     for step in range(cfg.run.steps):
         loss = ops.forward_backward(replica, data(step))
         for flat in flats:
             dist.all_reduce(flat)
             flat.div_(world)
         ops.optimizer_step(replica)  # zeroes the flat buffers in place
+        if (step + 1) % SYNC_EVERY == 0 or step + 1 == cfg.run.steps:  # as the threads' sync points
+            int(W.param_checksum(params))
+            now = time.monotonic()
+            windows.append(((step + 1) - sum(n for n, _ in windows), now - last))
+            last = now
     sync(device)
     step_ms = (time.monotonic() - t0) / cfg.run.steps * 1e3
     fixed = W.shard_batch(sampler.batch(0), 0, world)
-    mine = torch.tensor([warmup, step_ms, float(loss), eval_loss(replica, fixed)], dtype=torch.float64, device=device)
+    mine = torch.tensor([warmup, step_ms, float(loss), eval_loss(replica, fixed), steady_ms(windows) or float("nan")],
+                        dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     ck = torch.tensor([int(W.param_checksum(params))], dtype=torch.int64, device=device)
@@ -145,7 +166,8 @@ def child_process(args) -> dict:
     dist.destroy_process_group()
     rows = [e.tolist() for e in every]
     checksums = [int(c.item()) for c in cks]
-    return {"warmup_s": [r[0] for r in rows], "step_ms": [r[1] for r in rows], "train_losses": [r[2] for r in rows],
+    return {"warmup_s": [r[0] for r in rows], "step_ms": [r[1] for r in rows], "steady_ms": max(r[4] for r in rows),
+            "train_losses": [r[2] for r in rows],
             "eval_losses": [r[3] for r in rows], "checksums": checksums, "policy": policy.reason}
 
 
@@ -230,26 +252,29 @@ REPEATED = [("threads", "cudagraphs", 2), ("procs", "cudagraphs", 2)]  # the cho
 
 def table(rows: list[dict]) -> str:
     """Markdown table of every run, then the ratios the goals are about."""
-    head = "| config | variant | GPUs | rep | status | ms/step per GPU | samples/s | warm-up s per GPU | params equal | eval loss equal | graphs not captured |"
-    out = [head, "|" + " --- |" * 11]
+    head = "| config | variant | GPUs | rep | status | ms/step per GPU | steady ms/step | samples/s | warm-up s per GPU | params equal | eval loss equal | graphs not captured |"
+    out = [head, "|" + " --- |" * 12]
     for r in rows:
         ms = " / ".join(f"{x:.2f}" for x in r.get("step_ms", [])) or "-"
         warm = " / ".join(f"{x:.1f}" for x in r.get("warmup_s", [])) or "-"
         sps = f"{r['samples_per_s']:.1f}" if "samples_per_s" in r else "-"
+        steady = f"{r['steady_ms']:.2f}" if r.get("steady_ms") else "-"
         out.append(f"| {r['config']} | {r['kind']} {r['compile']} | {r['world']} | {r.get('rep', 1)} | {r['status']} | "
-                   f"{ms} | {sps} | {warm} | {r.get('params_equal', '-')} | {r.get('eval_loss_equal', '-')} | "
+                   f"{ms} | {steady} | {sps} | {warm} | {r.get('params_equal', '-')} | {r.get('eval_loss_equal', '-')} | "
                    f"{r.get('skipped_cudagraphs', '-')} |")
     out.append("")
     for cfg in CONFIGS:
-        def best(kind, comp, world):
-            ms = [r["ms"] for r in rows if (r["config"], r["kind"], r["compile"], r["world"]) == (cfg, kind, comp, world)
-                  and r["status"] == "ok" and "ms" in r]
+        def best(kind, comp, world, key):
+            ms = [r[key] for r in rows if (r["config"], r["kind"], r["compile"], r["world"]) == (cfg, kind, comp, world)
+                  and r["status"] == "ok" and r.get(key)]
             return sorted(ms)[len(ms) // 2] if ms else None  # median over repeats
-        t2, p2, t1 = best("threads", "cudagraphs", 2), best("procs", "cudagraphs", 2), best("threads", "cudagraphs", 1)
-        if t2 and p2:
-            out.append(f"{cfg}: threads/procs per-GPU throughput (cudagraphs) = {p2 / t2:.3f}x")
-        if t2 and t1:
-            out.append(f"{cfg}: 2-GPU scaling, threads cudagraphs = {2 * t1 / t2:.3f}x")
+        for key, label in (("ms", "all steps"), ("steady_ms", "steady state")):
+            t2, p2, t1 = (best("threads", "cudagraphs", 2, key), best("procs", "cudagraphs", 2, key),
+                          best("threads", "cudagraphs", 1, key))
+            if t2 and p2:
+                out.append(f"{cfg}: threads/procs per-GPU throughput (cudagraphs, {label}) = {p2 / t2:.3f}x")
+            if t2 and t1:
+                out.append(f"{cfg}: 2-GPU scaling, threads cudagraphs ({label}) = {2 * t1 / t2:.3f}x")
     return "\n".join(out)
 
 
