@@ -46,7 +46,7 @@ class DrafterConfig:
     target_layer_ids: list[int] | None = None  # None: `num_target_features` spread evenly (see target.py)
     num_target_features: int = 5
     mask_token_id: int | None = None  # None: `<|MASK|>` from the tokenizer, or the last id of a random target
-    attention: str = "auto"  # auto | flex | dense (auto: flex on CUDA, dense on CPU)
+    attention: str = "auto"  # auto | flex | dense (auto: flex on CUDA unless run.compile off, else dense)
     init_std: float = 0.02
 
 

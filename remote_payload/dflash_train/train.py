@@ -36,6 +36,13 @@ from .target import (Qwen3Target, build_random_target, build_tiny_target, defaul
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def auto_attention(on_cuda: bool, compile_mode: str) -> str:
+    """`drafter.attention: auto`: FlexAttention when it can be compiled (CUDA and compiling), else
+    dense SDPA. `run.compile: off` is the escape hatch from a broken compiler, so it must not
+    compile anything, and eager flex is only a slow dense reference."""
+    return "flex" if on_cuda and compile_mode != "off" else "dense"
+
+
 def resolve_config(cfg: Config) -> Config:
     """A copy with every `auto`/None filled in (device, dtype, compile, attention, target shape,
     feature layers, MASK id, gamma, export dir); raises ConfigError on inconsistencies."""
@@ -66,7 +73,7 @@ def resolve_config(cfg: Config) -> Config:
     if run.compile is None:
         run.compile = "default" if on_cuda else "off"
     if d.attention == "auto":
-        d.attention = "flex" if on_cuda else "dense"
+        d.attention = auto_attention(on_cuda, run.compile)
     if d.attention == "flex" and not on_cuda:
         raise ConfigError("drafter.attention flex needs CUDA (FlexAttention has no CPU backward)")
     if cfg.target.path is not None:
@@ -166,7 +173,7 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int,
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, WarmupCosine(cfg.run.steps, o.warmup_ratio, o.min_lr_ratio))
     flex_fn = flex_attention
-    if cfg.drafter.attention == "flex" and on_cuda:
+    if cfg.drafter.attention == "flex" and on_cuda and policy.effective != "off":
         flex_fn = torch.compile(flex_attention, dynamic=False)  # eager flex is unfused and slow
     run_drafter = drafter
     scope = cfg.run.compile_scope

@@ -9,7 +9,7 @@ import pytest
 from dflash_train.__main__ import main
 from dflash_train.config import ConfigError, load_config
 from dflash_train.distributed import NodeEnv
-from dflash_train.train import resolve_config
+from dflash_train.train import auto_attention, resolve_config
 
 PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 
@@ -99,6 +99,13 @@ def test_qwen3_8b_preset_resolves_to_the_published_recipe():
     assert (cfg.data.max_length, cfg.data.anchors_per_seq) == (3072, 512)
     assert cfg.optim.gamma == 7.0 and cfg.optim.lr == 6e-4
     assert cfg.run.dtype == "bf16"
+
+
+@pytest.mark.parametrize("on_cuda, compile_mode, expected", [
+    (True, "default", "flex"), (True, "cudagraphs", "flex"), (True, "off", "dense"), (False, "off", "dense")])
+def test_auto_attention_compiles_nothing_when_compile_is_off(on_cuda, compile_mode, expected):
+    # run.compile off is the way around a broken compiler: auto must not pick the compiled flex
+    assert auto_attention(on_cuda, compile_mode) == expected
 
 
 def test_resolve_rejects_layer_ids_outside_the_target():
