@@ -22,6 +22,17 @@ SHIM = Path(__file__).parent / "shims" / "pct"
 SHIM_VMID = 200
 STOPPED_VMID = 201
 CLI = [sys.executable, "-c", "from dflashctl.cli import main; main()"]
+MB = 1024 * 1024
+# Copies stdin to stdout and stderr as it reads: all three streams are busy at once, so a pump
+# that blocks on one of them (or a writer that waits for all input first) deadlocks the test.
+ECHO_BOTH = """
+import sys
+src, out, err = sys.stdin.buffer, sys.stdout.buffer, sys.stderr.buffer
+while chunk := src.read1(1 << 16):
+    out.write(chunk)
+    err.write(chunk)
+out.flush(); err.flush()
+"""
 
 
 def run_concurrently(target, count: int = 8) -> list:  # type: ignore[no-untyped-def]

@@ -17,19 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from dflashctl.errors import ContainerError, UsageError
 from dflashctl.inventory import parse_inventory
 from dflashctl.mux import MuxUnavailable, mux_stats, socket_path, stop_all_muxes
-from sshd import CLI, run_concurrently
+from sshd import CLI, ECHO_BOTH, MB, run_concurrently
 
 from test_quoting import PRINT_ARGS, arguments
 
-MB = 1024 * 1024
-ECHO_BOTH = """
-import sys
-src, out, err = sys.stdin.buffer, sys.stdout.buffer, sys.stderr.buffer
-while chunk := src.read1(1 << 16):
-    out.write(chunk)
-    err.write(chunk)
-out.flush(); err.flush()
-"""
 
 
 def _alive(pid: int) -> bool:

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from sshd import run_concurrently
+from sshd import ECHO_BOTH, MB, run_concurrently
 
 from dflashctl.containers import Target
 from dflashctl.errors import ConnectError, RemoteError
@@ -73,18 +73,6 @@ def test_kill_connections_drops_ssh(sshd_host):
 
 # --- streaming -----------------------------------------------------------------------------------
 
-MB = 1024 * 1024
-
-# Copies stdin to stdout and stderr as it reads: all three streams are busy at once, so a pump
-# that blocks on one of them (or a writer that waits for all input first) deadlocks the test.
-ECHO_BOTH = """
-import sys
-src, out, err = sys.stdin.buffer, sys.stdout.buffer, sys.stderr.buffer
-while chunk := src.read1(1 << 16):
-    out.write(chunk)
-    err.write(chunk)
-out.flush(); err.flush()
-"""
 
 
 def test_large_streams_both_ways_through_pct(shim_container, shim_host):
