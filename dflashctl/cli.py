@@ -439,6 +439,7 @@ def doctor_cmd(
     policies: Optional[str] = typer.Option(None, "--policies", help="Smoke-test only these policies: off,default,cudagraph-trees,cudagraphs."),
     smoke_timeout: float = typer.Option(120.0, "--smoke-timeout", help="Seconds per smoke test before it counts as a hang."),
     steps: int = typer.Option(0, "--steps", help="Timed steps per smoke test (default 30 on GPU, 3 on CPU)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="Smoke tests run at once (default: one per 4 CPUs of the host)."),
     inject: Optional[str] = typer.Option(None, "--inject", hidden=True, help="Test hook, see docs/doctor.md."),
 ) -> None:
     """Diagnose a host: GPUs, driver, torch, caches, and threaded torch.compile smoke tests."""
@@ -448,7 +449,7 @@ def doctor_cmd(
 
     target = _state(ctx).session().target(host)
     err = Console(stderr=True)
-    options = DoctorOptions(quick, gpus, policies, smoke_timeout, steps, inject)
+    options = DoctorOptions(quick, gpus, policies, smoke_timeout, steps, inject, jobs)
     doc = run_doctor(target, options, progress=lambda line: err.print(Text(line, style="dim")))
     if json_out:
         typer.echo(json.dumps(doc, indent=2))

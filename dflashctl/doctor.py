@@ -9,7 +9,7 @@ Report format and exit codes: docs/doctor.md.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from rich.console import Console
@@ -41,6 +41,7 @@ class DoctorOptions:
     smoke_timeout: float = 120.0
     steps: int = 0
     inject: str | None = None
+    jobs: int | None = None  # smoke tests at once; None: the container side's default (one per 4 CPUs)
 
     def argv(self) -> list[str]:
         """The `report` subcommand's arguments."""
@@ -52,6 +53,8 @@ class DoctorOptions:
                 args += [flag, value]
         if self.steps:
             args += ["--steps", str(self.steps)]
+        if self.jobs is not None:  # passed even when < 1: the container side rejects it (exit 2)
+            args += ["--jobs", str(self.jobs)]
         return args
 
     def time_limit(self) -> float:
@@ -65,7 +68,7 @@ def run_doctor(target: Target, options: DoctorOptions, progress: Callable[[str],
 
     payload_dir = push(target).remote_dir
     gpus = options.gpus or ",".join(map(str, target.host.gpus)) or None
-    opts = DoctorOptions(options.quick, gpus, options.policies, options.smoke_timeout, options.steps, options.inject)
+    opts = replace(options, gpus=gpus)
     lines = _LineSplitter(progress)
     argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, *opts.argv()]
     result = target.run(argv, timeout=opts.time_limit(), on_stderr=lines.feed)

@@ -3,11 +3,12 @@ and the CLI end to end on `local` (CPU) and through real sshd + the pct shim.
 
 Timing (2 CPU cores): compiling the tiny step with mode="default" on CPU takes 25-45 s, so only
 the one slow-marked test compiles; the others inject a crash and a hang (which fire before any
-replica is built) or use --quick.
+replica is built), run the eager policy, or use --quick.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -171,6 +172,70 @@ def test_inject_spec() -> None:
                                                                   "--inject", "hang:off"]
 
 
+def test_jobs_spec_and_default() -> None:
+    assert D.parse_jobs(None) is None and D.parse_jobs("3") == 3
+    for bad in ("0", "-1", "x", ""):
+        with pytest.raises(D.ArgumentError, match="--jobs"):
+            D.parse_jobs(bad)
+    # One per 4 CPUs, at most one per policy, at least one: a 2-core CI runner stays sequential.
+    assert [D.default_jobs(4, cpus) for cpus in (None, 2, 4, 11, 16, 128)] == [1, 1, 1, 2, 4, 4]
+    assert D.default_jobs(2, 128) == 2
+    # The client passes even a bad value on: the container side rejects it with exit 2.
+    assert DoctorOptions(jobs=0).argv()[-2:] == ["--jobs", "0"] and "--jobs" not in DoctorOptions().argv()
+
+
+# --- the timing lock -------------------------------------------------------------------------
+
+
+def smoke_child(lock: Path, time_limit: float) -> subprocess.Popen:
+    """A real eager smoke child (no compile: a few seconds) sharing the timing lock at `lock`."""
+    argv = [sys.executable, "-m", "dflash_train.doctor", "smoke", "--policy", "off", "--devices", "cpu,cpu",
+            "--steps", "2", "--timing-lock", str(lock), "--time-limit", str(time_limit)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=D.child_env())
+
+
+def wait_until_opened(proc: subprocess.Popen, path: Path, timeout: float = 60) -> None:
+    """Until proc has path open, i.e. it has warmed up and is waiting for the lock."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            fds = [os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")]
+        except FileNotFoundError:  # an fd closed between listdir and readlink
+            continue
+        if str(path) in fds:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the smoke child did not open {path} within {timeout} s")
+
+
+def test_timing_lock_waits_then_times_contended(tmp_path: Path) -> None:
+    lock = tmp_path / "timing.lock"
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # this test is the smoke test timing now
+    patient, hurried = smoke_child(lock, time_limit=120), smoke_child(lock, time_limit=8)
+    try:
+        for proc in (patient, hurried):
+            wait_until_opened(proc, lock)
+        # The hurried child may wait half its time left; then it times anyway and says so.
+        out, err = hurried.communicate(timeout=60)
+        contended = json.loads(out)
+        assert hurried.returncode == 0 and contended["outcome"] == "ok", err
+        assert contended["timing"] == "contended"
+        row = D.smoke_check("off", {**contended, "devices": ["cpu", "cpu"]}, {"off"})
+        assert row.status == "ok" and "ms/step contended" in row.evidence
+        released = time.time()
+    finally:
+        os.close(holder)
+    out, err = patient.communicate(timeout=60)
+    exclusive = json.loads(out)
+    assert patient.returncode == 0 and exclusive["outcome"] == "ok", err
+    # It waited for the lock: its timed steps began only once this test let go.
+    assert exclusive["timing"] == "exclusive" and exclusive["timed_window"][0] >= released
+    assert exclusive["timed_window"][0] <= exclusive["timed_window"][1]
+    assert "contended" not in D.smoke_check("off", {**exclusive, "devices": ["cpu", "cpu"]}, {"off"}).evidence
+
+
 # --- the CLI end to end ------------------------------------------------------------------------
 
 
@@ -196,9 +261,11 @@ def rows(doc: dict) -> dict[str, dict]:
     return {c["id"]: c for c in doc["checks"]}
 
 
-def test_local_injected_crash_and_hang(local_env: dict[str, str]) -> None:
+@pytest.mark.parametrize("jobs", [[], ["--jobs", "2"]], ids=["default-jobs", "jobs-2"])
+def test_local_injected_crash_and_hang(local_env: dict[str, str], jobs: list[str]) -> None:
     started = time.monotonic()
-    proc = cli(local_env, "doctor", "local", "--json", "--inject", "crash:default,hang:off", "--smoke-timeout", "15")
+    proc = cli(local_env, "doctor", "local", "--json", "--inject", "crash:default,hang:off", "--smoke-timeout", "15",
+               *jobs)
     assert proc.returncode == 1, proc.stderr
     doc = json.loads(proc.stdout)
     by_id = rows(doc)
@@ -218,7 +285,9 @@ def test_local_injected_crash_and_hang(local_env: dict[str, str]) -> None:
     for gpu_row in ("gpus", "driver", "capability"):
         assert by_id[gpu_row]["status"] == "n/a"
     assert by_id["verdict"]["status"] == "fail" and by_id["verdict"]["result"].startswith("trainer uses off")
-    assert "smoke off: hang" in proc.stderr  # progress lines stream while it runs
+    assert "smoke off: hang" in proc.stderr and "smoke default: exception" in proc.stderr  # progress lines stream
+    if jobs:  # both children at once: the second started before the first (a 15 s hang) ended
+        assert proc.stderr.index("smoke default on cpu+cpu") < proc.stderr.index("smoke off: hang")
     assert time.monotonic() - started < 90
 
     console = Console(record=True, width=250, color_system=None)
@@ -244,6 +313,17 @@ def test_bad_gpu_index_is_a_usage_error(local_env: dict[str, str]) -> None:
     assert proc.stderr.strip().endswith("error: doctor: --gpus 7: torch sees 0 GPU(s), no index 7")
 
 
+def test_bad_jobs_is_a_usage_error(local_env: dict[str, str]) -> None:
+    proc = cli(local_env, "doctor", "local", "--quick", "--jobs", "0")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().endswith("error: doctor: --jobs takes how many smoke tests run at once, 1 or more, got '0'")
+    # The container side's answer is that one line.
+    direct = subprocess.run([sys.executable, "-m", "dflash_train.doctor", "report", "--quick", "--jobs", "0"],
+                            capture_output=True, text=True, env=D.child_env(), timeout=120)
+    assert direct.returncode == 2 and direct.stdout == ""
+    assert direct.stderr.splitlines() == ["doctor: --jobs takes how many smoke tests run at once, 1 or more, got '0'"]
+
+
 def test_shim_host_quick(sshd_host) -> None:  # type: ignore[no-untyped-def]
     # --quick: the smoke tests are the same code as on `local` (tested above); this checks the
     # push, the bootstrap through ssh + pct exec, and the JSON coming back, in ~10 s of CI time.
@@ -265,7 +345,9 @@ def test_parse_report_ignores_noise() -> None:
 
 @pytest.mark.slow
 def test_local_compile_default_in_threads(local_env: dict[str, str]) -> None:
-    proc = cli(local_env, "doctor", "local", "--json", "--policies", "off,default", "--smoke-timeout", "300", timeout=700)
+    # Both at once: the children overlap, their timed steps must not.
+    proc = cli(local_env, "doctor", "local", "--json", "--policies", "off,default", "--smoke-timeout", "300",
+               "--jobs", "2", timeout=700)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     by_id = rows(doc)
@@ -274,4 +356,8 @@ def test_local_compile_default_in_threads(local_env: dict[str, str]) -> None:
         assert smoke[policy]["outcome"] == "ok" and smoke[policy]["losses_agree"], smoke[policy]
         assert all(ms > 0 for ms in smoke[policy]["ms_per_step"])
         assert by_id[f"smoke:{policy}"]["status"] == "ok"
+        assert smoke[policy]["timing"] == "exclusive"
+    first, second = sorted(smoke[policy]["timed_window"] for policy in ("off", "default"))
+    assert first[0] <= first[1] <= second[0] <= second[1], (first, second)
+    assert proc.stderr.index("smoke default on cpu+cpu") < proc.stderr.index("smoke off: ok")  # they overlapped
     assert by_id["verdict"]["status"] == "ok"

@@ -1,11 +1,13 @@
 """Container side of `dflashctl doctor`: environment checks and threaded-compile smoke tests.
 
-    python -m dflash_train.doctor report [--quick] [--gpus 0,1] [--policies off,default]
+    python -m dflash_train.doctor report [--quick] [--gpus 0,1] [--policies off,default] [--jobs N]
                                          [--smoke-timeout S] [--steps N] [--inject crash:default,hang:off]
         prints one JSON report (see `report`) on stdout, progress lines on stderr.
     python -m dflash_train.doctor smoke --policy P --devices cuda:0,cuda:1 [--steps N] [--inject crash|hang]
+                                        [--timing-lock PATH] [--time-limit S]
         one smoke test; `report` runs each in its own process group under a time limit, so a crash,
-        segfault or hang in the compiler is a finding rather than the end of the report.
+        segfault or hang in the compiler is a finding rather than the end of the report. Up to
+        --jobs of them run at once (their compiles overlap); a lock file keeps their timed steps apart.
 
 Statuses: ok | warn | fail | n/a | skipped. `report` exits 0 unless a check has status fail.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import fcntl
 import json
 import os
 import platform
@@ -24,8 +27,10 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,10 +49,12 @@ GIB = 1024**3
 LOSS_RTOL = 2e-2  # bf16 replicas on identical data agree to ~1%; a broken replica is off by x10
 STDERR_TAIL_LINES = 60
 HANG_DUMP_GRACE_S = 1.0  # faulthandler writes from its signal handler: a second is plenty
+TIMING_LOCK_WAIT_S = 60.0  # most a smoke child waits for another child's timed steps to end
+TIMING_LOCK_POLL_S = 0.05
 
 
 class ArgumentError(ValueError):
-    """A bad --gpus / --policies / --inject value: exit 2 with one line."""
+    """A bad --gpus / --policies / --inject / --jobs value: exit 2 with one line."""
 
 
 @dataclass
@@ -457,7 +464,58 @@ def smoke_batches(cfg, count: int = 4) -> list:
     return [sampler.batch(i) for i in range(count)]
 
 
-def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str | None) -> dict:
+class TimedWindow:
+    """The smoke child's timed steps: the timing lock taken before them (run_threaded's on_start,
+    after every worker warmed up) and released after them, and their wall-clock span."""
+
+    def __init__(self, lock_path: str | None, deadline: float | None):
+        self.lock_path = lock_path
+        self.deadline = deadline  # time.monotonic() at which the parent calls this child hung
+        self.fd: int | None = None
+        self.exclusive = True
+        self.t0 = self.t1 = 0.0
+
+    def start(self, _point) -> None:
+        """on_start hook: wait (bounded) for the timing lock, then mark the window's start."""
+        if self.lock_path:
+            # Opened only now: a process forked during warm-up (a compile worker) must not share the lock.
+            self.fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT)
+            self.exclusive = self._wait_for_lock(self._wait_s())
+        self.t0 = time.time()
+
+    def finish(self) -> None:
+        """Mark the window's end and release the lock (closing the file does)."""
+        self.t1 = time.time()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def record(self) -> dict:
+        """The window as fields of the child's JSON result."""
+        return {"timing": "exclusive" if self.exclusive else "contended",
+                "timed_window": [round(self.t0, 3), round(self.t1, 3)]}
+
+    def _wait_s(self) -> float:
+        # At most half the time left, so waiting behind a child stuck in its timed steps ends in
+        # contended timings rather than in this child being reported as a hang.
+        if self.deadline is None:
+            return TIMING_LOCK_WAIT_S
+        return min(TIMING_LOCK_WAIT_S, max(0.0, (self.deadline - time.monotonic()) / 2))
+
+    def _wait_for_lock(self, wait_s: float) -> bool:
+        give_up = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= give_up:
+                    return False
+                time.sleep(TIMING_LOCK_POLL_S)
+
+
+def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str | None,
+                   window: TimedWindow) -> dict:
     """The trainer's tiny step in one worker thread per device under one policy, via run_threaded."""
     import torch
 
@@ -472,24 +530,33 @@ def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str
     # Injected faults use the trainer's own mechanism (run config `debug.fail_at` / `debug.hang_at`),
     # at "build": before anything is built, so the CI tests of these paths stay fast.
     fault = {"fail_at": "build"} if inject == "crash" else {"hang_at": "build"} if inject == "hang" else {}
-    options = ThreadedOptions(compile=policy.effective, warmup_steps=2, sync_every=steps, **fault)
-    # Every worker gets the same micro-batch, so equal losses are a correctness check.
-    result = run_threaded(wrapped, devices, lambda step, rank, world: batches[step % len(batches)], steps, options)
+    options = ThreadedOptions(compile=policy.effective, warmup_steps=2, sync_every=steps, on_start=window.start,
+                              **fault)
+    try:
+        # Every worker gets the same micro-batch, so equal losses are a correctness check.
+        result = run_threaded(wrapped, devices, lambda step, rank, world: batches[step % len(batches)], steps,
+                              options)
+    finally:
+        window.finish()
     return {
         "outcome": "ok",
         "ms_per_step": [round(ms, 2) for ms in result.step_ms],
         "compile_s": [round(s, 1) for s in result.warmup_s],
         "losses": result.losses,
         "losses_agree": losses_agree(result.losses),
+        **window.record(),
     }
 
 
 def smoke_main(args: argparse.Namespace) -> int:
     """Child entry: one smoke test; prints one JSON line (its result, or the exception's record)."""
+    started = time.monotonic()
     faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    deadline = started + args.time_limit if args.time_limit else None
     try:
-        record = threaded_smoke(args.policy, args.devices.split(","), args.steps, args.inject)
+        record = threaded_smoke(args.policy, args.devices.split(","), args.steps, args.inject,
+                                TimedWindow(args.timing_lock, deadline))
     except Exception as exc:  # noqa: BLE001 - any failure is the finding
         print(json.dumps(exception_record(exc)), flush=True)
         traceback.print_exc()
@@ -510,6 +577,21 @@ def parse_inject(spec: str | None) -> dict[str, str]:
             raise ArgumentError(f"--inject takes FAULT:POLICY with FAULT in {INJECTIONS} and POLICY in {POLICIES}, got {item!r}")
         faults[policy] = fault
     return faults
+
+
+def parse_jobs(spec: str | None) -> int | None:
+    """`--jobs N` -> N (at least 1); None when not given."""
+    if spec is None:
+        return None
+    if not re.fullmatch(r"\d+", spec) or int(spec) < 1:
+        raise ArgumentError(f"--jobs takes how many smoke tests run at once, 1 or more, got {spec!r}")
+    return int(spec)
+
+
+def default_jobs(count: int, cpus: int | None) -> int:
+    """Smoke tests run at once when --jobs is not given: one per 4 CPUs, so that CPU contention
+    on a small container does not push a slow compile past --smoke-timeout into a false hang."""
+    return max(1, min(count, (cpus or 1) // 4))
 
 
 def parse_gpus(spec: str | None, count: int) -> list[int]:
@@ -542,10 +624,12 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_smoke(policy: str, devices: list[str], steps: int, timeout: float, inject: str | None) -> dict:
-    """One smoke test in its own process group, classified."""
+def run_smoke(policy: str, devices: list[str], steps: int, timeout: float, inject: str | None,
+              timing_lock: str) -> dict:
+    """One smoke test in its own process group, classified; its timed steps hold timing_lock."""
     argv = [sys.executable, "-X", "faulthandler", "-m", "dflash_train.doctor", "smoke",
-            "--policy", policy, "--devices", ",".join(devices), "--steps", str(steps)]
+            "--policy", policy, "--devices", ",".join(devices), "--steps", str(steps),
+            "--timing-lock", timing_lock, "--time-limit", str(timeout)]
     if inject:
         argv += ["--inject", inject]
     run = run_child(argv, timeout, child_env())
@@ -566,6 +650,8 @@ def smoke_check(policy: str, detail: dict, trainer_policies: set[str]) -> Check:
         ms = " / ".join(f"{m:.1f}" for m in detail["ms_per_step"])
         evidence = (f"{' + '.join(detail['devices'])}; compile+warm-up {' / '.join(map(str, detail['compile_s']))} s; "
                     f"final losses {' / '.join(f'{x:.4f}' for x in detail['losses'])}")
+        if detail.get("timing") == "contended":
+            evidence += "; ms/step contended: timed without the timing lock (another smoke test held it)"
         if not detail["losses_agree"]:
             return Check(f"smoke:{policy}", title, "fail", f"losses disagree ({ms} ms/step)", evidence,
                          "one replica trains on different numbers: do not train with this policy")
@@ -658,13 +744,14 @@ def cuda_devices(torch) -> tuple[int, str | None]:
         return 0, first_line(exc)
 
 
-def smoke_tests(args: argparse.Namespace, devices: list[str], faults: dict[str, str]) -> dict[str, dict]:
-    """Each policy's smoke result (or why it did not run), in report order."""
+def smoke_tests(args: argparse.Namespace, devices: list[str], faults: dict[str, str],
+                jobs: int | None) -> dict[str, dict]:
+    """Each policy's smoke result (or why it did not run), in report order; up to `jobs` at once."""
     wanted = args.policies.split(",") if args.policies else list(POLICIES)
     unknown = sorted(set(wanted) - set(POLICIES))
     if unknown:
         raise ArgumentError(f"--policies: unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
-    results = {}
+    results, runnable = {}, []
     for policy in POLICIES:
         if policy in GRAPH_POLICIES and devices[0] == "cpu":
             results[policy] = {"policy": policy, "outcome": "n/a", "error": "CUDA graphs need a GPU"}
@@ -672,11 +759,35 @@ def smoke_tests(args: argparse.Namespace, devices: list[str], faults: dict[str, 
             why = "--quick" if args.quick else "not in --policies"
             results[policy] = {"policy": policy, "outcome": "skipped", "error": why}
         else:
+            runnable.append(policy)
+    if runnable:
+        steps = args.steps or _default_steps(devices)
+        results.update(run_smokes(runnable, devices, steps, args.smoke_timeout, faults,
+                                  jobs or default_jobs(len(runnable), os.cpu_count())))
+    return {policy: results[policy] for policy in POLICIES}
+
+
+def run_smokes(policies: list[str], devices: list[str], steps: int, timeout: float, faults: dict[str, str],
+               jobs: int) -> dict[str, dict]:
+    """Smoke children, up to `jobs` at once, sharing one timing lock; each starts when a slot frees."""
+    with tempfile.TemporaryDirectory(prefix="dflash-doctor-") as tmp:
+        lock = os.path.join(tmp, "timing.lock")
+        Path(lock).touch()
+
+        def one(policy: str) -> dict:
             _progress(f"smoke {policy} on {'+'.join(devices)} ...")
-            results[policy] = run_smoke(policy, devices, args.steps or _default_steps(devices), args.smoke_timeout,
-                                        faults.get(policy))
-            _progress(f"smoke {policy}: {results[policy]['outcome']} ({results[policy]['seconds']} s)")
-    return results
+            record = run_smoke(policy, devices, steps, timeout, faults.get(policy), lock)
+            _progress(f"smoke {policy}: {record['outcome']} ({record['seconds']} s)")
+            return record
+
+        pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="doctor-smoke")
+        try:
+            futures = {policy: pool.submit(one, policy) for policy in policies}
+            return {policy: future.result() for policy, future in futures.items()}
+        finally:
+            # On Ctrl-C: start no more children, and let the running ones end (each within its
+            # time limit) before their lock file is removed.
+            pool.shutdown(cancel_futures=True)
 
 
 def _default_steps(devices: list[str]) -> int:
@@ -684,23 +795,30 @@ def _default_steps(devices: list[str]) -> int:
     return 3 if devices[0] == "cpu" else 30
 
 
+_PROGRESS_LOCK = threading.Lock()
+
+
 def _progress(message: str) -> None:
-    print(f"doctor: {message}", file=sys.stderr, flush=True)
+    # One write per line under a lock: smoke threads report concurrently.
+    with _PROGRESS_LOCK:
+        sys.stderr.write(f"doctor: {message}\n")
+        sys.stderr.flush()
 
 
 def report(args: argparse.Namespace) -> dict:
     """Run every check and smoke test; the JSON document `dflashctl doctor` renders."""
     cache_env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before torch's imports can set it
+    faults = parse_inject(args.inject)
+    jobs = parse_jobs(args.jobs)
     import torch
 
     started = time.monotonic()
-    faults = parse_inject(args.inject)
     smi = nvidia_smi()
     count, cuda_error = cuda_devices(torch)
     gpus = parse_gpus(args.gpus, count)
     devices = smoke_devices(gpus)
     checks = environment_checks(torch, gpus, smi, count, cuda_error, cache_env)
-    smoke = smoke_tests(args, devices, faults)
+    smoke = smoke_tests(args, devices, faults, jobs)
     device_type = devices[0].split(":")[0]
     allowed = trainer_policies(device_type)
     checks += [smoke_check(p, d, allowed) for p, d in smoke.items()]
@@ -727,12 +845,15 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--policies", help=f"comma list of smoke policies (default: all of {','.join(POLICIES)})")
     rep.add_argument("--smoke-timeout", type=float, default=120.0, help="seconds per smoke test before it is a hang")
     rep.add_argument("--steps", type=int, default=0, help="timed steps per smoke test (default: 30 on GPU, 3 on CPU)")
+    rep.add_argument("--jobs", help="smoke tests run at once (default: one per 4 CPUs, at most one per policy)")
     rep.add_argument("--inject", help="test hook: FAULT:POLICY[,...], FAULT crash or hang")
     smoke = sub.add_parser("smoke", help="one smoke test (run by report in its own process)")
     smoke.add_argument("--policy", choices=POLICIES, required=True)
     smoke.add_argument("--devices", required=True, help="comma list, e.g. cuda:0,cuda:1 or cpu,cpu")
     smoke.add_argument("--steps", type=int, default=3)
     smoke.add_argument("--inject", choices=INJECTIONS)
+    smoke.add_argument("--timing-lock", help="lock file held during the timed steps, shared by concurrent smoke tests")
+    smoke.add_argument("--time-limit", type=float, help="seconds the parent allows this child (bounds the lock wait)")
     return parser
 
 
