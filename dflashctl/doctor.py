@@ -26,6 +26,7 @@ BOOTSTRAP = (
     "from dflash_train.doctor import main; sys.exit(main(sys.argv[1:]))"
 )
 PROGRESS_PREFIX = "doctor: "
+USAGE_PREFIX = "doctor usage error: "  # not a progress line: the error is shown once, by the CLI
 STARTUP_ALLOWANCE_S = 180  # imports, environment checks and a cold push, on top of the smoke limits
 SMOKE_POLICIES = 4
 STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "n/a": "dim", "skipped": "dim"}
@@ -59,7 +60,8 @@ class DoctorOptions:
 
     def time_limit(self) -> float:
         """How long the whole remote report may take before the client gives up."""
-        return STARTUP_ALLOWANCE_S + (0 if self.quick else SMOKE_POLICIES * (self.smoke_timeout + 5))
+        # + 1: the compile pass (all policies at once) comes before the timed one-by-one pass
+        return STARTUP_ALLOWANCE_S + (0 if self.quick else (SMOKE_POLICIES + 1) * (self.smoke_timeout + 5))
 
 
 def run_doctor(target: Target, options: DoctorOptions, progress: Callable[[str], None] | None = None) -> dict:
@@ -73,7 +75,7 @@ def run_doctor(target: Target, options: DoctorOptions, progress: Callable[[str],
     argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, *opts.argv()]
     result = target.run(argv, timeout=opts.time_limit(), on_stderr=lines.feed)
     if result.exit_code == 2:
-        raise UsageError(lines.last or "doctor: bad arguments")
+        raise UsageError("doctor: " + (lines.last.removeprefix(USAGE_PREFIX) or "bad arguments"))
     doc = parse_report(result.stdout)
     if doc is None:
         raise RemoteError(f"{target.label}: doctor gave no report (exit {result.exit_code}): {lines.last or 'no output'}")

@@ -4,10 +4,10 @@
                                          [--smoke-timeout S] [--steps N] [--inject crash:default,hang:off]
         prints one JSON report (see `report`) on stdout, progress lines on stderr.
     python -m dflash_train.doctor smoke --policy P --devices cuda:0,cuda:1 [--steps N] [--inject crash|hang]
-                                        [--timing-lock PATH] [--time-limit S]
         one smoke test; `report` runs each in its own process group under a time limit, so a crash,
-        segfault or hang in the compiler is a finding rather than the end of the report. Up to
-        --jobs of them run at once (their compiles overlap); a lock file keeps their timed steps apart.
+        segfault or hang in the compiler is a finding rather than the end of the report. With
+        --jobs above 1, a compile pass first runs every policy for one step, --jobs at once (their
+        compiles overlap and fill the inductor cache); the timed pass then runs one at a time.
 
 Statuses: ok | warn | fail | n/a | skipped. `report` exits 0 unless a check has status fail.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import fcntl
 import json
 import os
 import platform
@@ -49,8 +48,6 @@ GIB = 1024**3
 LOSS_RTOL = 2e-2  # bf16 replicas on identical data agree to ~1%; a broken replica is off by x10
 STDERR_TAIL_LINES = 60
 HANG_DUMP_GRACE_S = 1.0  # faulthandler writes from its signal handler: a second is plenty
-TIMING_LOCK_WAIT_S = 60.0  # most a smoke child waits for another child's timed steps to end
-TIMING_LOCK_POLL_S = 0.05
 
 
 class ArgumentError(ValueError):
@@ -441,12 +438,16 @@ def smoke_policy(name: str, device_type: str):
     return choose_compile_policy(name, device_type)
 
 
-def smoke_config(device_type: str):
-    """The trainer's tiny preset, resolved for this device, with random tokens (the step's cost does not depend on them)."""
+def smoke_config(device_type: str, policy_name: str | None = None):
+    """The trainer's tiny preset, resolved for this device, with random tokens (the step's cost does
+    not depend on them); with a policy, `run.compile` as a user would set it for that policy, so
+    that what follows from it (attention backend, compiled CE chunk) matches: `off` is all eager."""
     from .config import load_config
     from .train import resolve_config
 
     overrides = ["data.source=random", "data.num_train=32", "data.num_eval=8", f"run.device={device_type}"]
+    if policy_name is not None:
+        overrides.append(f"run.compile={'cudagraphs' if policy_name == 'cudagraph-trees' else policy_name}")
     return resolve_config(load_config(preset="tiny", overrides=overrides))
 
 
@@ -464,64 +465,13 @@ def smoke_batches(cfg, count: int = 4) -> list:
     return [sampler.batch(i) for i in range(count)]
 
 
-class TimedWindow:
-    """The smoke child's timed steps: the timing lock taken before them (run_threaded's on_start,
-    after every worker warmed up) and released after them, and their wall-clock span."""
-
-    def __init__(self, lock_path: str | None, deadline: float | None):
-        self.lock_path = lock_path
-        self.deadline = deadline  # time.monotonic() at which the parent calls this child hung
-        self.fd: int | None = None
-        self.exclusive = True
-        self.t0 = self.t1 = 0.0
-
-    def start(self, _point) -> None:
-        """on_start hook: wait (bounded) for the timing lock, then mark the window's start."""
-        if self.lock_path:
-            # Opened only now: a process forked during warm-up (a compile worker) must not share the lock.
-            self.fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT)
-            self.exclusive = self._wait_for_lock(self._wait_s())
-        self.t0 = time.time()
-
-    def finish(self) -> None:
-        """Mark the window's end and release the lock (closing the file does)."""
-        self.t1 = time.time()
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def record(self) -> dict:
-        """The window as fields of the child's JSON result."""
-        return {"timing": "exclusive" if self.exclusive else "contended",
-                "timed_window": [round(self.t0, 3), round(self.t1, 3)]}
-
-    def _wait_s(self) -> float:
-        # At most half the time left, so waiting behind a child stuck in its timed steps ends in
-        # contended timings rather than in this child being reported as a hang.
-        if self.deadline is None:
-            return TIMING_LOCK_WAIT_S
-        return min(TIMING_LOCK_WAIT_S, max(0.0, (self.deadline - time.monotonic()) / 2))
-
-    def _wait_for_lock(self, wait_s: float) -> bool:
-        give_up = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if time.monotonic() >= give_up:
-                    return False
-                time.sleep(TIMING_LOCK_POLL_S)
-
-
-def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str | None,
-                   window: TimedWindow) -> dict:
+def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str | None) -> dict:
     """The trainer's tiny step in one worker thread per device under one policy, via run_threaded."""
     import torch
 
     from .workers import ReplicaOps, ThreadedOptions, drafter_ops, run_threaded
 
-    cfg = smoke_config(devices[0].split(":")[0])
+    cfg = smoke_config(devices[0].split(":")[0], policy_name)
     torch.set_num_threads(cfg.run.cpu_threads)  # as the trainer does (threads x OpenMP oversubscribe)
     ops, batches = drafter_ops(cfg), smoke_batches(cfg)
     policy = smoke_policy(policy_name, cfg.run.device)
@@ -530,33 +480,24 @@ def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str
     # Injected faults use the trainer's own mechanism (run config `debug.fail_at` / `debug.hang_at`),
     # at "build": before anything is built, so the CI tests of these paths stay fast.
     fault = {"fail_at": "build"} if inject == "crash" else {"hang_at": "build"} if inject == "hang" else {}
-    options = ThreadedOptions(compile=policy.effective, warmup_steps=2, sync_every=steps, on_start=window.start,
-                              **fault)
-    try:
-        # Every worker gets the same micro-batch, so equal losses are a correctness check.
-        result = run_threaded(wrapped, devices, lambda step, rank, world: batches[step % len(batches)], steps,
-                              options)
-    finally:
-        window.finish()
+    options = ThreadedOptions(compile=policy.effective, warmup_steps=2, sync_every=steps, **fault)
+    # Every worker gets the same micro-batch, so equal losses are a correctness check.
+    result = run_threaded(wrapped, devices, lambda step, rank, world: batches[step % len(batches)], steps, options)
     return {
         "outcome": "ok",
         "ms_per_step": [round(ms, 2) for ms in result.step_ms],
         "compile_s": [round(s, 1) for s in result.warmup_s],
         "losses": result.losses,
         "losses_agree": losses_agree(result.losses),
-        **window.record(),
     }
 
 
 def smoke_main(args: argparse.Namespace) -> int:
     """Child entry: one smoke test; prints one JSON line (its result, or the exception's record)."""
-    started = time.monotonic()
     faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    deadline = started + args.time_limit if args.time_limit else None
     try:
-        record = threaded_smoke(args.policy, args.devices.split(","), args.steps, args.inject,
-                                TimedWindow(args.timing_lock, deadline))
+        record = threaded_smoke(args.policy, args.devices.split(","), args.steps, args.inject)
     except Exception as exc:  # noqa: BLE001 - any failure is the finding
         print(json.dumps(exception_record(exc)), flush=True)
         traceback.print_exc()
@@ -589,8 +530,9 @@ def parse_jobs(spec: str | None) -> int | None:
 
 
 def default_jobs(count: int, cpus: int | None) -> int:
-    """Smoke tests run at once when --jobs is not given: one per 4 CPUs, so that CPU contention
-    on a small container does not push a slow compile past --smoke-timeout into a false hang."""
+    """Compile-pass children at once when --jobs is not given: one per 4 CPUs, so that CPU
+    contention on a small container does not push a slow compile past --smoke-timeout into a
+    false hang (1: no compile pass, the smoke tests run one after another)."""
     return max(1, min(count, (cpus or 1) // 4))
 
 
@@ -624,12 +566,10 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_smoke(policy: str, devices: list[str], steps: int, timeout: float, inject: str | None,
-              timing_lock: str) -> dict:
-    """One smoke test in its own process group, classified; its timed steps hold timing_lock."""
+def run_smoke(policy: str, devices: list[str], steps: int, timeout: float, inject: str | None) -> dict:
+    """One smoke test in its own process group, classified."""
     argv = [sys.executable, "-X", "faulthandler", "-m", "dflash_train.doctor", "smoke",
-            "--policy", policy, "--devices", ",".join(devices), "--steps", str(steps),
-            "--timing-lock", timing_lock, "--time-limit", str(timeout)]
+            "--policy", policy, "--devices", ",".join(devices), "--steps", str(steps)]
     if inject:
         argv += ["--inject", inject]
     run = run_child(argv, timeout, child_env())
@@ -648,10 +588,13 @@ def smoke_check(policy: str, detail: dict, trainer_policies: set[str]) -> Check:
         return Check(f"smoke:{policy}", title, outcome, detail["error"])
     if outcome == "ok":
         ms = " / ".join(f"{m:.1f}" for m in detail["ms_per_step"])
-        evidence = (f"{' + '.join(detail['devices'])}; compile+warm-up {' / '.join(map(str, detail['compile_s']))} s; "
+        warm = " / ".join(map(str, detail["compile_s"]))
+        if "compile_pass_s" in detail:
+            warm = f"compile pass {detail['compile_pass_s']} s, then compile+warm-up from the cache {warm}"
+        else:
+            warm = f"compile+warm-up {warm}"
+        evidence = (f"{' + '.join(detail['devices'])}; {warm} s; "
                     f"final losses {' / '.join(f'{x:.4f}' for x in detail['losses'])}")
-        if detail.get("timing") == "contended":
-            evidence += "; ms/step contended: timed without the timing lock (another smoke test held it)"
         if not detail["losses_agree"]:
             return Check(f"smoke:{policy}", title, "fail", f"losses disagree ({ms} ms/step)", evidence,
                          "one replica trains on different numbers: do not train with this policy")
@@ -659,6 +602,8 @@ def smoke_check(policy: str, detail: dict, trainer_policies: set[str]) -> Check:
     where = f" at {detail['where']}" if detail.get("where") else ""
     after = f"; {detail['after']}" if detail.get("after") else ""
     evidence = f"{detail['error']}{where}{after}"
+    if detail.get("found_in"):
+        evidence += f" ({detail['found_in']})"
     if detail.get("injected"):
         evidence += f" [injected {detail['injected']}]"
     expected = policy not in trainer_policies
@@ -769,25 +714,35 @@ def smoke_tests(args: argparse.Namespace, devices: list[str], faults: dict[str, 
 
 def run_smokes(policies: list[str], devices: list[str], steps: int, timeout: float, faults: dict[str, str],
                jobs: int) -> dict[str, dict]:
-    """Smoke children, up to `jobs` at once, sharing one timing lock; each starts when a slot frees."""
-    with tempfile.TemporaryDirectory(prefix="dflash-doctor-") as tmp:
-        lock = os.path.join(tmp, "timing.lock")
-        Path(lock).touch()
+    """Each policy's smoke test. With jobs > 1, a compile pass first: every policy for one step,
+    `jobs` at once (separate processes compile in parallel, and fill the inductor cache on disk);
+    a crash or hang there is that policy's finding. Then the timed pass, one at a time, so that
+    no compile shares the CPU with a timed step; it reads the compiled code from the cache."""
+    def one(policy: str, n_steps: int, label: str = "") -> dict:
+        _progress(f"smoke {policy}{label} on {'+'.join(devices)} ...")
+        record = run_smoke(policy, devices, n_steps, timeout, faults.get(policy))
+        _progress(f"smoke {policy}{label}: {record['outcome']} ({record['seconds']} s)")
+        return record
 
-        def one(policy: str) -> dict:
-            _progress(f"smoke {policy} on {'+'.join(devices)} ...")
-            record = run_smoke(policy, devices, steps, timeout, faults.get(policy), lock)
-            _progress(f"smoke {policy}: {record['outcome']} ({record['seconds']} s)")
-            return record
-
+    results: dict[str, dict] = {}
+    compiled: dict[str, float] = {}  # policy -> seconds of its compile-pass child
+    if jobs > 1 and len(policies) > 1:
         pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="doctor-smoke")
         try:
-            futures = {policy: pool.submit(one, policy) for policy in policies}
-            return {policy: future.result() for policy, future in futures.items()}
+            futures = {policy: pool.submit(one, policy, 1, " (compile pass)") for policy in policies}
+            for policy, future in futures.items():
+                record = future.result()
+                if record["outcome"] == "ok":
+                    compiled[policy] = record["seconds"]
+                else:
+                    results[policy] = {**record, "found_in": "compile pass"}
         finally:
-            # On Ctrl-C: start no more children, and let the running ones end (each within its
-            # time limit) before their lock file is removed.
-            pool.shutdown(cancel_futures=True)
+            pool.shutdown(cancel_futures=True)  # Ctrl-C: start no more children
+    for policy in policies:
+        if policy not in results:
+            record = one(policy, steps)
+            results[policy] = {**record, "compile_pass_s": compiled[policy]} if policy in compiled else record
+    return results
 
 
 def _default_steps(devices: list[str]) -> int:
@@ -845,15 +800,14 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--policies", help=f"comma list of smoke policies (default: all of {','.join(POLICIES)})")
     rep.add_argument("--smoke-timeout", type=float, default=120.0, help="seconds per smoke test before it is a hang")
     rep.add_argument("--steps", type=int, default=0, help="timed steps per smoke test (default: 30 on GPU, 3 on CPU)")
-    rep.add_argument("--jobs", help="smoke tests run at once (default: one per 4 CPUs, at most one per policy)")
+    rep.add_argument("--jobs", help="compile-pass children at once (default: one per 4 CPUs, at most one per "
+                     "policy; 1: no compile pass)")
     rep.add_argument("--inject", help="test hook: FAULT:POLICY[,...], FAULT crash or hang")
     smoke = sub.add_parser("smoke", help="one smoke test (run by report in its own process)")
     smoke.add_argument("--policy", choices=POLICIES, required=True)
     smoke.add_argument("--devices", required=True, help="comma list, e.g. cuda:0,cuda:1 or cpu,cpu")
     smoke.add_argument("--steps", type=int, default=3)
     smoke.add_argument("--inject", choices=INJECTIONS)
-    smoke.add_argument("--timing-lock", help="lock file held during the timed steps, shared by concurrent smoke tests")
-    smoke.add_argument("--time-limit", type=float, help="seconds the parent allows this child (bounds the lock wait)")
     return parser
 
 
@@ -864,8 +818,8 @@ def main(argv: list[str] | None = None) -> int:
         return smoke_main(args)
     try:
         doc = report(args)
-    except ArgumentError as exc:  # one line for the client, which exits 2 with it
-        print(f"doctor: {exc}", file=sys.stderr)
+    except ArgumentError as exc:  # one line for the client, which exits 2 with it (not a progress line)
+        print(f"doctor usage error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(doc), flush=True)
     return 0 if doc["ok"] else 1
