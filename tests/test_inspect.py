@@ -494,6 +494,30 @@ def test_terminal_rendering_is_highlighted_source_and_table(cache_home):
     assert "\x1b[" in console.export_text(styles=True)  # colours reach the terminal
 
 
+def test_venv_interpreter_reads_its_own_site_packages(tmp_path, cache_home, monkeypatch):
+    """Under `python -S` a venv's interpreter starts with the base prefix; the source lookup must
+    still search the venv's site-packages, and not the user site the venv excludes. The same
+    package in both places tells which one was read."""
+    from dflashctl.inventory import HostSpec
+    from dflashctl.transport import LocalTransport
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    monkeypatch.setenv("PYTHONUSERBASE", str(tmp_path / "userbase"))
+    where = json.loads(subprocess.check_output(
+        [python, "-c", "import json, site, sysconfig; print(json.dumps([sysconfig.get_paths()['purelib'], "
+                       "site.getusersitepackages()]))"], text=True))
+    for directory, label in zip(where, ("venv", "user site")):
+        package = Path(directory) / "shadowpkg"
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text(f"WHERE = {label!r}\n")
+    target = Target(HostSpec(name="venv", transport="local", python=python), LocalTransport())
+    chunks: list[str] = []
+    run_inspect(target, InspectOptions("shadowpkg", lines="1:1"), chunks.append)
+    assert "".join(chunks) == "1: WHERE = 'venv'\n"
+
+
 def test_package_found_only_through_a_pth_file(sshd_host, tmp_path):
     """Source reads run with `python -S`; a package that only a .pth file puts on sys.path (here
     dflashctl itself, installed editable) is still found through the full site set-up."""

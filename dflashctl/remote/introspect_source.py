@@ -69,18 +69,45 @@ def find_top(name):
     import importlib.util
 
     if sys.flags.no_site:
-        import site
-
-        site.ENABLE_USER_SITE = site.check_enableusersite()
-        dirs = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
-        for path in dirs + site.getsitepackages():
+        for path in site_dirs():
             if path not in sys.path and os.path.isdir(path):
                 sys.path.append(path)
         spec = importlib.util.find_spec(name)
         if spec is not None:
             return spec
+        import site
+
         site.main()
     return importlib.util.find_spec(name)
+
+
+def site_dirs():
+    """The site-packages directories site.py would add, in its order, without running it.
+
+    Under -S a venv's interpreter still has the base installation's prefix (site.py is what
+    reads pyvenv.cfg), so the venv's own directories are found here the way site.venv() does:
+    first, and alone (no user site, no base) unless include-system-site-packages is true.
+    """
+    import site
+
+    exe_dir = os.path.dirname(os.path.abspath(sys.executable))
+    venv_prefix = os.path.dirname(exe_dir)
+    configs = [os.path.join(d, "pyvenv.cfg") for d in (exe_dir, venv_prefix)]
+    config = next((c for c in configs if os.path.isfile(c)), None)
+    system = True
+    dirs = []
+    if config is not None:
+        with open(config, encoding="utf-8") as f:
+            for line in f:
+                key, sep, value = line.partition("=")
+                if sep and key.strip().lower() == "include-system-site-packages":
+                    system = value.strip().lower() == "true"
+        dirs = site.getsitepackages([venv_prefix])
+    if system:
+        if site.check_enableusersite():
+            dirs.append(site.getusersitepackages())
+        dirs += site.getsitepackages()
+    return dirs
 
 
 def resolve(parts):
