@@ -128,7 +128,10 @@ def load_jsonl(path: str | Path, tokenizer_path: str | None = None) -> list[Sequ
                     raise ValueError(f"{path}:{line_no}: loss_mask and input_ids differ in length")
             elif "messages" in row:
                 tokenizer = tokenizer or load_tokenizer(tokenizer_path, path)
-                ids, mask = tokenize_chat(row["messages"], tokenizer)
+                try:
+                    ids, mask = tokenize_chat(row["messages"], tokenizer)
+                except ValueError as exc:
+                    raise ValueError(f"{path}:{line_no}: {exc}") from None
             else:
                 raise ValueError(f"{path}:{line_no}: row has neither input_ids nor messages")
             seqs.append((ids, mask))
@@ -148,19 +151,25 @@ def load_tokenizer(tokenizer_path: str | None, data_path: str | Path):
 
 
 def tokenize_chat(messages: list[dict], tokenizer) -> Sequence:
-    """Render with the chat template; loss_mask=1 on tokens that assistant turns add.
+    """Render with the chat template; loss_mask=1 on the tokens that assistant turns add.
 
-    Each prefix of the conversation is rendered and the new tokens attributed to the last
-    message, which assumes the template renders prefixes consistently (true for Qwen3 chats
-    without earlier-turn reasoning, which its template strips).
+    Each prefix of the conversation is rendered and the tokens it adds are attributed to its last
+    message. That needs a template which renders a prefix the same way whatever follows it; one
+    that does not is a ValueError, not a shifted mask. Qwen3's does not for multi-turn chats: it
+    gives the last assistant turn an empty think block and earlier ones none.
     """
     ids: list[int] = []
     mask: list[int] = []
     for i, message in enumerate(messages):
-        rendered = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True)
-        new = rendered[len(ids):]
-        ids = list(rendered)
-        mask += [int(message.get("role") == "assistant")] * len(new)
+        # return_dict=True: a BatchEncoding on 4.x (whose default is a list of ids) and 5.x alike.
+        rendered = list(tokenizer.apply_chat_template(messages[: i + 1], tokenize=True,
+                                                      return_dict=True)["input_ids"])
+        if rendered[: len(ids)] != ids:
+            raise ValueError(f"the chat template renders messages 0..{i - 1} differently once message "
+                             f"{i} ({message.get('role')}) follows them, so the tokens of each turn are "
+                             "unknown; pre-tokenise this row to input_ids/loss_mask")
+        mask += [int(message.get("role") == "assistant")] * (len(rendered) - len(ids))
+        ids = rendered
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
 
@@ -189,6 +198,16 @@ def random_sequences(vocab_size: int, num: int, length: int, mask_token_id: int,
     return [(row, torch.ones(length, dtype=torch.bool)) for row in ids.unbind(0)]
 
 
+def check_vocab(seqs: list[Sequence], vocab_size: int, path: str | Path) -> list[Sequence]:
+    """`seqs`, or a ValueError if a token id is outside the target's vocabulary (on CUDA that
+    would be a device-side assert in the embedding, far from its cause)."""
+    top = max((int(ids.max()) for ids, _ in seqs if ids.numel()), default=-1)
+    if top >= vocab_size:
+        raise ValueError(f"{path} has token id {top}, outside the target's vocabulary ({vocab_size}): "
+                         "is data.tokenizer_path the target's tokenizer?")
+    return seqs
+
+
 def build_datasets(cfg: Config, mask_token_id: int) -> tuple[list[Sequence], list[Sequence]]:
     """(train, held-out) sequences for the configured source (the same on every machine)."""
     d, seed = cfg.data, cfg.run.seed
@@ -202,9 +221,10 @@ def build_datasets(cfg: Config, mask_token_id: int) -> tuple[list[Sequence], lis
                                 mask_token_id, seed)
         return seqs[: d.num_train], seqs[d.num_train:]
     tokenizer_path = d.tokenizer_path or cfg.target.path
-    train = load_jsonl(d.train_path, tokenizer_path)
+    vocab = cfg.target.vocab_size
+    train = check_vocab(load_jsonl(d.train_path, tokenizer_path), vocab, d.train_path)
     if d.eval_path:
-        return train, load_jsonl(d.eval_path, tokenizer_path)
+        return train, check_vocab(load_jsonl(d.eval_path, tokenizer_path), vocab, d.eval_path)
     # Hold out a deterministic slice of the shuffled rows.
     order = torch.randperm(len(train), generator=seeded_generator(seed, 13)).tolist()
     num_eval = max(1, int(len(train) * d.eval_fraction))

@@ -191,21 +191,27 @@ def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head") else f"model.{name}"
 
 
-def resolve_mask_token_id(target_cfg: TargetConfig, configured: int | None) -> int:
-    """The MASK token id: configured, else `<|MASK|>` from tokenizer.json, else the first unused id."""
+def resolve_mask_token_id(target_cfg: TargetConfig, configured: int | None,
+                          tokenizer_path: str | None = None) -> int:
+    """The MASK token id: configured, else `<|MASK|>` from tokenizer.json (in `tokenizer_path`,
+    else `target.path`), else the first id the tokenizer does not use."""
     if configured is not None:
         if not 0 <= configured < target_cfg.vocab_size:
             raise ValueError(f"mask_token_id {configured} outside the vocabulary ({target_cfg.vocab_size})")
         return configured
-    if target_cfg.path is None:
+    tok_dir = tokenizer_path or target_cfg.path
+    if tok_dir is None:
         return target_cfg.vocab_size - 1  # the random target reserves its last id; demo data never uses it
-    tok_file = Path(target_cfg.path) / "tokenizer.json"
+    tok_file = Path(tok_dir) / "tokenizer.json"
     if not tok_file.exists():
-        raise ValueError(f"{target_cfg.path} has no tokenizer.json: set drafter.mask_token_id")
+        raise ValueError(f"{tok_dir} has no tokenizer.json: set drafter.mask_token_id")
     tok = json.loads(tok_file.read_text())
     ids = dict(tok["model"]["vocab"])
     ids.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
     if MASK_TOKEN in ids:
+        if ids[MASK_TOKEN] >= target_cfg.vocab_size:
+            raise ValueError(f"{tok_file}: {MASK_TOKEN} is id {ids[MASK_TOKEN]}, outside the target's "
+                             f"vocabulary ({target_cfg.vocab_size})")
         return ids[MASK_TOKEN]
     # Qwen3 checkpoints pad the embedding beyond the tokenizer; the first spare row becomes MASK
     # (z-lab's Qwen3 drafters use 151669 this way).

@@ -89,7 +89,7 @@ def resolve_config(cfg: Config) -> Config:
         raise ConfigError(f"drafter.target_layer_ids {d.target_layer_ids} must lie in "
                           f"[0, {cfg.target.num_layers - 1}]")
     try:
-        d.mask_token_id = resolve_mask_token_id(cfg.target, d.mask_token_id)
+        d.mask_token_id = resolve_mask_token_id(cfg.target, d.mask_token_id, cfg.data.tokenizer_path)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.optim.gamma is None:

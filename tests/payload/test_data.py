@@ -1,12 +1,17 @@
-"""Anchor sampling, deterministic batches, JSONL rows."""
+"""Anchor sampling, deterministic batches, JSONL rows, chat rows through a real (tiny, locally
+built) tokenizer and a short training run on them."""
 
 import json
+import math
+import sys
 
 import pytest
 import torch
 
 from dflash_train.config import DataConfig
-from dflash_train.data import BlockSampler, load_jsonl, sample_anchors, seeded_generator
+from dflash_train.config import load_config
+from dflash_train.data import BlockSampler, build_datasets, load_jsonl, sample_anchors, seeded_generator
+from dflash_train.train import resolve_config, run_training
 
 
 def test_anchors_have_loss_mask_and_room_for_a_block():
@@ -56,13 +61,131 @@ def test_jsonl_rows(tmp_path):
         load_jsonl(path)
 
 
-def test_chat_rows_without_transformers_say_so(tmp_path):
-    try:
-        import transformers  # noqa: F401
-        pytest.skip("transformers is installed")
-    except ImportError:
-        pass
+def test_chat_rows_without_transformers_say_so(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: import fails
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    with pytest.raises(ValueError, match="transformers"):
+    with pytest.raises(ValueError, match=r"chat rows, which need the `transformers` package; install it "
+                                         r"or pre-tokenise to input_ids/loss_mask"):
         load_jsonl(path, tokenizer_path=str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat rows, with a byte-level BPE tokenizer trained here (nothing comes from a model hub).
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen3's quirk, reduced: only the last assistant turn gets an (empty) think block.
+LAST_TURN_THINKS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+                    "{{ m['content'] }}<|im_end|>\n{% endfor %}")
+
+CHATS = [
+    [{"role": "system", "content": "You are brief."},
+     {"role": "user", "content": "Where did the cat sit?"},
+     {"role": "assistant", "content": "The cat sat on the mat, as cats do."},
+     {"role": "user", "content": "And the dog?"},
+     {"role": "assistant", "content": "The dog sat on the log, next to the frog!"}],
+    [{"role": "user", "content": "Say hello."},
+     {"role": "assistant", "content": "Hello there, how are you today?"}],
+]
+
+
+def save_tokenizer(path, chat_template=CHATML):
+    """A ~300-token byte-level BPE with ChatML specials, saved as an HF tokenizer dir at `path`."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        [m["content"] for chat in CHATS for m in chat] + ["system user assistant"],
+        trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL, show_progress=False,
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 chat_template=chat_template)
+    hf.save_pretrained(path)
+    return hf
+
+
+def write_chats(path, chats):
+    path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats))
+    return path
+
+
+def test_chat_rows_mask_exactly_the_assistant_turns(tmp_path):
+    tok = save_tokenizer(tmp_path / "tok")
+    seqs = load_jsonl(write_chats(tmp_path / "chat.jsonl", CHATS), tokenizer_path=str(tmp_path / "tok"))
+    assert len(seqs) == len(CHATS)
+    for chat, (ids, mask) in zip(CHATS, seqs):
+        # The expected mask from character spans of the ChatML text, independent of the loader.
+        blocks = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in chat]
+        text = "".join(blocks)
+        assert tok.apply_chat_template(chat, tokenize=False) == text
+        spans, start = [], 0
+        for m, block in zip(chat, blocks):
+            if m["role"] == "assistant":
+                spans.append((start, start + len(block)))
+            start += len(block)
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        expected = [any(a <= lo and hi <= b for a, b in spans) for lo, hi in enc["offset_mapping"]]
+        assert ids.tolist() == enc["input_ids"]
+        assert mask.tolist() == expected
+        assert tok.decode(ids[mask].tolist()) == "".join(text[a:b] for a, b in spans)
+
+
+def test_chat_template_that_rewrites_earlier_turns_is_an_error(tmp_path):
+    save_tokenizer(tmp_path / "tok", chat_template=LAST_TURN_THINKS)
+    one_turn = CHATS[1]
+    (ids, mask), = load_jsonl(write_chats(tmp_path / "one.jsonl", [one_turn]), str(tmp_path / "tok"))
+    assert mask.sum() > 0 and not mask[0]  # one exchange renders consistently: fine
+    with pytest.raises(ValueError, match=r"multi\.jsonl:2: the chat template renders messages 0\.\.2 "
+                                         r"differently once message 3 \(user\) follows them"):
+        load_jsonl(write_chats(tmp_path / "multi.jsonl", [one_turn, CHATS[0]]), str(tmp_path / "tok"))
+
+
+def chat_run_overrides(tmp_path):
+    """A tiny jsonl run on chat rows (10 conversations: 9 train, 1 held out) with a random target
+    whose vocabulary is the tokenizer's."""
+    vocab_size = len(save_tokenizer(tmp_path / "tok"))
+    data = write_chats(tmp_path / "chat.jsonl", CHATS * 5)
+    return [f"run.output_dir={tmp_path / 'run'}", "data.source=jsonl", f"data.train_path={data}",
+            f"data.tokenizer_path={tmp_path / 'tok'}", f"target.vocab_size={vocab_size}",
+            "target.num_layers=4", "data.batch_size=4"]
+
+
+def test_chat_jsonl_trains_end_to_end(tmp_path):
+    sets = chat_run_overrides(tmp_path)
+    tok_mask = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["added_tokens"][3]
+    assert tok_mask["content"] == "<|MASK|>"
+    cfg = load_config(overrides=sets + ["run.steps=4", "run.log_every=1", "run.eval_every=2",
+                                        "run.checkpoint_every=4"])
+    # MASK is the tokenizer's <|MASK|>, not the random target's last id (a real BPE token here).
+    assert resolve_config(cfg).drafter.mask_token_id == tok_mask["id"]
+    logs = []
+    assert run_training(cfg, log=logs.append) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["event"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in train)
+    assert logs[-1].startswith("final held-out acceptance length")
+    exported = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
+    assert exported["dflash_config"]["mask_token_id"] == tok_mask["id"]
+
+
+def test_token_ids_beyond_the_target_vocabulary_are_an_error(tmp_path):
+    sets = chat_run_overrides(tmp_path)
+    top = max(int(ids.max()) for ids, _ in load_jsonl(tmp_path / "chat.jsonl", str(tmp_path / "tok")))
+    train, held_out = build_datasets(load_config(overrides=sets + [f"target.vocab_size={top + 1}"]), 3)
+    assert len(train) == 9 and len(held_out) == 1
+    with pytest.raises(ValueError, match=rf"chat\.jsonl has token id {top}, outside the target's "
+                                         rf"vocabulary \({top}\)"):
+        build_datasets(load_config(overrides=sets + [f"target.vocab_size={top}"]), 3)
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    with pytest.raises(ValueError, match=rf"chat\.jsonl has token id {top}"):  # the eval file's
+        build_datasets(load_config(overrides=sets + [f"target.vocab_size={top}", f"data.train_path={small}",
+                                                     f"data.eval_path={tmp_path / 'chat.jsonl'}"]), 3)

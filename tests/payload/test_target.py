@@ -89,3 +89,20 @@ def test_mask_token_id(tmp_path):
     tok["added_tokens"].append({"id": 5, "content": "<|other|>"})
     (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
     assert resolve_mask_token_id(hf, None) == 4
+    with pytest.raises(ValueError, match=r"<\|MASK\|> is id 4, outside the target's vocabulary \(4\)"):
+        resolve_mask_token_id(TargetConfig(path=str(tmp_path), vocab_size=4), None)
+
+
+def test_mask_token_id_from_data_tokenizer_path(tmp_path):
+    # data.tokenizer_path is the tokenizer the data were made with: it wins over target.path's,
+    # and gives a random target the tokenizer's MASK instead of its last id.
+    (tmp_path / "data_tok").mkdir()
+    tok = {"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": [{"id": 2, "content": "<|MASK|>"}]}
+    (tmp_path / "data_tok" / "tokenizer.json").write_text(json.dumps(tok))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0}}}))
+    data_tok = str(tmp_path / "data_tok")
+    assert resolve_mask_token_id(TargetConfig(vocab_size=10), None, data_tok) == 2
+    assert resolve_mask_token_id(TargetConfig(path=str(tmp_path), vocab_size=10), None, data_tok) == 2
+    assert resolve_mask_token_id(TargetConfig(path=str(tmp_path), vocab_size=10), None) == 1
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        resolve_mask_token_id(TargetConfig(vocab_size=10), None, str(tmp_path / "nowhere"))
