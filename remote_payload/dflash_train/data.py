@@ -18,6 +18,10 @@ from .target import Qwen3Target, build_tiny_target
 Sequence = tuple[torch.Tensor, torch.Tensor]  # (input_ids [T] long, loss_mask [T] bool)
 
 
+class DataError(ValueError):
+    """Bad training data (a malformed row, a missing tokenizer): the message is one line for the user."""
+
+
 @dataclass
 class Batch:
     """One training batch; N sequences padded to S, A anchors each."""
@@ -89,7 +93,7 @@ class BlockSampler:
     def __init__(self, seqs: list[Sequence], cfg: DataConfig, block_size: int, seed: int,
                  shuffle: bool = True):
         if len(seqs) < cfg.batch_size:
-            raise ValueError(f"{len(seqs)} sequences are fewer than one batch ({cfg.batch_size})")
+            raise DataError(f"{len(seqs)} sequences are fewer than one batch ({cfg.batch_size})")
         self.seqs, self.cfg, self.block_size, self.seed, self.shuffle = seqs, cfg, block_size, seed, shuffle
 
     @property
@@ -116,24 +120,30 @@ def load_jsonl(path: str | Path, tokenizer_path: str | None = None) -> list[Sequ
     """Rows of {"input_ids", "loss_mask"?} or chat {"messages"} (tokenised with the target's
     chat template via `transformers`, imported only if such rows appear)."""
     seqs, tokenizer = [], None
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
             if "input_ids" in row:
-                ids = torch.tensor(row["input_ids"], dtype=torch.long)
-                mask = torch.tensor(row.get("loss_mask", [1] * len(row["input_ids"])), dtype=torch.bool)
+                try:
+                    ids = torch.tensor(row["input_ids"], dtype=torch.long)
+                    mask = torch.tensor(row.get("loss_mask", [1] * len(row["input_ids"])), dtype=torch.bool)
+                except (TypeError, ValueError):
+                    raise DataError(f"{path}:{line_no}: input_ids and loss_mask must be flat lists of integers") from None
                 if mask.shape != ids.shape:
-                    raise ValueError(f"{path}:{line_no}: loss_mask and input_ids differ in length")
+                    raise DataError(f"{path}:{line_no}: loss_mask and input_ids differ in length")
             elif "messages" in row:
                 tokenizer = tokenizer or load_tokenizer(tokenizer_path, path)
                 try:
                     ids, mask = tokenize_chat(row["messages"], tokenizer)
                 except ValueError as exc:
-                    raise ValueError(f"{path}:{line_no}: {exc}") from None
+                    raise DataError(f"{path}:{line_no}: {exc}") from None
             else:
-                raise ValueError(f"{path}:{line_no}: row has neither input_ids nor messages")
+                raise DataError(f"{path}:{line_no}: row has neither input_ids nor messages")
             seqs.append((ids, mask))
     return seqs
 
@@ -141,11 +151,11 @@ def load_jsonl(path: str | Path, tokenizer_path: str | None = None) -> list[Sequ
 def load_tokenizer(tokenizer_path: str | None, data_path: str | Path):
     """The HF tokenizer for chat rows; a clear error if `transformers` or the path is missing."""
     if tokenizer_path is None:
-        raise ValueError(f"{data_path} has chat rows: set data.tokenizer_path or target.path")
+        raise DataError(f"{data_path} has chat rows: set data.tokenizer_path or target.path")
     try:
         from transformers import AutoTokenizer  # lazy: only chat data needs it
     except ImportError:
-        raise ValueError(f"{data_path} has chat rows, which need the `transformers` package; "
+        raise DataError(f"{data_path} has chat rows, which need the `transformers` package; "
                          "install it or pre-tokenise to input_ids/loss_mask") from None
     return AutoTokenizer.from_pretrained(tokenizer_path)
 
@@ -165,7 +175,7 @@ def tokenize_chat(messages: list[dict], tokenizer) -> Sequence:
         rendered = list(tokenizer.apply_chat_template(messages[: i + 1], tokenize=True,
                                                       return_dict=True)["input_ids"])
         if rendered[: len(ids)] != ids:
-            raise ValueError(f"the chat template renders messages 0..{i - 1} differently once message "
+            raise DataError(f"the chat template renders messages 0..{i - 1} differently once message "
                              f"{i} ({message.get('role')}) follows them, so the tokens of each turn are "
                              "unknown; pre-tokenise this row to input_ids/loss_mask")
         mask += [int(message.get("role") == "assistant")] * (len(rendered) - len(ids))
@@ -203,7 +213,7 @@ def check_vocab(seqs: list[Sequence], vocab_size: int, path: str | Path) -> list
     would be a device-side assert in the embedding, far from its cause)."""
     top = max((int(ids.max()) for ids, _ in seqs if ids.numel()), default=-1)
     if top >= vocab_size:
-        raise ValueError(f"{path} has token id {top}, outside the target's vocabulary ({vocab_size}): "
+        raise DataError(f"{path} has token id {top}, outside the target's vocabulary ({vocab_size}): "
                          "is data.tokenizer_path the target's tokenizer?")
     return seqs
 
@@ -213,7 +223,7 @@ def build_datasets(cfg: Config, mask_token_id: int) -> tuple[list[Sequence], lis
     d, seed = cfg.data, cfg.run.seed
     if d.source == "demo":
         if cfg.target.path is not None:
-            raise ValueError("data.source demo needs the random target (unset target.path)")
+            raise DataError("data.source demo needs the random target (unset target.path)")
         # Generated on CPU in fp32 so the data do not depend on where training runs.
         return demo_sequences(build_tiny_target(cfg.target, cfg.target.seed), d, mask_token_id, seed)
     if d.source == "random":

@@ -26,7 +26,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from . import distributed, workers
 from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, dump_yaml, to_dict
-from .data import Batch, BlockSampler, build_datasets
+from .data import Batch, BlockSampler, DataError, build_datasets
 from .export import export_drafter
 from .loss import LossOutput, default_gamma, dflash_loss
 from .model import DFlashDrafter, DrafterSpec, block_input_ids, block_mask
@@ -288,7 +288,10 @@ def evaluate(replica: Replica, batches: list[Batch]) -> dict[str, float]:
 def load_data(cfg: Config, world: int = 1) -> tuple[BlockSampler, list[Batch]]:
     """The sampler of global batches (`data.batch_size` sequences per replica, `world` replicas)
     and the fixed held-out batches (first epoch's anchors, unshuffled, one replica's size)."""
-    train_seqs, eval_seqs = build_datasets(cfg, cfg.drafter.mask_token_id)
+    try:
+        train_seqs, eval_seqs = build_datasets(cfg, cfg.drafter.mask_token_id)
+    except (DataError, OSError) as exc:  # bad input: one line for the user, like a bad config
+        raise ConfigError(f"data: {exc}") from None
     global_cfg = dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * world)
     try:
         sampler = BlockSampler(train_seqs, global_cfg, cfg.drafter.block_size, cfg.run.seed)

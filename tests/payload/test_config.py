@@ -92,6 +92,23 @@ def test_cli_bad_config_in_a_fresh_process():
     assert proc.stderr.strip() == "error: run.steps must be positive"
 
 
+@pytest.mark.parametrize("rows, expected", [
+    ('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2\n', "bad.jsonl:2: not JSON (Expecting ',' delimiter)"),
+    ('{"input_ids": [[1], [2, 3]]}\n', "bad.jsonl:1: input_ids and loss_mask must be flat lists of integers"),
+    (None, "No such file or directory"),
+], ids=["truncated line", "ragged ids", "missing file"])
+def test_bad_data_file_is_one_line_in_a_fresh_process(tmp_path, rows, expected):
+    path = tmp_path / "bad.jsonl"
+    if rows is not None:
+        path.write_text(rows)
+    proc = subprocess.run([sys.executable, "-m", "dflash_train", "--set", "data.source=jsonl",
+                           "--set", f"data.train_path={path}", "--set", f"run.output_dir={tmp_path / 'run'}"],
+                          cwd=PAYLOAD, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: data: ") and expected in lines[0], proc.stderr
+
+
 def test_qwen3_8b_preset_resolves_to_the_published_recipe():
     cfg = resolve_config(load_config(preset="qwen3-8b", overrides=["run.device=cpu"]))
     assert cfg.drafter.target_layer_ids == [1, 9, 17, 25, 33]
