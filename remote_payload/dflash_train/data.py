@@ -157,7 +157,11 @@ def load_tokenizer(tokenizer_path: str | None, data_path: str | Path):
     except ImportError:
         raise DataError(f"{data_path} has chat rows, which need the `transformers` package; "
                          "install it or pre-tokenise to input_ids/loss_mask") from None
-    return AutoTokenizer.from_pretrained(tokenizer_path)
+    if not Path(tokenizer_path, "tokenizer_config.json").is_file():
+        raise DataError(f"{data_path} has chat rows: {tokenizer_path} is not a tokenizer directory "
+                        "(no tokenizer_config.json); data.tokenizer_path must be a local directory")
+    # Local files only: a training container must never fetch from a model hub mid-run.
+    return AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
 
 
 def tokenize_chat(messages: list[dict], tokenizer) -> Sequence:

@@ -70,6 +70,15 @@ def test_chat_rows_without_transformers_say_so(tmp_path, monkeypatch):
         load_jsonl(path, tokenizer_path=str(tmp_path))
 
 
+def test_chat_rows_need_a_local_tokenizer_directory(tmp_path):
+    # A hub name would make from_pretrained download mid-run; it is refused before that call.
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"Qwen/Qwen3-8B is not a tokenizer directory \(no tokenizer_config\.json\); "
+                                         r"data\.tokenizer_path must be a local directory"):
+        load_jsonl(path, tokenizer_path="Qwen/Qwen3-8B")
+
+
 # ----------------------------------------------------------------------------------------------
 # Chat rows, with a byte-level BPE tokenizer trained here (nothing comes from a model hub).
 
