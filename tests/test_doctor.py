@@ -179,6 +179,16 @@ def test_jobs_spec_and_default() -> None:
     # One per 4 CPUs, at most one per policy, at least one: a 2-core CI runner stays sequential.
     assert [D.default_jobs(4, cpus) for cpus in (None, 2, 4, 11, 16, 128)] == [1, 1, 1, 2, 4, 4]
     assert D.default_jobs(2, 128) == 2
+
+
+@pytest.mark.parametrize("cpu_max, expected", [(None, 64), ("max 100000\n", 64), ("200000 100000\n", 2),
+                                               ("150000 100000\n", 2), ("50000 100000\n", 1), ("garbage", 64)])
+def test_usable_cpus_honours_a_cgroup_quota(tmp_path, monkeypatch, cpu_max, expected) -> None:
+    # A container's quota (docker --cpus 2) caps the compile-pass children, not the host's count.
+    monkeypatch.setattr(D.os, "sched_getaffinity", lambda pid: set(range(64)))
+    if cpu_max is not None:
+        (tmp_path / "cpu.max").write_text(cpu_max)
+    assert D.usable_cpus(tmp_path) == expected
     # The client passes even a bad value on: the container side rejects it with exit 2.
     assert DoctorOptions(jobs=0).argv()[-2:] == ["--jobs", "0"] and "--jobs" not in DoctorOptions().argv()
 

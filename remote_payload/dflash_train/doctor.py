@@ -529,6 +529,19 @@ def parse_jobs(spec: str | None) -> int | None:
     return int(spec)
 
 
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may really use: its affinity mask (an LXC `cores:` cpuset) capped by a
+    cgroup v2 quota (`cpu.max`, e.g. docker --cpus); os.cpu_count() reports the host's."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return cpus
+    if quota == "max":
+        return cpus
+    return max(1, min(cpus, -(-int(quota) // int(period))))  # a partial CPU still counts as one
+
+
 def default_jobs(count: int, cpus: int | None) -> int:
     """Compile-pass children at once when --jobs is not given: one per 4 CPUs, so that CPU
     contention on a small container does not push a slow compile past --smoke-timeout into a
@@ -708,7 +721,7 @@ def smoke_tests(args: argparse.Namespace, devices: list[str], faults: dict[str, 
     if runnable:
         steps = args.steps or _default_steps(devices)
         results.update(run_smokes(runnable, devices, steps, args.smoke_timeout, faults,
-                                  jobs or default_jobs(len(runnable), os.cpu_count())))
+                                  jobs or default_jobs(len(runnable), usable_cpus())))
     return {policy: results[policy] for policy in POLICIES}
 
 
