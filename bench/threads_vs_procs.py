@@ -141,7 +141,7 @@ def child_process(args) -> dict:
     warmup = time.monotonic() - t0
     dist.barrier()
     t0 = last = time.monotonic()
-    windows = []
+    windows, last_step = [], 0
     for step in range(cfg.run.steps):
         loss = ops.forward_backward(replica, data(step))
         for flat in flats:
@@ -151,8 +151,8 @@ def child_process(args) -> dict:
         if (step + 1) % SYNC_EVERY == 0 or step + 1 == cfg.run.steps:  # as the threads' sync points
             int(W.param_checksum(params))
             now = time.monotonic()
-            windows.append(((step + 1) - sum(n for n, _ in windows), now - last))
-            last = now
+            windows.append((step + 1 - last_step, now - last))
+            last, last_step = now, step + 1
     sync(device)
     step_ms = (time.monotonic() - t0) / cfg.run.steps * 1e3
     fixed = W.shard_batch(sampler.batch(0), 0, world)

@@ -169,7 +169,7 @@ def tokenize_chat(messages: list[dict], tokenizer) -> Sequence:
 
     Each prefix of the conversation is rendered and the tokens it adds are attributed to its last
     message. That needs a template which renders a prefix the same way whatever follows it; one
-    that does not is a ValueError, not a shifted mask. Qwen3's does not for multi-turn chats: it
+    that does not is a DataError, not a shifted mask. Qwen3's does not for multi-turn chats: it
     gives the last assistant turn an empty think block and earlier ones none.
     """
     ids: list[int] = []
@@ -213,7 +213,7 @@ def random_sequences(vocab_size: int, num: int, length: int, mask_token_id: int,
 
 
 def check_vocab(seqs: list[Sequence], vocab_size: int, path: str | Path) -> list[Sequence]:
-    """`seqs`, or a ValueError if a token id is outside the target's vocabulary (on CUDA that
+    """`seqs`, or a DataError if a token id is outside the target's vocabulary (on CUDA that
     would be a device-side assert in the embedding, far from its cause)."""
     top = max((int(ids.max()) for ids, _ in seqs if ids.numel()), default=-1)
     if top >= vocab_size:
