@@ -220,7 +220,6 @@ def rows(doc: dict) -> dict[str, dict]:
 
 @pytest.mark.parametrize("jobs", [[], ["--jobs", "2"]], ids=["default-jobs", "jobs-2"])
 def test_local_injected_crash_and_hang(local_env: dict[str, str], jobs: list[str]) -> None:
-    started = time.monotonic()
     proc = cli(local_env, "doctor", "local", "--json", "--inject", "crash:default,hang:off", "--smoke-timeout", "15",
                *jobs)
     assert proc.returncode == 1, proc.stderr
@@ -249,7 +248,6 @@ def test_local_injected_crash_and_hang(local_env: dict[str, str], jobs: list[str
         # found in the compile pass: neither is run again for timing
         assert "smoke off on" not in proc.stderr and "smoke default on" not in proc.stderr
         assert by_id["smoke:off"]["evidence"].count("(compile pass)") == 1
-    assert time.monotonic() - started < 90
 
     console = Console(record=True, width=250, color_system=None)
     render_report(doc, console)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -205,9 +204,7 @@ def test_killed_node_fails_the_other_within_60s_naming_it(pair):
     dead = pair.meta("gpu2", run_id)
     os.killpg(dead["trainer"]["pid"], signal.SIGKILL)  # the node dies: its trainer and its supervisor
     os.kill(dead["supervisor"]["pid"], signal.SIGKILL)
-    t0 = time.monotonic()
     wait_until(lambda: pair.exit_code("shim", run_id) is not None, 60, "the surviving node to exit")
-    assert time.monotonic() - t0 < 60
     assert pair.exit_code("shim", run_id) == 75
     log = pair.log("shim", run_id)
     assert "error: lost node gpu2 (rank 1)" in log, log[-3000:]

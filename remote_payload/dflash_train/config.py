@@ -106,7 +106,9 @@ class RunConfig:
     gpus: list[int] = field(default_factory=list)  # one worker thread per listed GPU; empty: run.device
     threads: int = 0  # worker threads; 0: one per entry of gpus (else 1); N > 1 without gpus: N
     # replicas on run.device (CPU tests of the data-parallel path)
-    barrier_timeout_s: float = 1800.0  # a worker not reaching the next barrier in this time is an error
+    barrier_timeout_s: float = 1800.0  # a worker not reaching the next step's barrier in this time is an error
+    compile_timeout_s: float = 1800.0  # same for start-up waits (the build/compile lock, the barriers
+    # before step 1), which include the other workers' builds and compiles
     export_dir: str | None = None  # None: <output_dir>/export
 
 
@@ -239,17 +241,19 @@ def validate(cfg: Config) -> None:
     if data.source == "jsonl" and not data.train_path:
         raise ConfigError("data.source jsonl needs data.train_path")
     run = cfg.run
-    if run.threads < 0 or run.barrier_timeout_s <= 0:
-        raise ConfigError("run.threads must be >= 0 and run.barrier_timeout_s > 0")
+    if run.threads < 0:
+        raise ConfigError("run.threads must be >= 0")
     if run.gpus and run.threads not in (0, len(run.gpus)):
         raise ConfigError(f"run.threads {run.threads} contradicts run.gpus {run.gpus} (one thread per GPU)")
     if any(g < 0 for g in run.gpus) or len(set(run.gpus)) != len(run.gpus):
         raise ConfigError(f"run.gpus must list distinct GPU indices, got {run.gpus}")
-    for name in ("timeout_s", "rendezvous_timeout_s", "heartbeat_s", "lost_after_s"):
-        # Finite too: timedelta(seconds=inf) overflows inside torch.distributed, nan compares false.
-        value = getattr(cfg.dist, name)
+    seconds = [("run", "barrier_timeout_s"), ("run", "compile_timeout_s"), ("dist", "timeout_s"),
+               ("dist", "rendezvous_timeout_s"), ("dist", "heartbeat_s"), ("dist", "lost_after_s")]
+    for section, name in seconds:
+        # Finite too: an infinite timeout overflows in threading and torch.distributed; nan compares false.
+        value = getattr(getattr(cfg, section), name)
         if not 0 < value < math.inf:
-            raise ConfigError(f"dist.{name} must be a positive number of seconds, got {value!r}")
+            raise ConfigError(f"{section}.{name} must be a positive number of seconds, got {value!r}")
     if cfg.dist.lost_after_s <= cfg.dist.heartbeat_s:
         raise ConfigError(f"dist.lost_after_s {cfg.dist.lost_after_s:g} must exceed dist.heartbeat_s "
                           f"{cfg.dist.heartbeat_s:g}")

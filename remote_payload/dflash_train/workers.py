@@ -119,7 +119,10 @@ class ThreadedOptions:
     seed: int = 0
     warmup_steps: int = 2  # fwd+bwd calls per worker under the warm-up lock (compile + capture)
     sync_every: int = 10  # compare checksums and call on_sync every this many steps (and at the end)
-    barrier_timeout_s: float = 1800.0  # a barrier (or the build/compile lock) not passed in time: error
+    barrier_timeout_s: float = 1800.0  # a step barrier not passed in time: error
+    # Start-up waits (the build/compile lock, the barriers before step 1) include other workers'
+    # builds and compiles, minutes on a GPU and seconds on a loaded CPU: a separate, longer bound.
+    compile_timeout_s: float = 1800.0
     grace_s: float = 5.0  # after a failure, how long to wait for the other workers to stop
     start_step: int = 0  # steps already done (resume): training runs steps start_step+1 .. steps
     # Fault injection (the run config's `debug` section, and `dflashctl doctor --inject`):
@@ -366,9 +369,7 @@ class Coordinator:
             if self.error is None and not secondary:
                 device = "coordinator" if rank is None else str(self.devices[rank])
                 detail = "".join(traceback.format_exception(exc))
-                if isinstance(exc, threading.BrokenBarrierError):
-                    detail += f"barrier timed out after {self.opt.barrier_timeout_s}s; phases: {self.phase}\n"
-                elif isinstance(exc, TimeoutError):
+                if isinstance(exc, TimeoutError):
                     detail += f"phases: {self.phase}\n"
                 self.error = WorkerError(rank, device, phase, detail)
                 self.error.__cause__ = exc
@@ -447,13 +448,13 @@ class Coordinator:
             buckets.attach()
         self._warm_up(rank, replica, params)
         self.loss_sum[rank] = torch.zeros((), device=device)
-        self._wait(rank, self.ready, "ready")
+        self._wait(rank, self.ready, "ready", self.opt.compile_timeout_s)
         if self.opt.on_start is not None:
             if rank == 0:
                 self.phase[rank] = "on_start"
                 self.opt.on_start(SyncPoint(self.opt.start_step, [], 0.0, self.replicas,
                                             warmup_s=list(self.warmup_s)))
-            self._wait(rank, self.resumed, "start")
+            self._wait(rank, self.resumed, "start", self.opt.compile_timeout_s)
         self.last_sync_time = t0 = time.monotonic()
         step = self.opt.start_step
         while step < self.finish_after:
@@ -503,12 +504,12 @@ class Coordinator:
     @contextmanager
     def _serialised(self, rank: int, phase: str) -> Iterator[None]:
         self.phase[rank] = f"waiting for lock ({phase})"
-        deadline = time.monotonic() + self.opt.barrier_timeout_s
+        deadline = time.monotonic() + self.opt.compile_timeout_s
         while not self.serial.acquire(timeout=0.1):
             if self.stop.is_set():
                 raise _Stopped()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"worker {rank} waited {self.opt.barrier_timeout_s}s for the "
+                raise TimeoutError(f"worker {rank} waited {self.opt.compile_timeout_s:g}s for the "
                                    f"build/compile lock ({phase})")
         try:
             self.phase[rank] = phase
@@ -516,11 +517,17 @@ class Coordinator:
         finally:
             self.serial.release()
 
-    def _wait(self, rank: int, barrier: threading.Barrier, phase: str) -> None:
+    def _wait(self, rank: int, barrier: threading.Barrier, phase: str, timeout: float | None = None) -> None:
         if self.stop.is_set():
             raise _Stopped()
         self.phase[rank] = phase
-        barrier.wait(timeout=self.opt.barrier_timeout_s)
+        timeout = self.opt.barrier_timeout_s if timeout is None else timeout
+        try:
+            barrier.wait(timeout=timeout)
+        except threading.BrokenBarrierError:
+            if self.stop.is_set():  # broken by a failure elsewhere, already recorded
+                raise
+            raise TimeoutError(f"barrier timed out after {timeout:g}s") from None
 
     def _maybe_fail(self, rank: int, where: str) -> None:
         if rank != self.opt.fail_rank:

@@ -39,6 +39,9 @@ def test_yaml_then_overrides_with_coercion(tmp_path):
     ("dist.rendezvous_timeout_s=.inf", "dist.rendezvous_timeout_s must be a positive number of seconds"),
     ("dist.lost_after_s=1", "dist.lost_after_s 1 must exceed dist.heartbeat_s 1"),
     ("dist.lost_after_s=soon", "dist.lost_after_s must be float"),
+    ("run.compile_timeout_s=0", "run.compile_timeout_s must be a positive number of seconds, got 0.0"),
+    ("run.barrier_timeout_s=.inf", "run.barrier_timeout_s must be a positive number of seconds, got inf"),
+    ("run.threads=-1", "run.threads must be >= 0"),
 ])
 def test_bad_overrides_raise_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message) as err:
