@@ -15,7 +15,8 @@ from .inventory import ContainerSpec, HostSpec
 from .transport import Completed, Process, Sink, StdinSource, Transport, env_argv
 
 _PCT_NOT_RUNNING = re.compile(r"container '?(\d+)'? not running", re.I)
-_DOCKER_NOT_RUNNING = re.compile(r"(is not running|No such container)", re.I)
+_DOCKER_NOT_RUNNING = re.compile(r"container \S+ is not running", re.I)
+_DOCKER_MISSING = re.compile(r"No such container", re.I)
 _NOT_FOUND_CODES = (126, 127)
 
 
@@ -23,9 +24,9 @@ def wrap_argv(container: ContainerSpec, argv: Sequence[str]) -> list[str]:
     """The argv that runs `argv` inside the container, as the host must execute it."""
     argv = [str(a) for a in argv]
     if container.runtime == "pct":
-        return [container.pct_path, "exec", str(container.vmid), "--", *argv]
+        return [container.executable, "exec", str(container.vmid), "--", *argv]
     if container.runtime == "docker":
-        return ["docker", "exec", "-i", str(container.name), *argv]
+        return [container.executable, "exec", "-i", str(container.name), *argv]
     return argv
 
 
@@ -78,10 +79,16 @@ class Target:
                 f"{self.host.name}: container {spec.vmid} is not running (start it with `pct start {spec.vmid}`)"
             )
         if spec.runtime == "docker" and _DOCKER_NOT_RUNNING.search(err):
-            raise ContainerError(f"{self.host.name}: docker container '{spec.name}' is not running")
+            raise ContainerError(
+                f"{self.host.name}: docker container '{spec.name}' is not running (start it with `docker start {spec.name}`)"
+            )
+        if spec.runtime == "docker" and _DOCKER_MISSING.search(err):
+            raise ContainerError(f"{self.host.name}: no docker container named '{spec.name}' (see `docker ps -a`)")
         if result.exit_code in _NOT_FOUND_CODES and _mentions_missing(err):
-            if result.argv[0] == spec.pct_path and argv[0] not in err:
-                raise ContainerError(f"{self.host.name}: `{spec.pct_path}` not found on the host (set container.pct)")
+            if spec.runtime != "none" and result.argv[0] == spec.executable and argv[0] not in err:
+                raise ContainerError(
+                    f"{self.host.name}: `{spec.executable}` not found on the host (set container.{spec.runtime})"
+                )
             hint = " (set `python` for this host in hosts.yaml)" if argv[0] == self.host.interpreter else ""
             raise ContainerError(f"{self.label}: `{argv[0]}` not found{hint}")
 

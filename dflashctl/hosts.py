@@ -100,9 +100,10 @@ def _check_container(target: Target) -> Check:
     if spec.runtime == "none":
         return Check("container", True, "none (commands run on the host)")
     if spec.runtime == "pct":
-        argv, want, hint = [spec.pct_path, "status", str(spec.vmid)], "status: running", f"pct start {spec.vmid}"
+        argv, want, hint = [spec.executable, "status", str(spec.vmid)], "status: running", f"pct start {spec.vmid}"
     else:
-        argv, want, hint = ["docker", "inspect", "-f", "{{.State.Running}}", str(spec.name)], "true", f"docker start {spec.name}"
+        argv = [spec.executable, "inspect", "-f", "{{.State.Running}}", str(spec.name)]
+        want, hint = "true", f"docker start {spec.name}"
     try:
         result = target.transport.run(argv, timeout=60)
     except DflashError as exc:
@@ -113,7 +114,8 @@ def _check_container(target: Target) -> Check:
     if result.ok:
         return Check("container", False, f"{spec.describe()} is not running ({seen})", hint)
     if result.exit_code == 127:
-        return Check("container", False, f"`{argv[0]}` not found on {target.host.name}", "set container.pct" if spec.runtime == "pct" else "install docker")
+        return Check("container", False, f"`{argv[0]}` not found on {target.host.name}",
+                     f"set container.{spec.runtime} to its path, or install it")
     return Check("container", False, f"{spec.describe()}: {result.err_line()}", "check the container id/name in hosts.yaml")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ LOCAL = "local"
 TRANSPORTS = ("ssh", "local")
 RUNTIMES = ("pct", "docker", "none")
 DEFAULT_WORKDIR = "~/.dflashctl"
-DEFAULT_PCT = "/usr/sbin/pct"
+DEFAULT_TOOLS = {"pct": "/usr/sbin/pct", "docker": "docker"}  # the runtime's command on the host
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,12 @@ class ContainerSpec:
     runtime: str = "none"
     vmid: int | None = None
     name: str | None = None
-    pct_path: str = DEFAULT_PCT
+    tool: str | None = None  # `container.pct` / `container.docker` (e.g. podman); None: DEFAULT_TOOLS
+
+    @property
+    def executable(self) -> str:
+        """The runtime's command on the host: `/usr/sbin/pct`, `docker`, or the configured one."""
+        return self.tool or DEFAULT_TOOLS[self.runtime]
 
     def describe(self) -> str:
         """Short human form: `pct 200`, `docker trainer`, or `-`."""
@@ -177,7 +183,8 @@ _HOST_KEYS = {
     "transport", "address", "user", "port", "identity_file", "proxy_jump", "container",
     "python", "workdir", "gpus", "rendezvous_address", "persist",
 }
-_CONTAINER_KEYS = {"runtime", "vmid", "name", "pct"}
+_CONTAINER_KEYS = {"runtime", "vmid", "name", "pct", "docker"}
+_DOCKER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
 
 
 def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
@@ -248,24 +255,27 @@ def _parse_container(fail: Any, raw: Any) -> ContainerSpec:
     runtime = raw.get("runtime", "none")
     if runtime not in RUNTIMES:
         raise fail(f"container.runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    for key in ("vmid", "name", "pct", "docker"):
+        needs = "docker" if key in ("name", "docker") else "pct"
+        if key in raw and runtime != needs:
+            raise fail(f"container.{key} needs container.runtime {needs}")
+    tool = raw.get(runtime)
+    if tool is not None and (not isinstance(tool, str) or not tool):
+        raise fail(f"container.{runtime} must be a command or path, got {tool!r}")
     if runtime == "pct":
         vmid = raw.get("vmid")
         if isinstance(vmid, bool) or not isinstance(vmid, int):
             raise fail(f"container.vmid must be an integer, got {vmid!r}")
         if vmid < 100:
             raise fail(f"container.vmid must be 100 or more (Proxmox ids), got {vmid}")
-        pct = raw.get("pct", DEFAULT_PCT)
-        if not isinstance(pct, str) or not pct:
-            raise fail(f"container.pct must be a path, got {pct!r}")
-        return ContainerSpec(runtime="pct", vmid=vmid, pct_path=pct)
+        return ContainerSpec(runtime="pct", vmid=vmid, tool=tool)
     if runtime == "docker":
         cname = raw.get("name")
         if not isinstance(cname, str) or not cname:
             raise fail(f"container.name must be the docker container's name, got {cname!r}")
-        return ContainerSpec(runtime="docker", name=cname)
-    extra = {k for k in ("vmid", "name", "pct") if k in raw}
-    if extra:
-        raise fail(f"container.{sorted(extra)[0]} needs container.runtime pct or docker")
+        if not _DOCKER_NAME.fullmatch(cname):  # docker's own rule; also keeps a name from reading as an option
+            raise fail(f"container.name must match [a-zA-Z0-9][a-zA-Z0-9_.-]* (a docker name or id), got {cname!r}")
+        return ContainerSpec(runtime="docker", name=cname, tool=tool)
     return ContainerSpec()
 
 

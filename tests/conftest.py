@@ -1,4 +1,4 @@
-"""Shared fixtures: real OpenSSH servers on loopback with the `pct` test shim behind them.
+"""Shared fixtures: real OpenSSH servers on loopback with the `pct` and `docker` test shims behind them.
 
 Fixture API (all objects are `tests/sshd.py:SshdHost`):
 
@@ -10,16 +10,21 @@ and authorized_keys; root may log in by key only. Attributes:
   remote_home                     HOME of ssh sessions on the server side (sshd SetEnv), so the
                                   machine's ~/.bashrc stays out of the tests
   containers_root, pct_path       shim containers (one directory each) and the installed shim
+  docker_root, docker_path        the same for the docker shim (tests/shims/docker)
   inventory_path                  hosts.yaml: `shim` (pct 200, running, python = sys.executable,
                                   workdir in the container; the default), `stopped` (pct 201,
-                                  stopped), `bare` (runtime none)
+                                  stopped), `bare` (runtime none), `dock` (docker shim container
+                                  `trainer`, running), `dockstop` (docker `halted`, exited)
   env                             os.environ + HOME=home + DFLASHCTL_INVENTORY=inventory_path,
                                   without SSH_AUTH_SOCK; NO_COLOR=1, COLUMNS=200
 Methods:
   container_dir(vmid) -> Path     the container's directory (HOME and cwd inside it)
+  docker_dir(name) -> Path        the same for a docker shim container
+  add_docker(name, running)       create (or empty) another docker shim container
   set_running(vmid, bool)         start/stop a shim container
   add_container(vmid, running)    create (or empty) another container
-  reset()                         containers back to: 200 running and empty, 201 stopped
+  reset()                         containers back to: 200 running and empty, 201 stopped;
+                                  docker `trainer` running and empty, `halted` exited
   session(home=None, inventory=None) -> Session   in-process, SshOptions(home=...), no agent
   kill_connections() -> int       SIGKILL the per-connection sshd processes (listener stays up)
   run_cli(*args, input=None, timeout=60, env=None, cwd=None, binary=False)

@@ -1,4 +1,4 @@
-"""Test harness: a real OpenSSH sshd on a loopback address, a client HOME that trusts it, and the pct shim.
+"""Test harness: a real OpenSSH sshd on a loopback address, a client HOME that trusts it, and the pct and docker shims.
 
 Used by conftest.py; see its docstring for the fixture API.
 """
@@ -19,8 +19,11 @@ import yaml
 
 SSHD = "/usr/sbin/sshd"
 SHIM = Path(__file__).parent / "shims" / "pct"
+DOCKER_SHIM = Path(__file__).parent / "shims" / "docker"
 SHIM_VMID = 200
 STOPPED_VMID = 201
+DOCKER_NAME = "trainer"  # the `dock` host's docker container (running)
+DOCKER_STOPPED = "halted"  # the `dockstop` host's (exited)
 CLI = [sys.executable, "-c", "from dflashctl.cli import main; main()"]
 MB = 1024 * 1024
 # Copies stdin to stdout and stderr as it reads: all three streams are busy at once, so a pump
@@ -94,6 +97,8 @@ class SshdHost:
         self.home = base / "home"
         self.containers_root = base / "containers"
         self.pct_path = base / "bin" / "pct"
+        self.docker_root = base / "docker-containers"
+        self.docker_path = base / "bin" / "docker"
         self.inventory_path = base / "hosts.yaml"
         self.host_key = base / "etc" / "ssh_host_ed25519_key"
         self.log_path = base / "sshd.log"
@@ -128,11 +133,14 @@ class SshdHost:
         return keygen(ssh_dir / "id_ed25519", f"client@{self.address}")
 
     def _install_shim(self) -> None:
-        """Copy the shim to bin/pct; it finds its containers in ../containers."""
+        """Copy the shims to bin/pct and bin/docker; they find their containers in ../containers
+        and ../docker-containers."""
         self.pct_path.parent.mkdir(parents=True)
         self.containers_root.mkdir()
-        shutil.copy2(SHIM, self.pct_path)
-        self.pct_path.chmod(0o755)
+        self.docker_root.mkdir()
+        for source, path in ((SHIM, self.pct_path), (DOCKER_SHIM, self.docker_path)):
+            shutil.copy2(source, path)
+            path.chmod(0o755)
 
     def _config(self) -> str:
         etc = self.base / "etc"
@@ -239,12 +247,22 @@ class SshdHost:
         entry.update(extra)
         return entry
 
+    def docker_entry(self, name: str, **extra: object) -> dict:
+        """A hosts.yaml entry for this sshd with the docker shim's container `name`."""
+        entry: dict = {"transport": "ssh", "address": self.address, "port": self.port, "user": self.user,
+                       "python": sys.executable, "workdir": str(self.docker_dir(name) / "work"),
+                       "container": {"runtime": "docker", "name": name, "docker": str(self.docker_path)}}
+        entry.update(extra)
+        return entry
+
     def write_inventory(self, path: Path | None = None, extra_hosts: dict | None = None) -> Path:
         """Write a hosts.yaml with shim, stopped, bare (+ extra_hosts); default shim."""
         hosts = {
             "shim": self.host_entry(SHIM_VMID),
             "stopped": self.host_entry(STOPPED_VMID),
             "bare": self.host_entry(None),
+            "dock": self.docker_entry(DOCKER_NAME),
+            "dockstop": self.docker_entry(DOCKER_STOPPED),
             **(extra_hosts or {}),
         }
         path = path or self.inventory_path
@@ -303,20 +321,36 @@ class SshdHost:
         self.set_running(vmid, running)
         return path
 
+    def docker_dir(self, name: str) -> Path:
+        """The docker shim container's directory (its HOME and default cwd)."""
+        return self.docker_root / name
+
+    def add_docker(self, name: str, running: bool = True) -> Path:
+        """Create (or empty) docker shim container `name`, running or exited; return its directory."""
+        path = self.docker_dir(name)
+        shutil.rmtree(path, ignore_errors=True)
+        (path / "work").mkdir(parents=True)
+        (self.docker_root / f"{name}.state").write_text("running\n" if running else "exited\n")
+        return path
+
     def set_running(self, vmid: int, running: bool) -> None:
         """Mark the shim container running or stopped."""
         status = "running" if running else "stopped"
         (self.containers_root / f"{vmid}.conf").write_text(f"hostname: ct{vmid}\nstatus: {status}\n")
 
     def reset(self) -> None:
-        """Back to the initial state: only containers 200 (running, empty) and 201 (stopped)."""
-        for entry in self.containers_root.iterdir():
-            if entry.is_dir():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
+        """Back to the initial state: only containers 200 (running, empty) and 201 (stopped), and
+        docker containers `trainer` (running, empty) and `halted` (exited)."""
+        for root in (self.containers_root, self.docker_root):
+            for entry in root.iterdir():
+                if entry.is_dir():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
         self.add_container(SHIM_VMID, True)
         self.add_container(STOPPED_VMID, False)
+        self.add_docker(DOCKER_NAME, True)
+        self.add_docker(DOCKER_STOPPED, False)
 
     def kill_connections(self) -> int:
         """SIGKILL every per-connection sshd process (the listener stays up); return how many."""

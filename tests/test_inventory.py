@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dflashctl.errors import UsageError
-from dflashctl.inventory import DEFAULT_PCT, load_inventory, parse_inventory
+from dflashctl.inventory import load_inventory, parse_inventory
 
 
 @pytest.mark.parametrize(
@@ -20,6 +20,14 @@ from dflashctl.inventory import DEFAULT_PCT, load_inventory, parse_inventory
          "hosts.yaml: host 'gpu1': container.name must be the docker container's name, got None"),
         ("hosts:\n  gpu1:\n    container: {runtime: lxd}\n",
          "hosts.yaml: host 'gpu1': container.runtime must be one of pct, docker, none, got 'lxd'"),
+        ("hosts:\n  gpu1:\n    container: {runtime: pct, vmid: 200, docker: podman}\n",
+         "hosts.yaml: host 'gpu1': container.docker needs container.runtime docker"),
+        ("hosts:\n  gpu1:\n    container: {runtime: docker, name: '-it'}\n",
+         "hosts.yaml: host 'gpu1': container.name must match [a-zA-Z0-9][a-zA-Z0-9_.-]* (a docker name or id), got '-it'"),
+        ("hosts:\n  gpu1:\n    container: {runtime: none, vmid: 200}\n",
+         "hosts.yaml: host 'gpu1': container.vmid needs container.runtime pct"),
+        ("hosts:\n  gpu1:\n    container: {runtime: docker, name: t, docker: ''}\n",
+         "hosts.yaml: host 'gpu1': container.docker must be a command or path, got ''"),
         ("hosts:\n  gpu1:\n    gpus: [0, 0]\n", "hosts.yaml: host 'gpu1': gpus lists an index twice: [0, 0]"),
         ("hosts:\n  gpu1:\n    gpus: 2\n", "hosts.yaml: host 'gpu1': gpus must be a list of GPU indices like [0, 1], got 2"),
         ("hosts:\n  local:\n    address: 10.0.0.1\n",
@@ -42,8 +50,15 @@ def test_a_full_host_entry_parses():
     )
     host = inv.get(None)
     assert (host.name, host.address, host.user, host.port, host.gpus) == ("gpu1", "10.1.2.6", "root", 22, (0, 1))
-    assert (host.container.runtime, host.container.vmid, host.container.pct_path) == ("pct", 200, DEFAULT_PCT)
+    assert (host.container.runtime, host.container.vmid, host.container.executable) == ("pct", 200, "/usr/sbin/pct")
     assert inv.get("local").transport == "local"  # always there
+
+
+def test_docker_container_defaults_to_docker_and_takes_another_cli():
+    inv = parse_inventory("hosts:\n  a: {container: {runtime: docker, name: trainer}}\n"
+                          "  b: {container: {runtime: docker, name: trainer, docker: /usr/bin/podman}}\n")
+    assert inv.get("a").container.executable == "docker" and inv.get("a").container.describe() == "docker trainer"
+    assert inv.get("b").container.executable == "/usr/bin/podman"
 
 
 def test_repo_example_inventory_is_valid():

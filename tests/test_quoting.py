@@ -49,8 +49,9 @@ class RecordingTransport(Transport):
     ("container", "expected"),
     [
         (ContainerSpec("pct", vmid=200), ["/usr/sbin/pct", "exec", "200", "--", "ls", "-l", "a b"]),
-        (ContainerSpec("pct", vmid=200, pct_path="/opt/pct"), ["/opt/pct", "exec", "200", "--", "ls", "-l", "a b"]),
+        (ContainerSpec("pct", vmid=200, tool="/opt/pct"), ["/opt/pct", "exec", "200", "--", "ls", "-l", "a b"]),
         (ContainerSpec("docker", name="trainer"), ["docker", "exec", "-i", "trainer", "ls", "-l", "a b"]),
+        (ContainerSpec("docker", name="t1", tool="podman"), ["podman", "exec", "-i", "t1", "ls", "-l", "a b"]),
         (ContainerSpec(), ["ls", "-l", "a b"]),
     ],
 )
