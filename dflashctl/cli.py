@@ -240,6 +240,14 @@ def _parse_env(items: List[str]) -> dict:
     return env
 
 
+def _host_and_run(session: Session, host: Optional[str], run: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """`CMD RUN` means RUN on the default host: a lone argument naming no host, group or host list is a run."""
+    inv = session.inventory
+    if host is not None and run is None and host not in inv.hosts and host not in inv.groups and "," not in host:
+        return None, host
+    return host, run
+
+
 def _first_host(session: Session, spec: Optional[str]) -> Optional[str]:
     """The host to ask first for HOST given as a host, `a,b` or a group name (None: the default)."""
     return session.inventory.resolve_many(spec)[0].name if spec else None
@@ -262,12 +270,13 @@ def train_cmd(
 ) -> None:
     """Push the payload if it changed, start the trainer detached, and (optionally) follow it."""
     from .logs import attach
-    from .runs import parse_gpus, push_payload, start_run
+    from .runs import parse_gpus, push_payload, resolved_config, start_run
 
     session = _state(ctx).session()
     env = _parse_env(env_items)
     if config is not None and not config.is_file():
         raise UsageError(f"--config: no such file: {config}")
+    resolved_config(config, overrides)  # a bad --set or config file fails before anything is pushed
     hosts = session.inventory.resolve_many(host)
     if len(hosts) > 1:
         raise typer.Exit(_train_group(session, hosts, gpus=gpus, config=config, overrides=overrides, name=name,
@@ -345,7 +354,7 @@ def runs_list(
 @runs_app.command("show")
 def runs_show(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted)."),
+    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted; a single non-host argument is a RUN)."),
     run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the curves to this PNG (needs matplotlib)."),
     curves: bool = typer.Option(True, "--curves/--no-curves", help="Draw loss and acceptance length in the terminal."),
@@ -357,6 +366,7 @@ def runs_show(
     from .runs import details_table
 
     session = _state(ctx).session()
+    host, run = _host_and_run(session, host, run)
     info = show_group(session, _first_host(session, host), run)  # several hosts: combined over the nodes
     if json_out:
         typer.echo(json.dumps(info, indent=2))
@@ -374,7 +384,7 @@ def runs_show(
 @runs_app.command("stop")
 def runs_stop(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted)."),
+    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted; a single non-host argument is a RUN)."),
     run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run)."),
     grace: float = typer.Option(60.0, "--grace", help="Seconds between SIGTERM (trainer checkpoints) and SIGKILL."),
 ) -> None:
@@ -383,6 +393,7 @@ def runs_stop(
     from .runs import state_text
 
     session = _state(ctx).session()
+    host, run = _host_and_run(session, host, run)
     target = session.target(_first_host(session, host))
     err = Console(stderr=True)
     err.print(Text(f"stopping {run or 'the latest run'} on {target.label} (SIGKILL after {grace:g} s)...", style="dim"))
@@ -410,9 +421,7 @@ def logs_tail(
     from .multihost import attach_all, final_state, pick_node
 
     session = _state(ctx).session()
-    inv = session.inventory
-    if host is not None and run is None and host not in inv.hosts and host not in inv.groups and "," not in host:
-        host, run = None, host  # `logs tail RUN` on the default host
+    host, run = _host_and_run(session, host, run)
     err = Console(stderr=True)
     if all_nodes:
         if node is not None:

@@ -557,6 +557,8 @@ def run_inspect(target: Target, opts: InspectOptions, write: Callable[[str], Non
     """Do one inspect call; write gets plain text, pretty (a rich Console) gets terminal output."""
     if opts.context < 0:
         raise UsageError("--context must be 0 or more")
+    if not opts.target.strip():
+        raise UsageError("TARGET is empty: give a module, symbol, alias or config key")
     dotted = expand_alias(opts.target)
     config = config_split(dotted)
     if opts.path:
@@ -565,6 +567,8 @@ def run_inspect(target: Target, opts: InspectOptions, write: Callable[[str], Non
         return
     if config and not (opts.source or opts.lines):
         view = read_config(target, config[0], config[1], opts.grep)
+        if opts.grep is not None and not view.entries:  # like grep(1): no match is not success
+            raise NotFoundError(f"--grep {opts.grep!r}: no key of {view.module} matches")
         if opts.json:
             write(json.dumps(view.to_json(), indent=2) + "\n")
         elif pretty is not None and view.key is None:
@@ -576,6 +580,10 @@ def run_inspect(target: Target, opts: InspectOptions, write: Callable[[str], Non
     view = read_source(
         target, dotted, cache, lines=parse_lines(opts.lines, opts.context), grep=opts.grep, context=opts.context
     )
+    if opts.grep is not None and not view.matches:
+        where = f"{view.symbol} in {view.module}" if view.symbol else view.module
+        span = f", lines {opts.lines}" if opts.lines else ""
+        raise NotFoundError(f"--grep {opts.grep!r}: no match in {where} ({view.file}){span}")
     if opts.json:
         write(json.dumps(view.to_json(), indent=2) + "\n")
     elif pretty is not None:

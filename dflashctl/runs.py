@@ -95,7 +95,11 @@ def resolved_config(config_file: Path | None, overrides: Sequence[str]) -> dict[
             if not isinstance(node.get(part), dict):
                 node[part] = {}
             node = node[part]
-        node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+        try:
+            node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            why = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise UsageError(f"--set {item!r}: the value is not valid YAML ({why})") from None
     return data
 
 

@@ -2,39 +2,18 @@
 
 The shim honours the `docker exec -i NAME CMD...` contract dflashctl relies on (argv exec'd with no
 shell, exit codes passed through, the daemon's "is not running" / "No such container" errors);
-the hosts are `dock` (container `trainer`, running) and `dockstop` (`halted`, exited).
+the hosts are `dock` (container `trainer`, running) and `dockstop` (`halted`, exited). Hostile
+arguments through `docker exec` are tested with pct's in test_quoting.py.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Iterator
-
 import pytest
-from hypothesis import HealthCheck, given, settings
 from runs_helpers import install_standin
 from sshd import DOCKER_NAME
 from test_exec import one_line_error
 from test_hosts import rows
-from test_quoting import PRINT_ARGS, arguments
-
-from dflashctl.containers import Target
-
-
-@pytest.fixture(scope="module")
-def dock_target(sshd_host) -> Iterator[Target]:
-    """One session (one SSH connection) for every hypothesis example."""
-    sshd_host.reset()
-    with sshd_host.session() as session:
-        yield session.target("dock")
-
-
-@given(arguments)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_hostile_arguments_survive_sshd_docker_exec_and_bash(dock_target, args):
-    result = dock_target.run([*PRINT_ARGS, *args], timeout=30)
-    assert result.exit_code == 0, result.stderr
-    assert result.stdout == b"".join(a.encode() + b"\0" for a in args)
 
 
 def test_exit_code_streams_stdin_and_cwd_pass_through(shim_host):

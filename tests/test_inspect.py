@@ -387,6 +387,13 @@ def test_parse_lines_forms():
             parse_lines(bad)
 
 
+@pytest.mark.parametrize("options,message", [({"target": " "}, "TARGET is empty"),
+                                             ({"target": "compile_fx", "context": -1}, "--context must be 0 or more")])
+def test_bad_options_fail_before_any_remote_call(options, message):
+    with pytest.raises(UsageError, match=message):
+        run_inspect(None, InspectOptions(**options), print)  # type: ignore[arg-type]  # no target: never reached
+
+
 def test_aliases():
     assert expand_alias("compile_fx") == "torch._inductor.compile_fx"
     assert expand_alias("compile_fx.cudagraphify") == "torch._inductor.compile_fx.cudagraphify"
@@ -408,6 +415,13 @@ def test_grep_bounded_by_lines_with_context(session, reference):
     with_context = inspect_text(session, "shim", target="compile_fx", lines="1800:1905", grep="cudagraph_trees", context=1)
     first = with_context.splitlines()[0]
     assert first == f"{hits[0] - 1}- {lines[hits[0] - 2]}"
+
+
+def test_grep_without_a_match_is_not_found(session):
+    with pytest.raises(NotFoundError, match=r"^--grep 'no_such_word_xyz': no match in torch\._inductor\.compile_fx \(/.*compile_fx\.py\), lines 1:40$"):
+        inspect_text(session, "shim", target="compile_fx", lines="1:40", grep="no_such_word_xyz")
+    with pytest.raises(NotFoundError, match=r"^--grep 'no_such_key_xyz': no key of torch\._inductor\.config matches$"):
+        inspect_text(session, "shim", target="inductor.config", grep="no_such_key_xyz")
 
 
 def test_path_and_json(session, reference):

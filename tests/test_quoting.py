@@ -1,4 +1,4 @@
-"""Arguments reach the container byte-exact: argv lists, `shlex.join`, never pasted strings."""
+"""Arguments reach the container byte-exact: argv lists, `shlex.join`, never pasted strings (pct and docker)."""
 
 from __future__ import annotations
 
@@ -78,18 +78,18 @@ def test_shlex_join_round_trips_through_a_posix_shell_parser(args):
     assert shlex.split(shlex.join(argv)) == argv
 
 
-@pytest.fixture(scope="module")
-def shim_target(sshd_host) -> Iterator[Target]:
-    """One session (one SSH connection) for every hypothesis example."""
+@pytest.fixture(scope="module", params=["shim", "dock"])
+def container_target(request, sshd_host) -> Iterator[Target]:
+    """The pct shim's or the docker shim's container, one session (one SSH connection) for every example."""
     sshd_host.reset()
     with sshd_host.session() as session:
-        yield session.target("shim")
+        yield session.target(request.param)
 
 
 @given(arguments)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_hostile_arguments_survive_sshd_pct_and_bash(shim_target, args):
-    """sshd's login shell, the pct shim and `bash -lc` hand back exactly the bytes we sent."""
-    result = shim_target.run([*PRINT_ARGS, *args], timeout=30)
+def test_hostile_arguments_survive_sshd_the_container_tool_and_bash(container_target, args):
+    """sshd's login shell, `pct exec` / `docker exec` and `bash -lc` hand back exactly the bytes we sent."""
+    result = container_target.run([*PRINT_ARGS, *args], timeout=30)
     assert result.exit_code == 0, result.stderr
     assert result.stdout == b"".join(a.encode() + b"\0" for a in args)

@@ -89,6 +89,17 @@ def test_parse_gpus_and_resolved_config(tmp_path):
         "run": {"steps": 7}, "optim": {"lr": 1e-3}, "name": {"sub": 1}}
     with pytest.raises(UsageError):
         resolved_config(None, ["novalue"])
+    with pytest.raises(UsageError, match=r"^--set 'run.steps=\[': the value is not valid YAML \(expected the node content"):
+        resolved_config(None, ["run.steps=["])
+
+
+def test_bad_override_fails_before_anything_is_pushed(shim_host, tmp_path):
+    source = install_standin(tmp_path / "payload_src")
+    res = shim_host.run_cli("train", "shim", "--source", str(source), "--detach", "--set", "run.steps=[")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == [
+        "error: --set 'run.steps=[': the value is not valid YAML (expected the node content, but found '<stream end>')"]
+    assert not (shim_host.container_dir(SHIM_VMID) / "work" / "payload").exists()
 
 
 # --- end to end through sshd + pct shim ----------------------------------------------------------
@@ -242,6 +253,10 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     with pytest.raises(NotFoundError):
         show_run(target, "zzz")
     png = tmp_path / "curves.png"
+    only_run = host.run_cli("runs", "show", "n2", "--json", "--no-curves")  # a lone non-host argument: a run
+    assert only_run.returncode == 0 and json.loads(only_run.stdout)["run_id"] == ids[2]
+    missing = host.run_cli("runs", "stop", "zzz")
+    assert missing.returncode == 5 and missing.stderr.strip().endswith("no run matches 'zzz'")
     shown = host.run_cli("runs", "show", "shim", "n2", "--plot", str(png))
     assert ids[2] in shown.stdout and "acceptance length" in shown.stdout  # details and terminal curves
     assert (shown.returncode == 0 and png.exists()) or (shown.returncode == 2 and "matplotlib" in shown.stderr)

@@ -177,7 +177,7 @@ def test_cli_fault_exits_nonzero_with_the_traceback(tmp_path, fault, phase):
     # Only the step barriers are tight: start-up waits (worker 0's build, seconds on a loaded CI
     # machine) keep run.compile_timeout_s's default. A hang would show as communicate's timeout.
     proc = trainer(tmp_path / "run", *SMALL, "run.threads=2", "data.batch_size=2", "run.steps=8",
-                   f"debug.{fault}", "debug.fail_rank=1", "run.barrier_timeout_s=2")
+                   f"debug.{fault}", "debug.fail_rank=1", "run.barrier_timeout_s=4")
     text = proc.communicate(timeout=120)[0]
     assert proc.returncode == 1, text
     if fault.startswith("fail_at"):
@@ -185,7 +185,7 @@ def test_cli_fault_exits_nonzero_with_the_traceback(tmp_path, fault, phase):
         assert "Traceback (most recent call last)" in text and "InjectedFault: injected fault at" in text
     else:  # the hung worker is 1; worker 0 times out at the barrier and names every worker's phase
         assert "error: worker 0 (cpu) failed during step 2 gradient all-reduce:" in text
-        assert "barrier timed out after 2s\nphases: ['step 2 gradient all-reduce', 'step 2 forward/backward']" in text
+        assert "barrier timed out after 4s\nphases: ['step 2 gradient all-reduce', 'step 2 forward/backward']" in text
 
 
 def test_bad_debug_fault_spec_is_a_config_error():
