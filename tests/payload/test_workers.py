@@ -179,12 +179,12 @@ def test_a_slow_build_is_waited_for_past_the_step_barrier_timeout(setup):
 
     def slow_build(device, seed, policy):
         if not built:  # the first build (under the lock) outlasts the step timeout
-            time.sleep(2.5)
+            time.sleep(3.5)
         built.append(base.build(device, seed, policy))
         return built[-1]
 
     result = run(cfg, sampler, world=2, steps=2, ops=dataclasses.replace(base, build=slow_build),
-                 barrier_timeout_s=1.0, warmup_steps=0)
+                 barrier_timeout_s=2.0, warmup_steps=0)
     assert result.steps == 2 and len(set(result.checksums)) == 1
     assert "hang_forever" not in worker_threads_alive()  # the hung daemon thread is simply left behind
 
