@@ -95,6 +95,7 @@ def torch_version() -> str:
 
 
 def main() -> None:
+    """Time the one-liner and `dflashctl inspect` (cold/warm cache, optionally via a mux); print a table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--lines", default="1825:1888")

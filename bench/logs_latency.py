@@ -75,6 +75,7 @@ def measure(session, host: str | None, workdir: Path, lines: int) -> list[float]
 
 
 def report(name: str, lat: list[float]) -> str:
+    """One markdown table row: line count, then p50, p90, p99 and max latency in ms."""
     ms = sorted(x * 1000 for x in lat)
     pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
     return (f"| {name} | {len(ms)} | {statistics.median(ms):.0f} | {pick(0.9):.0f} | {pick(0.99):.0f} "
@@ -82,6 +83,7 @@ def report(name: str, lat: list[float]) -> str:
 
 
 def main() -> None:
+    """Measure follow latency locally and through sshd + the pct shim; print a markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=200)
     args = parser.parse_args()

@@ -47,6 +47,7 @@ def make_payload(root: Path, files: int, total_mb: int) -> list[Path]:
 
 
 def timed(action: Callable[[], object]) -> float:
+    """Wall-clock seconds one call of action takes."""
     started = time.perf_counter()
     action()
     return time.perf_counter() - started
@@ -69,24 +70,29 @@ class Bench:
         )
 
     def push(self) -> None:
+        """One in-process push to the shim with a fresh Session, so it pays its SSH connect."""
         with self.host.session() as session:
             push(session.target("shim"), self.source)
 
     def push_cli(self) -> None:
+        """One `dflashctl push` through the CLI: a new process, so Python startup and imports count."""
         done = subprocess.run([*CLI, "push", "shim", "--source", str(self.source)], env=self.host.env, capture_output=True)
         assert done.returncode == 0, done.stderr
 
     def rsync(self) -> None:
+        """Mirror the source into the container with `rsync -a --delete` over ssh."""
         dest = f"{self.host.user}@{self.host.address}:{self.rsync_dest}/"
         self.rsync_dest.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(["rsync", "-a", "--delete", "-e", self.ssh, f"{self.source}/", dest], check=True)
 
     def clear(self) -> None:
+        """Delete both destinations, so the next round starts with a first push."""
         shutil.rmtree(self.push_workdir, ignore_errors=True)
         shutil.rmtree(self.rsync_dest, ignore_errors=True)
 
 
 def run(repeats: int, files: int, total_mb: int) -> None:
+    """Time push and rsync on each case, repeats times in alternating order, then print the report."""
     base = Path(tempfile.mkdtemp(prefix="push-bench-"))
     host = SshdHost(base / "sshd", "127.0.0.1").start()
     try:
@@ -113,6 +119,7 @@ def run(repeats: int, files: int, total_mb: int) -> None:
 
 
 def report(times: dict, cli_noop: float, repeats: int, files: int, total_mb: int) -> None:
+    """Print the median times per case as a markdown table, plus the CLI no-op time."""
     print(f"push vs rsync -a over ssh: {files} files, {total_mb} MB, median of {repeats}")
     print(f"{os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()} {platform.release()}")
     print()

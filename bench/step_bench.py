@@ -63,6 +63,7 @@ PHASES = ("target_fwd", "mask_embed", "drafter_fwd_loss", "backward", "optimizer
 
 
 def log(msg: str, fh=None) -> None:
+    """Print msg and, given fh, append it to the log file too."""
     print(msg, flush=True)
     if fh is not None:
         fh.write(msg + "\n")
@@ -166,6 +167,7 @@ class Rig:
 
 
 def make_config(shape: str, batch: int, dry: bool) -> BenchConfig:
+    """BenchConfig for shape and batch: 3072 tokens, bf16, flex attention; dry run: 64 tokens, fp32, dense."""
     t = TargetConfig(**SHAPES[shape], rope_theta=1e6, init_std=0.02)
     seq, anchors = (64, 8) if dry else (3072, 512)
     data = DataConfig(source="random", max_length=seq, anchors_per_seq=anchors, batch_size=batch,
@@ -302,6 +304,7 @@ def matmul_peak(device: torch.device, n: int, reps: int) -> float:
 
 
 def run_row(shape: str, mode: str, batch: int, args, device: torch.device, peak: float, fh) -> dict:
+    """Build, warm up and time one (shape, mode, batch) row; returns its speed, FLOPs, memory and phases."""
     dry = args.dry_run
     cfg = make_config(shape, batch, dry)
     t0 = time.perf_counter()
@@ -392,6 +395,7 @@ def run_row(shape: str, mode: str, batch: int, args, device: torch.device, peak:
 
 
 def table(rows: list[dict], peak: float) -> str:
+    """The rows so far as a markdown table, headed by the measured matmul peak."""
     lines = [f"peak bf16 matmul (measured, median): {peak:.0f} TFLOP/s",
              "| shape | mode | batch | ms/step | samples/s | TFLOP/sample | TFLOP/s | MFU | peak GiB | "
              "target fwd | mask+embed | drafter fwd+LM head | backward | optimizer | first loss |",
@@ -411,6 +415,7 @@ def table(rows: list[dict], peak: float) -> str:
 
 
 def main(argv=None) -> int:
+    """Run the plan's rows within the deadline, logging each; write step_bench.json; 0 if all rows ran."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"], default=None,
                    help="one row of this shape (default: the plan)")

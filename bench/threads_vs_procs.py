@@ -59,6 +59,7 @@ def make_config(name: str, world: int, compile_mode: str, device: str, steps: in
 
 
 def sampler_for(cfg):
+    """The trainer's BlockSampler over cfg's training set."""
     from dflash_train.data import BlockSampler, build_datasets
 
     train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)

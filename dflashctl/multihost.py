@@ -326,6 +326,7 @@ class Prefixer:
         self.partial: dict[str, bytes] = {}
 
     def sink(self, host: str) -> Callable[[bytes], None]:
+        """A writer for host's stream: whole lines go out prefixed `[host] `, a partial one waits for the rest."""
         prefix = f"[{host}] ".encode()
 
         def write(data: bytes) -> None:
@@ -341,6 +342,7 @@ class Prefixer:
         return write
 
     def flush(self) -> None:
+        """Write out every held-back partial line, newline-terminated, and flush the output."""
         with self.lock:
             for host, rest in self.partial.items():
                 self.out.write(f"[{host}] ".encode() + rest + b"\n")

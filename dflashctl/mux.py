@@ -234,11 +234,13 @@ class _Pipe(Read1Stream):
         self._error: BaseException | None = None
 
     def feed(self, data: bytes) -> None:
+        """Append bytes from the frame reader and wake any waiting read1."""
         with self._cond:
             self._buf.extend(data)
             self._cond.notify_all()
 
     def finish(self, error: BaseException | None = None) -> None:
+        """Mark the end of the stream; once drained, read1 raises error if one is given, else returns b''."""
         with self._cond:
             self._eof = True
             self._error = error
@@ -270,6 +272,7 @@ class _Writer:
         self.closed = False
 
     def write(self, data: bytes) -> int:
+        """Send data to the command's stdin as STDIN frames of at most 256 KiB."""
         view = memoryview(data)
         for start in range(0, len(view), 256 * 1024):
             self._proc._send(STDIN, bytes(view[start : start + 256 * 1024]))
@@ -279,6 +282,7 @@ class _Writer:
         """Writes are unbuffered."""
 
     def close(self) -> None:
+        """Send EOF once; a command that has already ended is not an error."""
         if not self.closed:
             self.closed = True
             try:
@@ -560,6 +564,7 @@ class _Server:
         self.threads: list[threading.Thread] = []
 
     def alive(self) -> bool:
+        """Whether the SSH connection is up (True before the first connect, False once it has dropped)."""
         client = self.transport._client
         if client is None:
             return not self.connects
@@ -567,6 +572,7 @@ class _Server:
         return t is not None and t.is_active()
 
     def run(self, listener: socket.socket) -> None:
+        """Accept same-user clients, one thread each, until stopped, idle past persist, or the SSH link is down."""
         listener.settimeout(0.2)
         while not self.stop.is_set():
             try:
@@ -595,6 +601,7 @@ class _Server:
             thread.start()
 
     def shutdown(self) -> None:
+        """Stop serving, close the SSH connection (open channels fail) and give handler threads 2 s each."""
         self.stop.set()
         try:
             self.transport.close()  # open channels fail: their clients hear "connection lost"
@@ -604,12 +611,14 @@ class _Server:
             t.join(2)
 
     def stats(self) -> bytes:
+        """The mux's pid, host, connect and channel counts, other clients active, and persist, as JSON."""
         with self.lock:
             data = {"pid": os.getpid(), "host": self.host.name, "connects": self.connects,
                     "channels": self.channels, "active": self.active - 1, "persist": self.host.persist}  # fmt: skip
         return json.dumps(data).encode()
 
     def handle(self, conn: socket.socket) -> None:
+        """Serve one client connection (a stats query, a stop request or a command), then close it."""
         try:
             frame = _recv(conn)
             if frame is None:
@@ -634,6 +643,7 @@ class _Server:
                 pass
 
     def command(self, conn: socket.socket, request: dict) -> None:
+        """Run the request's argv over the shared connection, relaying stdin, stdout, stderr and exit code."""
         if self.stop.is_set():
             _send(conn, GONE)
             return

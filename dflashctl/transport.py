@@ -209,12 +209,14 @@ class _LocalProcess(Process):
         self.stdin, self.stdout, self.stderr = popen.stdin, popen.stdout, popen.stderr  # type: ignore[assignment]
 
     def wait(self, timeout: float | None = None) -> int:
+        """Wait for the child's exit code; TimeoutError (not TimeoutExpired) on timeout."""
         try:
             return self._p.wait(timeout)
         except subprocess.TimeoutExpired:
             raise TimeoutError from None
 
     def kill(self) -> None:
+        """Kill the child unless it has already exited."""
         if self._p.poll() is None:
             self._p.kill()
 
@@ -251,7 +253,9 @@ class _MissingProcess(Process):
         self.stderr = io.BytesIO(f"{program}: command not found\n".encode())
 
     def wait(self, timeout: float | None = None) -> int:
+        """Always 127, like a shell that cannot find the program."""
         return 127
 
     def kill(self) -> None:
+        """Nothing runs, so there is nothing to stop."""
         pass

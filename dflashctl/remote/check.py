@@ -89,6 +89,7 @@ def probe_nvidia_smi():
 
 
 def main():
+    """Print the JSON description: Python version, executable, cwd, torch probe and nvidia-smi GPUs."""
     info = {
         "python": platform.python_version(),
         "executable": sys.executable,

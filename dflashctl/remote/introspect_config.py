@@ -21,6 +21,7 @@ ENV_NAME = r"^[A-Z][A-Z0-9_]*_[A-Z0-9_]+$"
 
 
 def main():
+    """Print the marker and the JSON answer for the config module named by argv[1]."""
     print(MARKER + json.dumps(answer(sys.argv[1]), default=repr))
 
 

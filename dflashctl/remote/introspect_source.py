@@ -18,6 +18,7 @@ MARKER = b"@@dflashctl-inspect@@ "
 
 
 def main():
+    """Answer the JSON request in argv[1] on stdout: marker and header line, then the content sent."""
     request = json.loads(sys.argv[1])
     try:
         header, content = answer(request)

@@ -81,12 +81,15 @@ class Layout(object):
         self.manifests = os.path.join(self.store, "m")
 
     def version_dir(self, vid):
+        """Directory holding version vid's files."""
         return os.path.join(self.versions, vid)
 
     def manifest_path(self, vid):
+        """Where version vid's manifest is stored."""
         return os.path.join(self.manifests, vid + ".json")
 
     def link_target(self, vid):
+        """What the `payload` link points at for version vid."""
         # Relative, so the link also resolves from the host side of a container's filesystem.
         return os.path.join(".payload", "v", vid)
 
@@ -127,6 +130,7 @@ def fs_path(root, rel):
 
 
 def stat_key(st):
+    """(inode, mtime_ns): while a file's key matches the manifest's, its stored hash still holds."""
     return [st.st_ino, st.st_mtime_ns]
 
 
@@ -168,6 +172,7 @@ def lock(layout):
 
 
 def make_dirs(path):
+    """Create path and its parents unless it is already a directory."""
     if not os.path.isdir(path):
         os.makedirs(path)
 
@@ -311,6 +316,7 @@ class Writer(threading.Thread):
         self.error = None
 
     def run(self):
+        """Apply queued op lists until the None sentinel; after an error, keep draining without writing."""
         fd = None
         while True:
             ops = self.jobs.get()
@@ -327,6 +333,7 @@ class Writer(threading.Thread):
             os.close(fd)
 
     def do(self, fd, op):
+        """Apply one op (open, data or close) and return the file descriptor now open, if any."""
         kind, arg = op
         if kind == "open":
             path, mode = arg
@@ -452,6 +459,7 @@ def swap_link(layout, vid):
 
 
 def write_file(path, data):
+    """Write data to path via a temporary file and a rename, so no reader sees a partial file."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as handle:
         handle.write(data)
@@ -459,6 +467,7 @@ def write_file(path, data):
 
 
 def write_line(obj):
+    """Send obj to the client as one JSON line on stdout, flushed at once."""
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
 

@@ -92,6 +92,7 @@ class NodeEnv:
 
     @property
     def rendezvous(self) -> str:
+        """`master_addr:master_port`, as messages show the rendezvous store."""
         return f"{self.master_addr}:{self.master_port}"
 
 
@@ -125,6 +126,7 @@ class Monitor(threading.Thread):
         self.seen = {r: (-1, time.monotonic()) for r in range(env.world_size) if r != env.rank}
 
     def run(self) -> None:
+        """Beat this node's heartbeat and watch the peers' until one is lost or failed (calls on_lost) or halted."""
         env = self.env
         while not self.halt.is_set():
             try:
@@ -158,6 +160,7 @@ class Monitor(threading.Thread):
         return None
 
     def stop(self) -> None:
+        """Halt the heartbeat loop and wait up to 5 s for it (unless called from the monitor thread)."""
         self.halt.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(5)
@@ -277,6 +280,7 @@ class NodeGroup:
         return box[0]
 
     def barrier(self) -> None:
+        """Wait until every node gets here (on the control group); a failure becomes NodeLost."""
         with self._collective("barrier"):
             dist.barrier(group=self.control)
 
