@@ -20,7 +20,7 @@ from rich.text import Text
 from . import __version__
 from .errors import DflashError, UsageError
 from .passthrough import run_passthrough
-from .inventory import load_inventory
+from .inventory import completions, load_inventory
 from .session import Session
 
 app = typer.Typer(
@@ -50,6 +50,14 @@ class AppState:
 
 def _state(ctx: typer.Context) -> AppState:
     return ctx.ensure_object(AppState)
+
+
+def _complete_host(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
+    """Shell completion of HOST from the inventory (read locally; no host is contacted)."""
+    try:
+        return completions(load_inventory(ctx.find_root().params.get("inventory")), incomplete)
+    except DflashError:  # a broken hosts.yaml completes nothing rather than printing an error mid-line
+        return []
 
 
 def _version(value: bool) -> None:
@@ -87,7 +95,10 @@ def hosts_list(ctx: typer.Context) -> None:
 @hosts_app.command("check")
 def hosts_check(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host name (default host if omitted)."),
+    host: Optional[str] = typer.Argument(
+        None, help="Host name (default host if omitted).",
+        autocompletion=_complete_host,
+    ),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Check reachability, container, interpreter, torch and GPUs of a host."""
@@ -103,7 +114,10 @@ def hosts_check(
 @hosts_app.command("trust")
 def hosts_trust(
     ctx: typer.Context,
-    host: str = typer.Argument(..., help="Host whose SSH key to record in ~/.ssh/known_hosts."),
+    host: str = typer.Argument(
+        ..., help="Host whose SSH key to record in ~/.ssh/known_hosts.",
+        autocompletion=_complete_host,
+    ),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation (scripts)."),
 ) -> None:
     """Show a host's SSH key fingerprint and record it as trusted."""
@@ -116,7 +130,10 @@ def hosts_trust(
 @hosts_app.command("disconnect")
 def hosts_disconnect(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host whose persistent connection to close (default host if omitted)."),
+    host: Optional[str] = typer.Argument(
+        None, help="Host whose persistent connection to close (default host if omitted).",
+        autocompletion=_complete_host,
+    ),
     all_hosts: bool = typer.Option(False, "--all", help="Close every persistent connection of this user."),
 ) -> None:
     """Stop the background connection (mux) kept by `persist:`, like `ssh -O exit`."""
@@ -146,7 +163,10 @@ def _confirm(question: str) -> bool:
 @app.command("exec", context_settings={"allow_interspersed_args": False})
 def exec_cmd(
     ctx: typer.Context,
-    host: str = typer.Argument(..., help="Host to run on."),
+    host: str = typer.Argument(
+        ..., help="Host to run on.",
+        autocompletion=_complete_host,
+    ),
     command: List[str] = typer.Argument(..., help="Command and arguments (put them after --)."),
 ) -> None:
     """Run a command inside the host's container; its exit code is passed through."""
@@ -164,7 +184,10 @@ def exec_cmd(
 @app.command("push")
 def push_cmd(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host to push to (default host if omitted)."),
+    host: Optional[str] = typer.Argument(
+        None, help="Host to push to (default host if omitted).",
+        autocompletion=_complete_host,
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List what would be sent and deleted; change nothing."),
     source: Optional[str] = typer.Option(None, "--source", help="Payload directory (default: the repo's remote_payload/)."),
 ) -> None:
@@ -197,7 +220,8 @@ def push_cmd(
 def inspect_cmd(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Alias (compile_fx, inductor.config, ...), dotted module, symbol or config key."),
-    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host to read from (default host if omitted)."),
+    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host to read from (default host if omitted).",
+                                        autocompletion=_complete_host),
     lines: Optional[str] = typer.Option(None, "--lines", "-l", help="A:B, A:+N (A and N more) or A (with --context)."),
     context: int = typer.Option(0, "--context", "-C", help="Lines around --lines A or around --grep matches."),
     grep: Optional[str] = typer.Option(None, "--grep", "-g", help="Regex; show matching lines (config: matching keys)."),
@@ -256,7 +280,10 @@ def _first_host(session: Session, spec: Optional[str]) -> Optional[str]:
 @app.command("train")
 def train_cmd(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host to train on (default host if omitted); `h1,h2` or a group: one run across those hosts."),
+    host: Optional[str] = typer.Argument(
+        None, help="Host to train on (default host if omitted); `h1,h2` or a group: one run across those hosts.",
+        autocompletion=_complete_host,
+    ),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="GPU indices like 0,1 (default: the host's gpus, else cpu)."),
     config: Optional[Path] = typer.Option(None, "--config", help="Trainer config (YAML); copied into the run directory."),
     overrides: List[str] = typer.Option([], "--set", help="Config override key=value (repeatable)."),
@@ -334,7 +361,10 @@ def _train_group(session: Session, hosts: list, *, gpus: Optional[str], config: 
 @runs_app.command("list")
 def runs_list(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host, `h1,h2` or a group (default host if omitted)."),
+    host: Optional[str] = typer.Argument(
+        None, help="Host, `h1,h2` or a group (default host if omitted).",
+        autocompletion=_complete_host,
+    ),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """List the runs on a host: state, GPUs, start, duration, last step and loss."""
@@ -354,7 +384,10 @@ def runs_list(
 @runs_app.command("show")
 def runs_show(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted; a single non-host argument is a RUN)."),
+    host: Optional[str] = typer.Argument(
+        None, help="Host (default host if omitted; a single non-host argument is a RUN).",
+        autocompletion=_complete_host,
+    ),
     run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the curves to this PNG (needs matplotlib)."),
     curves: bool = typer.Option(True, "--curves/--no-curves", help="Draw loss and acceptance length in the terminal."),
@@ -384,7 +417,10 @@ def runs_show(
 @runs_app.command("stop")
 def runs_stop(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted; a single non-host argument is a RUN)."),
+    host: Optional[str] = typer.Argument(
+        None, help="Host (default host if omitted; a single non-host argument is a RUN).",
+        autocompletion=_complete_host,
+    ),
     run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run)."),
     grace: float = typer.Option(60.0, "--grace", help="Seconds between SIGTERM (trainer checkpoints) and SIGKILL."),
 ) -> None:
@@ -406,12 +442,16 @@ def runs_stop(
 @logs_app.command("tail")
 def logs_tail(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted; a single non-host argument is a RUN)."),
+    host: Optional[str] = typer.Argument(
+        None, help="Host (default host if omitted; a single non-host argument is a RUN).",
+        autocompletion=_complete_host,
+    ),
     run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run)."),
     lines: int = typer.Option(50, "--lines", "-n", help="How many lines from the end to show first."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep following until the run ends; exit with its state's code."),
     since_step: Optional[int] = typer.Option(None, "--since-step", help="Start at the first log line of step K or later."),
-    node: Optional[str] = typer.Option(None, "--host", help="Multi-host run: the node whose log to show (default: the rank-0 node)."),
+    node: Optional[str] = typer.Option(None, "--host", help="Multi-host run: the node whose log to show (default: the rank-0 node).",
+                                        autocompletion=_complete_host),
     all_nodes: bool = typer.Option(False, "--all", help="Multi-host run: every node's log, each line prefixed with its host name."),
 ) -> None:
     """Print a run's last lines; with -f follow it (surviving dropped connections) to the end."""
@@ -441,7 +481,10 @@ def logs_tail(
 @app.command("doctor")
 def doctor_cmd(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(None, help="Host to diagnose (default host if omitted)."),
+    host: Optional[str] = typer.Argument(
+        None, help="Host to diagnose (default host if omitted).",
+        autocompletion=_complete_host,
+    ),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="GPU indices for the smoke tests, e.g. 0,1 (default: the host's gpus, else all)."),
     quick: bool = typer.Option(False, "--quick", help="Skip the threaded compile smoke tests."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
@@ -475,7 +518,7 @@ def main() -> None:
     state = AppState()
     code = 0
     try:
-        app(obj=state, standalone_mode=True)
+        app(obj=state, standalone_mode=True, prog_name="dflashctl")  # also names the completion variable
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except DflashError as exc:

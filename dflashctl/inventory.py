@@ -109,6 +109,16 @@ class Inventory:
         return [self.get(n) for n in names]
 
 
+def completions(inv: Inventory, incomplete: str) -> list[tuple[str, str]]:
+    """(name, description) of the hosts and groups starting with `incomplete`, for shell completion."""
+    found = []
+    for name, spec in sorted(inv.hosts.items()):
+        parts = [part for part in (spec.describe_address(), spec.container.describe()) if part != "-"]
+        found.append((name, " ".join(parts) or "this machine"))
+    found += [(name, "group: " + ", ".join(members)) for name, members in sorted(inv.groups.items())]
+    return [(name, about) for name, about in found if name.startswith(incomplete)]
+
+
 def builtin_local() -> HostSpec:
     """The embedded default host: this machine, no container."""
     return HostSpec(name=LOCAL, transport="local")

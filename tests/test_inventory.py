@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
+from sshd import CLI
 
 from dflashctl.errors import UsageError
-from dflashctl.inventory import load_inventory, parse_inventory
+from dflashctl.inventory import completions, load_inventory, parse_inventory
 
 
 @pytest.mark.parametrize(
@@ -107,3 +111,36 @@ def test_missing_explicit_inventory_exit_2(shim_host, tmp_path):
     result = shim_host.run_cli("--inventory", str(tmp_path / "nope.yaml"), "hosts", "list")
     assert result.returncode == 2
     assert "inventory file not found" in result.stderr and "Traceback" not in result.stderr
+
+
+COMPLETION_INVENTORY = """default: gpu1
+hosts:
+  gpu1: {address: 10.1.2.6, user: root, container: {runtime: pct, vmid: 200}}
+  gpu2: {address: 10.1.2.7, container: {runtime: docker, name: trainer}}
+groups:
+  all-gpus: [gpu1, gpu2]
+"""
+
+
+def test_completions_list_hosts_and_groups_by_prefix():
+    inv = parse_inventory(COMPLETION_INVENTORY)
+    assert completions(inv, "") == [("gpu1", "root@10.1.2.6 pct 200"), ("gpu2", "10.1.2.7 docker trainer"),
+                                    ("local", "this machine"), ("all-gpus", "group: gpu1, gpu2")]
+    assert [name for name, _ in completions(inv, "gpu")] == ["gpu1", "gpu2"]
+    assert completions(inv, "zz") == []
+
+
+@pytest.mark.parametrize("words,expected", [
+    ("dflashctl logs tail g", ["gpu1", "gpu2"]),
+    ("dflashctl --inventory {inv} inspect compile_fx -H a", ["all-gpus"]),
+    ("dflashctl --inventory /nonexistent.yaml exec ", []),  # a broken inventory completes nothing, silently
+])
+def test_shell_completion_of_host_arguments(tmp_path, words, expected):
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text(COMPLETION_INVENTORY)
+    words = words.format(inv=inv)
+    env = {**os.environ, "DFLASHCTL_INVENTORY": str(inv), "_DFLASHCTL_COMPLETE": "complete_bash",
+           "COMP_WORDS": words, "COMP_CWORD": str(len(words.split(" ")) - 1)}
+    result = subprocess.run(CLI, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.split() == expected
