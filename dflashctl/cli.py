@@ -428,6 +428,8 @@ def runs_stop(
     from .multihost import stop_group
     from .runs import state_text
 
+    if grace < 0:
+        raise UsageError(f"--grace must be 0 or more seconds, got {grace:g}")
     session = _state(ctx).session()
     host, run = _host_and_run(session, host, run)
     target = session.target(_first_host(session, host))
@@ -447,7 +449,7 @@ def logs_tail(
         autocompletion=_complete_host,
     ),
     run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run)."),
-    lines: int = typer.Option(50, "--lines", "-n", help="How many lines from the end to show first."),
+    lines: int = typer.Option(50, "--lines", "-n", help="How many lines from the end to show first (-1: the whole log)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep following until the run ends; exit with its state's code."),
     since_step: Optional[int] = typer.Option(None, "--since-step", help="Start at the first log line of step K or later."),
     node: Optional[str] = typer.Option(None, "--host", help="Multi-host run: the node whose log to show (default: the rank-0 node).",
@@ -460,6 +462,8 @@ def logs_tail(
     from .logs import attach
     from .multihost import attach_all, final_state, pick_node
 
+    if lines < -1 or (since_step is not None and since_step < 0):
+        raise UsageError("-n takes 0 or more lines (-1: the whole log) and --since-step 0 or more")
     session = _state(ctx).session()
     host, run = _host_and_run(session, host, run)
     err = Console(stderr=True)

@@ -68,6 +68,16 @@ def test_unknown_host_exit_2(shim_host):
     assert "unknown host 'nope'" in one_line_error(result)
 
 
+@pytest.mark.parametrize("args,message", [
+    (["logs", "tail", "shim", "-n", "-2"], "error: -n takes 0 or more lines (-1: the whole log) and --since-step 0 or more"),
+    (["logs", "tail", "--since-step", "-1"], "error: -n takes 0 or more lines (-1: the whole log) and --since-step 0 or more"),
+    (["runs", "stop", "shim", "--grace", "-1"], "error: --grace must be 0 or more seconds, got -1"),
+])
+def test_bad_numbers_are_usage_errors_before_any_remote_call(shim_host, args, message):
+    result = shim_host.run_cli(*args)
+    assert result.returncode == 2 and one_line_error(result) == message
+
+
 def test_exec_needs_a_command(shim_host):
     result = shim_host.run_cli("exec", "shim", "--")
     assert result.returncode == 2
