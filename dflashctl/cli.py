@@ -378,7 +378,7 @@ def runs_list(
         typer.echo(json.dumps(runs, indent=2))
     else:
         label = session.target(hosts[0].name).label if len(hosts) == 1 else ", ".join(h.name for h in hosts)
-        Console().print(runs_table(runs, label))
+        Console().print(runs_table(runs, label, several_hosts=len(hosts) > 1))
 
 
 @runs_app.command("show")

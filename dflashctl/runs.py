@@ -240,11 +240,12 @@ def state_text(run: dict[str, Any]) -> Text:
     return Text(label, style=STATE_STYLE.get(state, ""))
 
 
-def runs_table(runs: Sequence[dict[str, Any]], host: str) -> Table:
+def runs_table(runs: Sequence[dict[str, Any]], host: str, several_hosts: bool = False) -> Table:
     """`runs list` as a rich table; names are shown literally (Text, never markup).
-    A run across several hosts (docs/multihost.md) shows its nodes in a `hosts` column."""
+    A `hosts` column names each run's host, or its nodes for a run across several hosts
+    (docs/multihost.md); it is there when several hosts were listed or such a run is."""
     table = Table(title=Text(f"runs on {host} (times UTC)"), title_justify="left")
-    multi = any(run.get("nodes") for run in runs)
+    multi = several_hosts or any(run.get("nodes") for run in runs)
     columns = ("run", "name", "state", "GPUs", "started", "duration", "step", "loss")
     if multi:
         columns = columns[:3] + ("hosts",) + columns[3:]

@@ -67,3 +67,20 @@ def test_train_pushes_runs_and_follows_inside_the_container(shim_host, tmp_path)
     assert (run_json.parent / "exit_code").read_text().strip() == "0"
     listing = shim_host.run_cli("runs", "list", "dock")
     assert listing.returncode == 0 and run_json.parent.name in listing.stdout and "succeeded" in listing.stdout
+    assert "hosts" not in listing.stdout  # one host listed: no host column
+
+
+def test_runs_list_over_two_hosts_names_each_runs_host(shim_host, tmp_path):
+    source = install_standin(tmp_path / "payload_src")
+    ids = {}
+    for host in ("dock", "shim"):
+        res = shim_host.run_cli("train", host, "--source", str(source), "--follow", "--set", "run.steps=2")
+        assert res.returncode == 0, res.stderr
+        ids[host] = res.stderr.split("started run ")[1].split()[0]
+    listed = shim_host.run_cli("runs", "list", "dock,shim", env={"COLUMNS": "250"})
+    assert listed.returncode == 0, listed.stderr
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[1:-1]]
+            for line in listed.stdout.splitlines() if line.startswith("│") and "20" in line}
+    header = next(line for line in listed.stdout.splitlines() if "run" in line and "hosts" in line)
+    column = [c.strip() for c in header.split("┃")[1:-1]].index("hosts")
+    assert {host: rows[run_id][column] for host, run_id in ids.items()} == {"dock": "dock", "shim": "shim"}
