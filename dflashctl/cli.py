@@ -96,18 +96,28 @@ def hosts_list(ctx: typer.Context) -> None:
 def hosts_check(
     ctx: typer.Context,
     host: Optional[str] = typer.Argument(
-        None, help="Host name (default host if omitted).",
+        None, help="Host, `h1,h2` or a group (default host if omitted).",
         autocompletion=_complete_host,
     ),
+    all_hosts: bool = typer.Option(False, "--all", help="Check every host in the inventory."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Check reachability, container, interpreter, torch and GPUs of a host."""
-    from .hosts import check_host, render_checks
+    """Check reachability, container, interpreter, torch and GPUs of a host (several at once)."""
+    from .hosts import check_host, check_hosts, render_checks, render_many
 
     session = _state(ctx).session()
-    checks = check_host(session, host)
-    render_checks(checks, json_out=json_out)
-    if not all(c.ok for c in checks):
+    if all_hosts and host is not None:
+        raise UsageError("give HOST or --all, not both")
+    hosts = list(session.inventory.hosts.values()) if all_hosts else session.inventory.resolve_many(host)
+    if len(hosts) == 1:
+        checks = check_host(session, hosts[0].name)
+        render_checks(checks, json_out=json_out)
+        ok = all(c.ok for c in checks)
+    else:
+        results = check_hosts(session, hosts)
+        render_many(results, json_out=json_out)
+        ok = all(c.ok for checks in results.values() for c in checks)
+    if not ok:
         raise typer.Exit(1)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -69,6 +69,20 @@ def check_host(session: Session, name: str | None) -> list[Check]:
     except (ValueError, IndexError):
         return [*checks, Check("interpreter", False, f"{host.interpreter}: unreadable probe output", "run with --debug")]
     return [*checks, *_interpreter_checks(host, info)]
+
+
+def check_hosts(session: Session, hosts: Sequence[HostSpec]) -> dict[str, list[Check]]:
+    """check_host on every host at once, one thread each; an error ends that host's rows only."""
+    from .multihost import parallel
+
+    results = {}
+    for host, answer in zip(hosts, parallel(lambda h: check_host(session, h.name), hosts)):
+        if isinstance(answer, DflashError):  # e.g. the connection dropped during the probe
+            answer = [Check("error", False, str(answer))]
+        elif isinstance(answer, BaseException):
+            raise answer
+        results[host.name] = answer
+    return results
 
 
 def _check_reachable(session: Session, host: HostSpec) -> Check:
@@ -193,6 +207,30 @@ def render_checks(checks: list[Check], json_out: bool) -> None:
     for column in ("check", "status", "detail", "hint"):
         table.add_column(column, overflow="fold")
     for check in checks:
-        status = Text("ok", style="green") if check.ok else Text("FAIL", style="bold red")
-        table.add_row(check.name, status, check.detail, check.hint)
+        table.add_row(check.name, _status(check), check.detail, check.hint)
     Console(highlight=False).print(table)
+
+
+def render_many(results: dict[str, list[Check]], json_out: bool) -> None:
+    """Several hosts' checks as one table with a host column and a summary line (or one JSON object)."""
+    ok = {name: all(c.ok for c in checks) for name, checks in results.items()}
+    if json_out:
+        hosts = [{"host": name, "ok": ok[name], "checks": [asdict(c) for c in checks]} for name, checks in results.items()]
+        print(json.dumps({"ok": all(ok.values()), "hosts": hosts}, indent=2))
+        return
+    table = Table(show_header=True)
+    for column in ("host", "check", "status", "detail", "hint"):
+        table.add_column(column, overflow="fold")
+    for name, checks in results.items():
+        for i, check in enumerate(checks):
+            table.add_row(Text(name) if i == 0 else "", check.name, _status(check), check.detail, check.hint,
+                          end_section=i == len(checks) - 1)
+    console = Console(highlight=False)
+    console.print(table)
+    failed = [name for name, good in ok.items() if not good]
+    summary = f"{len(ok) - len(failed)} of {len(ok)} hosts ok" + (f"; failing: {', '.join(failed)}" if failed else "")
+    console.print(Text(summary, style="bold red" if failed else "green"))
+
+
+def _status(check: Check) -> Text:
+    return Text("ok", style="green") if check.ok else Text("FAIL", style="bold red")

@@ -50,6 +50,25 @@ def test_check_passes_on_shim_host_and_local(shim_host):
     assert "torch" in local_out and "FAIL" not in local_out
 
 
+def test_check_several_hosts_at_once(shim_host):
+    result = shim_host.run_cli("hosts", "check", "shim,stopped", "--json", timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is False and [(h["host"], h["ok"]) for h in doc["hosts"]] == [("shim", True), ("stopped", False)]
+    by_host = {h["host"]: {c["name"]: c for c in h["checks"]} for h in doc["hosts"]}
+    assert by_host["shim"]["torch"]["ok"] and by_host["stopped"]["container"]["hint"] == "pct start 201"
+    table = shim_host.run_cli("hosts", "check", "stopped,dockstop", env={"COLUMNS": "200"})
+    assert table.returncode == 1
+    first_cells = [line.split("│")[1].strip() for line in table.stdout.splitlines() if line.startswith("│")]
+    assert [cell for cell in first_cells if cell] == ["stopped", "dockstop"]  # each host's block names it once
+    assert table.stdout.strip().splitlines()[-1] == "0 of 2 hosts ok; failing: stopped, dockstop"
+
+
+def test_check_all_and_a_host_exclude_each_other(shim_host):
+    result = shim_host.run_cli("hosts", "check", "shim", "--all")
+    assert result.returncode == 2 and result.stderr.strip() == "error: give HOST or --all, not both"
+
+
 def test_check_stopped_container_fails_with_hint(shim_host):
     result = shim_host.run_cli("hosts", "check", "stopped", "--json")
     assert result.returncode == 1
