@@ -60,6 +60,21 @@ def _complete_host(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]
         return []
 
 
+def _complete_run(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
+    """Shell completion of RUN: run ids and names on the HOST given before it (one quick remote call)."""
+    from .runs import run_completions
+    from .ssh import SshOptions
+
+    try:
+        inventory = load_inventory(ctx.find_root().params.get("inventory"))
+        host = inventory.resolve_many(ctx.params.get("host"))[0]
+        # A TAB must not hang on a dead host: one short connection attempt, a short answer timeout.
+        with Session(inventory, ssh_options=SshOptions(connect_timeout=3, attempts=1)) as session:
+            return run_completions(session.target(host.name), incomplete, timeout=5)
+    except DflashError:  # unreachable, untrusted, no runs directory: nothing to offer, and no error mid-line
+        return []
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"dflashctl {__version__}")
@@ -398,7 +413,8 @@ def runs_show(
         None, help="Host (default host if omitted; a single non-host argument is a RUN).",
         autocompletion=_complete_host,
     ),
-    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run)."),
+    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run).",
+                                        autocompletion=_complete_run),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the curves to this PNG (needs matplotlib)."),
     curves: bool = typer.Option(True, "--curves/--no-curves", help="Draw loss and acceptance length in the terminal."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -431,7 +447,8 @@ def runs_stop(
         None, help="Host (default host if omitted; a single non-host argument is a RUN).",
         autocompletion=_complete_host,
     ),
-    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run)."),
+    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run).",
+                                        autocompletion=_complete_run),
     grace: float = typer.Option(60.0, "--grace", help="Seconds between SIGTERM (trainer checkpoints) and SIGKILL."),
 ) -> None:
     """Stop a run: SIGTERM to its process group, SIGKILL after the grace period; state `stopped`."""
@@ -458,7 +475,8 @@ def logs_tail(
         None, help="Host (default host if omitted; a single non-host argument is a RUN).",
         autocompletion=_complete_host,
     ),
-    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run)."),
+    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run).",
+                                        autocompletion=_complete_run),
     lines: int = typer.Option(50, "--lines", "-n", help="How many lines from the end to show first (-1: the whole log)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep following until the run ends; exit with its state's code."),
     since_step: Optional[int] = typer.Option(None, "--since-step", help="Start at the first log line of step K or later."),

@@ -162,6 +162,18 @@ def list_runs(target: Target) -> list[dict[str, Any]]:
     return call(target, "list", [target.host.workdir])["runs"]
 
 
+def run_completions(target: Target, incomplete: str, timeout: float) -> list[tuple[str, str]]:
+    """(run id or name, what it is) for RUN completion: ids and names starting with incomplete, newest first."""
+    found = []
+    for run in reversed(call(target, "list", [target.host.workdir], timeout=timeout)["runs"]):
+        run_id, name, state = run["run_id"], run.get("name") or "", run.get("state") or ""
+        if run_id.startswith(incomplete):
+            found.append((run_id, f"{name} {state}".strip()))
+        if name and name.startswith(incomplete) and "\n" not in name:
+            found.append((name, f"{run_id} {state}"))
+    return found
+
+
 def show_run(target: Target, selector: str | None, metrics: bool = True) -> dict[str, Any]:
     """One run (latest when selector is empty) with its metrics thinned for plotting (or none)."""
     return call(target, "show", [target.host.workdir, selector or "", "1000" if metrics else "0"])

@@ -262,6 +262,25 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     assert (shown.returncode == 0 and png.exists()) or (shown.returncode == 2 and "matplotlib" in shown.stderr)
 
 
+def test_shell_completion_offers_the_hosts_run_ids_and_names(shim):
+    host, session, _ = shim
+    target = session.target("shim")
+    ids = [start_run(target, gpus=[CPU], overrides=["run.steps=1"], name=name, force=True).run_id
+           for name in ("alpha", "beta")]
+    wait_until(lambda: all(r["state"] == "succeeded" for r in list_runs(target)), what="runs to finish")
+
+    def complete(words: str) -> list[str]:
+        env = {"_DFLASHCTL_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(len(words.split(" ")) - 1)}
+        result = host.run_cli(env=env)
+        assert result.returncode == 0 and result.stderr == ""
+        return result.stdout.split()
+
+    assert complete("dflashctl logs tail shim ") == [ids[1], "beta", ids[0], "alpha"]  # newest first
+    assert complete("dflashctl runs show shim al") == ["alpha"]
+    assert complete(f"dflashctl runs stop shim {ids[0]}") == [ids[0]]
+    assert complete("dflashctl logs tail stopped ") == []  # container stopped: nothing, and no error
+
+
 def test_local_runs_without_gpus_conflict_unless_forced(tmp_path):
     workdir = tmp_path / "work"
     install_standin(workdir / "payload")
