@@ -169,7 +169,7 @@ def run_completions(target: Target, incomplete: str, timeout: float) -> list[tup
         run_id, name, state = run["run_id"], run.get("name") or "", run.get("state") or ""
         if run_id.startswith(incomplete):
             found.append((run_id, f"{name} {state}".strip()))
-        if name and name.startswith(incomplete) and "\n" not in name:
+        if name and name.startswith(incomplete) and not any(c.isspace() for c in name):  # one shell word only
             found.append((name, f"{run_id} {state}"))
     return found
 
