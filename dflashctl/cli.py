@@ -390,20 +390,30 @@ def runs_list(
         None, help="Host, `h1,h2` or a group (default host if omitted).",
         autocompletion=_complete_host,
     ),
+    all_hosts: bool = typer.Option(False, "--all", help="List the runs of every host in the inventory."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """List the runs on a host: state, GPUs, start, duration, last step and loss."""
+    """List the runs on a host (or several): state, GPUs, start, duration, last step and loss."""
     from .multihost import list_group_runs
     from .runs import runs_table
 
     session = _state(ctx).session()
-    hosts = session.inventory.resolve_many(host)
-    runs = list_group_runs(session, hosts)  # a multi-host run appears once, its state over all nodes
+    if all_hosts and host is not None:
+        raise UsageError("give HOST or --all, not both")
+    hosts = list(session.inventory.hosts.values()) if all_hosts else session.inventory.resolve_many(host)
+    runs, failed = list_group_runs(session, hosts)  # a multi-host run appears once, its state over all nodes
+    if len(hosts) == 1 and failed:
+        raise failed[hosts[0].name]
     if json_out:
         typer.echo(json.dumps(runs, indent=2))
     else:
         label = session.target(hosts[0].name).label if len(hosts) == 1 else ", ".join(h.name for h in hosts)
         Console().print(runs_table(runs, label, several_hosts=len(hosts) > 1))
+    if failed:  # the others' runs were listed; each host that could not be is one error line
+        err = Console(stderr=True)
+        for exc in failed.values():
+            err.print(Text("error: ", style="bold red") + Text(str(exc)), soft_wrap=True)
+        raise typer.Exit(next(iter(failed.values())).exit_code)
 
 
 @runs_app.command("show")

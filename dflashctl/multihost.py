@@ -236,17 +236,23 @@ def show_group(session: Session, host: str | None, selector: str | None, metrics
     return merged(base, views)
 
 
-def list_group_runs(session: Session, hosts: Sequence[HostSpec]) -> list[dict[str, Any]]:
+def list_group_runs(session: Session, hosts: Sequence[HostSpec]) -> tuple[list[dict[str, Any]], dict[str, DflashError]]:
     """`runs list` over hosts: single-host runs as they are, each multi-host run once, combined
-    over all its nodes (nodes outside `hosts` are asked too)."""
+    over all its nodes (nodes outside `hosts` are asked too); plus the hosts that could not be
+    listed and why, so one dead host does not hide the others' runs."""
     answers = parallel(lambda h: list_runs(session.target(h.name)), hosts)
-    for answer in answers:
-        if isinstance(answer, BaseException):
+    failed: dict[str, DflashError] = {}
+    for host, answer in zip(hosts, answers):
+        if isinstance(answer, DflashError):
+            failed[host.name] = answer
+        elif isinstance(answer, BaseException):
             raise answer
     single: list[dict[str, Any]] = []
     groups: dict[str, dict[str, dict[str, Any]]] = {}
     for runs in answers:
-        for run in runs:  # type: ignore[union-attr]
+        if isinstance(runs, BaseException):
+            continue
+        for run in runs:
             if run.get("group"):
                 groups.setdefault(run["run_id"], {})[str(run.get("host"))] = run
             else:
@@ -271,7 +277,7 @@ def list_group_runs(session: Session, hosts: Sequence[HostSpec]) -> list[dict[st
         views = [node_view(n, r, answer(n)) for r, n in enumerate(nodes)]
         base = by_host.get(nodes[0]) or next(iter(by_host.values()))
         combined.append(merged(base, views))
-    return sorted(single + combined, key=lambda r: (r.get("started_ts") or 0, r.get("run_id", "")))
+    return sorted(single + combined, key=lambda r: (r.get("started_ts") or 0, r.get("run_id", ""))), failed
 
 
 def stop_group(session: Session, host: str | None, selector: str | None, grace: float) -> dict[str, Any]:

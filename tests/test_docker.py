@@ -84,3 +84,13 @@ def test_runs_list_over_two_hosts_names_each_runs_host(shim_host, tmp_path):
     header = next(line for line in listed.stdout.splitlines() if "run" in line and "hosts" in line)
     column = [c.strip() for c in header.split("┃")[1:-1]].index("hosts")
     assert {host: rows[run_id][column] for host, run_id in ids.items()} == {"dock": "dock", "shim": "shim"}
+    # A host that cannot be listed does not hide the others' runs: one error line each, its exit code.
+    partial = shim_host.run_cli("runs", "list", "dock,dockstop,shim", "--json")
+    assert partial.returncode == 4 and "Traceback" not in partial.stderr
+    assert sorted(r["run_id"] for r in json.loads(partial.stdout)) == sorted(ids.values())
+    assert partial.stderr.strip().splitlines() == [
+        "error: dockstop: docker container 'halted' is not running (start it with `docker start halted`)"]
+    alone = shim_host.run_cli("runs", "list", "dockstop")  # one host: its error alone, no empty table
+    assert alone.returncode == 4 and alone.stdout == "" and one_line_error(alone).startswith("error: dockstop: docker")
+    both = shim_host.run_cli("runs", "list", "shim", "--all")
+    assert both.returncode == 2 and both.stderr.strip() == "error: give HOST or --all, not both"
