@@ -260,7 +260,8 @@ def list_group_runs(session: Session, hosts: Sequence[HostSpec]) -> tuple[list[d
     asked = {h.name for h in hosts}
     missing = sorted({n for by_host in groups.values() for run in by_host.values()
                       for n in run["group"]["nodes"]} - asked)
-    extra = dict(zip(missing, parallel(lambda n: _ask(session, n, lambda t: {"runs": list_runs(t)}), missing)))
+    extra: dict[str, Any] = dict(zip(missing, parallel(lambda n: _ask(session, n, lambda t: {"runs": list_runs(t)}), missing)))
+    extra.update(failed)  # a listed host that failed is a node whose state is unknown, with why
     combined = []
     for run_id, by_host in groups.items():
         nodes = list(next(iter(by_host.values()))["group"]["nodes"])
