@@ -272,7 +272,7 @@ def inspect_cmd(
 # --- runs --------------------------------------------------------------------------------------
 # `train`, `runs list/show/stop`, `logs tail`: logic in runs.py / logs.py, exit codes in docs/runs.md.
 
-runs_app = typer.Typer(help="Training runs: list, show, stop.", no_args_is_help=True)
+runs_app = typer.Typer(help="Training runs: list, show, stop, pull.", no_args_is_help=True)
 app.add_typer(runs_app, name="runs")
 logs_app = typer.Typer(help="Run logs: tail and follow.", no_args_is_help=True)
 app.add_typer(logs_app, name="logs")
@@ -476,6 +476,38 @@ def runs_stop(
     verb = "had already ended" if info.get("already") else "is now"
     where = f" on {info['host']}" if info.get("nodes") else ""
     Console().print(Text(f"run {info['run_id']} {verb} ") + state_text(info) + Text(where), soft_wrap=True)
+
+
+@runs_app.command("pull")
+def runs_pull(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(
+        None, help="Host (default host if omitted; a single non-host argument is a RUN).",
+        autocompletion=_complete_host,
+    ),
+    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run).",
+                                        autocompletion=_complete_run),
+    to: Optional[Path] = typer.Option(None, "--to", help="Directory to create (default: ./RUN_ID); must not exist."),
+    checkpoints: str = typer.Option("none", "--checkpoints", help="Also copy checkpoints: none, latest or all."),
+) -> None:
+    """Copy a run's directory here: exported drafter, config, logs, metrics (and checkpoints if asked)."""
+    from rich.filesize import decimal
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from .pull import pull_run
+
+    session = _state(ctx).session()
+    host, run = _host_and_run(session, host, run)
+    target = session.target(_first_host(session, host))
+    err = Console(stderr=True)
+    bar = Progress(TextColumn("pulling"), BarColumn(), DownloadColumn(binary_units=False), TransferSpeedColumn(),
+                   console=err, transient=True, disable=not err.is_terminal)
+    with bar:
+        task = bar.add_task("pull", total=None)
+        pulled = pull_run(target, run, to.expanduser() if to else None, checkpoints,
+                          on_bytes=lambda done, total: bar.update(task, completed=done, total=total))
+    err.print(Text(f"pulled run {pulled.run_id} ({pulled.state}) from {target.label} to {pulled.dest}: "
+                   f"{pulled.files} files, {decimal(pulled.bytes)} in {pulled.seconds:.1f} s"), soft_wrap=True)
 
 
 @logs_app.command("tail")

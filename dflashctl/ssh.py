@@ -427,7 +427,10 @@ class _ChannelReader(Read1Stream):
 
     def read1(self, n: int = 65536) -> bytes:
         """Up to n bytes, blocking only until some arrive; b'' at end of stream."""
-        data = self._recv(n)
+        try:
+            data = self._recv(n)
+        except (EOFError, OSError, paramiko.SSHException):  # recv also sends window updates: a dead socket
+            raise self._lost() from None
         if not data and not self._channel.eof_received and not self._channel.get_transport().is_active():
             raise self._lost()
         return data
@@ -494,7 +497,10 @@ class _SshProcess(Process):
 
     def kill(self) -> None:
         """Close the channel. Without a pty sshd sends no signal; the command sees EOF and SIGPIPE."""
-        self._channel.close()
+        try:
+            self._channel.close()
+        except (EOFError, OSError, paramiko.SSHException):
+            pass  # the connection is already gone, and the command with it
 
 
 def trust_host(host: HostSpec, confirm: Callable[[str], bool] | None, options: SshOptions | None = None) -> None:

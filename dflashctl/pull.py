@@ -1,0 +1,163 @@
+"""`dflashctl runs pull`: copy a run's directory (export, logs, metrics, chosen checkpoints) here.
+
+The container's `runctl pack` answers with one JSON header line (run id, state, file count and
+bytes), then streams the files as a tar. The tar is unpacked into a hidden directory beside
+the destination and renamed into place only once every file arrived and the remote exited 0,
+so an interrupted pull leaves nothing behind and never a half-copied run under the real name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tarfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Callable, NoReturn
+
+from .containers import Target, remote_script, wrap_argv
+from .errors import ConnectError, DflashError, RemoteError, UsageError
+from .runs import answer_error
+from .transport import CHUNK, Completed, Process
+
+CHECKPOINTS = ("none", "latest", "all")
+HEADER_LIMIT = 1 << 16  # a header line longer than this is not runctl's
+STDERR_TAIL = 1 << 14
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """What one pull copied: the run, where it went, how much, how long, the run's state then."""
+
+    run_id: str
+    dest: Path
+    files: int
+    bytes: int
+    seconds: float
+    state: str
+
+
+def pull_run(target: Target, selector: str | None, dest: Path | None, checkpoints: str = "none",
+             on_bytes: Callable[[int, int], None] | None = None) -> Pulled:
+    """Copy a run's files to dest (default ./RUN_ID), atomically; on_bytes(done, total) reports progress."""
+    if checkpoints not in CHECKPOINTS:
+        raise UsageError(f"--checkpoints must be one of {', '.join(CHECKPOINTS)}, got {checkpoints!r}")
+    if dest is not None and (dest.exists() or dest.is_symlink()):
+        raise UsageError(f"{dest} already exists: pull into a new directory (--to)")
+    started = time.monotonic()
+    argv = [target.host.interpreter, "-S", "-c", remote_script("runctl"), "pack", target.host.workdir,
+            selector or "", checkpoints]
+    with _Pack(target, argv) as pack:
+        header = pack.header()
+        dest = dest if dest is not None else Path.cwd() / header["run_id"]
+        if dest.exists() or dest.is_symlink():
+            raise UsageError(f"{dest} already exists: pull into a new directory (--to)")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        partial = dest.parent / f".{dest.name}.partial-{os.getpid()}"
+        try:
+            files, size = pack.unpack(partial, header["bytes"], on_bytes)
+            pack.finish()
+            if (files, size) != (header["files"], header["bytes"]):
+                raise RemoteError(f"{target.label}: pull incomplete: {files} of {header['files']} files, "
+                                  f"{size} of {header['bytes']} bytes")
+            partial.rename(dest)
+        except ConnectError as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise ConnectError(f"{exc} during pull; nothing was kept at {dest}, run it again") from None
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    return Pulled(header["run_id"], dest, files, size, time.monotonic() - started, header["state"])
+
+
+class _Pack:
+    """One `runctl pack` process: its header line, then its tar stream; stderr kept for errors."""
+
+    def __init__(self, target: Target, argv: list[str]):
+        self.target, self.argv = target, argv
+        self.proc: Process = target.start(argv)
+        self.pending = b""
+        self.stderr = bytearray()
+        self.drain = threading.Thread(target=self._drain_stderr, daemon=True)
+        self.drain.start()
+
+    def __enter__(self) -> "_Pack":
+        return self
+
+    def __exit__(self, kind: type | None, *exc: object) -> None:
+        if kind is not None:
+            self.proc.kill()  # Ctrl-C or an error: stop the remote tar
+
+    def _drain_stderr(self) -> None:
+        try:
+            while chunk := self.proc.stderr.read1(CHUNK):
+                self.stderr.extend(chunk)
+                del self.stderr[:-STDERR_TAIL]
+        except DflashError:
+            pass  # a lost connection also surfaces on stdout, where it is reported
+
+    def header(self) -> dict:
+        """The JSON line before the tar; an error answer or an early exit raises."""
+        while b"\n" not in self.pending:
+            chunk = self.proc.stdout.read1(CHUNK)
+            if not chunk or len(self.pending) > HEADER_LIMIT:
+                self._fail()
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            raise RemoteError(f"{self.target.label}: runctl pack printed unexpected output: {line[:80]!r}") from None
+        if "error" in answer:
+            raise answer_error(self.target, answer)
+        return answer
+
+    def read(self, n: int = -1) -> bytes:
+        """File-like read for tarfile's stream mode: the bytes after the header, then the stream's."""
+        if self.pending:
+            data, self.pending = (self.pending, b"") if n < 0 or n >= len(self.pending) else \
+                (self.pending[:n], self.pending[n:])
+            return data
+        return self.proc.stdout.read(n)
+
+    def unpack(self, into: Path, total: int, on_bytes: Callable[[int, int], None] | None) -> tuple[int, int]:
+        """Extract the tar into `into` (regular files under it only); returns (files, bytes)."""
+        into.mkdir()
+        files = done = 0
+        try:
+            with tarfile.open(fileobj=self, mode="r|") as tar:  # type: ignore[call-overload]
+                for member in tar:
+                    name = PurePosixPath(member.name)
+                    if not member.isfile() or name.is_absolute() or ".." in name.parts or not name.parts:
+                        raise RemoteError(f"{self.target.label}: refusing tar member {member.name!r}")
+                    path = into.joinpath(*name.parts)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    source = tar.extractfile(member)
+                    assert source is not None  # a regular file always has data
+                    with open(path, "wb") as out:
+                        while chunk := source.read(CHUNK):
+                            out.write(chunk)
+                            done += len(chunk)
+                            if on_bytes is not None:
+                                on_bytes(done, total)
+                    os.chmod(path, member.mode & 0o755 | 0o600)
+                    os.utime(path, (member.mtime, member.mtime))
+                    files += 1
+        except tarfile.TarError:
+            self._fail()  # the stream broke off: the remote's exit status or the lost connection says why
+        return files, done
+
+    def finish(self) -> None:
+        """Wait for the remote; a non-zero exit is its one-line error."""
+        if self.proc.wait() != 0:
+            self._fail()
+
+    def _fail(self) -> NoReturn:
+        code = self.proc.wait()
+        self.drain.join(timeout=5)
+        result = Completed(wrap_argv(self.target.host.container, self.argv), code, b"", bytes(self.stderr))
+        self.target.raise_for_container(result, self.argv)
+        raise RemoteError(f"{self.target.label}: runs pull failed (exit {code}): {result.err_line()}")
