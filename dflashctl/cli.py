@@ -75,6 +75,12 @@ def _complete_run(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
         return []
 
 
+# HOST and RUN of `runs show/stop/pull` and `logs tail`: `CMD RUN` alone means RUN on the default host.
+_HOST_THEN_RUN = {"help": "Host (default host if omitted; a single non-host argument is a RUN).",
+                  "autocompletion": _complete_host}
+_RUN = {"help": "Run id, unique prefix, or name (default: the latest run).", "autocompletion": _complete_run}
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"dflashctl {__version__}")
@@ -419,12 +425,8 @@ def runs_list(
 @runs_app.command("show")
 def runs_show(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(
-        None, help="Host (default host if omitted; a single non-host argument is a RUN).",
-        autocompletion=_complete_host,
-    ),
-    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run).",
-                                        autocompletion=_complete_run),
+    host: Optional[str] = typer.Argument(None, **_HOST_THEN_RUN),
+    run: Optional[str] = typer.Argument(None, **_RUN),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the curves to this PNG (needs matplotlib)."),
     curves: bool = typer.Option(True, "--curves/--no-curves", help="Draw loss and acceptance length in the terminal."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -453,12 +455,8 @@ def runs_show(
 @runs_app.command("stop")
 def runs_stop(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(
-        None, help="Host (default host if omitted; a single non-host argument is a RUN).",
-        autocompletion=_complete_host,
-    ),
-    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run).",
-                                        autocompletion=_complete_run),
+    host: Optional[str] = typer.Argument(None, **_HOST_THEN_RUN),
+    run: Optional[str] = typer.Argument(None, **_RUN),
     grace: float = typer.Option(60.0, "--grace", help="Seconds between SIGTERM (trainer checkpoints) and SIGKILL."),
 ) -> None:
     """Stop a run: SIGTERM to its process group, SIGKILL after the grace period; state `stopped`."""
@@ -481,12 +479,8 @@ def runs_stop(
 @runs_app.command("pull")
 def runs_pull(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(
-        None, help="Host (default host if omitted; a single non-host argument is a RUN).",
-        autocompletion=_complete_host,
-    ),
-    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run).",
-                                        autocompletion=_complete_run),
+    host: Optional[str] = typer.Argument(None, **_HOST_THEN_RUN),
+    run: Optional[str] = typer.Argument(None, **_RUN),
     to: Optional[Path] = typer.Option(None, "--to", help="Directory to create (default: ./RUN_ID); must not exist."),
     checkpoints: str = typer.Option("none", "--checkpoints", help="Also copy checkpoints: none, latest or all."),
 ) -> None:
@@ -513,12 +507,8 @@ def runs_pull(
 @logs_app.command("tail")
 def logs_tail(
     ctx: typer.Context,
-    host: Optional[str] = typer.Argument(
-        None, help="Host (default host if omitted; a single non-host argument is a RUN).",
-        autocompletion=_complete_host,
-    ),
-    run: Optional[str] = typer.Argument(None, help="Run id, unique prefix, or name (default: the latest run).",
-                                        autocompletion=_complete_run),
+    host: Optional[str] = typer.Argument(None, **_HOST_THEN_RUN),
+    run: Optional[str] = typer.Argument(None, **_RUN),
     lines: int = typer.Option(50, "--lines", "-n", help="How many lines from the end to show first (-1: the whole log)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep following until the run ends; exit with its state's code."),
     since_step: Optional[int] = typer.Option(None, "--since-step", help="Start at the first log line of step K or later."),

@@ -232,3 +232,6 @@ def test_version_and_help(shim_host):
     for args in (["exec", "--help"], ["hosts", "trust", "--help"]):
         result = shim_host.run_cli(*args)
         assert result.returncode == 0 and "Usage" in result.stdout, args
+    # Arguments' help is shown too (typer < 0.26 lost it with click 8.5: pinned below that).
+    pull = shim_host.run_cli("runs", "pull", "--help", env={"COLUMNS": "200"})
+    assert "Host (default host if omitted; a single non-host argument is a RUN)." in pull.stdout, pull.stdout
