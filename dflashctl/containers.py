@@ -7,12 +7,13 @@ Failures that mean "the container is not usable" become ContainerError with a hi
 from __future__ import annotations
 
 import re
+import threading
 from importlib import resources
 from typing import Sequence
 
-from .errors import ContainerError, RemoteError
+from .errors import ContainerError, DflashError, RemoteError
 from .inventory import ContainerSpec, HostSpec
-from .transport import Completed, Process, Sink, StdinSource, Transport, env_argv
+from .transport import CHUNK, STDERR_TAIL, Completed, Process, Sink, StdinSource, Transport, env_argv
 
 _PCT_NOT_RUNNING = re.compile(r"container '?(\d+)'? not running", re.I)
 _DOCKER_NOT_RUNNING = re.compile(r"container \S+ is not running", re.I)
@@ -121,6 +122,64 @@ class Target:
         result = self.python(script, args, **kw)
         if not result.ok:
             raise RemoteError(f"{self.label}: {result.err_line()}")
+        return result
+
+
+class Dialogue:
+    """A started container command driven through its streams: lines and bytes from its stdout,
+    its stdin for writing, stderr drained by a thread and kept (its tail) for the error message.
+
+    push and pull use it as a context manager: an exception inside kills the command, so the
+    remote sees EOF and discards whatever it was staging."""
+
+    def __init__(self, target: Target, argv: Sequence[str]):
+        self.target, self.argv = target, list(argv)
+        self.proc: Process = target.start(self.argv)
+        self._pending = b""
+        self._stderr = bytearray()
+        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._drain.start()
+
+    def __enter__(self) -> "Dialogue":
+        return self
+
+    def __exit__(self, kind: type | None, *exc: object) -> None:
+        if kind is not None:
+            self.proc.kill()
+
+    def _drain_stderr(self) -> None:
+        try:
+            while chunk := self.proc.stderr.read1(CHUNK):
+                self._stderr.extend(chunk)
+                del self._stderr[:-STDERR_TAIL]
+        except DflashError:
+            pass  # a lost connection also surfaces on stdout, where it is reported
+
+    def line(self) -> bytes | None:
+        """The next stdout line without its newline; None when stdout ends first."""
+        while b"\n" not in self._pending:
+            chunk = self.proc.stdout.read1(CHUNK)
+            if not chunk:
+                return None
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line
+
+    def read(self, n: int = -1) -> bytes:
+        """Stdout after the lines read so far (file-like, for tarfile's stream mode)."""
+        if self._pending:
+            cut = len(self._pending) if n < 0 else n
+            data, self._pending = self._pending[:cut], self._pending[cut:]
+            return data
+        return self.proc.stdout.read(n)
+
+    def ended(self) -> Completed:
+        """Wait for the command: its exit code and stderr tail (stdout not kept); a container that
+        is unusable (stopped, tool missing) raises ContainerError here."""
+        code = self.proc.wait()
+        self._drain.join(timeout=5)
+        result = Completed(wrap_argv(self.target.host.container, self.argv), code, b"", bytes(self._stderr))
+        self.target.raise_for_container(result, self.argv)
         return result
 
 

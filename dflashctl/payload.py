@@ -14,7 +14,6 @@ import os
 import re
 import secrets
 import stat
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,10 +27,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColum
 
 import dflashctl
 
-from .containers import Target, remote_script, wrap_argv
-from .errors import ConflictError, ConnectError, ContainerError, DflashError, RemoteError, UsageError
+from .containers import Dialogue, Target, remote_script
+from .errors import ConflictError, ConnectError, ContainerError, RemoteError, UsageError
 from .remote import payload_sync as wire
-from .transport import CHUNK, STDERR_TAIL, Completed
 
 SCRIPT = "payload_sync"
 IGNORE_FILE = ".dflashignore"
@@ -295,39 +293,22 @@ class _RemoteSync:
     def __init__(self, target: Target, *, dry_run: bool):
         self.target = target
         # -S skips site-packages: the script needs only the stdlib, and startup is ~100 ms faster.
-        self.argv = [target.host.interpreter, "-S", "-c", remote_script(SCRIPT), "sync", target.host.workdir]
+        argv = [target.host.interpreter, "-S", "-c", remote_script(SCRIPT), "sync", target.host.workdir]
         if dry_run:
-            self.argv.append("--dry-run")
-        self._pending = bytearray()
-        self._stderr = bytearray()
-        self._proc = target.start(self.argv)
-        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
-        self._drain.start()
+            argv.append("--dry-run")
+        self._dialogue = Dialogue(target, argv)
 
     def __enter__(self) -> "_RemoteSync":
         return self
 
     def __exit__(self, kind: type | None, *exc: object) -> None:
-        if kind is not None:
-            self._proc.kill()  # Ctrl-C or an error: the remote sees EOF and discards its staging
-
-    def _drain_stderr(self) -> None:
-        try:
-            while chunk := self._proc.stderr.read1(CHUNK):
-                self._stderr.extend(chunk)
-                del self._stderr[:-STDERR_TAIL]
-        except DflashError:
-            pass  # a lost connection also surfaces on stdout, where it is reported
+        self._dialogue.__exit__(kind)  # an error: kill, so the remote sees EOF and discards its staging
 
     def reply(self) -> dict:
         """The next JSON line from the remote; its error, if it ended without one."""
-        while b"\n" not in self._pending:
-            chunk = self._proc.stdout.read1(CHUNK)
-            if not chunk:
-                self._fail()
-            self._pending.extend(chunk)
-        line, _, rest = bytes(self._pending).partition(b"\n")
-        self._pending = bytearray(rest)
+        line = self._dialogue.line()
+        if line is None:
+            self._fail()
         try:
             return json.loads(line.decode("utf-8"))
         except ValueError:
@@ -337,7 +318,7 @@ class _RemoteSync:
         """Write chunks to the remote's stdin, then close it."""
         try:
             for chunk in chunks:
-                self._proc.stdin.write(chunk)
+                self._dialogue.proc.stdin.write(chunk)
         except (OSError, EOFError):
             pass  # the remote stopped reading; its exit status and stderr say why
         finally:
@@ -346,21 +327,18 @@ class _RemoteSync:
     def finish(self) -> None:
         """Close stdin and wait; a non-zero exit becomes the remote's one-line error."""
         self._close_stdin()
-        if self._proc.wait() != 0:
+        if self._dialogue.proc.wait() != 0:
             self._fail()
 
     def _close_stdin(self) -> None:
         try:
-            self._proc.stdin.close()
+            self._dialogue.proc.stdin.close()
         except (OSError, EOFError):
             pass
 
     def _fail(self) -> NoReturn:
-        code = self._proc.wait()
-        self._drain.join()
-        result = Completed(wrap_argv(self.target.host.container, self.argv), code, b"", bytes(self._stderr))
-        self.target.raise_for_container(result, self.argv)
-        _raise_remote(self.target, code, result.err_line())
+        result = self._dialogue.ended()
+        _raise_remote(self.target, result.exit_code, result.err_line())
 
 
 _MISSING = re.compile(r"no such file|not found", re.I)

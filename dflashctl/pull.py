@@ -12,20 +12,17 @@ import json
 import os
 import shutil
 import tarfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Callable, NoReturn
 
-from .containers import Target, remote_script, wrap_argv
-from .errors import ConnectError, DflashError, RemoteError, UsageError
+from .containers import Dialogue, Target, remote_script
+from .errors import ConnectError, RemoteError, UsageError
 from .runs import answer_error
-from .transport import CHUNK, Completed, Process
+from .transport import CHUNK
 
 CHECKPOINTS = ("none", "latest", "all")
-HEADER_LIMIT = 1 << 16  # a header line longer than this is not runctl's
-STDERR_TAIL = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -74,39 +71,23 @@ def pull_run(target: Target, selector: str | None, dest: Path | None, checkpoint
 
 
 class _Pack:
-    """One `runctl pack` process: its header line, then its tar stream; stderr kept for errors."""
+    """One `runctl pack` process: its header line, then its tar stream."""
 
     def __init__(self, target: Target, argv: list[str]):
-        self.target, self.argv = target, argv
-        self.proc: Process = target.start(argv)
-        self.pending = b""
-        self.stderr = bytearray()
-        self.drain = threading.Thread(target=self._drain_stderr, daemon=True)
-        self.drain.start()
+        self.target = target
+        self.dialogue = Dialogue(target, argv)
 
     def __enter__(self) -> "_Pack":
         return self
 
     def __exit__(self, kind: type | None, *exc: object) -> None:
-        if kind is not None:
-            self.proc.kill()  # Ctrl-C or an error: stop the remote tar
-
-    def _drain_stderr(self) -> None:
-        try:
-            while chunk := self.proc.stderr.read1(CHUNK):
-                self.stderr.extend(chunk)
-                del self.stderr[:-STDERR_TAIL]
-        except DflashError:
-            pass  # a lost connection also surfaces on stdout, where it is reported
+        self.dialogue.__exit__(kind)  # Ctrl-C or an error: stop the remote tar
 
     def header(self) -> dict:
         """The JSON line before the tar; an error answer or an early exit raises."""
-        while b"\n" not in self.pending:
-            chunk = self.proc.stdout.read1(CHUNK)
-            if not chunk or len(self.pending) > HEADER_LIMIT:
-                self._fail()
-            self.pending += chunk
-        line, _, self.pending = self.pending.partition(b"\n")
+        line = self.dialogue.line()
+        if line is None:
+            self._fail()
         try:
             answer = json.loads(line)
         except ValueError:
@@ -115,20 +96,12 @@ class _Pack:
             raise answer_error(self.target, answer)
         return answer
 
-    def read(self, n: int = -1) -> bytes:
-        """File-like read for tarfile's stream mode: the bytes after the header, then the stream's."""
-        if self.pending:
-            data, self.pending = (self.pending, b"") if n < 0 or n >= len(self.pending) else \
-                (self.pending[:n], self.pending[n:])
-            return data
-        return self.proc.stdout.read(n)
-
     def unpack(self, into: Path, total: int, on_bytes: Callable[[int, int], None] | None) -> tuple[int, int]:
         """Extract the tar into `into` (regular files under it only); returns (files, bytes)."""
         into.mkdir()
         files = done = 0
         try:
-            with tarfile.open(fileobj=self, mode="r|") as tar:  # type: ignore[call-overload]
+            with tarfile.open(fileobj=self.dialogue, mode="r|") as tar:  # type: ignore[call-overload]
                 for member in tar:
                     name = PurePosixPath(member.name)
                     if not member.isfile() or name.is_absolute() or ".." in name.parts or not name.parts:
@@ -152,12 +125,9 @@ class _Pack:
 
     def finish(self) -> None:
         """Wait for the remote; a non-zero exit is its one-line error."""
-        if self.proc.wait() != 0:
+        if self.dialogue.proc.wait() != 0:
             self._fail()
 
     def _fail(self) -> NoReturn:
-        code = self.proc.wait()
-        self.drain.join(timeout=5)
-        result = Completed(wrap_argv(self.target.host.container, self.argv), code, b"", bytes(self.stderr))
-        self.target.raise_for_container(result, self.argv)
-        raise RemoteError(f"{self.target.label}: runs pull failed (exit {code}): {result.err_line()}")
+        result = self.dialogue.ended()
+        raise RemoteError(f"{self.target.label}: runs pull failed (exit {result.exit_code}): {result.err_line()}")
