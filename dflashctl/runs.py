@@ -165,7 +165,9 @@ def list_runs(target: Target) -> list[dict[str, Any]]:
 def run_completions(target: Target, incomplete: str, timeout: float) -> list[tuple[str, str]]:
     """(run id or name, what it is) for RUN completion: ids and names starting with incomplete, newest first."""
     found = []
-    for run in reversed(call(target, "list", [target.host.workdir], timeout=timeout)["runs"]):
+    runs = call(target, "list", [target.host.workdir], timeout=timeout)["runs"]
+    # Newest first by start time: ids of runs started in the same second sort by their random suffix.
+    for run in sorted(runs, key=lambda r: (r.get("started_ts") or 0, r["run_id"]), reverse=True):
         run_id, name, state = run["run_id"], run.get("name") or "", run.get("state") or ""
         if run_id.startswith(incomplete):
             found.append((run_id, f"{name} {state}".strip()))
