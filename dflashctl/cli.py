@@ -81,6 +81,13 @@ _HOST_THEN_RUN = {"help": "Host (default host if omitted; a single non-host argu
 _RUN = {"help": "Run id, unique prefix, or name (default: the latest run).", "autocompletion": _complete_run}
 
 
+def _hosts_or_all(session: Session, host: Optional[str], all_hosts: bool) -> list:
+    """The hosts named by HOST (a host, `h1,h2` or a group), or with --all every inventory host."""
+    if all_hosts and host is not None:
+        raise UsageError("give HOST or --all, not both")
+    return list(session.inventory.hosts.values()) if all_hosts else session.inventory.resolve_many(host)
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"dflashctl {__version__}")
@@ -127,9 +134,7 @@ def hosts_check(
     from .hosts import check_host, check_hosts, render_checks, render_many
 
     session = _state(ctx).session()
-    if all_hosts and host is not None:
-        raise UsageError("give HOST or --all, not both")
-    hosts = list(session.inventory.hosts.values()) if all_hosts else session.inventory.resolve_many(host)
+    hosts = _hosts_or_all(session, host, all_hosts)
     if len(hosts) == 1:
         checks = check_host(session, hosts[0].name)
         render_checks(checks, json_out=json_out)
@@ -404,9 +409,7 @@ def runs_list(
     from .runs import runs_table
 
     session = _state(ctx).session()
-    if all_hosts and host is not None:
-        raise UsageError("give HOST or --all, not both")
-    hosts = list(session.inventory.hosts.values()) if all_hosts else session.inventory.resolve_many(host)
+    hosts = _hosts_or_all(session, host, all_hosts)
     runs, failed = list_group_runs(session, hosts)  # a multi-host run appears once, its state over all nodes
     if len(hosts) == 1 and failed:
         raise failed[hosts[0].name]
@@ -461,10 +464,9 @@ def runs_stop(
 ) -> None:
     """Stop a run: SIGTERM to its process group, SIGKILL after the grace period; state `stopped`."""
     from .multihost import stop_group
-    from .runs import state_text
+    from .runs import check_grace, state_text
 
-    if grace < 0:
-        raise UsageError(f"--grace must be 0 or more seconds, got {grace:g}")
+    check_grace(grace)  # before the "stopping" line
     session = _state(ctx).session()
     host, run = _host_and_run(session, host, run)
     target = session.target(_first_host(session, host))

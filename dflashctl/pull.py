@@ -19,10 +19,9 @@ from typing import Callable, NoReturn
 
 from .containers import Dialogue, Target, remote_script
 from .errors import ConnectError, RemoteError, UsageError
+from .remote.runctl import CHECKPOINT_CHOICES
 from .runs import answer_error
 from .transport import CHUNK
-
-CHECKPOINTS = ("none", "latest", "all")
 
 
 @dataclass(frozen=True)
@@ -40,18 +39,18 @@ class Pulled:
 def pull_run(target: Target, selector: str | None, dest: Path | None, checkpoints: str = "none",
              on_bytes: Callable[[int, int], None] | None = None) -> Pulled:
     """Copy a run's files to dest (default ./RUN_ID), atomically; on_bytes(done, total) reports progress."""
-    if checkpoints not in CHECKPOINTS:
-        raise UsageError(f"--checkpoints must be one of {', '.join(CHECKPOINTS)}, got {checkpoints!r}")
-    if dest is not None and (dest.exists() or dest.is_symlink()):
-        raise UsageError(f"{dest} already exists: pull into a new directory (--to)")
+    if checkpoints not in CHECKPOINT_CHOICES:
+        raise UsageError(f"--checkpoints must be one of {', '.join(CHECKPOINT_CHOICES)}, got {checkpoints!r}")
+    if dest is not None:  # known before asking the host: refuse at once
+        _refuse_existing(dest)
     started = time.monotonic()
     argv = [target.host.interpreter, "-S", "-c", remote_script("runctl"), "pack", target.host.workdir,
             selector or "", checkpoints]
     with _Pack(target, argv) as pack:
         header = pack.header()
-        dest = dest if dest is not None else Path.cwd() / header["run_id"]
-        if dest.exists() or dest.is_symlink():
-            raise UsageError(f"{dest} already exists: pull into a new directory (--to)")
+        if dest is None:
+            dest = Path.cwd() / header["run_id"]
+            _refuse_existing(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         partial = dest.parent / f".{dest.name}.partial-{os.getpid()}"
         try:
@@ -61,13 +60,17 @@ def pull_run(target: Target, selector: str | None, dest: Path | None, checkpoint
                 raise RemoteError(f"{target.label}: pull incomplete: {files} of {header['files']} files, "
                                   f"{size} of {header['bytes']} bytes")
             partial.rename(dest)
-        except ConnectError as exc:
+        except BaseException as exc:
             shutil.rmtree(partial, ignore_errors=True)
-            raise ConnectError(f"{exc} during pull; nothing was kept at {dest}, run it again") from None
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
+            if isinstance(exc, ConnectError):
+                raise ConnectError(f"{exc} during pull; nothing was kept at {dest}, run it again") from None
             raise
     return Pulled(header["run_id"], dest, files, size, time.monotonic() - started, header["state"])
+
+
+def _refuse_existing(dest: Path) -> None:
+    if dest.exists() or dest.is_symlink():
+        raise UsageError(f"{dest} already exists: pull into a new directory (--to)")
 
 
 class _Pack:

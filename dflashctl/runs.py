@@ -157,15 +157,15 @@ def push_payload(target: Target, source: Path | None, console: Console) -> str:
     return result.manifest_hash
 
 
-def list_runs(target: Target) -> list[dict[str, Any]]:
+def list_runs(target: Target, timeout: float = 120) -> list[dict[str, Any]]:
     """Every run on the host, oldest first, with state and latest metrics."""
-    return call(target, "list", [target.host.workdir])["runs"]
+    return call(target, "list", [target.host.workdir], timeout=timeout)["runs"]
 
 
 def run_completions(target: Target, incomplete: str, timeout: float) -> list[tuple[str, str]]:
     """(run id or name, what it is) for RUN completion: ids and names starting with incomplete, newest first."""
     found = []
-    runs = call(target, "list", [target.host.workdir], timeout=timeout)["runs"]
+    runs = list_runs(target, timeout)
     # Newest first by start time: ids of runs started in the same second sort by their random suffix.
     for run in sorted(runs, key=lambda r: (r.get("started_ts") or 0, r["run_id"]), reverse=True):
         run_id, name, state = run["run_id"], run.get("name") or "", run.get("state") or ""
@@ -181,10 +181,15 @@ def show_run(target: Target, selector: str | None, metrics: bool = True) -> dict
     return call(target, "show", [target.host.workdir, selector or "", "1000" if metrics else "0"])
 
 
-def stop_run(target: Target, selector: str | None, grace: float) -> dict[str, Any]:
-    """SIGTERM the run's process group, SIGKILL after grace seconds; returns the final summary."""
+def check_grace(grace: float) -> None:
+    """A stop's grace period must not be negative (UsageError)."""
     if grace < 0:
         raise UsageError(f"--grace must be 0 or more seconds, got {grace:g}")
+
+
+def stop_run(target: Target, selector: str | None, grace: float) -> dict[str, Any]:
+    """SIGTERM the run's process group, SIGKILL after grace seconds; returns the final summary."""
+    check_grace(grace)
     return call(target, "stop", [target.host.workdir, selector or "", f"{grace:g}"], timeout=grace + 90)
 
 
