@@ -221,7 +221,8 @@ def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, 
 def dry_check_against_trainer(rig: Rig, batch, fh) -> None:
     """CPU dry run: the bench's step loss equals train.forward_loss's on the same weights/batch."""
     from dflash_train.config import load_config
-    from dflash_train.train import build_replica, forward_loss, resolve_config
+    from dflash_train.resolve import resolve_config
+    from dflash_train.train import build_replica, forward_loss
     t = rig.cfg.target
     over = [f"target.{f.name}={json.dumps(getattr(t, f.name))}" for f in dataclasses.fields(t)
             if f.name not in ("path",)]

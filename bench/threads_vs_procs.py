@@ -43,7 +43,7 @@ TIMEOUT_S = {"small": 180, "mid": 300}
 def make_config(name: str, world: int, compile_mode: str, device: str, steps: int = 0):
     """Resolved bench config: random data, bf16 on CUDA, PER_GPU_BATCH sequences per device."""
     from dflash_train.config import load_config
-    from dflash_train.train import resolve_config
+    from dflash_train.resolve import resolve_config
 
     over = CONFIGS[name] + ["data.source=random", f"data.batch_size={PER_GPU_BATCH * world}",
                             "data.num_train=512", "data.num_eval=4", f"run.device={device}",
@@ -85,7 +85,7 @@ def eval_loss(replica, batch) -> float:
 def child_threads(args) -> dict:
     """Threads: workers.run_threaded over GPUs 0..world-1, fed like the trainer (GlobalBatches)."""
     from dflash_train import workers as W
-    from dflash_train.train import GlobalBatches
+    from dflash_train.train import GlobalBatches, drafter_ops
 
     cfg = make_config(args.config, args.world, args.compile, args.device, args.steps)
     sampler = sampler_for(cfg)
@@ -98,7 +98,7 @@ def child_threads(args) -> dict:
 
     devices = [f"cuda:{i}" if args.device == "cuda" else "cpu" for i in range(args.world)]
     t0 = time.monotonic()
-    res = W.run_threaded(W.drafter_ops(cfg), devices, GlobalBatches(sampler, pin=args.device == "cuda" and args.pin),
+    res = W.run_threaded(drafter_ops(cfg), devices, GlobalBatches(sampler, pin=args.device == "cuda" and args.pin),
                          cfg.run.steps, opts, on_sync)
     batch = W.shard_batch(sampler.batch(0), 0, args.world)
     return {"warmup_s": res.warmup_s, "step_ms": res.step_ms, "steady_ms": steady_ms(windows), "checksums": res.checksums,
@@ -111,6 +111,7 @@ def child_process(args) -> dict:
     import torch
     import torch.distributed as dist
     from dflash_train import workers as W
+    from dflash_train.train import drafter_ops
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     on_cuda = args.device == "cuda"
@@ -127,7 +128,7 @@ def child_process(args) -> dict:
         batch = W.shard_batch(sampler.batch(step), rank, world)
         return batch.pinned() if on_cuda and args.pin else batch
 
-    ops = W.drafter_ops(cfg)
+    ops = drafter_ops(cfg)
     policy = W.choose_compile_policy(args.compile, device.type)
     torch.manual_seed(cfg.run.seed)
     replica = ops.build(device, cfg.run.seed, policy)

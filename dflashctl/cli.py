@@ -225,7 +225,7 @@ def push_cmd(
         autocompletion=_complete_host,
     ),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List what would be sent and deleted; change nothing."),
-    source: Optional[str] = typer.Option(None, "--source", help="Payload directory (default: the repo's remote_payload/)."),
+    source: Optional[str] = typer.Option(None, "--source", help="Payload directory (default: the trainer that ships with dflashctl, remote_payload/ in a checkout)."),
 ) -> None:
     """Send remote_payload/ to <workdir>/payload in the container: incremental, atomic, verified."""
     from pathlib import Path
@@ -320,52 +320,79 @@ def train_cmd(
         None, help="Host to train on (default host if omitted); `h1,h2` or a group: one run across those hosts.",
         autocompletion=_complete_host,
     ),
-    gpus: Optional[str] = typer.Option(None, "--gpus", help="GPU indices like 0,1 (default: the host's gpus, else cpu)."),
+    gpus: Optional[str] = typer.Option(
+        None, "--gpus", help="GPU indices like 0,1, or cpu (default: the host's gpus, else every GPU the trainer sees)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Trainer preset: tiny (default) or qwen3-8b (docs/trainer.md)."),
     config: Optional[Path] = typer.Option(None, "--config", help="Trainer config (YAML); copied into the run directory."),
-    overrides: List[str] = typer.Option([], "--set", help="Config override key=value (repeatable)."),
+    overrides: List[str] = typer.Option(
+        [], "--set", help="Config override key=value (repeatable). Out of GPU memory? --set data.max_length=2048 "
+                          "or fewer data.anchors_per_seq."),
     name: Optional[str] = typer.Option(None, "--name", help="A label for the run (stored as given)."),
+    resume: Optional[str] = typer.Option(
+        None, "--resume", metavar="RUN", help="Continue an ended run (id, prefix or name) from its newest checkpoint, "
+                                             "in its directory with its config."),
     follow: Optional[bool] = typer.Option(None, "--follow/--detach", help="Stream the log until the run ends (default on a terminal)."),
     force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),
     no_push: bool = typer.Option(False, "--no-push", help="Use the payload already in the container."),
-    source: Optional[Path] = typer.Option(None, "--source", help="Payload directory to push (default: the repo's remote_payload/)."),
+    source: Optional[Path] = typer.Option(None, "--source", help="Payload directory to push (default: the trainer that ships with dflashctl)."),
     rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Several hosts: the rendezvous (MASTER_PORT) on the first host."),
     env_items: List[str] = typer.Option([], "--env", help="NAME=VALUE for the trainer's environment (repeatable), e.g. NCCL_SOCKET_IFNAME=eth0."),
 ) -> None:
-    """Push the payload if it changed, start the trainer detached, and (optionally) follow it."""
+    """Push the payload if it changed, pre-flight the config and devices, start the trainer
+    detached, and (optionally) follow it. `--resume RUN` continues an ended run instead."""
     from .logs import attach
-    from .runs import parse_gpus, push_payload, resolved_config, start_run
+    from .runs import parse_gpus, push_payload, resolved_config, resume_run, start_run
 
     session = _state(ctx).session()
     env = _parse_env(env_items)
     if config is not None and not config.is_file():
         raise UsageError(f"--config: no such file: {config}")
+    if resume is not None:
+        given = [flag for flag, value in (("--config", config), ("--set", overrides), ("--preset", preset),
+                                          ("--name", name), ("--gpus", gpus)) if value]
+        if given:
+            raise UsageError(f"--resume continues a run with its own config and GPUs: drop {', '.join(given)}")
     resolved_config(config, overrides)  # a bad --set or config file fails before anything is pushed
     hosts = session.inventory.resolve_many(host)
     if len(hosts) > 1:
+        if resume is not None:
+            raise UsageError("--resume takes one host (a run across several hosts: start it again with train)")
         raise typer.Exit(_train_group(session, hosts, gpus=gpus, config=config, overrides=overrides, name=name,
                                       follow=follow, force=force, no_push=no_push, source=source,
-                                      rdzv_port=rdzv_port, env=env))
+                                      rdzv_port=rdzv_port, env=env, preset=preset))
     target = session.target(hosts[0].name)
     err = Console(stderr=True)
     gpu_list = parse_gpus(gpus, target.host)
     payload_hash = None if no_push else push_payload(target, source.expanduser() if source else None, err)
-    run = start_run(target, gpus=gpu_list, config_file=config, overrides=overrides, name=name, force=force,
-                    payload_hash=payload_hash, env=env)
+    if resume is not None:
+        run = resume_run(target, resume, payload_hash=payload_hash, force=force, env=env)
+        verb = "resumed"
+    else:
+        run = start_run(target, gpus=gpu_list, config_file=config, overrides=overrides, name=name, force=force,
+                        payload_hash=payload_hash, env=env, preset=preset)
+        verb = "started"
+    on = f"{target.label}, {_held(run.gpus)}"
     if not (sys.stdout.isatty() if follow is None else follow):
         typer.echo(run.run_id)
-        err.print(Text(f"started run {run.run_id} on {target.label}; follow it: "
+        err.print(Text(f"{verb} run {run.run_id} on {on}; follow it: "
                        f"dflashctl logs tail {target.host.name} {run.run_id} -f", style="dim"), soft_wrap=True)
         return
-    err.print(Text(f"started run {run.run_id} on {target.label} (Ctrl-C detaches; the run goes on)", style="dim"),
+    err.print(Text(f"{verb} run {run.run_id} on {on} (Ctrl-C detaches; the run goes on)", style="dim"),
               soft_wrap=True)
     out = Console()
     raise typer.Exit(attach(session, target.host.name, run.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
                             console=out if out.is_terminal else None, err=err))
 
 
+def _held(gpus: List[str]) -> str:
+    """`GPUs 0,1` or `CPU`: what a started run holds."""
+    numeric = [g for g in gpus if g != "cpu"]
+    return f"GPU{'s' if len(numeric) > 1 else ''} {','.join(numeric)}" if numeric else "CPU"
+
+
 def _train_group(session: Session, hosts: list, *, gpus: Optional[str], config: Optional[Path], overrides: List[str],
                  name: Optional[str], follow: Optional[bool], force: bool, no_push: bool, source: Optional[Path],
-                 rdzv_port: int, env: dict) -> int:
+                 rdzv_port: int, env: dict, preset: Optional[str]) -> int:
     """`train h1,h2`: one run across hosts (docs/multihost.md); returns the exit code."""
     from functools import partial
 
@@ -378,7 +405,7 @@ def _train_group(session: Session, hosts: list, *, gpus: Optional[str], config: 
     gpu_lists = {h.name: parse_gpus(gpus, h) for h in hosts}
     hashes = {} if no_push else push_all(session, hosts, source.expanduser() if source else None, err)
     group = start_group(session, hosts, gpus=gpu_lists, config_file=config, overrides=overrides, name=name,
-                        force=force, payload_hashes=hashes, rdzv_port=rdzv_port, env=env)
+                        force=force, payload_hashes=hashes, rdzv_port=rdzv_port, env=env, preset=preset)
     names = ", ".join(f"{h.name} (rank {i})" for i, h in enumerate(hosts))
     first = hosts[0].name
     if not (sys.stdout.isatty() if follow is None else follow):
@@ -430,15 +457,17 @@ def runs_show(
     ctx: typer.Context,
     host: Optional[str] = typer.Argument(None, **_HOST_THEN_RUN),
     run: Optional[str] = typer.Argument(None, **_RUN),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the curves to this PNG (needs matplotlib)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the curves to this PNG (needs the plot extra: pip install 'dflashctl[plot]')."),
     curves: bool = typer.Option(True, "--curves/--no-curves", help="Draw loss and acceptance length in the terminal."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Show one run: run.json fields, a metrics summary, and loss / acceptance-length curves."""
     from .multihost import show_group
-    from .plot import save_png, terminal_plot
+    from .plot import require_matplotlib, save_png, terminal_plot
     from .runs import details_table
 
+    if plot is not None:
+        require_matplotlib()  # before anything is printed
     session = _state(ctx).session()
     host, run = _host_and_run(session, host, run)
     info = show_group(session, _first_host(session, host), run)  # several hosts: combined over the nodes
@@ -451,7 +480,7 @@ def runs_show(
     if drawing:
         console.print(Text(drawing), soft_wrap=True)
     if plot is not None:
-        save_png(info.get("metrics") or [], plot)
+        save_png(info.get("metrics") or [], plot, info["run_id"])
         console.print(Text(f"wrote {plot}"))
 
 

@@ -122,6 +122,7 @@ def start_group(
     payload_hashes: dict[str, str | None],
     rdzv_port: int,
     env: dict[str, str] | None = None,
+    preset: str | None = None,
 ) -> GroupStart:
     """Start one trainer per host under one run id; if any node cannot start, stop the others."""
     check_hosts(hosts)
@@ -139,7 +140,8 @@ def start_group(
         group = {"nodes": nodes, "rank": rank, "world_size": len(hosts), "rendezvous": rendezvous}
         return start_run(session.target(host.name), gpus=gpus[host.name], config_file=config_file,
                          overrides=overrides, name=name, force=force, payload_hash=payload_hashes.get(host.name),
-                         env=node_env(hosts, rank, run_id, addr, rdzv_port, env or {}), run_id=run_id, group=group)
+                         env=node_env(hosts, rank, run_id, addr, rdzv_port, env or {}), run_id=run_id, group=group,
+                         preset=preset)
 
     results = parallel(start, list(range(len(hosts))))
     failed = [(h, r) for h, r in zip(hosts, results) if isinstance(r, BaseException)]

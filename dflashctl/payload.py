@@ -137,8 +137,11 @@ class BarProgress:
 
 
 def default_source() -> Path:
-    """The repository's `remote_payload/`, found next to the installed package."""
-    return Path(dflashctl.__file__).resolve().parent.parent / "remote_payload"
+    """The trainer to push: `dflashctl/_payload/` in an installed wheel, else (a checkout, or an
+    editable install) the repository's `remote_payload/` beside the package."""
+    package = Path(dflashctl.__file__).resolve().parent
+    shipped = package / "_payload"
+    return shipped if shipped.is_dir() else package.parent / "remote_payload"
 
 
 def load_ignores(source: Path) -> pathspec.GitIgnoreSpec:

@@ -46,25 +46,45 @@ def terminal_plot(records: Sequence[dict[str, Any]], width: int = 100, height: i
     return fig.build().string(colorless=True)
 
 
-def save_png(records: Sequence[dict[str, Any]], path: Path) -> None:
-    """Write the curves to a PNG with matplotlib (an optional dependency)."""
+def require_matplotlib() -> Any:
+    """matplotlib.pyplot on the Agg backend, or UsageError naming the extra that installs it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as pyplot
     except ImportError:
-        raise UsageError("--plot FILE.png needs matplotlib: pip install matplotlib") from None
-    present = [(title, *series(records, key)) for key, title in CURVES]
-    present = [c for c in present if c[1]]
-    if not present:
+        raise UsageError("--plot FILE.png needs matplotlib: pip install 'dflashctl[plot]'") from None
+    return pyplot
+
+
+def held_out(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of a metric from the evaluation records (held-out data) only."""
+    return series([r for r in records if r.get("event") in ("eval", "final")], key)
+
+
+def save_png(records: Sequence[dict[str, Any]], path: Path, run_id: str) -> None:
+    """Write loss (training and held-out) and teacher-forced acceptance length to a PNG."""
+    pyplot = require_matplotlib()
+    panels = [
+        ("loss", "loss", [("training", series(records, "loss")), ("held-out", held_out(records, "loss"))]),
+        ("acceptance length", "tokens per block (teacher-forced)",
+         [("held-out", held_out(records, "acceptance_length"))]),
+    ]
+    panels = [(title, ylabel, [(n, c) for n, c in lines if c[0]]) for title, ylabel, lines in panels]
+    panels = [p for p in panels if p[2]]
+    if not panels:
         raise UsageError("no metrics to plot yet")
-    fig, axes = pyplot.subplots(1, len(present), figsize=(6 * len(present), 4), squeeze=False)
-    for ax, (title, xs, ys) in zip(axes[0], present):
-        ax.plot(xs, ys)
+    fig, axes = pyplot.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (title, ylabel, lines) in zip(axes[0], panels):
+        for name, (xs, ys) in lines:
+            ax.plot(xs, ys, label=name, marker="o" if name == "held-out" else None, markersize=3)
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"run {run_id}")
     fig.tight_layout()
     fig.savefig(path)
     pyplot.close(fig)

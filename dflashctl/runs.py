@@ -18,17 +18,20 @@ from rich.table import Table
 from rich.text import Text
 
 from .containers import Target
-from .errors import ConflictError, NotFoundError, RemoteError, UsageError
+from .errors import ConflictError, ContainerError, NotFoundError, RemoteError, UsageError
 from .inventory import HostSpec
 from .plot import series
 
 TRAINER_MODULE = "dflash_train"
 RUN_DIR_TOKEN = "{run_dir}"  # replaced by runctl with the run's absolute directory
+WORKDIR_TOKEN = "{workdir}"  # replaced by runctl with the workdir, ~ expanded in the container
+COMPILE_CACHE = f"{WORKDIR_TOKEN}/cache/compile"  # Inductor/Triton caches kept between runs on the host
 CONFIG_NAME = "config.input.yaml"  # the --config file as given, copied into the run directory
 CPU = "cpu"  # the "GPU" a run on a host without GPUs holds, so two such runs still conflict
 
 # Exit codes of `train --follow` and `logs tail -f` for how the run ended (see docs/runs.md).
 # They sit above errors.py's 1-6 so a script can tell "the run failed" from "dflashctl failed".
+PREFLIGHT_TIMEOUT_S = 330  # runctl gives the trainer's pre-flight 300 s (CUDA start-up on every GPU)
 STATE_EXIT = {"succeeded": 0, "failed": 100, "stopped": 101, "lost": 102}
 EXIT_DETACHED = 130  # Ctrl-C while following: the run goes on
 STATE_STYLE = {"running": "cyan", "succeeded": "green", "failed": "red", "stopped": "yellow", "lost": "magenta"}
@@ -41,16 +44,20 @@ class StartedRun:
     run_id: str
     run_dir: str
     pid: int | None
+    gpus: list[str]  # what the run holds: the GPUs the trainer resolved (all of them for run.device auto), or cpu
 
 
 def trainer_argv(
-    host: HostSpec, run_dir: str, config_path: str | None, overrides: Sequence[str], gpus: Sequence[str]
+    host: HostSpec, run_dir: str, config_path: str | None, overrides: Sequence[str], gpus: Sequence[str],
+    preset: str | None = None,
 ) -> list[str]:
     """The trainer's command line: the one place to change when the trainer's interface changes."""
     argv = [host.interpreter, "-m", TRAINER_MODULE]
+    if preset:
+        argv += ["--preset", preset]
     if config_path:
         argv += ["--config", config_path]
-    sets = [f"run.output_dir={run_dir}"]
+    sets = [f"run.output_dir={run_dir}", f"run.compile_cache_dir={COMPILE_CACHE}"]
     numeric = [g for g in gpus if g != CPU]
     if len(numeric) == 1:
         sets.append(f"run.device=cuda:{numeric[0]}")
@@ -115,15 +122,19 @@ def start_run(
     env: dict[str, str] | None = None,
     run_id: str | None = None,
     group: dict[str, Any] | None = None,
+    preset: str | None = None,
 ) -> StartedRun:
-    """Start the trainer detached on target; GPU check and start happen under one remote lock.
+    """Start the trainer detached on target. The trainer's pre-flight (config and devices, nothing
+    built), the GPU check and the start happen under one remote lock; a bad config is a
+    UsageError and a missing module a ContainerError, and neither leaves a run behind.
 
     run_id: use this id instead of a fresh one (a multi-host run has one id on every node);
     group: the multi-host membership recorded in run.json (multihost.py)."""
     host = target.host
     config_path = f"{RUN_DIR_TOKEN}/{CONFIG_NAME}" if config_file else None
     spec = {
-        "argv": trainer_argv(host, RUN_DIR_TOKEN, config_path, overrides, gpus),
+        "argv": trainer_argv(host, RUN_DIR_TOKEN, config_path, overrides, gpus, preset),
+        "preflight": True,
         "cwd": f"{host.workdir}/payload",
         "name": name,
         "host": host.name,
@@ -140,8 +151,19 @@ def start_run(
         spec["run_id"] = run_id
     if group:
         spec["group"] = group
-    answer = call(target, "start", [host.workdir], stdin=json.dumps(spec).encode())
-    return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"))
+    answer = call(target, "start", [host.workdir], stdin=json.dumps(spec).encode(), timeout=PREFLIGHT_TIMEOUT_S)
+    return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or list(gpus))
+
+
+def resume_run(target: Target, selector: str, *, payload_hash: str | None, force: bool = False,
+               env: dict[str, str] | None = None) -> StartedRun:
+    """Start an ended run again in its own directory, from its newest checkpoint (`--resume`),
+    on the payload now in the container (pre-flight and GPU check as for a new run)."""
+    spec = {"cwd": f"{target.host.workdir}/payload", "payload_hash": payload_hash, "force": force,
+            "env": env or None, "preflight": True}
+    answer = call(target, "resume", [target.host.workdir, selector], stdin=json.dumps(spec).encode(),
+                  timeout=PREFLIGHT_TIMEOUT_S)
+    return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or [])
 
 
 def push_payload(target: Target, source: Path | None, console: Console) -> str:
@@ -212,6 +234,13 @@ def answer_error(target: Target, answer: dict[str, Any]) -> Exception:
     kind, message = answer["error"], answer.get("message", "")
     if kind == "not_found":
         return NotFoundError(f"{target.label}: {message}")
+    if kind == "config":  # the trainer's own one line, from its pre-flight
+        return UsageError(f"{target.label}: trainer config: {message}")
+    if kind == "missing_module":
+        return ContainerError(f"{target.label}: {message}; install it there, or point `python:` in hosts.yaml "
+                              f"at an interpreter that has it")
+    if kind == "conflict_running":
+        return ConflictError(f"{target.label}: {message}")
     if kind == "ambiguous":
         return UsageError(f"{target.label}: {message}: {', '.join(answer.get('candidates', []))}; give more of the run id")
     if kind == "conflict":

@@ -8,6 +8,10 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
   standin.fail_at       exit with standin.fail_code (default 3) at that step
   standin.ignore_sigterm  true: print that SIGTERM was ignored and keep going
   standin.lines         log lines per step (default 1)
+  standin.preflight_error  --preflight answers this config error (exit 2), as the trainer does
+--preflight prints the trainer's one-line JSON answer ({"ok": true, "devices": [...], "gpus": [...]},
+the GPUs from run.gpus or run.device=cuda:N as the trainer resolves them);
+--resume starts after the newest fake checkpoint.
 """
 
 import json
@@ -37,6 +41,14 @@ def parse(argv):
 def main():
     """Train (pretend), honouring SIGTERM like the real trainer: checkpoint and exit 143."""
     opts = parse(sys.argv[1:])
+    if "--preflight" in sys.argv:
+        if opts.get("standin.preflight_error"):
+            print(json.dumps({"ok": False, "error": "config", "message": opts["standin.preflight_error"]}), flush=True)
+            return 2
+        gpus = preflight_gpus(opts)
+        devices = ["cuda:%d" % g for g in gpus] or ["cpu"]
+        print(json.dumps({"ok": True, "devices": devices, "gpus": gpus, "summary": ["standin"]}), flush=True)
+        return 0
     out = opts.get("run.output_dir", ".")
     steps = int(opts["run.steps"])
     step_time = float(opts["standin.step_time"])
@@ -52,8 +64,11 @@ def main():
 
     signal.signal(signal.SIGTERM, on_term)
     print("standin: pid %d, %d steps, output %s" % (os.getpid(), steps, out), flush=True)
+    first = 1 + (latest_checkpoint(out) if "--resume" in sys.argv else 0)
+    if first > 1:
+        print("standin: resuming after step %d" % (first - 1), flush=True)
     with open(os.path.join(out, "metrics.jsonl"), "a") as metrics:
-        for step in range(1, steps + 1):
+        for step in range(first, steps + 1):
             if state["term"]:
                 return checkpoint(out, state["step"])
             time.sleep(step_time)
@@ -70,6 +85,23 @@ def main():
                 return int(opts["standin.fail_code"])
     print("standin: done", flush=True)
     return 0
+
+
+def preflight_gpus(opts):
+    """The GPUs the real trainer resolves from run.gpus / run.device=cuda:N (no CUDA here: none else)."""
+    if opts.get("run.gpus"):
+        return [int(g) for g in opts["run.gpus"].strip("[]").split(",") if g.strip()]
+    device = opts.get("run.device", "")
+    return [int(device.split(":")[1])] if device.startswith("cuda:") else []
+
+
+def latest_checkpoint(out):
+    """The step of the newest fake checkpoint, 0 without one."""
+    try:
+        names = os.listdir(os.path.join(out, "checkpoints"))
+    except OSError:
+        return 0
+    return max([int(n[5:-5]) for n in names if n.startswith("step-") and n.endswith(".json")] or [0])
 
 
 def checkpoint(out, step):

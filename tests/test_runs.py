@@ -20,9 +20,11 @@ from sshd import CLI, SHIM_VMID
 from dflashctl.errors import ConflictError, NotFoundError, UsageError
 from dflashctl.inventory import HostSpec
 from dflashctl.runs import (
+    COMPILE_CACHE,
     CPU,
     RUN_DIR_TOKEN,
     list_runs,
+    resume_run,
     parse_gpus,
     resolved_config,
     show_run,
@@ -67,9 +69,10 @@ def state(session, run_id: str) -> str:
 
 def test_trainer_argv_places_gpus_and_output_dir_before_user_overrides():
     host = HostSpec(name="h", python="/venv/bin/python")
-    argv = trainer_argv(host, "/w/runs/r1", "/w/runs/r1/c.yaml", ["run.steps=3"], ["0", "2"])
-    assert argv == ["/venv/bin/python", "-m", "dflash_train", "--config", "/w/runs/r1/c.yaml",
-                    "--set", "run.output_dir=/w/runs/r1", "--set", "run.gpus=[0,2]", "--set", "run.steps=3"]
+    argv = trainer_argv(host, "/w/runs/r1", "/w/runs/r1/c.yaml", ["run.steps=3"], ["0", "2"], preset="qwen3-8b")
+    assert argv == ["/venv/bin/python", "-m", "dflash_train", "--preset", "qwen3-8b", "--config", "/w/runs/r1/c.yaml",
+                    "--set", "run.output_dir=/w/runs/r1", "--set", f"run.compile_cache_dir={COMPILE_CACHE}",
+                    "--set", "run.gpus=[0,2]", "--set", "run.steps=3"]
     assert "--set" in trainer_argv(host, RUN_DIR_TOKEN, None, [], ["1"]) and "run.device=cuda:1" in trainer_argv(
         host, RUN_DIR_TOKEN, None, [], ["1"])
     assert not any("device" in a or "gpus" in a for a in trainer_argv(host, RUN_DIR_TOKEN, None, [], [CPU]))
@@ -259,7 +262,14 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     assert missing.returncode == 5 and missing.stderr.strip().endswith("no run matches 'zzz'")
     shown = host.run_cli("runs", "show", "shim", "n2", "--plot", str(png))
     assert ids[2] in shown.stdout and "acceptance length" in shown.stdout  # details and terminal curves
-    assert (shown.returncode == 0 and png.exists()) or (shown.returncode == 2 and "matplotlib" in shown.stderr)
+    assert shown.returncode == 0 and png.read_bytes().startswith(b"\x89PNG") and f"wrote {png}" in shown.stdout
+    # Without matplotlib (the plot extra): one line naming the extra, before anything is printed.
+    env = {"PYTHONPATH": str(tmp_path / "no-mpl")}
+    (tmp_path / "no-mpl").mkdir()
+    (tmp_path / "no-mpl" / "matplotlib.py").write_text("raise ImportError('no matplotlib here')\n")
+    bare = host.run_cli("runs", "show", "shim", "n2", "--plot", str(tmp_path / "b.png"), env=env)
+    assert bare.returncode == 2 and bare.stdout == "" and "dflashctl[plot]" in bare.stderr
+    assert len(bare.stderr.splitlines()) == 1 and not (tmp_path / "b.png").exists()
 
 
 def test_shell_completion_offers_the_hosts_run_ids_and_names(shim):
@@ -322,7 +332,18 @@ def test_real_trainer_follow_then_stop_checkpoints(shim):
     stopper.join(150)
     assert ending.state == "stopped" and ending.exit_code == 143 and stopped[0]["state"] == "stopped"
     rdir = run_dir(workdir, run.run_id)
-    assert bytes(got) == (rdir / "train.log").read_bytes() and b"resume with --resume" in got
-    assert list((rdir / "checkpoints").glob("step_*"))
+    hint = f"dflashctl train shim --resume {run.run_id}".encode()
+    assert bytes(got) == (rdir / "train.log").read_bytes() and hint in got
+    (saved,) = list((rdir / "checkpoints").glob("step_*"))
     records = [json.loads(line) for line in (rdir / "metrics.jsonl").read_text().splitlines()]
     assert {"step", "total_steps", "loss"} <= set(records[-1]) and meta(workdir, run.run_id)["payload_hash"]
+
+    # --resume: the same run, running again from its checkpoint, with its own config.
+    step = int(saved.name.split("_")[1])
+    again = resume_run(target, run.run_id, payload_hash=pushed.manifest_hash)
+    assert again.run_id == run.run_id and state(session, run.run_id) == "running"
+    wait_until(lambda: f"resuming from {saved} at step {step}" in (rdir / "train.log").read_text(), 120, "resume")
+    wait_until(lambda: f"step {step + 2}/100000" in (rdir / "train.log").read_text(), 120, "a step after resume")
+    assert stop_run(target, run.run_id, grace=120)["state"] == "stopped"
+    info = meta(workdir, run.run_id)
+    assert info["resumes"] == 1 and info["argv"].count("--resume") == 1

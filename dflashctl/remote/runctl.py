@@ -10,6 +10,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import struct
 import subprocess
@@ -17,6 +18,8 @@ import sys
 import time
 
 RUN_DIR_TOKEN = "{run_dir}"
+WORKDIR_TOKEN = "{workdir}"
+PREFLIGHT_TIMEOUT_S = 300.0  # importing torch and initialising CUDA on every GPU: seconds, not minutes
 LOG = "train.log"
 ROTATED = "train.log.1"
 METRICS = "metrics.jsonl"
@@ -265,39 +268,57 @@ def conflicts(root, gpus):
 
 
 def cmd_start(workdir):
-    """Check GPUs and start a run under one lock, so concurrent starts cannot both win."""
+    """Pre-flight the trainer, check GPUs and start a run under one lock, so concurrent starts
+    cannot both win; a failed pre-flight or a conflict leaves no run behind."""
     import fcntl
+    import shutil
 
     spec = json.load(sys.stdin)
     root = runs_root(workdir)
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, LOCK), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        busy = [] if spec.get("force") else conflicts(root, spec["gpus"])
-        if busy:
-            raise RunError("conflict", "GPUs busy", runs=busy)
         run_id = spec.get("run_id") or new_run_id(root)
         if not RUN_ID_RE.match(run_id):
             raise RunError("bad_request", "bad run id %r" % run_id)
         run_dir = os.path.join(root, run_id)
         if os.path.exists(run_dir):
             raise RunError("bad_request", "run %s already exists on this host" % run_id)
-        os.makedirs(os.path.join(run_dir, "checkpoints"))
-        if spec.get("config_text") is not None:
-            write_atomic(os.path.join(run_dir, spec["config_name"]), spec["config_text"])
+        # The payload version itself (push swaps `payload`, a symlink): a later push does not
+        # move a running trainer, and run.json says which code it runs.
+        cwd = os.path.realpath(os.path.expanduser(spec["cwd"]))
+        home = os.path.expanduser(workdir)
+        argv = [a.replace(RUN_DIR_TOKEN, run_dir).replace(WORKDIR_TOKEN, home) for a in spec["argv"]]
+        env = spec.get("env") or {}
+        os.makedirs(os.path.join(run_dir, "checkpoints"))  # no run.json yet: invisible to list/show
+        try:
+            if spec.get("config_text") is not None:
+                write_atomic(os.path.join(run_dir, spec["config_name"]), spec["config_text"])
+            gpus = spec["gpus"]
+            if spec.get("preflight"):
+                found = preflight(argv, cwd, env)
+                gpus = [str(g) for g in found.get("gpus") or []] or ["cpu"]
+                if gpus != ["cpu"] and spec["gpus"] == ["cpu"]:
+                    # The trainer chose the GPUs (run.device auto): pin them, so the run uses what is locked.
+                    argv += ["--set", "run.gpus=[%s]" % ",".join(gpus)]
+            busy = [] if spec.get("force") else conflicts(root, gpus)
+            if busy:
+                raise RunError("conflict", "GPUs busy", runs=busy)
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         now = time.time()
         meta = {
             "run_id": run_id,
             "name": spec.get("name"),
             "host": spec.get("host"),
-            "argv": [a.replace(RUN_DIR_TOKEN, run_dir) for a in spec["argv"]],
-            # The payload version itself (push swaps `payload`, a symlink): a later push does not
-            # move a running trainer, and run.json says which code it runs.
-            "cwd": os.path.realpath(os.path.expanduser(spec["cwd"])),
+            "argv": argv,
+            "cwd": cwd,
             "config": spec.get("config"),
             "overrides": spec.get("overrides", []),
             "payload_hash": spec.get("payload_hash"),
-            "gpus": spec["gpus"],
+            "gpus": gpus,
+            "env": env,  # for --resume
             "started_at": utc_iso(now),
             "started_ts": now,
             "run_dir": run_dir,
@@ -307,9 +328,79 @@ def cmd_start(workdir):
             meta["group"] = spec["group"]
         write_atomic(os.path.join(run_dir, META), json.dumps(meta, indent=2))
         os.makedirs(meta["cwd"], exist_ok=True)
-        sup = spawn_supervisor(run_dir, meta, spec.get("env") or {}, lock.fileno())
+        sup = spawn_supervisor(run_dir, meta, env, lock.fileno())
         meta = wait_for_pids(run_dir, sup)
-    emit({"run_id": run_id, "run_dir": run_dir, "pid": (meta.get("trainer") or {}).get("pid")})
+    emit({"run_id": run_id, "run_dir": run_dir, "pid": (meta.get("trainer") or {}).get("pid"), "gpus": gpus})
+
+
+def cmd_resume(workdir, selector):
+    """Start an ended run again with `--resume` (its newest checkpoint), in its own directory."""
+    import fcntl
+
+    spec = json.load(sys.stdin)
+    root = runs_root(workdir)
+    with open(os.path.join(root, LOCK), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        run_id, run_dir, meta = resolve(root, selector)
+        state, _ = state_of(run_dir, meta)
+        if state == "running":
+            raise RunError("conflict_running", "run %s is still running (stop it first: dflashctl runs stop)" % run_id)
+        if meta.get("group"):
+            raise RunError("bad_request", "run %s spans several hosts: resume it with a new `train` on them" % run_id)
+        argv = list(meta["argv"])
+        if "--resume" not in argv:
+            argv.append("--resume")
+        cwd = os.path.realpath(os.path.expanduser(spec["cwd"])) if spec.get("cwd") else meta["cwd"]
+        env = spec.get("env") or meta.get("env") or {}
+        if spec.get("preflight"):
+            preflight(argv, cwd, env)
+        busy = [] if spec.get("force") else conflicts(root, meta.get("gpus") or [])
+        if busy:
+            raise RunError("conflict", "GPUs busy", runs=busy)
+        for name in (EXIT, STOP, REASON):
+            try:
+                os.remove(os.path.join(run_dir, name))
+            except OSError:
+                pass
+        now = time.time()
+        for key in ("supervisor", "trainer", "pgid"):
+            meta.pop(key, None)
+        meta.update(argv=argv, cwd=cwd, env=env, payload_hash=spec.get("payload_hash") or meta.get("payload_hash"),
+                    resumes=meta.get("resumes", 0) + 1, resumed_at=utc_iso(now), started_ts=now)
+        write_atomic(os.path.join(run_dir, META), json.dumps(meta, indent=2))
+        sup = spawn_supervisor(run_dir, meta, env, lock.fileno())
+        meta = wait_for_pids(run_dir, sup)
+    emit({"run_id": run_id, "run_dir": run_dir, "pid": (meta.get("trainer") or {}).get("pid"), "gpus": meta.get("gpus")})
+
+
+def preflight(argv, cwd, env):
+    """Run the trainer's `--preflight` (config and devices resolved, nothing built); its answer,
+    or RunError (config, missing_module, preflight) carrying the trainer's one line."""
+    child_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
+    try:
+        proc = subprocess.Popen(argv + ["--preflight"], cwd=cwd, env=child_env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as exc:
+        raise RunError("preflight", "cannot start the trainer: %s" % exc)
+    try:
+        out, err = proc.communicate(timeout=PREFLIGHT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise RunError("preflight", "the trainer's pre-flight did not answer within %ds (a hung GPU driver?)"
+                       % PREFLIGHT_TIMEOUT_S)
+    lines = out.decode("utf-8", "replace").strip().splitlines()
+    try:
+        answer = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        answer = None
+    if isinstance(answer, dict) and answer.get("ok"):
+        return answer
+    if isinstance(answer, dict) and answer.get("error") in ("config", "missing_module"):
+        raise RunError(answer["error"], answer.get("message", ""), module=answer.get("module"))
+    last = [ln for ln in err.decode("utf-8", "replace").splitlines() if ln.strip()]
+    raise RunError("preflight", "the trainer's pre-flight failed (exit %d): %s"
+                   % (proc.returncode, last[-1] if last else "no output"))
 
 
 def spawn_supervisor(run_dir, meta, env, lock_fd):
@@ -352,8 +443,21 @@ def supervise(run_dir, meta, env):
         return 0
     update_meta(run_dir, supervisor=marker(os.getpid()), trainer=marker(child.pid), pgid=child.pid)
     code = wait_trainer(run_dir, child, stop_flag)
+    if code not in (0, 2) and meta.get("host") and not meta.get("group") and has_checkpoint(run_dir):
+        # The trainer's own hint names its flag; this one names the command that does it here.
+        command = shlex.join(["dflashctl", "train", meta["host"], "--resume", meta["run_id"]])
+        print("dflashctl: the trainer exited with %d; continue from its newest checkpoint: %s" % (code, command),
+              flush=True)
     write_atomic(os.path.join(run_dir, EXIT), "%d\n" % code)
     return 0
+
+
+def has_checkpoint(run_dir):
+    """True when the trainer has saved at least one checkpoint (hidden entries are half-written)."""
+    try:
+        return any(not name.startswith(".") for name in os.listdir(os.path.join(run_dir, "checkpoints")))
+    except OSError:
+        return False
 
 
 def wait_trainer(run_dir, child, stop_flag):
@@ -712,7 +816,7 @@ def cmd_pack(workdir, selector, checkpoints="none"):
     out.flush()
 
 
-COMMANDS = {"start": cmd_start, "list": cmd_list, "show": cmd_show, "stop": cmd_stop, "read": cmd_read,
+COMMANDS = {"start": cmd_start, "resume": cmd_resume, "list": cmd_list, "show": cmd_show, "stop": cmd_stop, "read": cmd_read,
             "pack": cmd_pack}
 
 

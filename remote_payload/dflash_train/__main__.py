@@ -1,47 +1,98 @@
-"""`python -m dflash_train [--config run.yaml] [--preset NAME] [--set a.b=c ...] [--resume]`."""
+"""`python -m dflash_train [--config run.yaml] [--preset NAME] [--set a.b=c ...] [--resume] [--preflight]`.
+
+Exit codes: 0 done, 1 a worker failed, 2 a bad config or data, 4 a module the trainer needs is
+missing, 128+N stopped by signal N (143: SIGTERM). `--preflight` resolves the config and the
+devices without building anything and prints one JSON line: {"ok": true, "devices": [...],
+"gpus": [...], "summary": [...]} or {"ok": false, "error": "config"|"missing_module", "message": ...}.
+"""
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+import time
 
-from .config import PRESETS, ConfigError, load_config
+LAUNCHED_AT = time.monotonic()  # before the imports below: the time to first step counts them
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+EXIT_CONFIG, EXIT_MISSING = 2, 4
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, train, return the exit code (2 for a bad config)."""
+    """Parse arguments, train (or pre-flight), return the exit code."""
     parser = argparse.ArgumentParser(prog="python -m dflash_train", description="Train a DFlash drafter.")
     parser.add_argument("--config", help="YAML run config (may name a `preset:`)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="base preset (default: tiny)")
+    parser.add_argument("--preset", help="base preset (default: tiny; see config.PRESETS)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. run.steps=100 (repeatable)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="start over in an output dir with checkpoints")
+    parser.add_argument("--preflight", action="store_true",
+                        help="check the config and devices, print one JSON line, start nothing")
     args = parser.parse_args(argv)
-
-    # Imported here so that `--help` and config errors do not pay for importing torch.
+    try:
+        # Imported here so that `--help` does not pay for importing torch.
+        from .config import ConfigError, load_config
+    except ImportError as exc:
+        return _missing(exc, args.preflight)
     try:
         cfg = load_config(args.config, args.preset, args.overrides)
+        if args.preflight:
+            return _preflight(cfg)
         from .checkpoint import StopFlag
         from .train import run_training
-
-        from .workers import WorkerError
+        from .workers import WorkerError, live_workers
 
         stop = StopFlag()
         stop.install()
         try:
-            return run_training(cfg, resume=args.resume, overwrite=args.overwrite, stop=stop)
+            code = run_training(cfg, resume=args.resume, overwrite=args.overwrite, stop=stop,
+                                launched_at=LAUNCHED_AT)
         except WorkerError as exc:
-            # The failing worker's traceback; the others were stopped (or are stuck in a compile:
-            # they are daemon threads, and os._exit does not wait for them or run their finalizers).
             print(f"error: {exc}", file=sys.stderr)
+            code = 1
+        if live_workers():
+            # Workers still inside a compile (a failure or a stop before step 1): daemon threads that
+            # cannot be interrupted, and whose finalizers must not run; leave at once.
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1)
+            os._exit(code)
+        return code
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        if args.preflight:
+            print(json.dumps({"ok": False, "error": "config", "message": str(exc)}), flush=True)
+        else:
+            print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ImportError as exc:
+        return _missing(exc, args.preflight)
+
+
+def _preflight(cfg) -> int:
+    """Resolve the config and devices as a run would (ConfigError if it cannot), print the JSON answer."""
+    from .resolve import check_data_paths, resolve_config, summary, worker_devices
+
+    notes: list[str] = []
+    resolved = resolve_config(cfg, notes)
+    check_data_paths(resolved)
+    devices = worker_devices(resolved)
+    gpus = resolved.run.gpus or sorted({int(d.split(":")[1]) for d in devices if d.startswith("cuda:")})
+    print(json.dumps({"ok": True, "devices": devices, "gpus": gpus, "summary": summary(resolved, notes)}),
+          flush=True)
+    return 0
+
+
+def _missing(exc: ImportError, preflight: bool) -> int:
+    """A module the trainer needs is not installed in this interpreter: one line, exit 4."""
+    name = getattr(exc, "name", None) or str(exc)
+    message = f"{name} is not installed in {sys.executable} (the trainer needs torch, safetensors, numpy, pyyaml)"
+    if preflight:
+        print(json.dumps({"ok": False, "error": "missing_module", "module": name, "message": message}), flush=True)
+    else:
+        print(f"error: {message}", file=sys.stderr)
+    return EXIT_MISSING
 
 
 if __name__ == "__main__":

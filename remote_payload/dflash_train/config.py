@@ -98,11 +98,14 @@ class RunConfig:
     cpu_threads: int = 1  # torch intra-op threads; tiny ops gain nothing from more, and OpenMP
     # spin-waits make 2 threads 10x slower on a busy 2-core machine; 0 keeps torch's default
     output_dir: str = "runs/tiny"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = "auto"  # auto (every visible GPU, one thread each; else cpu) | cpu | cuda (= cuda:0) | cuda:N
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
     compile: str | None = None  # off | default | cudagraphs; None: off on CPU, default on CUDA
-    compile_scope: str = "step"  # step: the whole forward+loss is compiled | drafter: only the
-    # drafter | layers: each draft and target layer (regional; not with cudagraphs)
+    compile_scope: str = "auto"  # auto: layers for models of Qwen3-0.6B width and up, else step |
+    # step: the whole forward+loss as one graph (minutes to compile at 8B scale) | drafter: only
+    # the drafter | layers: each draft and target layer (regional; not with cudagraphs)
+    compile_cache_dir: str | None = None  # Inductor/Triton caches (TORCHINDUCTOR_CACHE_DIR); None:
+    # torch's default under /tmp. dflashctl sets <workdir>/cache/compile so a second run starts warm
     gpus: list[int] = field(default_factory=list)  # one worker thread per listed GPU; empty: run.device
     threads: int = 0  # worker threads; 0: one per entry of gpus (else 1); N > 1 without gpus: N
     # replicas on run.device (CPU tests of the data-parallel path)
@@ -149,7 +152,7 @@ CHOICES = {
     "drafter.attention": ("auto", "flex", "dense"),
     "run.dtype": ("auto", "bf16", "fp32"),
     "run.compile": ("off", "default", "cudagraphs", None),
-    "run.compile_scope": ("step", "drafter", "layers"),
+    "run.compile_scope": ("auto", "step", "drafter", "layers"),
 }
 
 # Presets are override dicts on top of the dataclass defaults (which are the tiny run).

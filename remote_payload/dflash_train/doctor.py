@@ -443,7 +443,7 @@ def smoke_config(device_type: str, policy_name: str | None = None):
     not depend on them); with a policy, `run.compile` as a user would set it for that policy, so
     that what follows from it (attention backend, compiled CE chunk) matches: `off` is all eager."""
     from .config import load_config
-    from .train import resolve_config
+    from .resolve import resolve_config
 
     overrides = ["data.source=random", "data.num_train=32", "data.num_eval=8", f"run.device={device_type}"]
     if policy_name is not None:
@@ -469,7 +469,8 @@ def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str
     """The trainer's tiny step in one worker thread per device under one policy, via run_threaded."""
     import torch
 
-    from .workers import ReplicaOps, ThreadedOptions, drafter_ops, run_threaded
+    from .train import drafter_ops
+    from .workers import ReplicaOps, ThreadedOptions, run_threaded
 
     cfg = smoke_config(devices[0].split(":")[0], policy_name)
     torch.set_num_threads(cfg.run.cpu_threads)  # as the trainer does (threads x OpenMP oversubscribe)
@@ -563,11 +564,13 @@ def parse_gpus(spec: str | None, count: int) -> list[int]:
 
 
 def smoke_devices(gpus: list[int]) -> list[str]:
-    """Two worker devices: two GPUs, one GPU twice, or the CPU twice."""
+    """The worker devices the trainer would use here, capped at two: two GPUs (threads across
+    devices), one GPU (one worker thread: what a one-GPU host runs), or the CPU twice (the
+    threaded path on a host without a GPU)."""
     if len(gpus) >= 2:
         return [f"cuda:{gpus[0]}", f"cuda:{gpus[1]}"]
     if gpus:
-        return [f"cuda:{gpus[0]}"] * 2
+        return [f"cuda:{gpus[0]}"]
     return ["cpu", "cpu"]
 
 

@@ -13,6 +13,7 @@ the context strictly before a and bidirectionally to its own B tokens, never to 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -260,6 +261,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, eps)
         self.fc = nn.Linear(len(spec.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, eps)
+        self.on_layer: Callable[[int, int], None] | None = None  # (i, n) before layer i: progress probe
 
     def init_weights(self, std: float, generator: torch.Generator) -> None:
         """Normal(0, std) linear weights and unit norms, drawn from `generator` only."""
@@ -296,7 +298,9 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope_cos_sin(positions, self.spec.shape.head_dim, self.spec.shape.rope_theta,
                                 ctx.dtype)                                                # [N, S+Q, d]
         x = block_embeds.to(ctx.dtype)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if self.on_layer is not None:
+                self.on_layer(i, len(self.layers))
             x = layer(x, ctx, cos, sin, mask, flex_fn)
         return self.norm(x)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,6 +48,7 @@ class Qwen3Target(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.requires_grad_(False)
+        self.on_layer: Callable[[int, int], None] | None = None  # (i, n) before layer i: progress probe
 
     def compile_layers(self, **compile_kwargs) -> "Qwen3Target":
         """Regional compilation of the decoder layers' causal `forward` (used by `features` and
@@ -67,7 +69,10 @@ class Qwen3Target(nn.Module):
         x = self.embed_tokens(input_ids)                                      # [N, S, H]
         cos, sin = self._rope(input_ids.shape[1], input_ids.device, x.dtype)
         wanted, out = set(layer_ids), {}
-        for i, layer in enumerate(self.layers[: max(layer_ids) + 1]):        # early exit
+        used = self.layers[: max(layer_ids) + 1]                              # early exit
+        for i, layer in enumerate(used):
+            if self.on_layer is not None:
+                self.on_layer(i, len(used))
             x = layer(x, cos, sin)
             if i in wanted:
                 out[i] = x

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -28,82 +29,12 @@ from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint, save_check
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import Batch, BlockSampler, DataError, build_datasets
 from .export import export_drafter
-from .loss import LossOutput, default_gamma, dflash_loss
-from .model import DFlashDrafter, DrafterSpec, block_input_ids, block_mask
-from .target import (Qwen3Target, build_random_target, build_tiny_target, default_target_layer_ids,
-                     load_hf_target, read_hf_config, resolve_mask_token_id, shape_of)
+from .loss import LossOutput, dflash_loss
+from .model import DFlashDrafter, block_input_ids, block_mask
+from .resolve import drafter_spec, resolve_config, summary, worker_devices
+from .target import Qwen3Target, build_random_target, build_tiny_target, load_hf_target
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def auto_attention(on_cuda: bool, compile_mode: str) -> str:
-    """`drafter.attention: auto`: FlexAttention when it can be compiled (CUDA and compiling), else
-    dense SDPA. `run.compile: off` is the escape hatch from a broken compiler, so it must not
-    compile anything, and eager flex is only a slow dense reference."""
-    return "flex" if on_cuda and compile_mode != "off" else "dense"
-
-
-def resolve_config(cfg: Config) -> Config:
-    """A copy with every `auto`/None filled in (device, dtype, compile, attention, target shape,
-    feature layers, MASK id, gamma, export dir); raises ConfigError on inconsistencies."""
-    cfg = copy.deepcopy(cfg)
-    run, d = cfg.run, cfg.drafter
-    if run.gpus:
-        if run.device not in ("auto", "cuda", f"cuda:{run.gpus[0]}"):
-            raise ConfigError(f"run.gpus {run.gpus} contradicts run.device {run.device}: set one of them")
-        if not torch.cuda.is_available():
-            raise ConfigError(f"run.gpus {run.gpus} requested but CUDA is not available")
-        if max(run.gpus) >= torch.cuda.device_count():
-            raise ConfigError(f"run.gpus {run.gpus}: torch sees {torch.cuda.device_count()} GPU(s)")
-        run.device = f"cuda:{run.gpus[0]}"
-        run.threads = len(run.gpus)
-    run.threads = run.threads or 1
-    if run.device == "auto":
-        run.device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        on_cuda = torch.device(run.device).type == "cuda"
-    except RuntimeError:
-        raise ConfigError(f"run.device {run.device!r} is not a device (cpu, cuda, cuda:N)") from None
-    if on_cuda and not torch.cuda.is_available():
-        raise ConfigError(f"run.device {run.device} requested but CUDA is not available")
-    if cfg.debug.fail_rank >= run.threads and (cfg.debug.fail_at or cfg.debug.hang_at):
-        raise ConfigError(f"debug.fail_rank {cfg.debug.fail_rank} but only {run.threads} worker(s)")
-    if run.dtype == "auto":
-        run.dtype = "bf16" if on_cuda else "fp32"
-    if run.compile is None:
-        run.compile = "default" if on_cuda else "off"
-    if d.attention == "auto":
-        d.attention = auto_attention(on_cuda, run.compile)
-    if d.attention == "flex" and not on_cuda:
-        raise ConfigError("drafter.attention flex needs CUDA (FlexAttention has no CPU backward)")
-    if cfg.target.path is not None:
-        try:
-            loaded = read_hf_config(cfg.target.path)
-        except (OSError, KeyError, ValueError) as exc:
-            raise ConfigError(f"target.path: {exc}") from None
-        loaded.seed, loaded.init_std = cfg.target.seed, cfg.target.init_std
-        cfg.target = loaded
-    if d.target_layer_ids is None:
-        d.target_layer_ids = default_target_layer_ids(cfg.target.num_layers, d.num_target_features)
-    if not d.target_layer_ids or not all(0 <= i < cfg.target.num_layers for i in d.target_layer_ids):
-        raise ConfigError(f"drafter.target_layer_ids {d.target_layer_ids} must lie in "
-                          f"[0, {cfg.target.num_layers - 1}]")
-    try:
-        d.mask_token_id = resolve_mask_token_id(cfg.target, d.mask_token_id, cfg.data.tokenizer_path)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if cfg.optim.gamma is None:
-        cfg.optim.gamma = default_gamma(d.block_size)
-    if run.export_dir is None:
-        run.export_dir = str(Path(run.output_dir) / "export")
-    return cfg
-
-
-def drafter_spec(cfg: Config) -> DrafterSpec:
-    """The drafter's architecture from a resolved config."""
-    d = cfg.drafter
-    return DrafterSpec(shape_of(cfg.target), d.num_layers, d.block_size, tuple(d.target_layer_ids),
-                       d.mask_token_id)
 
 
 def build_target(cfg: Config, device: torch.device) -> Qwen3Target:
@@ -146,6 +77,8 @@ class Replica:
     train_loss: Callable   # (input_ids, loss_mask, anchors, anchor_valid) -> (loss, acceptance), compiled per policy
     run_drafter: Callable  # the drafter, or its compiled wrapper (run.compile_scope: drafter)
     flex_fn: Callable      # flex_attention for the eager paths (compiled on its own on CUDA)
+    # Where the first (compiling) forward/backward is: (what, i, n), read by progress lines.
+    at: tuple[str, int, int] = ("build", 0, 0)
     # Last step's values, read at sync points only (no host sync per step):
     last_lr: float = 0.0
     last_grad_norm: torch.Tensor | None = None
@@ -187,6 +120,11 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int,
         drafter.compile_layers()  # regional (docs/performance.md): names and state_dict unchanged
         target.compile_layers()
     replica = Replica(cfg, device, target, drafter, optimizer, scheduler, policy, None, run_drafter, flex_fn)
+    # Progress probes on the layer loops that run eagerly (inside a compiled graph they would be traced).
+    if policy.effective == "off" or scope in ("layers", "drafter"):
+        target.on_layer = lambda i, n: setattr(replica, "at", ("target layer", i + 1, n))
+    if policy.effective == "off" or scope == "layers":
+        drafter.on_layer = lambda i, n: setattr(replica, "at", ("draft layer", i + 1, n))
 
     if policy.effective != "off" and cfg.run.compile_scope == "step":
         def train_loss(input_ids, loss_mask, anchors, anchor_valid):
@@ -244,7 +182,9 @@ def forward_backward(replica: Replica, batch: Batch) -> torch.Tensor:
     """Forward and backward of one batch through the compiled step (gradients accumulate in
     .grad); returns the detached loss and keeps the batch's acceptance length on the replica."""
     b = batch.to(replica.device)
+    replica.at = ("forward", 0, 0)
     loss, acceptance = replica.train_loss(b.input_ids, b.loss_mask, b.anchors, b.anchor_valid)
+    replica.at = ("backward", 0, 0)
     loss.backward()
     replica.last_acceptance = acceptance.detach()
     return loss.detach()
@@ -260,6 +200,18 @@ def optimizer_step(replica: Replica) -> torch.Tensor:
     replica.scheduler.step()
     replica.last_grad_norm = grad_norm.detach()
     return replica.last_grad_norm
+
+
+def drafter_ops(cfg: Config) -> workers.ReplicaOps:
+    """The drafter as the workers' ReplicaOps (build, step, parameters, warm-up progress) for a resolved config."""
+    return workers.ReplicaOps(lambda device, seed, policy: build_replica(cfg, device, seed, policy), forward_backward,
+                              optimizer_step, lambda replica: list(replica.drafter.parameters()), warmup_progress)
+
+
+def warmup_progress(replica: Replica) -> str:
+    """Where a replica's first forward/backward is: `forward: target layer 12/34`."""
+    what, i, n = replica.at
+    return f"forward: {what} {i}/{n}" if n else what
 
 
 def train_step(replica: Replica, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
@@ -300,14 +252,6 @@ def load_data(cfg: Config, world: int = 1) -> tuple[BlockSampler, list[Batch]]:
     eval_cfg = dataclasses.replace(cfg.data, batch_size=min(cfg.data.batch_size, len(eval_seqs)))
     held_out = BlockSampler(eval_seqs, eval_cfg, cfg.drafter.block_size, cfg.run.seed + 1, shuffle=False)
     return sampler, [held_out.batch(i) for i in range(min(cfg.run.eval_batches, held_out.steps_per_epoch))]
-
-
-def worker_devices(cfg: Config) -> list[str]:
-    """One device per worker thread of a resolved config: the GPUs of `run.gpus`, else
-    `run.threads` replicas on `run.device`."""
-    if cfg.run.gpus:
-        return [f"cuda:{g}" for g in cfg.run.gpus]
-    return [cfg.run.device] * cfg.run.threads
 
 
 class GlobalBatches:
@@ -388,12 +332,34 @@ def warmup_steps(policy: workers.CompilePolicy) -> int:
     return {"off": 0, "default": 1, "cudagraphs": 2}[policy.effective]
 
 
+def use_compile_cache(path: str | None) -> str:
+    """Point Inductor's on-disk caches (FX graphs, AOTAutograd, its Triton kernels) at `path`
+    before anything compiles, unless the environment already names one; returns the decision.
+    Inductor reads TORCHINDUCTOR_CACHE_DIR at its first compile (it has no config key for it)."""
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given:
+        return f"compile cache: {given} (TORCHINDUCTOR_CACHE_DIR from the environment)"
+    if path is None:
+        return "compile cache: torch's default under the temp dir (run.compile_cache_dir unset)"
+    cache = Path(path).expanduser()
+    cache.mkdir(parents=True, exist_ok=True)
+    warm = any(cache.iterdir())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    return f"compile cache: {cache} ({'warm: kept from earlier runs' if warm else 'cold: first run here'})"
+
+
 def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
-                 stop: StopFlag | None = None, log: Callable[[str], None] = print) -> int:
+                 stop: StopFlag | None = None, log: Callable[[str], None] = print,
+                 launched_at: float | None = None) -> int:
     """Train end to end on every worker device (`run.gpus`, or `run.threads` x `run.device`)
     through `workers.run_threaded`; returns the exit code (128+signal if stopped). A failing
-    or stalled worker raises `workers.WorkerError` (with its traceback)."""
-    cfg = resolve_config(cfg)
+    or stalled worker raises `workers.WorkerError` (with its traceback). `launched_at`: the
+    process's start (time.monotonic), for the time-to-first-step line."""
+    launched_at = time.monotonic() if launched_at is None else launched_at
+    notes: list[str] = []
+    cfg = resolve_config(cfg, notes)
+    if cfg.run.compile != "off":
+        notes.append(use_compile_cache(cfg.run.compile_cache_dir))
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     devices = worker_devices(cfg)
@@ -401,11 +367,12 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
     # Several hosts (WORLD_SIZE > 1, set by `dflashctl train h1,h2`): docs/multihost.md.
     group = distributed.init_from_env(torch.device(devices[0]).type, world, cfg.dist, log=log)
     with group or contextlib.nullcontext():
-        return _train(cfg, out, devices, group, resume, overwrite, stop, log)
+        return _train(cfg, out, devices, group, resume, overwrite, stop, log, notes, launched_at)
 
 
 def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGroup | None, resume: bool,
-           overwrite: bool, stop: StopFlag | None, log: Callable[[str], None]) -> int:
+           overwrite: bool, stop: StopFlag | None, log: Callable[[str], None], notes: list[str],
+           launched_at: float) -> int:
     world = len(devices)
     main = group is None or group.is_main  # only rank 0 writes checkpoints and the export
     if group is not None and resume:
@@ -422,16 +389,15 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
     if cfg.run.epochs > 0:
         cfg.run.steps = cfg.run.epochs * sampler.steps_per_epoch
 
-    text = dump_yaml(cfg)
-    (out / "config.resolved.yaml").write_text(text)
-    log("resolved config:\n" + text.rstrip())
+    (out / "config.resolved.yaml").write_text(dump_yaml(cfg))
     with torch.device("meta"):
         n_params = sum(p.numel() for p in DFlashDrafter(drafter_spec(cfg)).parameters())
     policy = workers.choose_compile_policy(cfg.run.compile, torch.device(devices[0]).type)
-    log(f"drafter: {n_params / 1e6:.2f}M trainable parameters; target layers "
-        f"{cfg.drafter.target_layer_ids}; {len(sampler.seqs)} training sequences")
-    log(f"workers: {world} thread(s) on {', '.join(devices)}; {cfg.data.batch_size} sequences each per step; "
-        f"compile {policy.effective} ({cfg.run.compile_scope}): {policy.reason}")
+    for line in summary(cfg, notes, n_params):
+        log(line)
+    log(f"workers: {world} thread(s) on {', '.join(devices)}, {len(sampler.seqs)} training sequences; "
+        f"compile {policy.effective}: {policy.reason}")
+    log(f"full config: {out / 'config.resolved.yaml'}")
     if resume and ckpt is None:
         log(f"no checkpoint in {out}: starting from step 0")
 
@@ -450,7 +416,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         return 0
     stop = stop or StopFlag()
     data = GlobalBatches(sampler, pin=any(torch.device(d).type == "cuda" for d in devices))
-    ops = workers.drafter_ops(cfg)
+    ops = drafter_ops(cfg)
 
     def build(device: torch.device, seed: int, pol: workers.CompilePolicy) -> Replica:
         replica = ops.build(device, seed, pol)
@@ -460,13 +426,14 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
 
     state = {"loss_sum": 0.0, "steps": 0, "record_step": start, "t0": time.perf_counter(),
              "untrained": None, "stopped": None}
+    threads_at = time.monotonic()
 
     def run_eval(replica: Replica, step: int, event: str) -> float:
         result = evaluate(replica, eval_batches)
         metrics.write({"event": event, "step": step, "total_steps": total, "loss": result["loss"],
                        "acceptance_length": result["acceptance_length"]})
         log(f"eval step {step}: held-out loss {result['loss']:.4f}, "
-            f"acceptance length {result['acceptance_length']:.3f}")
+            f"teacher-forced acceptance length {result['acceptance_length']:.3f}")
         return result["acceptance_length"]
 
     def save(replica: Replica, step: int) -> None:
@@ -475,10 +442,19 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         log(f"checkpoint: {path}")
 
     def on_start(point: workers.SyncPoint) -> None:
+        ready_at = time.monotonic()
         if policy.effective != "off":
             log(f"compiled and warmed up: {' / '.join(f'{s:.1f}' for s in point.warmup_s)} s per worker")
         if start == 0:
             state["untrained"] = run_eval(point.replicas[0], 0, "eval")
+        now = time.monotonic()
+        timing = {"time_to_first_step_s": now - launched_at, "before_workers_s": threads_at - launched_at,
+                  "workers_ready_s": ready_at - threads_at, "warmup_s": list(point.warmup_s),
+                  "first_eval_s": now - ready_at}
+        metrics.write({"event": "start", "step": start, **{k: v for k, v in timing.items()}})
+        log(f"time to first step: {timing['time_to_first_step_s']:.1f} s (start-up, config and data "
+            f"{timing['before_workers_s']:.1f} s; build, compile and warm-up {timing['workers_ready_s']:.1f} s; "
+            f"step-{start} evaluation {timing['first_eval_s']:.1f} s)")
         state["t0"] = time.perf_counter()
 
     def on_sync(point: workers.SyncPoint) -> bool:
@@ -517,7 +493,8 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
                 export_dir = export_drafter(replica.drafter, cfg.target, cfg.run.export_dir, DTYPES[cfg.run.dtype])
                 log(f"exported drafter to {export_dir}")
             before = f" (untrained: {state['untrained']:.3f})" if state["untrained"] is not None else ""
-            log(f"final held-out acceptance length: {final:.3f}{before}")
+            log(f"final held-out teacher-forced acceptance length: {final:.3f}{before} (a proxy: real "
+                f"speculative decoding accepts fewer tokens per step)")
         state["t0"] = time.perf_counter()
         return False
 
@@ -528,12 +505,16 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         sync_every=math.gcd(run.log_every, run.eval_every, run.checkpoint_every),
         barrier_timeout_s=run.barrier_timeout_s, compile_timeout_s=run.compile_timeout_s, start_step=start,
         fail_at=cfg.debug.fail_at, hang_at=cfg.debug.hang_at, fail_rank=cfg.debug.fail_rank,
-        should_stop=should_stop, on_start=on_start,
+        should_stop=should_stop, stop_before_start=lambda: stop.requested, on_start=on_start,
+        on_progress=lambda line: log(line),
         cross_reduce=group.cross_reduce if group else None, cross_check=group.cross_check if group else None)
-    workers.run_threaded(workers.ReplicaOps(build, ops.forward_backward, ops.optimizer_step, ops.parameters),
-                         devices, group.sharded(data) if group else data, total, options, on_sync)
+    result = workers.run_threaded(dataclasses.replace(ops, build=build), devices,
+                                  group.sharded(data) if group else data, total, options, on_sync)
+    if result.stopped_before_start:
+        log(f"stopped by signal {stop.signum} before step {start + 1}: nothing to save")
+        return stop.exit_code
     if state["stopped"] is not None:
         by = f"signal {stop.signum}" if stop.requested else "another node's stop request"
-        log(f"stopped by {by} after step {state['stopped']}; resume with --resume")
+        log(f"stopped by {by} after step {state['stopped']}; to continue, run again with --resume")
         return stop.exit_code if stop.requested else 128 + signal.SIGTERM
     return 0

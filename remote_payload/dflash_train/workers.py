@@ -19,6 +19,7 @@ import dataclasses
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -63,14 +64,32 @@ class CompilePolicy:
     reason: str
 
     def compile(self, fn: Callable) -> Callable:
-        """Wrap a module or function according to the policy."""
+        """Wrap a module or function according to the policy (under CUDA graphs, a function gets a
+        compiled graph of its own: see `private_code`)."""
         if self.effective == "off":
             return fn
         if self.effective == "default":
             return torch.compile(fn)
+        if isinstance(fn, torch.nn.Module):
+            module = fn
+            fn = lambda *args, **kwargs: module(*args, **kwargs)  # noqa: E731 - a function to copy
         # CUDA graphs replay fixed shapes: static shapes avoid a dynamic-shape graph that would be
         # re-captured (outside the warm-up lock) whenever a new size shows up.
-        return torch.compile(fn, dynamic=False, options=dict(self.options))
+        return torch.compile(private_code(fn), dynamic=False, options=dict(self.options))
+
+
+def private_code(fn: Callable) -> Callable:
+    """`fn` with a code object of its own, so that Dynamo, which caches compiled graphs per code
+    object, compiles it apart from every other copy.
+
+    Two replicas on one GPU build their step from the same closure code; guards do not tell their
+    (equal-shaped, same-device) parameters apart, so the second would replay the first one's CUDA
+    graph, whose static inputs are the first replica's parameters: tree-less cudagraphify then
+    fails with `dst.data_ptr() == src.data_ptr()` (compile_fx.py, torch 2.11). With a code object
+    each, every replica captures its own graph (a warm FX cache keeps the second compile short)."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return copy
 
 
 def torch_version_tuple(version: str) -> tuple[int, int]:
@@ -109,6 +128,7 @@ class ReplicaOps:
     forward_backward: Callable[[Any, Any], torch.Tensor]  # (replica, batch) -> loss; grads accumulate in .grad
     optimizer_step: Callable[[Any], None]  # clip, step, zero grads (in place: never set .grad to None)
     parameters: Callable[[Any], Sequence[torch.Tensor]]  # trainable params, same order on every replica
+    progress: Callable[[Any], str] | None = None  # (replica) -> where its warm-up is, for progress lines
 
 
 @dataclass
@@ -132,6 +152,14 @@ class ThreadedOptions:
     # Polled once per step in the gradient barrier's action; True makes this step a sync point and
     # the last one (SIGTERM -> checkpoint -> exit). Must be cheap: a flag read.
     should_stop: Callable[[], bool] | None = None
+    # Polled by the main thread until step 1 starts (build, compile and warm-up can take minutes):
+    # True ends the run at once, since there is nothing to save; the result says so. Local only: a
+    # flag read, never a collective.
+    stop_before_start: Callable[[], bool] | None = None
+    # Called in the main thread every `progress_every_s` until step 1 starts, with a line saying
+    # what each busy worker does (phase, and `ReplicaOps.progress` of its replica).
+    on_progress: Callable[[str], None] | None = None
+    progress_every_s: float = 10.0
     # Called in rank 0's thread after warm-up, before the first step, while every worker waits
     # (the trainer's step-0 evaluation). Gets a SyncPoint with step=start_step and no losses.
     on_start: Callable[["SyncPoint"], None] | None = None
@@ -176,6 +204,7 @@ class ThreadedResult:
     warmup_s: list[float]
     step_ms: list[float]
     replicas: list[Any] = field(repr=False)
+    stopped_before_start: bool = False  # a stop came before step 1: nothing trained, nothing to save
 
 
 def param_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -336,6 +365,7 @@ class Coordinator:
         self.last_sync_step = options.start_step
         self.last_sync_time = 0.0
         self.point: SyncPoint | None = None
+        self.stepping = threading.Event()  # set when rank 0 starts step 1: stops then go through the steps
 
     # -- coordinator side -------------------------------------------------------------------
 
@@ -343,13 +373,22 @@ class Coordinator:
         """Start one thread per device, wait, and raise the first worker failure."""
         threads = [threading.Thread(target=self._worker, args=(r,), name=f"dflash-worker-{r}", daemon=True)
                    for r in range(self.world)]
+        t0 = next_report = time.monotonic()
         for t in threads:
             t.start()
         try:
             while any(t.is_alive() for t in threads) and not self.stop.wait(0.1):
-                pass
+                if self.stepping.is_set():
+                    continue
+                if self._stopped_before_start():
+                    return self._abandon()
+                if self.opt.on_progress is not None and time.monotonic() >= next_report + self.opt.progress_every_s:
+                    next_report = time.monotonic()
+                    self.opt.on_progress(self.progress_line(next_report - t0))
         except BaseException as exc:  # Ctrl-C / SystemExit in the main thread: stop the workers
             self._fail(None, "main thread", exc)
+        if self._stopped_before_start():  # also when the signal broke a compile before it was seen
+            return self._abandon()
         deadline = time.monotonic() + self.opt.grace_s
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -357,6 +396,33 @@ class Coordinator:
             raise self.error
         return ThreadedResult(self.policy, self.finish_after, self.last_losses, self.checksums,
                               self.warmup_s, self.step_ms, self.replicas)
+
+    def _stopped_before_start(self) -> bool:
+        return (not self.stepping.is_set() and self.opt.stop_before_start is not None
+                and self.opt.stop_before_start())
+
+    def _abandon(self) -> ThreadedResult:
+        """End a run stopped before step 1 at once. Workers may be deep in a compile that cannot be
+        interrupted: they are daemon threads, left behind; the caller exits the process."""
+        self.stop.set()
+        for barrier in self.barriers:
+            barrier.abort()
+        return ThreadedResult(self.policy, self.opt.start_step, self.last_losses, self.checksums,
+                              self.warmup_s, self.step_ms, self.replicas, stopped_before_start=True)
+
+    def progress_line(self, elapsed: float) -> str:
+        """`start-up 41 s: worker 0 (cuda:0) compile/warm-up: forward: target layer 12/34 (1/2 workers ready)`."""
+        busy = []
+        for rank in range(self.world):
+            phase = self.phase[rank]
+            if phase.startswith("waiting") or phase in ("ready", "start"):
+                continue
+            detail = ""
+            if self.ops.progress is not None and self.replicas[rank] is not None:
+                detail = self.ops.progress(self.replicas[rank])
+            busy.append(f"worker {rank} ({self.devices[rank]}) {phase}" + (f": {detail}" if detail else ""))
+        ready = sum(1 for phase in self.phase if phase in ("ready", "start"))
+        return f"start-up {elapsed:.0f} s: {'; '.join(busy) or 'waiting'} ({ready}/{self.world} workers ready)"
 
     def _fail(self, rank: int | None, phase: str, exc: BaseException, abort: bool = True) -> None:
         """Record the first failure, then abort every barrier so no worker waits forever.
@@ -456,6 +522,7 @@ class Coordinator:
                                             warmup_s=list(self.warmup_s)))
             self._wait(rank, self.resumed, "start", self.opt.compile_timeout_s)
         self.last_sync_time = t0 = time.monotonic()
+        self.stepping.set()
         step = self.opt.start_step
         while step < self.finish_after:
             step += 1
@@ -571,18 +638,6 @@ def run_threaded(ops: ReplicaOps, devices: Sequence[torch.device | str], data: C
     coordinator = Coordinator(ops, [torch.device(d) for d in devices], data, steps,
                               options or ThreadedOptions(), on_sync)
     return coordinator.run()
-
-
-# ----------------------------------------------------------------------------------------------
-# The DFlash drafter of train.py as a replica (train.py imports this module: imports are lazy).
-
-
-def drafter_ops(cfg: Any) -> ReplicaOps:
-    """ReplicaOps over train.py's build_replica / forward_backward / optimizer_step for a resolved config."""
-    from . import train
-
-    return ReplicaOps(lambda device, seed, policy: train.build_replica(cfg, device, seed, policy), train.forward_backward, train.optimizer_step,
-                      lambda replica: list(replica.drafter.parameters()))
 
 
 def shard_batch(batch: Any, rank: int, world: int) -> Any:

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "remote_payload"))
 import torch  # noqa: E402
 
 from dflash_train.config import load_config  # noqa: E402
-from dflash_train.train import resolve_config  # noqa: E402
+from dflash_train.resolve import resolve_config  # noqa: E402
 
 # Tiny ops gain nothing from intra-op threads, and OpenMP spin-waits on a busy 2-core runner
 # make 2 threads an order of magnitude slower than 1.

@@ -9,7 +9,7 @@ import pytest
 from dflash_train.__main__ import main
 from dflash_train.config import ConfigError, load_config
 from dflash_train.distributed import NodeEnv
-from dflash_train.train import auto_attention, resolve_config
+from dflash_train.resolve import auto_attention, resolve_config
 
 PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 

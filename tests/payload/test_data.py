@@ -11,7 +11,8 @@ import torch
 from dflash_train.config import DataConfig
 from dflash_train.config import load_config
 from dflash_train.data import BlockSampler, build_datasets, load_jsonl, sample_anchors, seeded_generator
-from dflash_train.train import resolve_config, run_training
+from dflash_train.resolve import resolve_config
+from dflash_train.train import run_training
 
 
 def test_anchors_have_loss_mask_and_room_for_a_block():
@@ -180,7 +181,7 @@ def test_chat_jsonl_trains_end_to_end(tmp_path):
     train = [r for r in records if r["event"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in train)
-    assert logs[-1].startswith("final held-out acceptance length")
+    assert logs[-1].startswith("final held-out teacher-forced acceptance length")
     exported = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
     assert exported["dflash_config"]["mask_token_id"] == tok_mask["id"]
 

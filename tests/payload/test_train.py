@@ -53,7 +53,7 @@ def test_held_out_acceptance_length_rises(tiny_run):
     assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS
     assert untrained < 1.1
     assert final > 2.5
-    assert logs[-1].startswith("final held-out acceptance length")
+    assert logs[-1].startswith("final held-out teacher-forced acceptance length")
     assert any(line.startswith("workers: 2 replica(s) in sync at step 120") for line in logs)
 
 
@@ -156,9 +156,11 @@ def test_cli_three_threads_end_to_end(tmp_path):
                    "run.eval_every=6", "run.checkpoint_every=6")
     text = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, text
-    assert "workers: 3 thread(s) on cpu, cpu, cpu; 2 sequences each per step" in text
+    assert "workers: 3 thread(s) on cpu, cpu, cpu, 48 training sequences" in text and "batch 2 per worker" in text
+    assert "devices: 3 x cpu" in text and "resolved config:" not in text  # a summary, not 80 lines of YAML
+    assert (out / "config.resolved.yaml").is_file() and f"full config: {out / 'config.resolved.yaml'}" in text
     assert "workers: 3 replica(s) in sync at step 12" in text
-    assert "final held-out acceptance length" in text
+    assert "final held-out teacher-forced acceptance length" in text
     records = read_metrics(out)
     train = [r for r in records if r["event"] == "train"]
     assert [r["step"] for r in train] == [4, 6, 8, 12]  # log_every, plus the eval step

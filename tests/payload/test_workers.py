@@ -23,7 +23,8 @@ sys.path.insert(0, str(PAYLOAD))
 from dflash_train import workers as W  # noqa: E402
 from dflash_train.config import load_config  # noqa: E402
 from dflash_train.data import BlockSampler, build_datasets  # noqa: E402
-from dflash_train.train import build_replica, forward_backward, optimizer_step, resolve_config  # noqa: E402
+from dflash_train.resolve import resolve_config  # noqa: E402
+from dflash_train.train import build_replica, drafter_ops, forward_backward, optimizer_step  # noqa: E402
 
 STEPS = 6
 # Random tokens: every anchor is valid and every micro-batch has the same loss-weight sum, so the
@@ -43,7 +44,7 @@ def setup():
 def run(cfg, sampler, world=3, steps=STEPS, ops=None, on_sync=None, **options):
     """run_threaded over `world` CPU workers with the drafter ops."""
     opts = W.ThreadedOptions(seed=cfg.run.seed, **{"sync_every": 2, **options})
-    return W.run_threaded(ops or W.drafter_ops(cfg), ["cpu"] * world, W.sharded(sampler.batch), steps, opts,
+    return W.run_threaded(ops or drafter_ops(cfg), ["cpu"] * world, W.sharded(sampler.batch), steps, opts,
                           on_sync)
 
 
@@ -54,7 +55,7 @@ def worker_threads_alive() -> list[str]:
 def test_replicas_stay_identical_and_match_one_replica_on_the_global_batch(setup):
     cfg, sampler = setup
     syncs, first_grads = [], {}
-    base = W.drafter_ops(cfg)
+    base = drafter_ops(cfg)
 
     def step(replica):  # the averaged gradients the optimizer sees at step 1, per replica
         if replica.scheduler.last_epoch == 0:
@@ -114,7 +115,7 @@ def test_a_failing_worker_stops_everyone_with_its_traceback(setup, fail_at, phas
 
 def test_a_stalled_worker_is_an_error_not_a_hang(setup):
     cfg, sampler = setup
-    base = W.drafter_ops(cfg)
+    base = drafter_ops(cfg)
     stall = threading.Event()
 
     def slow_forward_backward(replica, batch):
@@ -134,7 +135,7 @@ def test_a_stalled_worker_is_an_error_not_a_hang(setup):
 
 def test_a_diverged_replica_is_an_error(setup):
     cfg, sampler = setup
-    base = W.drafter_ops(cfg)
+    base = drafter_ops(cfg)
     built = []
 
     def build(device, seed, policy):
@@ -174,7 +175,7 @@ def test_a_slow_build_is_waited_for_past_the_step_barrier_timeout(setup):
     # CI regression: worker 0 building slowly on a loaded machine must not trip the (tight) step
     # timeout of the worker waiting for the lock or at the ready barrier.
     cfg, sampler = setup
-    base = W.drafter_ops(cfg)
+    base = drafter_ops(cfg)
     built = []
 
     def slow_build(device, seed, policy):

@@ -1,0 +1,298 @@
+"""GPU acceptance: the paths a new user takes on a GPU box, run for real in one call (issue 14).
+
+    python3 bench/gpu_acceptance.py --out $OUT            # on the GPU machine, ~8 minutes
+    python3 bench/gpu_acceptance.py --dry-run --out /tmp/acc   # CPU, tiny preset: checks the script
+
+Stages (each bounded; all run even if one fails; exit 1 if any failed):
+  8b-cold      `dflashctl train local --preset qwen3-8b --set run.steps=30 --follow`: the whole CLI,
+               an inventory with no `gpus` (run.device auto), a cold compile cache in the workdir
+  bench        bench/step_bench.py's 8b fast row and the bf16 matmul peak, in this same call
+  8b-warm-stop the same preset again (warm cache), detached; `runs stop` after step 10
+  8b-stop-compile  a cold-cache start stopped while it compiles: exit 143 at once
+  small-cg     the small config with run.compile cudagraphs on one GPU, then two replicas on it
+  doctor       `dflashctl doctor local`
+It prints a table (time to first step cold/warm, ms/step against the bench's fast row, MFU
+against the peak measured here, stop latencies) and writes acceptance.json and acceptance.log
+under --out. Results: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["target.hidden_size=256", "target.intermediate_size=768", "target.num_heads=4", "target.num_kv_heads=2",
+         "target.head_dim=64", "target.num_layers=6", "target.vocab_size=4096", "drafter.num_layers=2",
+         "drafter.block_size=16", "data.max_length=256", "data.anchors_per_seq=16", "data.source=random",
+         "run.steps=50", "run.log_every=10", "run.eval_every=50", "run.checkpoint_every=50"]
+
+
+class Acceptance:
+    """Runs the stages against one scratch workdir and collects their rows."""
+
+    def __init__(self, out: Path, work: Path, dry: bool, budget_s: float):
+        self.out, self.work, self.dry = out, work, dry
+        self.deadline = time.monotonic() + budget_s
+        self.rows: list[dict] = []
+        self.logfile = (out / "acceptance.log").open("w")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        self.inventory = work / "hosts.yaml"
+        # The local host with no `gpus`: what a new user's inventory looks like.
+        self.inventory.write_text(f"default: local\nhosts:\n  local:\n    transport: local\n"
+                                  f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n")
+        self.preset = "tiny" if dry else "qwen3-8b"
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def log(self, text: str) -> None:
+        """Print and keep a line."""
+        print(text, flush=True)
+        self.logfile.write(text + "\n")
+        self.logfile.flush()
+
+    def left(self, cap: float) -> float:
+        """Seconds a stage may take: its cap, or what is left of the budget."""
+        return max(5.0, min(cap, self.deadline - time.monotonic()))
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ, DFLASHCTL_INVENTORY=str(self.inventory), PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        return env
+
+    def cli(self, *args: str, timeout: float) -> tuple[int, str, str, float]:
+        """`dflashctl ARGS` as a whole process: (exit code, stdout, stderr, seconds)."""
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run([sys.executable, "-m", "dflashctl", *args], capture_output=True, text=True,
+                                  timeout=timeout, env=self.env(), cwd=self.work)
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            return 124, out, f"timed out after {timeout:.0f} s", time.monotonic() - t0
+        return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.work / "dflashctl" / "runs" / run_id
+
+    def records(self, run_id: str) -> list[dict]:
+        path = self.run_dir(run_id) / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def log_text(self, run_id: str) -> str:
+        path = self.run_dir(run_id) / "train.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_for(self, predicate, timeout: float, what: str) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(0.25)
+        self.log(f"  gave up waiting for {what} after {timeout:.0f} s")
+        return False
+
+    def stop(self, run_id: str, grace: float = 300) -> tuple[int, str, float]:
+        code, out, err, secs = self.cli("runs", "stop", "local", run_id, "--grace", str(grace), timeout=grace + 60)
+        return code, (out + err).strip(), secs
+
+    def keep_log(self, run_id: str, name: str) -> None:
+        """The run's log into acceptance.log (the files that come back are few)."""
+        self.log(f"--- {name}: train.log of {run_id} ---")
+        self.log(self.log_text(run_id).rstrip())
+        self.log(f"--- end of {name} ---")
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.log(f"ROW {json.dumps(row)}")
+
+    def stage(self, name: str, fn) -> None:
+        if self.deadline - time.monotonic() < 10:
+            self.add({"stage": name, "ok": False, "note": "skipped: out of time"})
+            return
+        self.log(f"=== {name} ({self.deadline - time.monotonic():.0f} s left)")
+        t0 = time.monotonic()
+        try:
+            row = fn()
+        except Exception as exc:  # noqa: BLE001 - a broken stage is a failed row, the others still run
+            row = {"ok": False, "note": f"{type(exc).__name__}: {exc}"}
+        row = {"stage": name, **row, "stage_s": round(time.monotonic() - t0, 1)}
+        self.add(row)
+
+    # -- stages ----------------------------------------------------------------------------
+
+    def steady_ms(self, records: list[dict]) -> float | None:
+        """Median ms/step of the training windows after the first (which holds step 1)."""
+        windows = [r["step_time_s"] * 1e3 for r in records if r.get("event") == "train"][1:]
+        return round(sorted(windows)[len(windows) // 2], 2) if windows else None
+
+    def start_record(self, records: list[dict]) -> dict:
+        return next((r for r in records if r.get("event") == "start"), {})
+
+    def cold_follow(self) -> dict:
+        steps = 30
+        code, out, err, secs = self.cli("train", "local", "--preset", self.preset, "--set", f"run.steps={steps}",
+                                        "--follow", timeout=self.left(300))
+        match = re.search(r"started run (\S+)", err)
+        if not match:
+            return {"ok": False, "note": f"exit {code}: {err.strip()[-300:]}"}
+        run_id = match.group(1)
+        self.keep_log(run_id, "8b-cold")
+        recs = self.records(run_id)
+        start = self.start_record(recs)
+        final = [r for r in recs if r.get("event") == "train"]
+        ok = code == 0 and bool(final) and final[-1]["step"] == steps and bool(start)
+        gpus = re.search(r"on local, (GPUs? [\d,]+|CPU)", err)
+        row = {"ok": ok, "exit": code, "run": run_id, "held": gpus.group(1) if gpus else "?",
+               "time_to_first_step_s": round(start.get("time_to_first_step_s", float("nan")), 1),
+               "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1),
+               "first_eval_s": round(start.get("first_eval_s", float("nan")), 1),
+               "ms_per_step": self.steady_ms(recs), "tokens_per_s": final[-1].get("tokens_per_s") if final else None,
+               "cli_s": round(secs, 1)}
+        shutil.rmtree(self.run_dir(run_id) / "checkpoints", ignore_errors=True)  # GBs at 8B scale
+        return row
+
+    def bench(self) -> dict:
+        if self.dry:
+            return {"ok": True, "note": "n/a on CPU"}
+        out = self.work / "bench"
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "step_bench.py"), "--plan", "8b:fast:1",
+                               "--steps", "6", "--warmup", "2", "--out", str(out)], capture_output=True, text=True,
+                              timeout=self.left(150))
+        self.log(proc.stdout[-3000:] + proc.stderr[-2000:])
+        data = json.loads((out / "step_bench.json").read_text())
+        row = data["rows"][0]
+        return {"ok": proc.returncode == 0, "peak_tflops": round(data["peak_tflops"], 1),
+                "ms_per_step": row.get("ms_per_step"), "tflop_per_sample": row.get("tflop_per_sample"),
+                "mfu": row.get("mfu")}
+
+    def warm_stop(self) -> dict:
+        code, out, err, _ = self.cli("train", "local", "--preset", self.preset, "--set", "run.steps=100000",
+                                     "--detach", timeout=self.left(120))
+        if code != 0:
+            return {"ok": False, "note": f"exit {code}: {err.strip()[-300:]}"}
+        run_id = out.strip()
+        reached = self.wait_for(lambda: any(r.get("event") == "train" and r["step"] >= 10 for r in self.records(run_id)),
+                                self.left(150), "step 10")
+        code, said, secs = self.stop(run_id)
+        self.keep_log(run_id, "8b-warm-stop")
+        text, recs = self.log_text(run_id), self.records(run_id)
+        start = self.start_record(recs)
+        saved = list((self.run_dir(run_id) / "checkpoints").glob("step_*"))
+        ok = reached and code == 0 and "stopped (143)" in said and bool(saved)
+        shutil.rmtree(self.run_dir(run_id) / "checkpoints", ignore_errors=True)
+        return {"ok": ok, "run": run_id, "time_to_first_step_s": round(start.get("time_to_first_step_s", float("nan")), 1),
+                "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1),
+                "ms_per_step": self.steady_ms(recs), "stop_latency_s": round(secs, 1),
+                "checkpoint_saved": bool(saved), "stopped_after": re.findall(r"stopped by signal \d+ after step \d+", text)[-1:],
+                "said": said[-200:]}
+
+    def stop_compile(self) -> dict:
+        cold = self.work / "cold-cache"
+        code, out, err, _ = self.cli("train", "local", "--preset", self.preset, "--set",
+                                     f"run.compile_cache_dir={cold}", "--detach", timeout=self.left(120))
+        if code != 0:
+            return {"ok": False, "note": f"exit {code}: {err.strip()[-300:]}"}
+        run_id = out.strip()
+        marker = "workers: " if self.dry else "compile/warm-up"
+        seen = self.wait_for(lambda: marker in self.log_text(run_id), self.left(90), marker)
+        code, said, secs = self.stop(run_id)
+        self.keep_log(run_id, "8b-stop-compile")
+        text = self.log_text(run_id)
+        ok = seen and code == 0 and "stopped (143)" in said and "nothing to save" in text
+        return {"ok": ok, "run": run_id, "stop_latency_s": round(secs, 1), "said": said[-200:]}
+
+    def small_cudagraphs(self) -> dict:
+        if self.dry:
+            return {"ok": True, "note": "n/a on CPU (CUDA graphs)"}
+        results = {}
+        for label, extra in (("1 thread", []), ("2 replicas on cuda:0", ["run.threads=2", "run.device=cuda:0"])):
+            sets = [a for item in SMALL + ["run.compile=cudagraphs", *extra] for a in ("--set", item)]
+            code, out, err, secs = self.cli("train", "local", *sets, "--gpus", "0", "--follow", timeout=self.left(150))
+            run_id = re.search(r"started run (\S+)", err)
+            recs = self.records(run_id.group(1)) if run_id else []
+            if run_id:
+                self.keep_log(run_id.group(1), f"small-cg {label}")
+            else:
+                self.log(err[-2000:])
+            results[label] = {"exit": code, "ms_per_step": self.steady_ms(recs),
+                              "time_to_first_step_s": round(self.start_record(recs).get("time_to_first_step_s", float("nan")), 1)}
+        return {"ok": all(r["exit"] == 0 for r in results.values()), **results}
+
+    def doctor(self) -> dict:
+        code, out, err, secs = self.cli("doctor", "local", "--json", timeout=self.left(240))
+        self.log(err[-3000:])
+        try:
+            doc = json.loads(out)
+        except ValueError:
+            return {"ok": False, "exit": code, "note": (out + err)[-300:]}
+        (self.out / "doctor.json").write_text(json.dumps(doc, indent=1))
+        rows = {c["id"]: c for c in doc.get("checks", [])}
+        smoke = {k: f"{c['status']}: {c['result']}" for k, c in rows.items() if k.startswith("smoke:")}
+        verdict = rows.get("verdict", {})
+        return {"ok": code == 0 and doc.get("ok"), "exit": code, "doctor_s": round(secs, 1),
+                "devices": doc.get("devices"), "verdict": f"{verdict.get('result')}; {verdict.get('hint')}", **smoke}
+
+    # -- report ----------------------------------------------------------------------------
+
+    def table(self) -> str:
+        by = {r["stage"]: r for r in self.rows}
+        bench = by.get("bench", {})
+        lines = ["| stage | ok | time to first step (s) | ms/step | vs bench fast row | MFU vs peak here | stop latency (s) | notes |",
+                 "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in self.rows:
+            ms, vs, mfu = r.get("ms_per_step"), "-", "-"
+            if isinstance(ms, (int, float)) and bench.get("ms_per_step"):
+                vs = f"{ms / bench['ms_per_step']:.3f}x"
+                if r["stage"].startswith("8b") and bench.get("tflop_per_sample") and bench.get("peak_tflops"):
+                    mfu = f"{100 * bench['tflop_per_sample'] / (ms / 1e3) / bench['peak_tflops']:.1f}%"
+            if r["stage"] == "bench" and bench.get("mfu"):
+                mfu = f"{100 * bench['mfu']:.1f}%"
+            notes = {k: v for k, v in r.items() if k not in ("stage", "ok", "time_to_first_step_s", "ms_per_step",
+                                                               "stop_latency_s", "run", "said")}
+            lines.append(f"| {r['stage']} | {'yes' if r.get('ok') else 'NO'} | {r.get('time_to_first_step_s', '-')} | "
+                         f"{ms if ms is not None else '-'} | {vs} | {mfu} | {r.get('stop_latency_s', '-')} | "
+                         f"{json.dumps(notes)[:300]} |")
+        return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every stage within the budget, print the table, write acceptance.json; 1 if any failed."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "acceptance_out")
+    ap.add_argument("--work", default="/tmp/dflash-acceptance", help="scratch workdir (GBs of checkpoints at 8B)")
+    ap.add_argument("--budget-s", type=float, default=560)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny preset: check the script itself")
+    ap.add_argument("--stages", default="cold,bench,warm,stopcompile,cudagraphs,doctor")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    acc = Acceptance(out, Path(args.work), args.dry_run, args.budget_s)
+    import torch  # only for the header: which machine, which torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    acc.log(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {name}; torch {torch.__version__}; "
+            f"python {sys.version.split()[0]}")
+    stages = {"cold": ("8b-cold", acc.cold_follow), "bench": ("bench", acc.bench),
+              "warm": ("8b-warm-stop", acc.warm_stop), "stopcompile": ("8b-stop-compile", acc.stop_compile),
+              "cudagraphs": ("small-cudagraphs", acc.small_cudagraphs), "doctor": ("doctor", acc.doctor)}
+    for key in args.stages.split(","):
+        acc.stage(*stages[key])
+    table = acc.table()
+    acc.log(table)
+    (out / "acceptance.json").write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": acc.rows},
+                                                    indent=1))
+    return 0 if all(r.get("ok") for r in acc.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

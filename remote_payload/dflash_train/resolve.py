@@ -1,0 +1,174 @@
+"""Config resolution: every `auto`/None of a run config decided for this machine, each decision
+with its reason, without building a model. `python -m dflash_train --preflight` prints the result
+as one JSON line (dflashctl runs it in the container before it starts a run)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from .config import Config, ConfigError
+from .loss import default_gamma
+from .model import DrafterSpec
+from .target import default_target_layer_ids, read_hf_config, resolve_mask_token_id, shape_of
+
+# `run.compile_scope: auto` compiles per layer from this target width up (Qwen3-0.6B's): there the
+# step is compute-bound, so the regional compile costs no speed, while one graph of the whole step
+# takes minutes to compile (8B: not done after 10 min on an H200, against 24 s per layer).
+LAYERS_SCOPE_MIN_HIDDEN = 1024
+
+
+def auto_attention(on_cuda: bool, compile_mode: str) -> str:
+    """`drafter.attention: auto`: FlexAttention when it can be compiled (CUDA and compiling), else
+    dense SDPA. `run.compile: off` is the escape hatch from a broken compiler, so it must not
+    compile anything, and eager flex is only a slow dense reference."""
+    return "flex" if on_cuda and compile_mode != "off" else "dense"
+
+
+def auto_compile_scope(hidden_size: int, compile_mode: str) -> tuple[str, str]:
+    """(scope, reason) for `run.compile_scope: auto`."""
+    if compile_mode == "off":
+        return "step", "nothing is compiled (run.compile off)"
+    if compile_mode == "cudagraphs":
+        return "step", "CUDA graphs capture the whole step (per-layer graphs cannot use them)"
+    if hidden_size >= LAYERS_SCOPE_MIN_HIDDEN:
+        return "layers", (f"hidden size {hidden_size} >= {LAYERS_SCOPE_MIN_HIDDEN}: each layer compiles once and "
+                          f"is reused (seconds); one whole-step graph would take minutes")
+    return "step", f"hidden size {hidden_size} < {LAYERS_SCOPE_MIN_HIDDEN}: the whole step as one graph (launch-bound)"
+
+
+def _resolve_devices(cfg: Config, notes: list[str]) -> None:
+    """Fill run.device, run.gpus and run.threads; devices are always indexed (`cuda:N`)."""
+    run = cfg.run
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    if run.gpus:
+        if run.device not in ("auto", "cuda", f"cuda:{run.gpus[0]}"):
+            raise ConfigError(f"run.gpus {run.gpus} contradicts run.device {run.device}: set one of them")
+        if not cuda:
+            raise ConfigError(f"run.gpus {run.gpus} requested but CUDA is not available")
+        if max(run.gpus) >= count:
+            raise ConfigError(f"run.gpus {run.gpus}: torch sees {count} GPU(s)")
+        run.device, run.threads = f"cuda:{run.gpus[0]}", len(run.gpus)
+        notes.append(f"devices: {', '.join(f'cuda:{g}' for g in run.gpus)} (run.gpus)")
+        return
+    why = f"run.device {run.device}"
+    if run.device == "auto":
+        if cuda and run.threads == 0:
+            run.gpus = list(range(count))
+            run.device, run.threads = "cuda:0", count
+            notes.append(f"devices: {', '.join(f'cuda:{g}' for g in run.gpus)} (run.device auto: every visible GPU, "
+                         f"one thread each; choose with --gpus)")
+            return
+        run.device = "cuda:0" if cuda else "cpu"
+        why = f"run.device auto: {'CUDA' if cuda else 'no CUDA'}"
+    try:
+        device = torch.device(run.device)
+    except RuntimeError:
+        raise ConfigError(f"run.device {run.device!r} is not a device (cpu, cuda, cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"run.device {run.device!r}: the trainer runs on cpu or cuda")
+    if device.type == "cuda":
+        if not cuda:
+            raise ConfigError(f"run.device {run.device} requested but CUDA is not available")
+        index = 0 if device.index is None else device.index  # torch.cuda.set_device needs an index
+        if index >= count:
+            raise ConfigError(f"run.device {run.device}: torch sees {count} GPU(s)")
+        run.device = f"cuda:{index}"
+    run.threads = run.threads or 1
+    replicas = f"{run.threads} x {run.device}" if run.threads > 1 else run.device
+    notes.append(f"devices: {replicas} ({why}{'; run.threads' if run.threads > 1 else ''})")
+
+
+def resolve_config(cfg: Config, notes: list[str] | None = None) -> Config:
+    """A copy with every `auto`/None filled in (devices, dtype, compile, scope, attention, target
+    shape, feature layers, MASK id, gamma, export dir); raises ConfigError on inconsistencies.
+    Each decision that depends on the machine or the model is appended to `notes` with its reason."""
+    cfg = copy.deepcopy(cfg)
+    notes = [] if notes is None else notes
+    run, d = cfg.run, cfg.drafter
+    _resolve_devices(cfg, notes)
+    on_cuda = run.device.startswith("cuda")
+    if cfg.debug.fail_rank >= run.threads and (cfg.debug.fail_at or cfg.debug.hang_at):
+        raise ConfigError(f"debug.fail_rank {cfg.debug.fail_rank} but only {run.threads} worker(s)")
+    if run.dtype == "auto":
+        run.dtype = "bf16" if on_cuda else "fp32"
+    if run.compile is None:
+        run.compile = "default" if on_cuda else "off"
+        notes.append(f"compile: {run.compile} (run.compile unset: {'inductor on CUDA' if on_cuda else 'eager on CPU'})")
+    if d.attention == "auto":
+        d.attention = auto_attention(on_cuda, run.compile)
+    if d.attention == "flex" and not on_cuda:
+        raise ConfigError("drafter.attention flex needs CUDA (FlexAttention has no CPU backward)")
+    if cfg.target.path is not None:
+        try:
+            loaded = read_hf_config(cfg.target.path)
+        except (OSError, KeyError, ValueError) as exc:
+            raise ConfigError(f"target.path: {exc}") from None
+        loaded.seed, loaded.init_std = cfg.target.seed, cfg.target.init_std
+        cfg.target = loaded
+    if run.compile_scope == "auto":
+        run.compile_scope, why = auto_compile_scope(cfg.target.hidden_size, run.compile)
+        if run.compile != "off":
+            notes.append(f"compile scope: {run.compile_scope} ({why})")
+    if run.compile == "cudagraphs" and run.compile_scope == "layers":
+        raise ConfigError("run.compile_scope layers cannot use run.compile cudagraphs (use step)")
+    if d.target_layer_ids is None:
+        d.target_layer_ids = default_target_layer_ids(cfg.target.num_layers, d.num_target_features)
+    if not d.target_layer_ids or not all(0 <= i < cfg.target.num_layers for i in d.target_layer_ids):
+        raise ConfigError(f"drafter.target_layer_ids {d.target_layer_ids} must lie in "
+                          f"[0, {cfg.target.num_layers - 1}]")
+    try:
+        d.mask_token_id = resolve_mask_token_id(cfg.target, d.mask_token_id, cfg.data.tokenizer_path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.optim.gamma is None:
+        cfg.optim.gamma = default_gamma(d.block_size)
+    if run.export_dir is None:
+        run.export_dir = str(Path(run.output_dir) / "export")
+    return cfg
+
+
+def drafter_spec(cfg: Config) -> DrafterSpec:
+    """The drafter's architecture from a resolved config."""
+    d = cfg.drafter
+    return DrafterSpec(shape_of(cfg.target), d.num_layers, d.block_size, tuple(d.target_layer_ids),
+                       d.mask_token_id)
+
+
+def worker_devices(cfg: Config) -> list[str]:
+    """One device per worker thread of a resolved config: the GPUs of `run.gpus`, else
+    `run.threads` replicas on `run.device`."""
+    if cfg.run.gpus:
+        return [f"cuda:{g}" for g in cfg.run.gpus]
+    return [cfg.run.device] * cfg.run.threads
+
+
+def check_data_paths(cfg: Config) -> None:
+    """The data files a jsonl run reads exist (a pre-flight check; their rows are read at start)."""
+    if cfg.data.source != "jsonl":
+        return
+    for key in ("train_path", "eval_path"):
+        path = getattr(cfg.data, key)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"data.{key}: no such file: {path}")
+
+
+def summary(cfg: Config, notes: list[str], n_params: int | None = None) -> list[str]:
+    """The few lines a run starts with: model, data, devices, compile policy and why."""
+    t, d, data, run = cfg.target, cfg.drafter, cfg.data, cfg.run
+    target = t.path or f"random Qwen3 shape ({t.num_layers} layers, hidden {t.hidden_size}, vocab {t.vocab_size})"
+    source = data.train_path if data.source == "jsonl" else f"{data.source} ({data.num_train} sequences)"
+    params = "" if n_params is None else f", {n_params / 1e6:.2f}M trainable parameters"
+    lines = [
+        f"target: {target}",
+        f"drafter: {d.num_layers} layer(s), block {d.block_size}{params}, "
+        f"features from target layers {d.target_layer_ids}, MASK id {d.mask_token_id}",
+        f"data: {source}, max length {data.max_length}, {data.anchors_per_seq} anchors/sequence, "
+        f"batch {data.batch_size} per worker",
+        f"run: {run.steps} steps, lr {cfg.optim.lr:g}, {run.dtype}, compile {run.compile}"
+        f"{'' if run.compile == 'off' else f' ({run.compile_scope} scope)'}, attention {d.attention}",
+    ]
+    return lines + notes
