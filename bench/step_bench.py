@@ -195,8 +195,9 @@ def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, 
     spec = DrafterSpec(shape_of(cfg.target), cfg.num_layers, cfg.block_size, cfg.layer_ids, cfg.mask_token_id)
     with torch.device("meta"):
         drafter = DFlashDrafter(spec)
-    drafter.to_empty(device=device)
-    drafter.init_weights(0.02, torch.Generator(device=device).manual_seed(0))
+    drafter.to_empty(device="cpu")
+    drafter.init_weights(0.02, 0)  # as the trainer does: drawn on the CPU, in parallel
+    drafter.to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=cfg.betas, eps=1e-8,
                                   weight_decay=0.0, fused=True if device.type == "cuda" else None)
     warm = 40  # 4% of 1000 steps, then cosine (train.WarmupCosine); the values do not affect speed

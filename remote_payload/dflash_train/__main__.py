@@ -87,7 +87,8 @@ def _preflight(cfg) -> int:
 def _missing(exc: ImportError, preflight: bool) -> int:
     """A module the trainer needs is not installed in this interpreter: one line, exit 4."""
     name = getattr(exc, "name", None) or str(exc)
-    message = f"{name} is not installed in {sys.executable} (the trainer needs torch, safetensors, numpy, pyyaml)"
+    package = {"yaml": "pyyaml"}.get(name, name)  # what pip installs it as
+    message = f"{package} is not installed in {sys.executable} (the trainer needs torch, safetensors, numpy, pyyaml)"
     if preflight:
         print(json.dumps({"ok": False, "error": "missing_module", "module": name, "message": message}), flush=True)
     else:

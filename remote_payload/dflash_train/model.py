@@ -13,7 +13,9 @@ the context strictly before a and bidirectionally to its own B tokens, never to 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -263,14 +265,31 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, eps)
         self.on_layer: Callable[[int, int], None] | None = None  # (i, n) before layer i: progress probe
 
-    def init_weights(self, std: float, generator: torch.Generator) -> None:
-        """Normal(0, std) linear weights and unit norms, drawn from `generator` only."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                with torch.no_grad():
-                    module.weight.normal_(0.0, std, generator=generator)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
+    @torch.no_grad()
+    def init_weights(self, std: float, seed: int, threads: int | None = None) -> None:
+        """Normal(0, std) linear weights and unit norms, in place on the CPU.
+
+        Weight i is drawn from a CPU generator of its own, seeded from (seed, i): the values are
+        the same on every machine and for any number of drawing threads, and the weights are
+        drawn in parallel (one thread draws ~100M values a second: an 8B-scale drafter's 1.05B
+        took ~10 s in one thread). Every parameter is a linear weight or a norm scale."""
+        weights = [m.weight for m in self.modules() if isinstance(m, nn.Linear)]
+        scales = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
+        if {id(p) for p in weights + scales} != {id(p) for p in self.parameters()}:
+            raise RuntimeError("init_weights: a parameter is neither a linear weight nor a norm scale")
+        if any(p.device.type != "cpu" for p in weights):
+            raise ValueError("init_weights draws on the CPU (identical everywhere): move the drafter there first")
+
+        def draw(index: int) -> None:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+            with torch.no_grad():  # grad mode is per thread
+                weights[index].normal_(0.0, std, generator=gen)  # releases the GIL: threads draw at once
+
+        workers = threads or max(1, min(len(weights), os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(draw, range(len(weights))))
+        for scale in scales:
+            scale.fill_(1.0)
 
     def compile_layers(self, **compile_kwargs) -> "DFlashDrafter":
         """Regional compilation: `torch.compile` each draft layer in place (`Module.compile`).

@@ -78,7 +78,7 @@ class Replica:
     run_drafter: Callable  # the drafter, or its compiled wrapper (run.compile_scope: drafter)
     flex_fn: Callable      # flex_attention for the eager paths (compiled on its own on CUDA)
     # Where the first (compiling) forward/backward is: (what, i, n), read by progress lines.
-    at: tuple[str, int, int] = ("build", 0, 0)
+    at: tuple[str, int, int] = ("", 0, 0)
     # Last step's values, read at sync points only (no host sync per step):
     last_lr: float = 0.0
     last_grad_norm: torch.Tensor | None = None
@@ -96,8 +96,10 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int,
     device = torch.device(device)
     policy = policy or workers.choose_compile_policy(cfg.run.compile, device.type)
     target = build_target(cfg, device)
-    drafter = DFlashDrafter(drafter_spec(cfg))
-    drafter.init_weights(cfg.drafter.init_std, torch.Generator().manual_seed(seed))
+    with torch.device("meta"):
+        drafter = DFlashDrafter(drafter_spec(cfg))
+    drafter.to_empty(device="cpu")  # init_weights sets every parameter: skip nn.Linear's own init
+    drafter.init_weights(cfg.drafter.init_std, seed)
     drafter.to(device)
     o = cfg.optim
     on_cuda = device.type == "cuda"

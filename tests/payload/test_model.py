@@ -18,7 +18,7 @@ SHAPE = Shape(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
 def make_drafter(block_size=4, layers=2, seed=0):
     spec = DrafterSpec(SHAPE, layers, block_size, (1, 3), mask_token_id=0)
     drafter = DFlashDrafter(spec)
-    drafter.init_weights(0.2, torch.Generator().manual_seed(seed))
+    drafter.init_weights(0.2, seed)
     return drafter
 
 

@@ -1,0 +1,137 @@
+"""`dflashctl train` as a new user meets it (issue 14): the trainer's pre-flight before anything
+starts, a missing module in the container, `--resume RUN`, `--preset`, and a wheel install.
+
+Real parts: the CLI as a process, the real trainer (tiny, CPU) or the stand-in, sshd + the pct shim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+from runs_helpers import install_standin, meta, run_dir, wait_until
+from sshd import SHIM_VMID
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def runs_in(workdir: Path) -> list[str]:
+    """The run directories on the host (none after a refused start)."""
+    root = workdir / "runs"
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+@pytest.fixture
+def shim_workdir(shim_host):
+    return shim_host, shim_host.container_dir(SHIM_VMID) / "work"
+
+
+def test_bad_set_value_is_the_trainers_one_line_and_no_run(shim_workdir):
+    host, workdir = shim_workdir
+    res = host.run_cli("train", "shim", "--set", "run.steps=abc", "--detach", timeout=180)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == "error: shim (pct 200): trainer config: run.steps must be int, got 'abc'"
+    assert "started run" not in res.stderr and res.stdout == ""
+    assert runs_in(workdir) == []
+
+
+def test_gpus_on_a_machine_without_cuda_is_refused_before_a_run_exists(shim_workdir):
+    host, workdir = shim_workdir
+    res = host.run_cli("train", "shim", "--gpus", "0", "--detach", timeout=180)
+    assert res.returncode == 2 and "CUDA is not available" in res.stderr.splitlines()[-1]
+    assert runs_in(workdir) == []
+
+
+def bare_python(tmp_path: Path) -> Path:
+    """An interpreter with the standard library only: a container where torch was never installed."""
+    env_dir = tmp_path / "bare-venv"
+    venv.EnvBuilder(with_pip=False, system_site_packages=False).create(env_dir)
+    return env_dir / "bin" / "python"
+
+
+def test_no_torch_in_the_container_is_one_line_exit_4(tmp_path, shim_host):
+    python = bare_python(tmp_path)
+    workdir = tmp_path / "work"
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text(f"default: box\nhosts:\n  box:\n    transport: local\n    python: {json.dumps(str(python))}\n"
+                         f"    workdir: {json.dumps(str(workdir))}\n")
+    res = shim_host.run_cli("train", "box", "--follow", env={"DFLASHCTL_INVENTORY": str(inventory)}, timeout=180)
+    assert res.returncode == 4, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: box: ") and "is not installed in" in last and "python:" in last
+    assert "Traceback" not in res.stderr + res.stdout and runs_in(workdir) == []
+
+
+def test_resume_continues_a_stopped_run_in_its_directory(shim_host):
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    install_standin(workdir / "payload")
+    started = shim_host.run_cli("train", "shim", "--no-push", "--name", "r", "--set", "run.steps=60",
+                                "--set", "standin.step_time=0.05", "--detach")
+    run_id = started.stdout.strip()
+    wait_until(lambda: "step 5/60" in (run_dir(workdir, run_id) / "train.log").read_text(), 60, "step 5")
+    stopped = shim_host.run_cli("runs", "stop", "shim", run_id)
+    assert stopped.returncode == 0 and "stopped (143)" in stopped.stdout
+    log = (run_dir(workdir, run_id) / "train.log").read_text()
+    assert f"dflashctl train shim --resume {run_id}" in log
+    refused = shim_host.run_cli("train", "shim", "--resume", run_id, "--set", "run.steps=5")
+    assert refused.returncode == 2 and "drop --set" in refused.stderr
+    resumed = shim_host.run_cli("train", "shim", "--no-push", "--resume", "r", "--follow", timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed run {run_id} on shim (pct 200), CPU" in resumed.stderr
+    assert "standin: resuming after step" in resumed.stdout and "standin: done" in resumed.stdout
+    info = meta(workdir, run_id)
+    assert info["resumes"] == 1 and info["argv"][-1] == "--resume"
+    listed = json.loads(shim_host.run_cli("runs", "list", "shim", "--json").stdout)
+    assert [(r["run_id"], r["state"]) for r in listed] == [(run_id, "succeeded")]
+    busy = shim_host.run_cli("train", "shim", "--no-push", "--set", "run.steps=100000", "--detach").stdout.strip()
+    again = shim_host.run_cli("train", "shim", "--no-push", "--resume", busy)
+    assert again.returncode == 6 and "still running" in again.stderr
+    shim_host.run_cli("runs", "stop", "shim", busy)
+
+
+def test_preset_reaches_the_trainer(shim_host):
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    install_standin(workdir / "payload")
+    res = shim_host.run_cli("train", "shim", "--no-push", "--preset", "qwen3-8b", "--set", "run.steps=1", "--follow")
+    assert res.returncode == 0, res.stderr
+    (run_id,) = runs_in(workdir)
+    argv = meta(workdir, run_id)["argv"]
+    assert argv[argv.index("--preset") + 1] == "qwen3-8b"
+    (cache,) = [a for a in argv if a.startswith("run.compile_cache_dir=")]
+    assert cache == f"run.compile_cache_dir={workdir}/cache/compile"  # {workdir} expanded in the container
+
+
+def test_a_wheel_install_pushes_and_trains(tmp_path, shim_host):
+    """Issue 14 item 8: `pip install dflashctl` (not -e) must find the trainer it pushes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "dflashctl", "remote_payload"):
+        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
+        copy(ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+    wheels = tmp_path / "wheels"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(wheels), str(src)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    site = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
+                              *map(str, wheels.glob("dflashctl-*.whl"))], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    workdir = tmp_path / "work"
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text(f"default: local\nhosts:\n  local:\n    transport: local\n    workdir: {json.dumps(str(workdir))}\n")
+    env = dict(os.environ, DFLASHCTL_INVENTORY=str(inventory), PYTHONPATH=str(site))
+    cli = [sys.executable, "-c", "import dflashctl, sys; assert dflashctl.__file__.startswith(sys.argv[1]); "
+           "from dflashctl.cli import main; sys.argv[1:2] = []; main()", str(site)]
+    res = subprocess.run([*cli, "train", "local", "--set", "run.steps=2", "--set", "run.eval_every=2", "--follow"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    shipped = site / "dflashctl" / "_payload" / "dflash_train" / "train.py"
+    pushed = workdir / "payload" / "dflash_train" / "train.py"
+    assert pushed.read_bytes() == shipped.read_bytes() == (ROOT / "remote_payload" / "dflash_train" / "train.py").read_bytes()
+    assert "exported drafter" in res.stdout
