@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.text import Text
 
 from . import __version__
-from .errors import DflashError, UsageError
+from .errors import DflashError, Interrupted, OutputClosed, UsageError
 from .passthrough import run_passthrough
 from .inventory import completions, load_inventory
 from .session import Session
@@ -610,16 +610,33 @@ def doctor_cmd(
 
 def main() -> None:
     """Console entry point: run the app, print errors as one red line, exit with their code."""
+    import signal
+
+    import click
+
     state = AppState()
     code = 0
+    signal.signal(signal.SIGINT, _interrupt)  # raise our own: click and typer swallow KeyboardInterrupt
     try:
-        app(obj=state, standalone_mode=True, prog_name="dflashctl")  # also names the completion variable
+        # Not standalone: click's errors come here, to be printed as one line like ours.
+        rv = app(obj=state, standalone_mode=False, prog_name="dflashctl")  # also names the completion variable
+        code = rv if isinstance(rv, int) else 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except OutputClosed as exc:
+        code = exc.exit_code if exc.quiet else _report(state, exc, exc.exit_code)
+        _quiet_std_streams()
     except DflashError as exc:
         code = _report(state, exc, exc.exit_code)
-    except KeyboardInterrupt:
-        code = _report(state, None, 130, "interrupted")
+    except click.exceptions.NoArgsIsHelpError as exc:  # `dflashctl runs`: that group's help
+        typer.echo(exc.ctx.get_help())
+        code = exc.exit_code
+    except click.UsageError as exc:
+        code = _report(state, exc, exc.exit_code, _usage_line(exc))
+    except click.ClickException as exc:
+        code = _report(state, exc, exc.exit_code, exc.format_message())
+    except (click.Abort, KeyboardInterrupt):
+        code = _report(state, None, Interrupted.exit_code, "interrupted")
     except Exception as exc:  # a bug: still one line unless --debug
         code = _report(state, exc, 1, f"internal error: {type(exc).__name__}: {exc} (rerun with --debug)")
     finally:
@@ -628,9 +645,37 @@ def main() -> None:
     sys.exit(code)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise Interrupted()
+
+
+def _usage_line(exc: "click.UsageError") -> str:
+    """`No such option: --bogus` and, on a second line, the command's usage and where help is."""
+    message = exc.format_message()
+    if exc.ctx is None:
+        return message
+    usage = exc.ctx.get_usage().replace("Usage: ", "usage: ", 1)
+    return f"{message}\n{usage} (see {exc.ctx.command_path} --help)"
+
+
+def _quiet_std_streams() -> None:
+    """Point stdout and stderr at /dev/null: the interpreter's own flush at exit must not fail again."""
+    import os
+
+    null = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(null, stream.fileno())
+        except (OSError, ValueError):
+            pass
+
+
 def _report(state: AppState, exc: BaseException | None, code: int, message: str | None = None) -> int:
     err = Console(stderr=True)
-    if state.debug and exc is not None:
-        err.print(Text("".join(traceback.format_exception(exc)), style="dim"))
-    err.print(Text("error: ", style="bold red") + Text(message or str(exc)), soft_wrap=True)
+    try:
+        if state.debug and exc is not None:
+            err.print(Text("".join(traceback.format_exception(exc)), style="dim"))
+        err.print(Text("error: ", style="bold red") + Text(message or str(exc)), soft_wrap=True)
+    except OSError:  # stderr itself is gone: the exit code is all that is left
+        _quiet_std_streams()
     return code

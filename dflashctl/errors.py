@@ -4,6 +4,7 @@ Exit codes (documented in docs/cli.md):
   1 a check or remote step failed       2 bad input (arguments, hosts.yaml)
   3 cannot reach or trust the host      4 the container or its tools are not usable
   5 the thing asked for does not exist  6 conflict (GPUs busy, run already exists)
+  130 interrupted (Ctrl-C)              141 our own stdout went away (`| head`), quietly
 """
 
 from __future__ import annotations
@@ -49,3 +50,26 @@ class RemoteError(DflashError):
     """A remote command failed in a way none of the above describes."""
 
     exit_code = 1
+
+
+class Interrupted(DflashError):
+    """Ctrl-C: the CLI's SIGINT handler raises this instead of KeyboardInterrupt, so that no
+    library (click, typer) swallows it and the documented `error: interrupted` is printed."""
+
+    exit_code = 130
+
+    def __init__(self) -> None:
+        super().__init__("interrupted")
+
+
+class OutputClosed(DflashError):
+    """This process's own stdout or stderr went away (a reader such as `head` closed the pipe) or
+    cannot be written (`> /dev/full`). A closed pipe ends the command quietly, as `tail -f | head`
+    does; any other write error is one line."""
+
+    exit_code = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
+
+    def __init__(self, exc: OSError, what: str = "stdout"):
+        self.quiet = isinstance(exc, BrokenPipeError)
+        super().__init__(f"cannot write to {what}: {exc.strerror or exc}")
+

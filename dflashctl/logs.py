@@ -22,7 +22,8 @@ from rich.live import Live
 from rich.text import Text
 
 from .containers import Target, remote_script
-from .errors import ConnectError, RemoteError
+from .errors import ConnectError, Interrupted, RemoteError
+from .output import write_out
 from .runs import EXIT_DETACHED, STATE_STYLE, answer_error, exit_code_for, fmt_duration
 from .session import Session
 from .transport import Completed, Process
@@ -104,7 +105,7 @@ def read_log(
     target = session.target(host)
     attempt, down_since = 0, None
     while True:
-        contacts = cursor.contacts
+        position = (cursor.inode, cursor.offset)
         try:
             return read_once(target, cursor, selector, follow=follow, lines=lines, since_step=since_step,
                              on_data=on_data, on_metrics=on_metrics, stall_s=policy.stall_s)
@@ -112,7 +113,9 @@ def read_log(
             if cursor.run_id is None:  # never reached the run: report, do not retry
                 raise exc if isinstance(exc, ConnectError) else ConnectError(f"{target.label}: {exc}") from None
             error = exc
-        if cursor.contacts != contacts:
+        if (cursor.inode, cursor.offset) != position:
+            # Log bytes arrived on that connection: a new drop starts a new backoff. A reconnect
+            # that only answered (and dropped again) keeps growing it.
             attempt, down_since = 0, None
         down_since = down_since or time.monotonic()
         if time.monotonic() - down_since > policy.give_up_s:
@@ -256,7 +259,7 @@ def attach(
                           since_step=since_step, on_metrics=view.metrics if view.live else None,
                           on_notice=lambda msg: err.print(Text(msg, style="dim"), soft_wrap=True), policy=policy,
                           cursor=cursor)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         view.close()
         run = cursor.run_id or selector or ""
         err.print(Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {session.host(host).name} {run} -f"),
@@ -293,8 +296,7 @@ class LogView:
     def write(self, data: bytes) -> None:
         """Show log bytes (whole lines only on a terminal, so the progress line stays below)."""
         if self.live is None:
-            self.out.write(data)
-            self.out.flush()
+            write_out(self.out, data)  # a closed stdout (`| head`) ends the follow: OutputClosed
             return
         text = self.partial + self.decoder.decode(data)
         *lines, self.partial = text.split("\n")

@@ -24,7 +24,8 @@ from typing import IO, Any, TypeVar
 from rich.console import Console
 from rich.text import Text
 
-from .errors import DflashError, UsageError
+from .errors import DflashError, Interrupted, OutputClosed, UsageError
+from .output import write_out
 from .inventory import HostSpec
 from .logs import Ending, Reconnect, read_log
 from .runs import STATE_STYLE, StartedRun, exit_code_for, list_runs, push_payload, show_run, start_run, stop_run
@@ -345,18 +346,16 @@ class Prefixer:
                 if rest:
                     self.partial[host] = rest
                 if lines:
-                    self.out.write(b"".join(prefix + line + b"\n" for line in lines))
-                    self.out.flush()
+                    write_out(self.out, b"".join(prefix + line + b"\n" for line in lines))
 
         return write
 
     def flush(self) -> None:
         """Write out every held-back partial line, newline-terminated, and flush the output."""
         with self.lock:
-            for host, rest in self.partial.items():
-                self.out.write(f"[{host}] ".encode() + rest + b"\n")
+            data = b"".join(f"[{host}] ".encode() + rest + b"\n" for host, rest in self.partial.items())
             self.partial.clear()
-            self.out.flush()
+            write_out(self.out, data)
 
 
 def attach_all(session: Session, host_spec: str | None, selector: str | None, *, follow: bool, lines: int,
@@ -391,7 +390,10 @@ def attach_all(session: Session, host_spec: str | None, selector: str | None, *,
         while any(t.is_alive() for t in threads):
             for t in threads:
                 t.join(0.2)
-    except KeyboardInterrupt:
+            closed = next((r for r in results if isinstance(r, OutputClosed)), None)
+            if closed is not None:  # our stdout went away: the other readers have nowhere to write
+                raise closed
+    except (KeyboardInterrupt, Interrupted):
         prefixer.flush()
         err.print(Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {hosts[0].name} {run_id} --all -f"),
                   soft_wrap=True)

@@ -8,13 +8,18 @@ import threading
 from typing import Sequence
 
 from .containers import Target
-from .errors import ContainerError
+from .errors import ContainerError, OutputClosed
+from .output import sink
+
+EXIT_OUTPUT_CLOSED = 255  # what OpenSSH exits with when its local stdout goes away mid-stream
 
 
 def run_passthrough(target: Target, command: Sequence[str]) -> int:
-    """Run command in the target's container, streaming its output live; return its exit code."""
-    out = _writer(sys.stdout.buffer)
-    err = _StderrGate(_writer(sys.stderr.buffer))
+    """Run command in the target's container, streaming its output live; return its exit code.
+    If our own stdout or stderr goes away (`| head -c 10`), the command is stopped and the exit
+    code is 255, as ssh's (OutputClosed carries it)."""
+    out = sink(sys.stdout.buffer)
+    err = _StderrGate(sink(sys.stderr.buffer, "stderr"))
 
     def on_stdout(chunk: bytes) -> None:
         err.release()
@@ -25,16 +30,11 @@ def run_passthrough(target: Target, command: Sequence[str]) -> int:
     except ContainerError:
         err.discard()  # pct's own complaint; the one-line error says it better
         raise
+    except OutputClosed as exc:
+        exc.exit_code = EXIT_OUTPUT_CLOSED
+        raise
     err.release()
     return result.exit_code
-
-
-def _writer(stream):  # type: ignore[no-untyped-def]
-    def sink(chunk: bytes) -> None:
-        stream.write(chunk)
-        stream.flush()
-
-    return sink
 
 
 def _forwarded_stdin():  # type: ignore[no-untyped-def]

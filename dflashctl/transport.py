@@ -127,6 +127,9 @@ class Transport(abc.ABC):
                         del buf[:-tail]
             except BaseException as exc:  # surfaced to the caller below
                 errors.append(exc)
+                # Nobody drains this stream any more (a sink failed: say our stdout was closed), so
+                # the command would block on a full pipe and wait() below would never return.
+                proc.kill()
 
         def feed() -> None:
             try:
