@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.text import Text
 
 from . import __version__
-from .errors import DflashError, Interrupted, OutputClosed, UsageError
+from .errors import DflashError, Interrupted, NotFoundError, OutputClosed, UsageError
 from .passthrough import run_passthrough
 from .inventory import completions, load_inventory
 from .session import Session
@@ -308,6 +309,19 @@ def _host_and_run(session: Session, host: Optional[str], run: Optional[str]) -> 
     return host, run
 
 
+@contextmanager
+def _word_is_host_or_run(session: Session, host: Optional[str], run: Optional[str]):
+    """A lone word taken as a run that no run matches may have been meant as a host: say both."""
+    try:
+        yield
+    except NotFoundError as exc:
+        if host is None and run is not None and run not in session.inventory.hosts and "no run matches" in str(exc):
+            known = ", ".join(sorted(session.inventory.hosts)) or "none"
+            raise NotFoundError(f"'{run}' is neither a host in the inventory (hosts: {known}) nor a run on "
+                                f"{session.host(None).name}") from None
+        raise
+
+
 def _first_host(session: Session, spec: Optional[str]) -> Optional[str]:
     """The host to ask first for HOST given as a host, `a,b` or a group name (None: the default)."""
     return session.inventory.resolve_many(spec)[0].name if spec else None
@@ -470,7 +484,8 @@ def runs_show(
         require_matplotlib()  # before anything is printed
     session = _state(ctx).session()
     host, run = _host_and_run(session, host, run)
-    info = show_group(session, _first_host(session, host), run)  # several hosts: combined over the nodes
+    with _word_is_host_or_run(session, host, run):
+        info = show_group(session, _first_host(session, host), run)  # several hosts: combined over the nodes
     if json_out:
         typer.echo(json.dumps(info, indent=2))
         return
@@ -493,18 +508,31 @@ def runs_stop(
 ) -> None:
     """Stop a run: SIGTERM to its process group, SIGKILL after the grace period; state `stopped`."""
     from .multihost import stop_group
-    from .runs import check_grace, state_text
+    from .runs import check_grace, show_run, state_text
 
     check_grace(grace)  # before the "stopping" line
     session = _state(ctx).session()
     host, run = _host_and_run(session, host, run)
     target = session.target(_first_host(session, host))
+    with _word_is_host_or_run(session, host, run):
+        # Which run, before saying "stopping": an unreachable host or stopped container is one error line.
+        run_id = show_run(target, run, metrics=False)["run_id"] if run else _latest_running(target)
     err = Console(stderr=True)
-    err.print(Text(f"stopping {run or 'the latest run'} on {target.label} (SIGKILL after {grace:g} s)...", style="dim"))
-    info = stop_group(session, target.host.name, run, grace)  # a multi-host run: every node
+    err.print(Text(f"stopping {run_id} on {target.label} (SIGKILL after {grace:g} s)...", style="dim"))
+    info = stop_group(session, target.host.name, run_id, grace)  # a multi-host run: every node
     verb = "had already ended" if info.get("already") else "is now"
     where = f" on {info['host']}" if info.get("nodes") else ""
     Console().print(Text(f"run {info['run_id']} {verb} ") + state_text(info) + Text(where), soft_wrap=True)
+
+
+def _latest_running(target) -> str:  # type: ignore[no-untyped-def]
+    """`runs stop HOST` with no RUN: the newest running run there (NotFoundError if none runs)."""
+    from .runs import list_runs
+
+    running = [r for r in list_runs(target) if r.get("state") == "running"]
+    if not running:
+        raise NotFoundError(f"no running run on {target.label}")
+    return max(running, key=lambda r: (r.get("started_ts") or 0, r["run_id"]))["run_id"]
 
 
 @runs_app.command("pull")
@@ -525,9 +553,10 @@ def runs_pull(
     host, run = _host_and_run(session, host, run)
     target = session.target(_first_host(session, host))
     err = Console(stderr=True)
+    guard = _word_is_host_or_run(session, host, run)
     bar = Progress(TextColumn("pulling"), BarColumn(), DownloadColumn(binary_units=False), TransferSpeedColumn(),
                    console=err, transient=True, disable=not err.is_terminal)
-    with bar:
+    with guard, bar:
         task = bar.add_task("pull", total=None)
         pulled = pull_run(target, run, to.expanduser() if to else None, checkpoints,
                           on_bytes=lambda done, total: bar.update(task, completed=done, total=total))
@@ -563,7 +592,8 @@ def logs_tail(
             raise UsageError("--all and --host exclude each other")
         raise typer.Exit(attach_all(session, host, run, follow=follow, lines=lines, since_step=since_step,
                                     out=sys.stdout.buffer, err=err))
-    where, run = pick_node(session, host, run, node)
+    with _word_is_host_or_run(session, host, run):
+        where, run = pick_node(session, host, run, node)
     out = Console()
     raise typer.Exit(attach(session, where, run, follow=follow, lines=lines, since_step=since_step,
                             out=sys.stdout.buffer, console=out if out.is_terminal else None,

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .containers import Target
-from .errors import RemoteError, UsageError
+from .errors import ContainerError, RemoteError, UsageError
 
 SCHEMA = "dflashctl.doctor/1"
 # Runs the payload's doctor from wherever push put it: argv[1] is that directory.
@@ -27,6 +27,8 @@ BOOTSTRAP = (
 )
 PROGRESS_PREFIX = "doctor: "
 USAGE_PREFIX = "doctor usage error: "  # not a progress line: the error is shown once, by the CLI
+MISSING_PREFIX = "doctor missing module: "
+EXIT_MISSING = 4  # the container lacks torch: the same exit code and words as `inspect`
 STARTUP_ALLOWANCE_S = 180  # imports, environment checks and a cold push, on top of the smoke limits
 SMOKE_POLICIES = 4
 STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "n/a": "dim", "skipped": "dim"}
@@ -76,6 +78,9 @@ def run_doctor(target: Target, options: DoctorOptions, progress: Callable[[str],
     result = target.run(argv, timeout=opts.time_limit(), on_stderr=lines.feed)
     if result.exit_code == 2:
         raise UsageError("doctor: " + (lines.last.removeprefix(USAGE_PREFIX) or "bad arguments"))
+    if result.exit_code == EXIT_MISSING and lines.last.startswith(MISSING_PREFIX):
+        module = lines.last.removeprefix(MISSING_PREFIX)
+        raise ContainerError(f"{target.label}: {module} is not installed for {target.host.interpreter}")
     doc = parse_report(result.stdout)
     if doc is None:
         raise RemoteError(f"{target.label}: doctor gave no report (exit {result.exit_code}): {lines.last or 'no output'}")

@@ -98,7 +98,13 @@ def _check_reachable(session: Session, host: HostSpec) -> Check:
     try:
         transport.connection()
     except DflashError as exc:
-        hint = f"dflashctl hosts trust {host.name}" if "hosts trust" in str(exc) else "check address, port and keys"
+        text = str(exc)
+        if "CHANGED" in text or "different key is already known" in text:
+            hint = "find out why the key changed; then ssh-keygen -R and dflashctl hosts trust (see detail)"
+        elif "hosts trust" in text:
+            hint = f"dflashctl hosts trust {host.name}"
+        else:
+            hint = "check address, port and keys"
         return Check("reachable", False, str(exc), hint)
     finally:
         if own:

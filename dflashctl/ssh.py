@@ -106,12 +106,31 @@ class Endpoint:
         return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
 
 
+def check_identity_file(host: str, given: str, path: Path) -> None:
+    """hosts.yaml's identity_file must be a readable private key file (UsageError naming it)."""
+    where = f"hosts.yaml: host '{host}': identity_file {given}"
+    if not path.exists():
+        raise UsageError(f"{where}: no such file")
+    if path.is_dir():
+        raise UsageError(f"{where}: is a directory, not a key file")
+    try:
+        head = path.read_bytes()[:4096]
+    except OSError as exc:
+        raise UsageError(f"{where}: cannot read it ({exc.strerror})") from None
+    if head.startswith((b"ssh-", b"ecdsa-", b"sk-")):
+        raise UsageError(f"{where}: is a public key; name the private key (without .pub)")
+    if b"PRIVATE KEY-----" not in head:
+        raise UsageError(f"{where}: is not a private key (expected '-----BEGIN ... PRIVATE KEY-----')")
+
+
 def resolve_endpoint(host: HostSpec, options: SshOptions) -> Endpoint:
     """Merge a host entry with ~/.ssh/config: values in hosts.yaml win, then the config, then defaults."""
     alias = host.address or host.name
     config = _ssh_config(options).lookup(alias)
     identities = [host.identity_file] if host.identity_file else config.get("identityfile", [])
     paths = tuple(options.expand(p) for p in identities)
+    if host.identity_file:
+        check_identity_file(host.name, host.identity_file, paths[0])
     if not paths:
         paths = tuple(p for p in (options.ssh_dir() / k for k in DEFAULT_KEYS) if p.is_file())
     jump = host.proxy_jump or config.get("proxyjump")
@@ -200,7 +219,9 @@ class SshTransport(Transport):
         """Start argv on the host; `env` is applied with `env -- K=V argv` since sshd drops most variables."""
         if not argv:
             raise UsageError("empty command")
-        command = shlex.join(env_argv(argv, env))
+        # Arguments that are not UTF-8 arrive as surrogate escapes (PEP 383); send their bytes as
+        # they were given, as OpenSSH does.
+        command = shlex.join(env_argv(argv, env)).encode("utf-8", "surrogateescape")
         transport, channel = self._open_channel()
         try:
             channel.exec_command(command)
@@ -384,6 +405,14 @@ class _mapped_errors:
 def _describe(ep: Endpoint, options: SshOptions, exc: BaseException) -> str | _Transient | None:
     where = f"{ep.hostname}:{ep.port}"
     if isinstance(exc, _UnknownHostKey):
+        known = load_known_hosts(options).lookup(ep.known_name) or {}
+        if known:
+            have = ", ".join(f"{name} {fingerprint(k)}" for name, k in known.items())
+            return (
+                f"{ep.name}: {ep.known_name} offers a {exc.key.get_name()} key {fingerprint(exc.key)}, but a different "
+                f"key is already known for this host ({have}); refusing to connect. If the host was reinstalled: "
+                f"ssh-keygen -R '{ep.known_name}' -f {options.known_hosts()}, then dflashctl hosts trust {ep.name}"
+            )
         return (
             f"{ep.name}: unknown host key for {ep.known_name} ({exc.key.get_name()} {fingerprint(exc.key)}); "
             f"check it, then run: dflashctl hosts trust {ep.name}"
@@ -513,6 +542,15 @@ def trust_host(host: HostSpec, confirm: Callable[[str], bool] | None, options: S
     key = fetch_host_key(host, options, prefer=list(known.keys()))
     out = Console(highlight=False)
     recorded = known.get(key.get_name())
+    if recorded is None and known:
+        # We asked for the recorded type first; a server that offers another one no longer has
+        # the key we know: treat it as a changed key, never as a new host.
+        have = ", ".join(f"{name} {fingerprint(k)}" for name, k in known.items())
+        raise ConnectError(
+            f"{host.name}: {ep.known_name} offers a {key.get_name()} key {fingerprint(key)}, but a different key is "
+            f"already known for this host ({have}); refusing. If the host was reinstalled: "
+            f"ssh-keygen -R '{ep.known_name}' -f {options.known_hosts()}, then dflashctl hosts trust {host.name}"
+        )
     if recorded is not None and recorded != key:
         raise ConnectError(
             f"{host.name}: {ep.known_name} now offers {fingerprint(key)} but known_hosts has {fingerprint(recorded)}; "
@@ -529,6 +567,9 @@ def trust_host(host: HostSpec, confirm: Callable[[str], bool] | None, options: S
     out.print(f"recorded in {path}")
 
 
+RSA_TYPES = ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")
+
+
 def fetch_host_key(host: HostSpec, options: SshOptions, prefer: Sequence[str] = ()) -> paramiko.PKey:
     """The host's public key from a bare handshake (no authentication), through ProxyJump if set."""
     via = SshTransport(host, options)
@@ -540,7 +581,10 @@ def fetch_host_key(host: HostSpec, options: SshOptions, prefer: Sequence[str] = 
         try:
             if prefer:  # ask for the key type already on record, so a comparison is meaningful
                 opts = session.get_security_options()
-                opts.key_types = [*prefer, *(k for k in opts.key_types if k not in prefer)]
+                # known_hosts names RSA keys `ssh-rsa`; paramiko negotiates them as rsa-sha2-*, and
+                # may no longer offer `ssh-rsa` itself: only types it knows can be asked for first.
+                wanted = [t for k in prefer for t in (RSA_TYPES if k == "ssh-rsa" else (k,)) if t in opts.key_types]
+                opts.key_types = [*wanted, *(k for k in opts.key_types if k not in wanted)]
             session.banner_timeout = options.connect_timeout
             with _mapped_errors(ep, options):
                 session.start_client(timeout=2 * options.connect_timeout)

@@ -259,7 +259,9 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     only_run = host.run_cli("runs", "show", "n2", "--json", "--no-curves")  # a lone non-host argument: a run
     assert only_run.returncode == 0 and json.loads(only_run.stdout)["run_id"] == ids[2]
     missing = host.run_cli("runs", "stop", "zzz")
-    assert missing.returncode == 5 and missing.stderr.strip().endswith("no run matches 'zzz'")
+    assert missing.returncode == 5 and missing.stderr.strip().endswith("'zzz' is neither a host in the inventory "
+                                                                      "(hosts: bare, dock, dockstop, local, shim, stopped) "
+                                                                      "nor a run on shim")
     shown = host.run_cli("runs", "show", "shim", "n2", "--plot", str(png))
     assert ids[2] in shown.stdout and "acceptance length" in shown.stdout  # details and terminal curves
     assert shown.returncode == 0 and png.read_bytes().startswith(b"\x89PNG") and f"wrote {png}" in shown.stdout

@@ -827,8 +827,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_MISSING = 4  # a module the report needs is not installed (the trainer's own code for it)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: `report` prints the JSON report (exit 0, or 1 when a check failed); `smoke` runs one test."""
+    """Entry point: `report` prints the JSON report (exit 0, or 1 when a check failed; 2 bad
+    arguments; 4 torch missing); `smoke` runs one test."""
     args = build_parser().parse_args(argv)
     if args.command == "smoke":
         return smoke_main(args)
@@ -837,6 +841,9 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as exc:  # one line for the client, which exits 2 with it (not a progress line)
         print(f"doctor usage error: {exc}", file=sys.stderr)
         return 2
+    except ImportError as exc:  # torch (or what it needs) is not installed: the client's exit 4
+        print(f"doctor missing module: {exc.name or exc}", file=sys.stderr)
+        return EXIT_MISSING
     print(json.dumps(doc), flush=True)
     return 0 if doc["ok"] else 1
 
