@@ -115,10 +115,10 @@ def _root(
 @hosts_app.command("list")
 def hosts_list(ctx: typer.Context) -> None:
     """List the inventory's hosts."""
-    from .hosts import render_host_table
+    from .hosts import print_host_table
 
     session = _state(ctx).session()
-    Console().print(render_host_table(session.inventory))
+    print_host_table(Console(), session.inventory)
 
 
 @hosts_app.command("check")
@@ -447,7 +447,7 @@ def runs_list(
 ) -> None:
     """List the runs on a host (or several): state, GPUs, start, duration, last step and loss."""
     from .multihost import list_group_runs
-    from .runs import runs_table
+    from .runs import print_runs
 
     session = _state(ctx).session()
     hosts = _hosts_or_all(session, host, all_hosts)
@@ -458,7 +458,7 @@ def runs_list(
         typer.echo(json.dumps(runs, indent=2))
     else:
         label = session.target(hosts[0].name).label if len(hosts) == 1 else ", ".join(h.name for h in hosts)
-        Console().print(runs_table(runs, label, several_hosts=len(hosts) > 1))
+        print_runs(Console(), runs, label, several_hosts=len(hosts) > 1)
     if failed:  # the others' runs were listed; each host that could not be is one error line
         err = Console(stderr=True)
         for exc in failed.values():

@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from .containers import Target
 from .errors import ContainerError, RemoteError, UsageError
+from .tables import Column, notes, show
 
 SCHEMA = "dflashctl.doctor/1"
 # Runs the payload's doctor from wherever push put it: argv[1] is that directory.
@@ -119,25 +119,22 @@ class _LineSplitter:
 
 
 def render_report(doc: dict, console: Console) -> None:
-    """The report as a table: check, status, result, evidence, fix hint; the verdict in its own section."""
+    """The report: a table of check, status and result (the verdict in its own section), then each
+    row's evidence and fix hint below it, whole (tables.py: nothing is folded into a narrow cell)."""
     devices = " + ".join(doc["devices"])
-    table = Table(title=f"doctor {doc.get('host', '')}: torch {doc['torch']}, smoke devices {devices}")
-    table.add_column("check", no_wrap=True)
-    table.add_column("status", no_wrap=True)
-    for column in ("result", "evidence", "fix hint"):
-        table.add_column(column, overflow="fold")
+    rows, below, sections = [], [], []
     for row in doc["checks"]:
         verdict = row["id"] == "verdict"
         if verdict:
-            table.add_section()
-        table.add_row(
-            Text(row["check"], style="bold" if verdict else ""),
-            Text(row["status"], style=STATUS_STYLES.get(row["status"], "")),
-            Text(row["result"], style="bold" if verdict else ""),
-            Text(row["evidence"]),
-            Text(row["hint"], style="cyan"),
-        )
-    console.print(table)
+            sections.append(len(rows))
+        rows.append([Text(row["check"], style="bold" if verdict else ""),
+                     Text(row["status"], style=STATUS_STYLES.get(row["status"], "")),
+                     Text(row["result"], style="bold" if verdict else "")])
+        if row["evidence"] or row["hint"]:
+            below.append((row["check"], row["evidence"], row["hint"]))
+    show(console, [Column("check"), Column("status"), Column("result", text=True)], rows,
+         title=f"doctor {doc.get('host', '')}: torch {doc['torch']}, smoke devices {devices}", sections=sections)
+    notes(console, below)
     failed = [r["check"] for r in doc["checks"] if r["status"] == "fail"]
     summary = f"{len(failed)} failed: {', '.join(failed)}" if failed else "no failures"
     console.print(Text(f"{summary} ({doc['elapsed_s']} s)", style="red" if failed else "green"))

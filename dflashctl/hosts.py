@@ -8,13 +8,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from .containers import Target
 from .errors import ContainerError, DflashError
 from .inventory import HostSpec, Inventory
 from .session import Session
+from .tables import Column, notes, show
 
 CHECK_TIMEOUT_S = 180  # the remote probe imports torch, which can take a while on a cold disk
 
@@ -29,23 +29,15 @@ class Check:
     hint: str = ""
 
 
-def render_host_table(inventory: Inventory) -> Table:
-    """The inventory as a rich table; the default host is marked with `*`."""
+def print_host_table(console: Console, inventory: Inventory) -> None:
+    """`hosts list`: the inventory; the default host is marked with `*`."""
     title = f"hosts from {inventory.path}" if inventory.path else "hosts (built in: no hosts.yaml found)"
-    table = Table(title=title, title_justify="left")
-    for column in ("", "name", "transport", "address", "container", "python", "gpus"):
-        table.add_column(column, overflow="fold")
-    for name, host in inventory.hosts.items():
-        table.add_row(
-            "*" if name == inventory.default else "",
-            name,
-            host.transport,
-            host.describe_address(),
-            host.container.describe(),
-            host.interpreter,
-            ",".join(map(str, host.gpus)) or "-",
-        )
-    return table
+    columns = [Column("default"), Column("name"), Column("transport"), Column("address"), Column("container"),
+               Column("python", text=True), Column("gpus")]
+    rows = [["*" if name == inventory.default else "", name, host.transport, host.describe_address(),
+             host.container.describe(), host.interpreter, ",".join(map(str, host.gpus)) or "-"]
+            for name, host in inventory.hosts.items()]
+    show(console, columns, rows, title=title)
 
 
 def check_host(session: Session, name: str | None) -> list[Check]:
@@ -204,17 +196,31 @@ def _smi_check(host: HostSpec, smi: dict[str, Any] | None) -> Check:
     return Check("nvidia-smi", True, f"{len(gpus)} GPU(s): {listed}" if gpus else "no GPUs")
 
 
+LONG_DETAIL = 60  # characters: a longer detail of a failing check goes below the table, whole
+
+
+def _cells(check: Check) -> tuple[str, list[tuple[str, str, str]]]:
+    """A check's detail cell, and what goes below the table for it (long details, hints)."""
+    below = not check.ok and (len(check.detail) > LONG_DETAIL or bool(check.hint))
+    if not below:
+        return check.detail, []
+    return ("see below" if len(check.detail) > LONG_DETAIL else check.detail), [(check.name, check.detail, check.hint)]
+
+
 def render_checks(checks: list[Check], json_out: bool) -> None:
-    """Print checks as a table (or one JSON object with --json) on stdout."""
+    """Print checks as a table (or one JSON object with --json) on stdout; a failing check's long
+    detail and its hint are printed below the table, so they read whole at any width."""
     if json_out:
         print(json.dumps({"ok": all(c.ok for c in checks), "checks": [asdict(c) for c in checks]}, indent=2))
         return
-    table = Table(show_header=True)
-    for column in ("check", "status", "detail", "hint"):
-        table.add_column(column, overflow="fold")
+    rows, below = [], []
     for check in checks:
-        table.add_row(check.name, _status(check), check.detail, check.hint)
-    Console(highlight=False).print(table)
+        cell, extra = _cells(check)
+        rows.append([check.name, _status(check), cell])
+        below += extra
+    console = Console(highlight=False)
+    show(console, [Column("check"), Column("status"), Column("detail", text=True)], rows)
+    notes(console, below)
 
 
 def render_many(results: dict[str, list[Check]], json_out: bool) -> None:
@@ -224,15 +230,17 @@ def render_many(results: dict[str, list[Check]], json_out: bool) -> None:
         hosts = [{"host": name, "ok": ok[name], "checks": [asdict(c) for c in checks]} for name, checks in results.items()]
         print(json.dumps({"ok": all(ok.values()), "hosts": hosts}, indent=2))
         return
-    table = Table(show_header=True)
-    for column in ("host", "check", "status", "detail", "hint"):
-        table.add_column(column, overflow="fold")
+    rows, sections, below = [], [], []
     for name, checks in results.items():
-        for i, check in enumerate(checks):
-            table.add_row(Text(name) if i == 0 else "", check.name, _status(check), check.detail, check.hint,
-                          end_section=i == len(checks) - 1)
+        sections.append(len(rows))
+        for check in checks:
+            cell, extra = _cells(check)
+            rows.append([name, check.name, _status(check), cell])
+            below += [(f"{name} {label}", detail, hint) for label, detail, hint in extra]
     console = Console(highlight=False)
-    console.print(table)
+    show(console, [Column("host"), Column("check"), Column("status"), Column("detail", text=True)], rows,
+         sections=sections[1:])
+    notes(console, below)
     failed = [name for name, good in ok.items() if not good]
     summary = f"{len(ok) - len(failed)} of {len(ok)} hosts ok" + (f"; failing: {', '.join(failed)}" if failed else "")
     console.print(Text(summary, style="bold red" if failed else "green"))

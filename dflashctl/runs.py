@@ -21,6 +21,7 @@ from .containers import Target
 from .errors import ConflictError, ContainerError, NotFoundError, RemoteError, UsageError
 from .inventory import HostSpec
 from .plot import series
+from .tables import Column, show
 
 TRAINER_MODULE = "dflash_train"
 RUN_DIR_TOKEN = "{run_dir}"  # replaced by runctl with the run's absolute directory
@@ -288,19 +289,17 @@ def state_text(run: dict[str, Any]) -> Text:
     return Text(label, style=STATE_STYLE.get(state, ""))
 
 
-def runs_table(runs: Sequence[dict[str, Any]], host: str, several_hosts: bool = False) -> Table:
-    """`runs list` as a rich table; names are shown literally (Text, never markup).
-    A `hosts` column names each run's host, or its nodes for a run across several hosts
-    (docs/multihost.md); it is there when several hosts were listed or such a run is."""
-    table = Table(title=Text(f"runs on {host} (times UTC)"), title_justify="left")
+def print_runs(console: Console, runs: Sequence[dict[str, Any]], host: str, several_hosts: bool = False) -> None:
+    """`runs list`: a table on a terminal, aligned plain columns in a pipe (tables.py); names are
+    shown literally (Text, never markup). A `hosts` column names each run's host, or its nodes for
+    a run across several hosts (docs/multihost.md); it is there when several hosts were listed or
+    such a run is."""
     multi = several_hosts or any(run.get("nodes") for run in runs)
-    columns = ("run", "name", "state", "GPUs", "started", "duration", "step", "loss")
+    columns = [Column("run"), Column("name", text=True), Column("state"), Column("GPUs"), Column("started"),
+               Column("duration", "right"), Column("step", "right"), Column("loss", "right")]
     if multi:
-        columns = columns[:3] + ("hosts",) + columns[3:]
-    for col in columns:
-        # The run id never wraps: a cut id cannot be copied into the next command.
-        table.add_column(col, justify="right" if col in ("duration", "step", "loss") else "left",
-                         no_wrap=col == "run", min_width=20 if col == "run" else None, overflow="fold")
+        columns.insert(3, Column("hosts"))
+    rows = []
     for run in runs:
         last = run.get("last") or {}
         step = last.get("step")
@@ -317,8 +316,8 @@ def runs_table(runs: Sequence[dict[str, Any]], host: str, several_hosts: bool = 
         ]
         if multi:
             cells.insert(3, Text(",".join(n["host"] for n in run.get("nodes") or []) or str(run.get("host") or "-")))
-        table.add_row(*cells)
-    return table
+        rows.append(cells)
+    show(console, columns, rows, title=f"runs on {host} (times UTC)")
 
 
 def details_table(run: dict[str, Any]) -> Table:

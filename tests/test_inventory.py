@@ -98,13 +98,15 @@ def test_lookup_order(shim_host, tmp_path):
     def chosen(*args, env_var=""):
         result = shim_host.run_cli(*args, "hosts", "list", cwd=cwd, env={"HOME": str(home), "DFLASHCTL_INVENTORY": env_var})
         assert result.returncode == 0, result.stderr
-        return result.stdout.split()[2]  # the table title: "hosts from PATH"
+        header, default = result.stdout.splitlines()[:2]  # in a pipe: plain columns, the default host first
+        assert header.split()[:2] == ["DEFAULT", "NAME"]
+        return default.split()[1]
 
-    assert chosen("--inventory", str(flag_file), env_var=str(env_file)) == str(flag_file)
-    assert chosen(env_var=str(env_file)) == str(env_file)
-    assert chosen() == str(cwd / "hosts.yaml")
+    assert chosen("--inventory", str(flag_file), env_var=str(env_file)) == "from-flag"
+    assert chosen(env_var=str(env_file)) == "from-env"
+    assert chosen() == "from-cwd"
     (cwd / "hosts.yaml").unlink()
-    assert chosen() == str(home / ".config/dflashctl/hosts.yaml")
+    assert chosen() == "from-config"
 
 
 def test_missing_explicit_inventory_exit_2(shim_host, tmp_path):
