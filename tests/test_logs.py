@@ -173,3 +173,35 @@ def test_terminal_view_prints_whole_lines_above_the_progress_line():
     view.close()
     text = screen.getvalue()
     assert "step 1 ü" in text and "step 2 [bold]x[/]" in text and "partial" in text
+
+
+def test_backoff_grows_across_drops_that_bring_no_log_bytes(tmp_path):
+    """A reader that answers and dies again without sending log bytes is no recovery: the next
+    wait is longer (it used to restart at the first delay: a new login every 0.2 s)."""
+    run = FakeRun(tmp_path)
+    run.write(b"line one\n")
+    notices: list[str] = []
+    policy = Reconnect(delays=(0.1, 0.3, 0.9), max_delay=2.0, give_up_s=60, stall_s=20)
+    done: list[object] = []
+    got = bytearray()
+
+    def follow() -> None:
+        with local_session(tmp_path) as session:
+            done.append(read_log(session, None, None, on_data=got.extend, on_notice=notices.append,
+                                 follow=True, lines=-1, policy=policy))
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    killed: set[int] = set()
+    try:
+        wait_until(lambda: got == b"line one\n", 30, "the log")  # the reader knows the run now
+        for drop in range(3):
+            pid = wait_until(lambda: next((p for p in readers(tmp_path) if p not in killed), None), 30, "a reader")
+            killed.add(pid)
+            os.kill(pid, signal.SIGKILL)  # the connection's end, before any new log byte
+            wait_until(lambda: len(notices) > drop, 30, f"notice {drop + 1}")
+    finally:
+        run.finish()
+        reader.join(60)
+    delays = [n.split("reconnecting in ")[1] for n in notices[:3]]
+    assert delays == ["0.1 s", "0.3 s", "0.9 s"] and done and done[0].state == "succeeded"
