@@ -361,6 +361,8 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
     notes: list[str] = []
     cfg = resolve_config(cfg, notes)
     if cfg.run.compile != "off":
+        workers.preload_compiler()
+    if cfg.run.compile != "off":
         notes.append(use_compile_cache(cfg.run.compile_cache_dir))
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
