@@ -3,13 +3,15 @@
     python bench/push_bench.py [--repeats 5] [--files 200] [--mb 20]
 
 Starts the test harness's sshd (tests/sshd.py) on 127.0.0.1, builds a payload of N files of
-random bytes, and times three cases for each tool, interleaved so both see the same machine load:
+random bytes, and times three cases for each tool, interleaved so all see the same machine load:
 first push into an empty directory, a no-op push, and a push after one file changed.
 
-`push` runs in-process with a fresh Session per push (so every push pays its SSH connect, as an
-rsync call pays ssh's), through `pct exec 200` (the shim). rsync writes straight into the
-container's directory over ssh, skipping pct: that favours rsync a little. The table also shows
-one no-op `dflashctl push` CLI call, whose extra cost is Python startup plus imports.
+What a user runs is timed: `dflashctl push shim` as a new process each time (Python start-up,
+imports, SSH connect and all), through `pct exec 200` (the shim), against `rsync -a --delete`
+over OpenSSH into the container's directory (skipping pct: that favours rsync a little). The
+in-process `payload.push` with a fresh Session (its own SSH connect, no interpreter start) is
+the breakdown column. `--persist N` adds the CLI through a `persist: N` host (the background
+mux kept between calls; started by an untimed call, stopped at the end).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Bench:
         self.rsync_dest = self.container / "work-rsync" / "payload"
         key = host.home / ".ssh" / "id_ed25519"
         known = host.home / ".ssh" / "known_hosts"
+        self.env = dict(host.env)
         self.ssh = (
             f"ssh -p {host.port} -i {key} -o UserKnownHostsFile={known} -o StrictHostKeyChecking=yes "
             f"-o BatchMode=yes -o IdentitiesOnly=yes"
@@ -74,9 +77,9 @@ class Bench:
         with self.host.session() as session:
             push(session.target("shim"), self.source)
 
-    def push_cli(self) -> None:
+    def push_cli(self, host: str = "shim") -> None:
         """One `dflashctl push` through the CLI: a new process, so Python startup and imports count."""
-        done = subprocess.run([*CLI, "push", "shim", "--source", str(self.source)], env=self.host.env, capture_output=True)
+        done = subprocess.run([*CLI, "push", host, "--source", str(self.source)], env=self.env, capture_output=True)
         assert done.returncode == 0, done.stderr
 
     def rsync(self) -> None:
@@ -85,51 +88,64 @@ class Bench:
         self.rsync_dest.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(["rsync", "-a", "--delete", "-e", self.ssh, f"{self.source}/", dest], check=True)
 
-    def clear(self) -> None:
-        """Delete both destinations, so the next round starts with a first push."""
-        shutil.rmtree(self.push_workdir, ignore_errors=True)
-        shutil.rmtree(self.rsync_dest, ignore_errors=True)
+    def clear(self, tool: str) -> None:
+        """Delete that tool's destination (the push tools share the container's workdir), so its
+        next push is a first one."""
+        shutil.rmtree(self.rsync_dest if tool == "rsync" else self.push_workdir, ignore_errors=True)
 
 
-def run(repeats: int, files: int, total_mb: int) -> None:
-    """Time push and rsync on each case, repeats times in alternating order, then print the report."""
+def run(repeats: int, files: int, total_mb: int, persist: int) -> None:
+    """Time every tool on each case, repeats times in rotating order, then print the report."""
     base = Path(tempfile.mkdtemp(prefix="push-bench-"))
     host = SshdHost(base / "sshd", "127.0.0.1").start()
+    runtime = Path(tempfile.mkdtemp(prefix="mx", dir="/tmp"))
+    runtime.chmod(0o700)
     try:
         source = base / "payload"
         paths = make_payload(source, files, total_mb)
         bench = Bench(host, source)
-        times: dict[str, dict[str, list[float]]] = {c: {"push": [], "rsync": []} for c in ("first", "no-op", "one file")}
-        cli_noop = []
-        tools = {"push": bench.push, "rsync": bench.rsync}
+        tools: dict[str, Callable[[], None]] = {"dflashctl push": bench.push_cli, "rsync": bench.rsync,
+                                                "in-process": bench.push}
+        if persist:
+            inventory = host.write_inventory(base / "hosts.yaml", {"p": host.host_entry(SHIM_VMID, persist=persist)})
+            bench.env.update(DFLASHCTL_INVENTORY=str(inventory), XDG_RUNTIME_DIR=str(runtime))
+            tools[f"push, persist {persist}"] = lambda: bench.push_cli("p")
+        times = {c: {t: [] for t in tools} for c in ("first", "no-op", "one file")}
+        names = list(tools)
         for i in range(repeats):
-            order = ["push", "rsync"] if i % 2 == 0 else ["rsync", "push"]  # neither always goes first
-            bench.clear()
+            order = names[i % len(names):] + names[:i % len(names)]  # none always goes first
             for case in times:
                 if case == "one file":
                     paths[i % len(paths)].write_bytes(os.urandom(paths[0].stat().st_size))
                 for tool in order:
+                    if case == "first":
+                        if tool.startswith("push, persist") and i == 0:
+                            bench.push_cli("p")  # start the mux, untimed
+                        bench.clear(tool)
                     os.sync()  # start each timing with no dirty pages left by the previous one
                     times[case][tool].append(timed(tools[tool]))
-            cli_noop.append(timed(bench.push_cli))
-        report(times, statistics.median(cli_noop), repeats, files, total_mb)
+        report(times, repeats, files, total_mb)
     finally:
+        if persist:
+            subprocess.run([*CLI, "hosts", "disconnect", "--all"], env=bench.env, capture_output=True)
         host.stop()
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
-def report(times: dict, cli_noop: float, repeats: int, files: int, total_mb: int) -> None:
-    """Print the median times per case as a markdown table, plus the CLI no-op time."""
+def report(times: dict, repeats: int, files: int, total_mb: int) -> None:
+    """Print the median times per case as a markdown table, each tool against rsync."""
     print(f"push vs rsync -a over ssh: {files} files, {total_mb} MB, median of {repeats}")
     print(f"{os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()} {platform.release()}")
     print()
-    print(f"| case     | push (s) | rsync (s) | push / rsync |")
-    print(f"|----------|---------:|----------:|-------------:|")
+    tools = list(next(iter(times.values())))
+    print("| case | " + " | ".join(f"{t} (s)" for t in tools) + " | "
+          + " | ".join(f"{t} / rsync" for t in tools if t != "rsync") + " |")
+    print("|---" * (1 + len(tools) + len(tools) - 1) + "|")
     for case, by_tool in times.items():
-        ours, theirs = statistics.median(by_tool["push"]), statistics.median(by_tool["rsync"])
-        print(f"| {case:<8} | {ours:8.3f} | {theirs:9.3f} | {ours / theirs:12.2f} |")
-    print()
-    print(f"no-op through the CLI (`dflashctl push`, new process): {cli_noop:.3f} s")
+        med = {t: statistics.median(v) for t, v in by_tool.items()}
+        print(f"| {case} | " + " | ".join(f"{med[t]:.3f}" for t in tools) + " | "
+              + " | ".join(f"{med[t] / med['rsync']:.2f}" for t in tools if t != "rsync") + " |")
 
 
 def main() -> None:
@@ -138,8 +154,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--files", type=int, default=200)
     parser.add_argument("--mb", type=int, default=20)
+    parser.add_argument("--persist", type=int, default=0, help="also time a persist: N host (0: not)")
     args = parser.parse_args()
-    run(args.repeats, args.files, args.mb)
+    run(args.repeats, args.files, args.mb, args.persist)
 
 
 if __name__ == "__main__":
