@@ -10,8 +10,9 @@ What a user runs is timed: `dflashctl push shim` as a new process each time (Pyt
 imports, SSH connect and all), through `pct exec 200` (the shim), against `rsync -a --delete`
 over OpenSSH into the container's directory (skipping pct: that favours rsync a little). The
 in-process `payload.push` with a fresh Session (its own SSH connect, no interpreter start) is
-the breakdown column. `--persist N` adds the CLI through a `persist: N` host (the background
-mux kept between calls; started by an untimed call, stopped at the end).
+the breakdown column. The CLI runs twice: with hosts.yaml's defaults (connection reuse on,
+`persist: 60`: the background mux kept between calls, started by an untimed first call) and with
+`persist: 0` (a full SSH handshake per call). `--persist N` adds a `persist: N` host.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from sshd import CLI, SHIM_VMID, SshdHost  # noqa: E402
 
+from dflashctl.inventory import DEFAULT_PERSIST_S  # noqa: E402
 from dflashctl.payload import push  # noqa: E402
 
 
@@ -104,12 +106,18 @@ def run(repeats: int, files: int, total_mb: int, persist: int) -> None:
         source = base / "payload"
         paths = make_payload(source, files, total_mb)
         bench = Bench(host, source)
-        tools: dict[str, Callable[[], None]] = {"dflashctl push": bench.push_cli, "rsync": bench.rsync,
-                                                "in-process": bench.push}
+        # `dflashctl push` with hosts.yaml's defaults (the entry names no `persist`), and with
+        # connection reuse off (`persist: 0`, the test harness's own entries).
+        default = {k: v for k, v in host.host_entry(SHIM_VMID).items() if k != "persist"}
+        extra = {"d": default, **({"p": host.host_entry(SHIM_VMID, persist=persist)} if persist else {})}
+        inventory = host.write_inventory(base / "hosts.yaml", extra)
+        bench.env.update(DFLASHCTL_INVENTORY=str(inventory), XDG_RUNTIME_DIR=str(runtime))
+        tools: dict[str, Callable[[], None]] = {
+            f"dflashctl push (default: persist {DEFAULT_PERSIST_S})": lambda: bench.push_cli("d"),
+            "rsync": bench.rsync, "dflashctl push, persist 0": bench.push_cli, "in-process": bench.push}
         if persist:
-            inventory = host.write_inventory(base / "hosts.yaml", {"p": host.host_entry(SHIM_VMID, persist=persist)})
-            bench.env.update(DFLASHCTL_INVENTORY=str(inventory), XDG_RUNTIME_DIR=str(runtime))
             tools[f"push, persist {persist}"] = lambda: bench.push_cli("p")
+        muxed = {name: fn for name, fn in tools.items() if "default" in name or name.startswith("push, persist")}
         times = {c: {t: [] for t in tools} for c in ("first", "no-op", "one file")}
         names = list(tools)
         for i in range(repeats):
@@ -119,15 +127,14 @@ def run(repeats: int, files: int, total_mb: int, persist: int) -> None:
                     paths[i % len(paths)].write_bytes(os.urandom(paths[0].stat().st_size))
                 for tool in order:
                     if case == "first":
-                        if tool.startswith("push, persist") and i == 0:
-                            bench.push_cli("p")  # start the mux, untimed
+                        if i == 0 and tool in muxed:
+                            muxed[tool]()  # start the mux, untimed (its first call pays the SSH connect)
                         bench.clear(tool)
                     os.sync()  # start each timing with no dirty pages left by the previous one
                     times[case][tool].append(timed(tools[tool]))
         report(times, repeats, files, total_mb)
     finally:
-        if persist:
-            subprocess.run([*CLI, "hosts", "disconnect", "--all"], env=bench.env, capture_output=True)
+        subprocess.run([*CLI, "hosts", "disconnect", "--all"], env=bench.env, capture_output=True)
         host.stop()
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(runtime, ignore_errors=True)

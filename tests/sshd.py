@@ -237,8 +237,10 @@ class SshdHost:
 
     def host_entry(self, vmid: int | None = None, **extra: object) -> dict:
         """A hosts.yaml entry for this sshd: container pct VMID, or runtime none when vmid is None."""
+        # persist 0: tests connect directly unless they ask for the mux (tests/test_mux.py), so
+        # that no background connection outlives a test.
         entry: dict = {"transport": "ssh", "address": self.address, "port": self.port, "user": self.user,
-                       "python": sys.executable}
+                       "python": sys.executable, "persist": 0}
         if vmid is None:
             entry["container"] = {"runtime": "none"}
         else:
@@ -250,7 +252,7 @@ class SshdHost:
     def docker_entry(self, name: str, **extra: object) -> dict:
         """A hosts.yaml entry for this sshd with the docker shim's container `name`."""
         entry: dict = {"transport": "ssh", "address": self.address, "port": self.port, "user": self.user,
-                       "python": sys.executable, "workdir": str(self.docker_dir(name) / "work"),
+                       "python": sys.executable, "persist": 0, "workdir": str(self.docker_dir(name) / "work"),
                        "container": {"runtime": "docker", "name": name, "docker": str(self.docker_path)}}
         entry.update(extra)
         return entry

@@ -200,7 +200,8 @@ def test_ssh_config_alias_and_proxy_jump(shim_host, tmp_path):
         f"  IdentityFile {home}/.ssh/id_ed25519\n"
     )
     extra = {
-        "alias": {"address": "gpubox", "container": {"runtime": "pct", "vmid": 200, "pct": str(shim_host.pct_path)}},
+        "alias": {"address": "gpubox", "persist": 0,
+                  "container": {"runtime": "pct", "vmid": 200, "pct": str(shim_host.pct_path)}},
         "jumped": shim_host.host_entry(None, proxy_jump=f"{shim_host.user}@127.0.0.1:{shim_host.port}"),
     }
     env = {"HOME": str(home), "DFLASHCTL_INVENTORY": str(shim_host.write_inventory(tmp_path / "hosts.yaml", extra))}

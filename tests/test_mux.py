@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from dflashctl.errors import ContainerError, UsageError
-from dflashctl.inventory import parse_inventory
+from dflashctl.inventory import DEFAULT_PERSIST_S, parse_inventory
 from dflashctl.mux import MuxUnavailable, mux_stats, socket_path, stop_all_muxes
 from sshd import CLI, ECHO_BOTH, MB, run_concurrently
 
@@ -117,7 +117,9 @@ def test_persist_is_validated():
     assert "got True" in host("true")
     assert "got 1.5" in host("1.5")
     inv = parse_inventory("hosts:\n  gpu1:\n    address: h\n    persist: 600\n  gpu2:\n    address: h\n")
-    assert (inv.hosts["gpu1"].persist, inv.hosts["gpu2"].persist) == (600, 0)
+    assert (inv.hosts["gpu1"].persist, inv.hosts["gpu2"].persist) == (600, DEFAULT_PERSIST_S) == (600, 60)
+    assert parse_inventory("hosts:\n  box:\n    transport: local\n").hosts["box"].persist == 0
+    assert parse_inventory("hosts:\n  gpu1:\n    address: h\n    persist: 0\n").hosts["gpu1"].persist == 0
     with pytest.raises(UsageError, match="persist only applies to transport ssh"):
         parse_inventory("hosts:\n  box:\n    transport: local\n    persist: 5\n")
 
