@@ -48,7 +48,8 @@ def main() -> int:
     from dflash_train.config import load_config
     from dflash_train.model import DFlashDrafter
     from dflash_train.resolve import drafter_spec, resolve_config
-    from dflash_train.train import build_replica, build_target, load_data
+    from dflash_train.replica import build_replica, build_target
+    from dflash_train.train import load_data
     cfg = resolve_config(load_config(preset=args.preset, overrides=[f"run.device={args.device}"]))
     lap("config")
     load_data(cfg)

@@ -10,7 +10,7 @@ per-phase breakdown (CUDA events). Results and their derivation: docs/performanc
 Row modes (the trainer's building blocks from remote_payload/dflash_train, weights random):
     fast     draft layers and target layers compiled per layer (`compile_layers`, `--compile`
              policy from workers.choose_compile_policy), fused chunked LM head + CE, fused AdamW
-    trainer  what train.build_replica does today with run.compile=<--compile>: the whole drafter
+    trainer  what replica.build_replica does today with run.compile=<--compile>: the whole drafter
              torch.compile'd, eager target, eager chunked CE (the pre-fast-path trainer)
     eager    run.compile=off: eager drafter with compiled FlexAttention, eager target, eager CE
 
@@ -154,7 +154,7 @@ class BenchConfig:
 
 @dataclasses.dataclass
 class Rig:
-    """What one step uses (the fields of train.Replica that matter here)."""
+    """What one step uses (the fields of replica.Replica that matter here)."""
 
     cfg: BenchConfig
     device: torch.device
@@ -200,7 +200,7 @@ def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, 
     drafter.to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=cfg.betas, eps=1e-8,
                                   weight_decay=0.0, fused=True if device.type == "cuda" else None)
-    warm = 40  # 4% of 1000 steps, then cosine (train.WarmupCosine); the values do not affect speed
+    warm = 40  # 4% of 1000 steps, then cosine (replica.WarmupCosine); the values do not affect speed
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warm))
     run_drafter, flex_fn = drafter, flex_attention
     effective, options, reason = compile_policy(compile_mode, device.type)
@@ -209,7 +209,7 @@ def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, 
         kw["options"] = options
     if mode == "eager" or effective == "off":
         if cfg.attention == "flex":
-            flex_fn = torch.compile(flex_attention, dynamic=False)  # as train.build_replica does
+            flex_fn = torch.compile(flex_attention, dynamic=False)  # as replica.build_replica does
     elif mode == "fast":
         drafter.compile_layers(**kw)
         target.compile_layers(**kw)
@@ -220,10 +220,10 @@ def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, 
 
 
 def dry_check_against_trainer(rig: Rig, batch, fh) -> None:
-    """CPU dry run: the bench's step loss equals train.forward_loss's on the same weights/batch."""
+    """CPU dry run: the bench's step loss equals replica.forward_loss's on the same weights/batch."""
     from dflash_train.config import load_config
     from dflash_train.resolve import resolve_config
-    from dflash_train.train import build_replica, forward_loss
+    from dflash_train.replica import build_replica, forward_loss
     t = rig.cfg.target
     over = [f"target.{f.name}={json.dumps(getattr(t, f.name))}" for f in dataclasses.fields(t)
             if f.name not in ("path",)]
@@ -240,11 +240,11 @@ def dry_check_against_trainer(rig: Rig, batch, fh) -> None:
     ours = float(step(rig, batch, False, None))
     rig.drafter.zero_grad(set_to_none=True)
     assert abs(ours - ref) <= 1e-6 * abs(ref), (ours, ref)
-    log(f"  dry run: bench step loss {ours:.6f} == train.forward_loss {ref:.6f}", fh)
+    log(f"  dry run: bench step loss {ours:.6f} == replica.forward_loss {ref:.6f}", fh)
 
 
 def step(rep: Rig, b, fused: bool, events: list | None):
-    """One training step = train.forward_loss + backward + train.optimizer_step, split into the
+    """One training step = replica.forward_loss + backward + replica.optimizer_step, split into the
     phases of PHASES with an event before each. Returns the detached loss."""
     def mark(i):
         if events is not None:

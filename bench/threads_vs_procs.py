@@ -76,7 +76,7 @@ def steady_ms(windows: list[tuple[int, float]]) -> float | None:
 def eval_loss(replica, batch) -> float:
     """Loss of the eager drafter on one fixed batch: equal across GPUs iff replicas are equal."""
     import torch
-    from dflash_train.train import forward_loss
+    from dflash_train.replica import forward_loss
 
     with torch.no_grad():
         return float(forward_loss(replica, batch).loss)
@@ -85,7 +85,8 @@ def eval_loss(replica, batch) -> float:
 def child_threads(args) -> dict:
     """Threads: workers.run_threaded over GPUs 0..world-1, fed like the trainer (GlobalBatches)."""
     from dflash_train import workers as W
-    from dflash_train.train import GlobalBatches, drafter_ops
+    from dflash_train.replica import drafter_ops
+    from dflash_train.train import GlobalBatches
 
     cfg = make_config(args.config, args.world, args.compile, args.device, args.steps)
     sampler = sampler_for(cfg)
@@ -111,7 +112,7 @@ def child_process(args) -> dict:
     import torch
     import torch.distributed as dist
     from dflash_train import workers as W
-    from dflash_train.train import drafter_ops
+    from dflash_train.replica import drafter_ops
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     on_cuda = args.device == "cuda"

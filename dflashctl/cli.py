@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.text import Text
@@ -641,8 +642,6 @@ def doctor_cmd(
 def main() -> None:
     """Console entry point: run the app, print errors as one red line, exit with their code."""
     import signal
-
-    import click
 
     state = AppState()
     code = 0

@@ -469,7 +469,7 @@ def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str
     """The trainer's tiny step in one worker thread per device under one policy, via run_threaded."""
     import torch
 
-    from .train import drafter_ops
+    from .replica import drafter_ops
     from .workers import ReplicaOps, ThreadedOptions, run_threaded
 
     cfg = smoke_config(devices[0].split(":")[0], policy_name)

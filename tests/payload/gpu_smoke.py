@@ -23,7 +23,8 @@ from dflash_train.config import TargetConfig, load_config  # noqa: E402
 from dflash_train.data import BlockSampler, build_datasets  # noqa: E402
 from dflash_train.target import build_tiny_target, load_hf_target  # noqa: E402
 from dflash_train.resolve import resolve_config  # noqa: E402
-from dflash_train.train import build_replica, forward_loss, run_training, train_step  # noqa: E402
+from dflash_train.replica import build_replica, forward_loss, train_step  # noqa: E402
+from dflash_train.train import run_training  # noqa: E402
 
 
 def check_hf() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_train.data import BlockSampler, build_datasets
-from dflash_train.train import build_replica, train_step
+from dflash_train.replica import build_replica, train_step
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 STEPS = 20

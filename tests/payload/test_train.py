@@ -19,7 +19,8 @@ from dflash_train.data import BlockSampler, build_datasets
 from dflash_train.export import load_exported, spec_from_config
 from dflash_train.model import DFlashDrafter, block_mask
 from dflash_train.target import build_tiny_target
-from dflash_train.train import build_replica, run_training, train_step
+from dflash_train.replica import build_replica, train_step
+from dflash_train.train import run_training
 
 PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 STEPS = 120

@@ -24,7 +24,7 @@ from dflash_train import workers as W  # noqa: E402
 from dflash_train.config import load_config  # noqa: E402
 from dflash_train.data import BlockSampler, build_datasets  # noqa: E402
 from dflash_train.resolve import resolve_config  # noqa: E402
-from dflash_train.train import build_replica, drafter_ops, forward_backward, optimizer_step  # noqa: E402
+from dflash_train.replica import build_replica, drafter_ops, forward_backward, optimizer_step  # noqa: E402
 
 STEPS = 6
 # Random tokens: every anchor is valid and every micro-batch has the same loss-weight sum, so the

@@ -1,0 +1,222 @@
+"""One drafter replica and the step functions the worker threads run on it: build_replica,
+forward_backward, optimizer_step (and the held-out evaluation). A step depends only on (replica,
+batch): no module-level mutable state, so one replica per thread per device is safe. The
+program that drives them is train.py; the threads are workers.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from . import workers
+from .config import Config, ConfigError
+from .data import Batch
+from .loss import LossOutput, dflash_loss
+from .model import DFlashDrafter, block_input_ids, block_mask
+from .resolve import drafter_spec
+from .target import Qwen3Target, build_random_target, build_tiny_target, load_hf_target
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def build_target(cfg: Config, device: torch.device) -> Qwen3Target:
+    """The frozen target on `device` in the run dtype (loaded, or random from the config seed)."""
+    dtype, t = DTYPES[cfg.run.dtype], cfg.target
+    if t.path is not None:
+        return load_hf_target(t.path, cfg.drafter.target_layer_ids, device, dtype)
+    if cfg.data.source == "demo":
+        # The same weights that generated the demo data (built on CPU: identical on every machine).
+        return build_tiny_target(t, t.seed).to(device=device, dtype=dtype)
+    return build_random_target(t, t.seed, max(cfg.drafter.target_layer_ids) + 1, device, dtype)
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup over `warmup_ratio` of the steps, then cosine to `min_ratio`."""
+
+    def __init__(self, total_steps: int, warmup_ratio: float, min_ratio: float):
+        self.total = total_steps
+        self.warmup = max(1, math.ceil(warmup_ratio * total_steps))
+        self.min_ratio = min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Replica:
+    """Everything one worker trains with; built by `build_replica`."""
+
+    cfg: Config
+    device: torch.device
+    target: Qwen3Target
+    drafter: DFlashDrafter
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    policy: workers.CompilePolicy
+    train_loss: Callable   # (input_ids, loss_mask, anchors, anchor_valid) -> (loss, acceptance), compiled per policy
+    run_drafter: Callable  # the drafter, or its compiled wrapper (run.compile_scope: drafter)
+    flex_fn: Callable      # flex_attention for the eager paths (compiled on its own on CUDA)
+    # Where the first (compiling) forward/backward is: (what, i, n), read by progress lines.
+    at: tuple[str, int, int] = ("", 0, 0)
+    # Last step's values, read at sync points only (no host sync per step):
+    last_lr: float = 0.0
+    last_grad_norm: torch.Tensor | None = None
+    last_acceptance: torch.Tensor | None = None
+
+
+def build_replica(cfg: Config, device: torch.device | str, seed: int,
+                  policy: workers.CompilePolicy | None = None) -> Replica:
+    """Target, drafter (initialised from `seed` on CPU, so identical on every device), AdamW and
+    schedule for a resolved config; compiled through `policy` (default: the workers' policy for
+    `run.compile` on this device, `workers.choose_compile_policy`, which never uses CUDAGraph
+    Trees). `run.compile_scope: step` compiles the whole loss (target features, block mask,
+    drafter, chunked CE) as one function; `drafter` compiles only the drafter; `layers` compiles
+    each draft and target layer (regional, `compile_layers`; not with CUDA graphs)."""
+    device = torch.device(device)
+    policy = policy or workers.choose_compile_policy(cfg.run.compile, device.type)
+    target = build_target(cfg, device)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(drafter_spec(cfg))
+    drafter.to_empty(device="cpu")  # init_weights sets every parameter: skip nn.Linear's own init
+    drafter.init_weights(cfg.drafter.init_std, seed)
+    drafter.to(device)
+    o = cfg.optim
+    on_cuda = device.type == "cuda"
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay, fused=True if on_cuda else None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(cfg.run.steps, o.warmup_ratio, o.min_lr_ratio))
+    flex_fn = flex_attention
+    if cfg.drafter.attention == "flex" and on_cuda and policy.effective != "off":
+        flex_fn = torch.compile(flex_attention, dynamic=False)  # eager flex is unfused and slow
+    run_drafter = drafter
+    scope = cfg.run.compile_scope
+    if policy.effective != "off" and scope == "drafter":
+        run_drafter = policy.compile(drafter)
+    elif policy.effective != "off" and scope == "layers":
+        if policy.effective == "cudagraphs":
+            # One compiled layer serves every layer with other parameters: the tree-less CUDA
+            # graph path assumes fixed parameter addresses per graph (docs/threaded-compile.md).
+            raise ConfigError("run.compile_scope layers cannot use run.compile cudagraphs (use step)")
+        drafter.compile_layers()  # regional (docs/performance.md): names and state_dict unchanged
+        target.compile_layers()
+    replica = Replica(cfg, device, target, drafter, optimizer, scheduler, policy, None, run_drafter, flex_fn)
+    # Progress probes on the layer loops that run eagerly (inside a compiled graph they would be traced).
+    if policy.effective == "off" or scope in ("layers", "drafter"):
+        target.on_layer = lambda i, n: setattr(replica, "at", ("target layer", i + 1, n))
+    if policy.effective == "off" or scope == "layers":
+        drafter.on_layer = lambda i, n: setattr(replica, "at", ("draft layer", i + 1, n))
+
+    if policy.effective != "off" and cfg.run.compile_scope == "step":
+        def train_loss(input_ids, loss_mask, anchors, anchor_valid):
+            # flex_attention itself is traced into the graph (the standalone compiled one is for eager paths)
+            out = _loss(replica, input_ids, loss_mask, anchors, anchor_valid, drafter, flex_attention)
+            return out.loss, out.acceptance_length
+        replica.train_loss = policy.compile(train_loss)
+    else:
+        # A compiled drafter traces flex_attention itself; an eager one uses the compiled flex.
+        train_flex = flex_attention if run_drafter is not drafter else flex_fn
+
+        def train_loss(input_ids, loss_mask, anchors, anchor_valid):
+            out = _loss(replica, input_ids, loss_mask, anchors, anchor_valid, run_drafter, train_flex)
+            return out.loss, out.acceptance_length
+        replica.train_loss = train_loss
+    return replica
+
+
+def _loss(replica: Replica, input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
+          anchor_valid: torch.Tensor, drafter: Callable, flex_fn: Callable) -> LossOutput:
+    """Target features -> drafter over all blocks -> decayed CE and acceptance length (tensors on
+    the replica's device; traceable as a whole by torch.compile)."""
+    cfg, dev = replica.cfg, replica.device
+    spec = replica.drafter.spec
+    bs = spec.block_size
+    n, s = input_ids.shape
+    a = anchors.shape[1]
+    feats = replica.target.features(input_ids, spec.target_layer_ids)                    # [N, S, L*H]
+    block_ids = block_input_ids(input_ids, anchors, bs, spec.mask_token_id)              # [N, A*B]
+    embeds = replica.target.embed_tokens(block_ids)                                       # [N, A*B, H]
+    mask = block_mask(anchors, s, bs, cfg.drafter.attention)                              # once per batch
+    use_bf16 = cfg.run.dtype == "bf16"
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
+        hidden = drafter(feats, embeds, anchors, mask, flex_fn)                           # [N, A*B, H]
+    hidden = hidden.view(n, a, bs, -1)[:, :, 1:]                                          # [N, A, B-1, H]
+    label_pos = (anchors[:, :, None] + torch.arange(1, bs, device=dev)).flatten(1)       # [N, A*(B-1)]
+    labels = input_ids.gather(1, label_pos).view(n, a, bs - 1)
+    label_mask = loss_mask.gather(1, label_pos).view(n, a, bs - 1) & anchor_valid[:, :, None]
+    # The compiled CE chunk only on CUDA and only when compiling is allowed (`run.compile: off`
+    # must mean no torch.compile anywhere, e.g. while debugging the compiler).
+    fused = dev.type == "cuda" and cfg.run.compile != "off"
+    return dflash_loss(hidden, replica.target.lm_head.weight, labels, label_mask, anchor_valid,
+                       cfg.optim.gamma, cfg.optim.loss_chunk_rows, fused)
+
+
+def forward_loss(replica: Replica, batch: Batch) -> LossOutput:
+    """The loss of one batch through the uncompiled drafter (evaluation, tests, benchmarks):
+    no recompile or CUDA-graph capture for a new grad mode or batch shape."""
+    b = batch.to(replica.device)
+    return _loss(replica, b.input_ids, b.loss_mask, b.anchors, b.anchor_valid, replica.drafter,
+                 replica.flex_fn)
+
+
+def forward_backward(replica: Replica, batch: Batch) -> torch.Tensor:
+    """Forward and backward of one batch through the compiled step (gradients accumulate in
+    .grad); returns the detached loss and keeps the batch's acceptance length on the replica."""
+    b = batch.to(replica.device)
+    replica.at = ("forward", 0, 0)
+    loss, acceptance = replica.train_loss(b.input_ids, b.loss_mask, b.anchors, b.anchor_valid)
+    replica.at = ("backward", 0, 0)
+    loss.backward()
+    replica.last_acceptance = acceptance.detach()
+    return loss.detach()
+
+
+def optimizer_step(replica: Replica) -> torch.Tensor:
+    """Clip, AdamW step, zero grads in place (the workers' flat gradient buffers stay attached),
+    advance the schedule; returns the pre-clip grad norm (a device tensor: no host sync)."""
+    replica.last_lr = replica.optimizer.param_groups[0]["lr"]
+    grad_norm = torch.nn.utils.clip_grad_norm_(replica.drafter.parameters(), replica.cfg.optim.grad_clip)
+    replica.optimizer.step()
+    replica.optimizer.zero_grad(set_to_none=False)
+    replica.scheduler.step()
+    replica.last_grad_norm = grad_norm.detach()
+    return replica.last_grad_norm
+
+
+def drafter_ops(cfg: Config) -> workers.ReplicaOps:
+    """The drafter as the workers' ReplicaOps (build, step, parameters, warm-up progress) for a resolved config."""
+    return workers.ReplicaOps(lambda device, seed, policy: build_replica(cfg, device, seed, policy), forward_backward,
+                              optimizer_step, lambda replica: list(replica.drafter.parameters()), warmup_progress)
+
+
+def warmup_progress(replica: Replica) -> str:
+    """Where a replica's first forward/backward is: `forward: target layer 12/34`."""
+    what, i, n = replica.at
+    return f"forward: {what} {i}/{n}" if n else what
+
+
+def train_step(replica: Replica, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+    """One full step on one replica; metrics stay tensors (no device sync) except the lr used."""
+    loss = forward_backward(replica, batch)
+    grad_norm = optimizer_step(replica)
+    return loss, {"grad_norm": grad_norm, "lr": replica.last_lr,
+                  "train_acceptance_length": replica.last_acceptance}
+
+
+@torch.no_grad()
+def evaluate(replica: Replica, batches: list[Batch]) -> dict[str, float]:
+    """Held-out loss and teacher-forced acceptance length, weighted by valid blocks."""
+    loss_sum = acc_sum = blocks = 0.0
+    for batch in batches:
+        out = forward_loss(replica, batch)
+        k = float(out.num_blocks)
+        loss_sum, acc_sum, blocks = loss_sum + float(out.loss) * k, acc_sum + float(out.acceptance_length) * k, blocks + k
+    return {"loss": loss_sum / max(blocks, 1.0), "acceptance_length": acc_sum / max(blocks, 1.0)}
