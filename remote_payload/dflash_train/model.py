@@ -125,14 +125,18 @@ class Attention(nn.Module):
                past: tuple[torch.Tensor, torch.Tensor] | None):
         """Causal attention for new tokens x [N, T, H] after cached keys/values `past`
         ([N, nkv, T0, d] each, or None); cos/sin [1, T, d] at positions T0..T0+T-1.
-        Returns ([N, T, H], the cache extended to T0+T). Used for greedy generation."""
+        Returns ([N, T, H], the cache extended to T0+T). Used for greedy generation (T = 1) and
+        for verifying a drafted block (T = B)."""
         q = apply_rope(self.queries(x), cos, sin)
         k, v = self.keys_values(x)
         k = apply_rope(k, cos, sin)
+        mask = None
         if past is not None:
+            t0, t = past[0].shape[2], x.shape[1]
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        # With a cache, new tokens come one at a time and see every cached key: no mask needed.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=past is None, enable_gqa=True)
+            if t > 1:  # new token i sees every cached key and new tokens 0..i
+                mask = torch.arange(t0 + t, device=x.device)[None, :] <= t0 + torch.arange(t, device=x.device)[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past is None, enable_gqa=True)
         return self.output(out), (k, v)
 
 

@@ -1,0 +1,136 @@
+"""Speculative decoding with a DFlash drafter and its target: the acceptance length a user really
+gets (tau), not the teacher-forced proxy that training logs.
+
+One loop, batch 1, greedy (lossless: the output must equal the target's own greedy decode):
+
+    prefill the target on the prompt, keeping its KV cache and the drafter's context features
+    repeat:
+      draft   a block [last token, MASK x (B-1)] from the context features of the verified prefix
+      verify  all B positions in one target forward after the cache
+      accept  the longest prefix of drafts the target agrees with, plus the target's next token
+      crop    the cache to the verified prefix, keep the accepted positions' features
+    until EOS or max_new_tokens
+
+tau = mean tokens emitted per verify step (accepted drafts + the bonus token), as z-lab's
+benchmark and SpecForge report it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import DFlashDrafter, block_mask, rope_cos_sin
+from .target import Qwen3Target
+
+Cache = list  # one (keys, values) pair per target layer, [1, nkv, T, d] each
+
+
+@dataclass
+class Decoded:
+    """One prompt's speculative decode: the new tokens and what each verify step accepted."""
+
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per verify step (bonus excluded)
+    anchors: list[int] = field(default_factory=list)  # the anchor's position per verify step
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verify step, the bonus token included."""
+        return sum(k + 1 for k in self.accepted) / max(len(self.accepted), 1)
+
+
+class Verifier:
+    """The target as a KV-cached decoder that also returns the drafter's context features."""
+
+    def __init__(self, model: Qwen3Target, feature_layers: tuple[int, ...]):
+        if len(model.layers) != model.cfg.num_layers:
+            raise ValueError("speculative decoding needs the whole target (this one stops early)")
+        self.model, self.feature_layers = model, feature_layers
+        self.cache: Cache = [None] * len(model.layers)
+        self.length = 0  # positions in the cache
+
+    @torch.no_grad()
+    def extend(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ids [1, T] after the cache: (logits [T, V] in fp32, features [1, T, L*H])."""
+        m = self.model
+        x = m.embed_tokens(ids)                                                  # [1, T, H]
+        positions = torch.arange(self.length, self.length + ids.shape[1], device=ids.device)[None]
+        cos, sin = rope_cos_sin(positions, m.shape.head_dim, m.shape.rope_theta, x.dtype)
+        wanted, feats = set(self.feature_layers), {}
+        for i, layer in enumerate(m.layers):
+            x, self.cache[i] = layer.extend(x, cos, sin, self.cache[i])
+            if i in wanted:
+                feats[i] = x
+        self.length += ids.shape[1]
+        logits = m.lm_head(m.norm(x[0])).float()                                 # [T, V]
+        return logits, torch.cat([feats[i] for i in self.feature_layers], dim=-1)
+
+    def crop(self, length: int) -> None:
+        """Forget every cached position from `length` on (rejected drafts)."""
+        self.cache = [(k[:, :, :length], v[:, :, :length]) for k, v in self.cache]
+        self.length = length
+
+
+@torch.no_grad()
+def draft(drafter: DFlashDrafter, target: Qwen3Target, context: torch.Tensor, last: int,
+          attention: str = "dense") -> torch.Tensor:
+    """Greedy drafts for the B-1 positions after `last`, from the context features [1, S, L*H] of
+    the S verified positions before it: [B-1] token ids."""
+    spec = drafter.spec
+    s, bs = context.shape[1], spec.block_size
+    device = context.device
+    block = torch.full((1, bs), spec.mask_token_id, dtype=torch.long, device=device)
+    block[0, 0] = last
+    anchors = torch.tensor([[s]], device=device)                                  # the block sits at S..S+B-1
+    # As in training: the drafter's fp32 weights under bf16 autocast when the target runs in bf16.
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=context.dtype == torch.bfloat16):
+        hidden = drafter(context, target.embed_tokens(block), anchors, block_mask(anchors, s, bs, attention))
+    return target.lm_head(hidden[0, 1:].to(target.lm_head.weight.dtype)).float().argmax(-1)  # [B-1]
+
+
+@torch.no_grad()
+def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
+              eos_id: int | None = None, attention: str = "dense") -> Decoded:
+    """Greedy speculative decoding of one prompt (see the module docstring)."""
+    device = next(target.parameters()).device
+    verifier = Verifier(target, drafter.spec.target_layer_ids)
+    logits, context = verifier.extend(torch.tensor([prompt], device=device))
+    out = Decoded([int(logits[-1].argmax())])                                     # the prefill's own token
+    while len(out.tokens) < max_new_tokens and out.tokens[-1] != eos_id:
+        anchor = verifier.length                                                  # position of tokens[-1]
+        drafts = draft(drafter, target, context, out.tokens[-1], attention)
+        block = torch.cat([torch.tensor([out.tokens[-1]], device=device), drafts])[None]
+        logits, feats = verifier.extend(block)                                    # [B, V]: predicts B tokens
+        predicted = logits.argmax(-1)
+        agree = (predicted[:-1] == drafts).long()
+        k = int(agree.cumprod(0).sum())                                           # leading drafts the target agrees with
+        out.accepted.append(k)
+        out.anchors.append(anchor)
+        out.tokens += [int(t) for t in drafts[:k]] + [int(predicted[k])]          # accepted drafts + the bonus
+        verifier.crop(anchor + k + 1)                                             # anchor and accepted stay cached
+        context = torch.cat([context, feats[:, :k + 1]], dim=1)
+    if eos_id is not None and eos_id in out.tokens:
+        out.tokens = out.tokens[:out.tokens.index(eos_id) + 1]
+    out.tokens = out.tokens[:max_new_tokens]
+    return out
+
+
+@torch.no_grad()
+def greedy(target: Qwen3Target, prompt: list[int], max_new_tokens: int, eos_id: int | None = None) -> list[int]:
+    """The target's own greedy decode (one token per forward, KV cached): the lossless reference."""
+    device = next(target.parameters()).device
+    decoder = Verifier(target, (0,))
+    logits, _ = decoder.extend(torch.tensor([prompt], device=device))
+    tokens = [int(logits[-1].argmax())]
+    while len(tokens) < max_new_tokens and tokens[-1] != eos_id:
+        logits, _ = decoder.extend(torch.tensor([[tokens[-1]]], device=device))
+        tokens.append(int(logits[-1].argmax()))
+    return tokens
+
+
+def acceptance_by_position(results: list[Decoded], block_size: int) -> list[float]:
+    """For draft positions 1..B-1: the fraction of verify steps whose accepted run reached it."""
+    steps = [k for r in results for k in r.accepted]
+    return [sum(k >= i for k in steps) / max(len(steps), 1) for i in range(1, block_size)]

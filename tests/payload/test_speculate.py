@@ -1,0 +1,84 @@
+"""The speculative decoding loop (speculate.py) on a briefly trained tiny drafter, on the CPU:
+lossless against the target's own greedy decode, and its acceptance equal, block by block, to
+the teacher-forced acceptance at the anchors the loop actually used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.config import load_config
+from dflash_train.data import BlockSampler, build_datasets
+from dflash_train.model import block_input_ids, block_mask
+from dflash_train.replica import build_replica, train_step
+from dflash_train.resolve import resolve_config
+from dflash_train.speculate import acceptance_by_position, greedy, speculate
+
+PROMPTS = 20
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny drafter trained for 150 steps on its target's greedy text (the demo data)."""
+    out = tmp_path_factory.mktemp("spec") / "run"
+    cfg = resolve_config(load_config(preset="tiny", overrides=[f"run.output_dir={out}"]))
+    train, held_out = build_datasets(cfg, cfg.drafter.mask_token_id)
+    sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
+    replica = build_replica(cfg, "cpu", cfg.run.seed)
+    for step in range(150):
+        train_step(replica, sampler.batch(step))
+    prompts = [[int(t) for t in ids[: cfg.data.prompt_length]] for ids, _ in (held_out + train)[:PROMPTS]]
+    return cfg, replica, prompts
+
+
+def teacher_forced_run(replica, sequence: list[int], anchor: int) -> int:
+    """Drafts the trainer's forward makes at `anchor` of the whole sequence that agree with it, leading run."""
+    spec = replica.drafter.spec
+    ids = torch.tensor([sequence])
+    anchors = torch.tensor([[anchor]])
+    feats = replica.target.features(ids, spec.target_layer_ids)
+    embeds = replica.target.embed_tokens(block_input_ids(ids, anchors, spec.block_size, spec.mask_token_id))
+    with torch.no_grad():
+        hidden = replica.drafter(feats, embeds, anchors, block_mask(anchors, ids.shape[1], spec.block_size, "dense"))
+        drafts = replica.target.lm_head(hidden[0, 1:]).argmax(-1).tolist()
+    labels = sequence[anchor + 1: anchor + spec.block_size]
+    run = 0
+    while run < len(drafts) and drafts[run] == labels[run]:
+        run += 1
+    return run
+
+
+def test_greedy_speculation_is_lossless_and_matches_teacher_forcing(trained):
+    cfg, replica, prompts = trained
+    block = cfg.drafter.block_size
+    results = []
+    for prompt in prompts:
+        spec = speculate(replica.target, replica.drafter, prompt, NEW_TOKENS)
+        reference = greedy(replica.target, prompt, NEW_TOKENS + block)  # labels beyond the last block too
+        assert spec.tokens == reference[:NEW_TOKENS]  # lossless: the target's own greedy text
+        full = prompt + reference
+        for anchor, accepted in zip(spec.anchors, spec.accepted):
+            assert accepted == teacher_forced_run(replica, full, anchor), (prompt, anchor)
+        results.append(spec)
+    taus = [r.tau for r in results]
+    per_position = acceptance_by_position(results, block)
+    assert all(1.0 <= t <= block for t in taus) and sum(taus) / len(taus) > 1.2  # the drafter learned something
+    assert per_position == sorted(per_position, reverse=True) and len(per_position) == block - 1
+
+
+def test_a_block_verified_after_the_cache_equals_one_token_at_a_time(trained):
+    """The verify step's masked multi-token extend gives the logits of the one-token path."""
+    _, replica, prompts = trained
+    from dflash_train.speculate import Verifier
+
+    layers = replica.drafter.spec.target_layer_ids
+    one, many = Verifier(replica.target, layers), Verifier(replica.target, layers)
+    prompt, more = torch.tensor([prompts[0]]), [5, 9, 11, 3]
+    one.extend(prompt)
+    many.extend(prompt)
+    step_logits = torch.stack([one.extend(torch.tensor([[t]]))[0][0] for t in more])
+    block_logits, _ = many.extend(torch.tensor([more]))
+    torch.testing.assert_close(block_logits, step_logits, rtol=1e-5, atol=1e-5)
+    many.crop(many.length - 2)
+    assert many.length == one.length - 2 and all(k.shape[2] == many.length for k, _ in many.cache)
