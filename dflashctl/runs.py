@@ -374,7 +374,10 @@ def metrics_summary(records: Sequence[dict[str, Any]], count: int) -> list[tuple
     if losses:
         out.append(("loss", f"{losses[-1]:.4f} (best {min(losses):.4f})"))
     if accs:
-        out.append(("acceptance", f"{accs[-1]:.3f} (best {max(accs):.3f})"))
+        out.append(("acceptance", f"teacher-forced {accs[-1]:.3f} (best {max(accs):.3f}; a proxy)"))
+    taus = series(records, "spec_tau")[1]
+    if taus:
+        out.append(("speculative tau", f"{taus[-1]:.3f} (best {max(taus):.3f}; real draft-and-verify, greedy)"))
     speed = series(records, "tokens_per_s")[1]
     if speed:
         out.append(("tokens/s", f"{speed[-1]:.0f}"))

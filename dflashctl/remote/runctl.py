@@ -184,8 +184,10 @@ def last_metrics(run_dir):
             continue
         if rec.get("event", "train") == "train":
             merged.update((k, v) for k, v in rec.items() if v is not None)
-        elif rec.get("acceptance_length") is not None:
-            merged["acceptance_length"] = rec["acceptance_length"]
+        else:
+            for key in ("acceptance_length", "spec_tau"):  # eval records: the held-out figures
+                if rec.get(key) is not None:
+                    merged[key] = rec[key]
     return merged or None
 
 

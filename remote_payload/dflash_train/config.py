@@ -92,6 +92,10 @@ class RunConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4
+    spec_prompts: int = 4  # held-out prompts decoded speculatively at each evaluation after step 0
+    # (the real acceptance length, `spec_tau`); 0: off. Needs the whole target: it is built to its
+    # last layer (not only to the last feature layer), which costs memory, not step time.
+    spec_new_tokens: int = 32  # tokens generated per prompt by that decode
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     seed: int = 0
@@ -244,6 +248,8 @@ def validate(cfg: Config) -> None:
     if data.source == "jsonl" and not data.train_path:
         raise ConfigError("data.source jsonl needs data.train_path")
     run = cfg.run
+    if run.spec_prompts < 0 or run.spec_new_tokens < 1:
+        raise ConfigError("run.spec_prompts must be >= 0 and run.spec_new_tokens >= 1")
     if run.threads < 0:
         raise ConfigError("run.threads must be >= 0")
     if run.gpus and run.threads not in (0, len(run.gpus)):

@@ -27,12 +27,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def build_target(cfg: Config, device: torch.device) -> Qwen3Target:
     """The frozen target on `device` in the run dtype (loaded, or random from the config seed)."""
     dtype, t = DTYPES[cfg.run.dtype], cfg.target
+    whole = cfg.run.spec_prompts > 0  # speculative decoding needs every layer; features stop early anyway
     if t.path is not None:
-        return load_hf_target(t.path, cfg.drafter.target_layer_ids, device, dtype)
+        return load_hf_target(t.path, cfg.drafter.target_layer_ids, device, dtype, whole)
     if cfg.data.source == "demo":
         # The same weights that generated the demo data (built on CPU: identical on every machine).
         return build_tiny_target(t, t.seed).to(device=device, dtype=dtype)
-    return build_random_target(t, t.seed, max(cfg.drafter.target_layer_ids) + 1, device, dtype)
+    return build_random_target(t, t.seed, None if whole else max(cfg.drafter.target_layer_ids) + 1, device, dtype)
 
 
 class WarmupCosine:

@@ -134,3 +134,29 @@ def acceptance_by_position(results: list[Decoded], block_size: int) -> list[floa
     """For draft positions 1..B-1: the fraction of verify steps whose accepted run reached it."""
     steps = [k for r in results for k in r.accepted]
     return [sum(k >= i for k in steps) / max(len(steps), 1) for i in range(1, block_size)]
+
+
+def held_out_prompts(seqs: list[tuple[torch.Tensor, torch.Tensor]], count: int, length: int) -> list[list[int]]:
+    """Up to `count` prompts from held-out (input_ids, loss_mask) sequences: the tokens before the
+    first supervised one (a chat row's prompt), else the first `length` tokens."""
+    prompts = []
+    for ids, mask in seqs:
+        supervised = torch.nonzero(mask).flatten()
+        cut = int(supervised[0]) if len(supervised) and int(supervised[0]) > 0 else length
+        if 0 < cut < len(ids):
+            prompts.append([int(t) for t in ids[:cut]])
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def speculative_eval(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[list[int]],
+                     new_tokens: int) -> dict:
+    """tau and acceptance per draft position over prompts, decoded greedily. Compiled layers run
+    eagerly here (the decode's shapes change every step: no recompiles)."""
+    with torch.compiler.set_stance("force_eager"):
+        results = [speculate(target, drafter, p, new_tokens) for p in prompts]
+    steps = sum(len(r.accepted) for r in results)
+    return {"spec_tau": sum(k + 1 for r in results for k in r.accepted) / max(steps, 1),
+            "spec_by_position": acceptance_by_position(results, drafter.spec.block_size),
+            "spec_prompts": len(prompts), "spec_steps": steps}

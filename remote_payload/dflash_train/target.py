@@ -160,11 +160,12 @@ def read_hf_config(path: str | Path) -> TargetConfig:
 
 
 def load_hf_target(path: str | Path, layer_ids: list[int], device: str | torch.device = "cpu",
-                   dtype: torch.dtype = torch.bfloat16) -> Qwen3Target:
-    """Load a HF Qwen3 checkpoint dir (config.json + *.safetensors), only the layers up to max(layer_ids)."""
+                   dtype: torch.dtype = torch.bfloat16, whole: bool = False) -> Qwen3Target:
+    """Load a HF Qwen3 checkpoint dir (config.json + *.safetensors): only the layers up to
+    max(layer_ids), or (whole) every layer, as speculative decoding needs."""
     path = Path(path)
     cfg = read_hf_config(path)
-    num_built = max(layer_ids) + 1
+    num_built = cfg.num_layers if whole else max(layer_ids) + 1
     with torch.device("meta"):
         target = Qwen3Target(cfg, num_built)
     wanted = {_hf_name(name): name for name in target.state_dict()}

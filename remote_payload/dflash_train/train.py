@@ -26,10 +26,12 @@ from .export import export_drafter
 from .model import DFlashDrafter
 from .replica import DTYPES, Replica, drafter_ops, evaluate
 from .resolve import drafter_spec, resolve_config, summary, worker_devices
+from .speculate import held_out_prompts, speculative_eval
 
-def load_data(cfg: Config, world: int = 1) -> tuple[BlockSampler, list[Batch]]:
-    """The sampler of global batches (`data.batch_size` sequences per replica, `world` replicas)
-    and the fixed held-out batches (first epoch's anchors, unshuffled, one replica's size)."""
+def load_data(cfg: Config, world: int = 1) -> tuple[BlockSampler, list[Batch], list[list[int]]]:
+    """The sampler of global batches (`data.batch_size` sequences per replica, `world` replicas),
+    the fixed held-out batches (first epoch's anchors, unshuffled, one replica's size), and the
+    held-out prompts of the speculative evaluation."""
     try:
         train_seqs, eval_seqs = build_datasets(cfg, cfg.drafter.mask_token_id)
     except (DataError, OSError) as exc:  # bad input: one line for the user, like a bad config
@@ -41,7 +43,8 @@ def load_data(cfg: Config, world: int = 1) -> tuple[BlockSampler, list[Batch]]:
         raise ConfigError(f"{exc} (data.batch_size {cfg.data.batch_size} x {world} worker(s))") from None
     eval_cfg = dataclasses.replace(cfg.data, batch_size=min(cfg.data.batch_size, len(eval_seqs)))
     held_out = BlockSampler(eval_seqs, eval_cfg, cfg.drafter.block_size, cfg.run.seed + 1, shuffle=False)
-    return sampler, [held_out.batch(i) for i in range(min(cfg.run.eval_batches, held_out.steps_per_epoch))]
+    batches = [held_out.batch(i) for i in range(min(cfg.run.eval_batches, held_out.steps_per_epoch))]
+    return sampler, batches, held_out_prompts(eval_seqs, cfg.run.spec_prompts, cfg.data.prompt_length)
 
 
 class GlobalBatches:
@@ -177,7 +180,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
     if cfg.run.cpu_threads > 0:
         torch.set_num_threads(cfg.run.cpu_threads)
 
-    sampler, eval_batches = load_data(cfg, group.total_replicas if group else world)
+    sampler, eval_batches, spec_prompts = load_data(cfg, group.total_replicas if group else world)
     if cfg.run.epochs > 0:
         cfg.run.steps = cfg.run.epochs * sampler.steps_per_epoch
 
@@ -222,10 +225,15 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
 
     def run_eval(replica: Replica, step: int, event: str) -> float:
         result = evaluate(replica, eval_batches)
-        metrics.write({"event": event, "step": step, "total_steps": total, "loss": result["loss"],
-                       "acceptance_length": result["acceptance_length"]})
+        spec = ""
+        if spec_prompts and step > 0:  # the untrained drafter's real tau is not worth its decode
+            result.update(speculative_eval(replica.target, replica.drafter, spec_prompts, cfg.run.spec_new_tokens))
+            spec = (f", speculative tau {result['spec_tau']:.3f} ({len(spec_prompts)} held-out prompts x "
+                    f"{cfg.run.spec_new_tokens} tokens, greedy)")
+        metrics.write({"event": event, "step": step, "total_steps": total, **result})
+        state["spec_tau"] = result.get("spec_tau")
         log(f"eval step {step}: held-out loss {result['loss']:.4f}, "
-            f"teacher-forced acceptance length {result['acceptance_length']:.3f}")
+            f"teacher-forced acceptance length {result['acceptance_length']:.3f}{spec}")
         return result["acceptance_length"]
 
     def save(replica: Replica, step: int) -> None:
@@ -285,8 +293,10 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
                 export_dir = export_drafter(replica.drafter, cfg.target, cfg.run.export_dir, DTYPES[cfg.run.dtype])
                 log(f"exported drafter to {export_dir}")
             before = f" (untrained: {state['untrained']:.3f})" if state["untrained"] is not None else ""
-            log(f"final held-out teacher-forced acceptance length: {final:.3f}{before} (a proxy: real "
-                f"speculative decoding accepts fewer tokens per step)")
+            real = (f"; speculative tau {state['spec_tau']:.3f} (real draft-and-verify decoding, greedy)"
+                    if state.get("spec_tau") is not None else
+                    " (a proxy: real speculative decoding accepts fewer tokens per step)")
+            log(f"final held-out teacher-forced acceptance length: {final:.3f}{before}{real}")
         state["t0"] = time.perf_counter()
         return False
 

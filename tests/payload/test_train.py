@@ -58,6 +58,18 @@ def test_held_out_acceptance_length_rises(tiny_run):
     assert any(line.startswith("workers: 2 replica(s) in sync at step 120") for line in logs)
 
 
+def test_evaluations_report_the_real_speculative_tau_beside_the_proxy(tiny_run):
+    """Issue 15: at each evaluation after step 0, a greedy draft-and-verify decode of held-out prompts."""
+    out, logs = tiny_run
+    evals = [r for r in read_metrics(out) if r["event"] in ("eval", "final")]
+    assert "spec_tau" not in evals[0]  # step 0: not decoded
+    for record in evals[1:]:
+        assert 1.0 <= record["spec_tau"] <= 8 and record["spec_prompts"] == 4 and record["spec_steps"] > 0
+        assert len(record["spec_by_position"]) == 7 and record["spec_by_position"] == sorted(record["spec_by_position"], reverse=True)
+    assert any("teacher-forced acceptance length" in line and "speculative tau" in line for line in logs)
+    assert "speculative tau" in logs[-1] and "teacher-forced" in logs[-1]
+
+
 def test_metrics_records(tiny_run):
     out, _ = tiny_run
     train = [r for r in read_metrics(out) if r["event"] == "train"]
