@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.text import Text
 
 from . import __version__
-from .errors import DflashError, Interrupted, NotFoundError, OutputClosed, UsageError
+from .errors import DflashError, Interrupted, NotFoundError, OutputClosed, RemoteError, UsageError
 from .passthrough import run_passthrough
 from .inventory import completions, load_inventory
 from .session import Session
@@ -599,6 +599,39 @@ def logs_tail(
     raise typer.Exit(attach(session, where, run, follow=follow, lines=lines, since_step=since_step,
                             out=sys.stdout.buffer, console=out if out.is_terminal else None,
                             err=err, final=partial(final_state, session, where)))  # several hosts: the whole run's state
+
+
+# --- eval --------------------------------------------------------------------------------------
+
+
+@app.command("eval")
+def eval_cmd(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(None, **_HOST_THEN_RUN),
+    run: Optional[str] = typer.Argument(None, **_RUN),
+    prompts: Optional[Path] = typer.Option(
+        None, "--prompts", help='JSONL of {"input_ids": [...]} prompts (default: the run\'s held-out split).'),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate per prompt."),
+    count: int = typer.Option(16, "--count", help="At most this many prompts."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report (eval.json) as JSON."),
+) -> None:
+    """Measure a finished run's real acceptance length (tau) and speedup by speculative decoding."""
+    from .evaluation import render, run_eval
+
+    session = _state(ctx).session()
+    host, run = _host_and_run(session, host, run)
+    target = session.target(_first_host(session, host))
+    err = Console(stderr=True)
+    with _word_is_host_or_run(session, host, run):
+        report = run_eval(target, run, prompts.expanduser() if prompts else None, max_new_tokens, count,
+                          progress=lambda line: err.print(Text(line, style="dim"), soft_wrap=True))
+    if json_out:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        render(report, Console())
+    if not report["identical"]:
+        raise RemoteError(f"run {report['run_id']}: the speculative output differs from the target's greedy "
+                          f"decode (a bug: please report it with eval.json)")
 
 
 # --- doctor ------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import threading
 from importlib import resources
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .errors import ContainerError, DflashError, RemoteError
 from .inventory import ContainerSpec, HostSpec
@@ -191,3 +191,22 @@ def remote_script(name: str) -> str:
 def _mentions_missing(err: str) -> bool:
     lowered = err.lower()
     return "not found" in lowered or "no such file" in lowered or "executable file not found" in lowered
+
+
+class LineSplitter:
+    """Turns a remote command's streamed stderr into lines: those starting with `prefix` are
+    progress (to the callback, prefix removed), the last line is kept for the error message."""
+
+    def __init__(self, progress: Callable[[str], None] | None, prefix: str):
+        self.progress, self.prefix = progress, prefix
+        self.buffer = ""
+        self.last = ""
+
+    def feed(self, chunk: bytes) -> None:
+        """Accept a chunk of stderr."""
+        self.buffer += chunk.decode("utf-8", "replace")
+        *complete, self.buffer = self.buffer.split("\n")
+        for line in filter(str.strip, complete):
+            self.last = line.strip()
+            if self.progress and line.startswith(self.prefix):
+                self.progress(line[len(self.prefix):])

@@ -15,7 +15,7 @@ from typing import Callable
 from rich.console import Console
 from rich.text import Text
 
-from .containers import Target
+from .containers import LineSplitter, Target
 from .errors import ContainerError, RemoteError, UsageError
 from .tables import Column, notes, show
 
@@ -73,7 +73,7 @@ def run_doctor(target: Target, options: DoctorOptions, progress: Callable[[str],
     payload_dir = push(target).remote_dir
     gpus = options.gpus or ",".join(map(str, target.host.gpus)) or None
     opts = replace(options, gpus=gpus)
-    lines = _LineSplitter(progress)
+    lines = LineSplitter(progress, PROGRESS_PREFIX)
     argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, *opts.argv()]
     result = target.run(argv, timeout=opts.time_limit(), on_stderr=lines.feed)
     if result.exit_code == 2:
@@ -98,24 +98,6 @@ def parse_report(stdout: bytes) -> dict | None:
                 return None
             return doc if doc.get("schema") == SCHEMA else None
     return None
-
-
-class _LineSplitter:
-    """Turns streamed stderr chunks into lines; progress lines go to the callback, the last line is kept."""
-
-    def __init__(self, progress: Callable[[str], None] | None):
-        self.progress = progress
-        self.buffer = ""
-        self.last = ""
-
-    def feed(self, chunk: bytes) -> None:
-        """Accept a chunk of stderr."""
-        self.buffer += chunk.decode("utf-8", "replace")
-        *complete, self.buffer = self.buffer.split("\n")
-        for line in filter(str.strip, complete):
-            self.last = line.strip()
-            if self.progress and line.startswith(PROGRESS_PREFIX):
-                self.progress(line[len(PROGRESS_PREFIX):])
 
 
 def render_report(doc: dict, console: Console) -> None:

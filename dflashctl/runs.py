@@ -296,7 +296,7 @@ def print_runs(console: Console, runs: Sequence[dict[str, Any]], host: str, seve
     such a run is."""
     multi = several_hosts or any(run.get("nodes") for run in runs)
     columns = [Column("run"), Column("name", text=True), Column("state"), Column("GPUs"), Column("started"),
-               Column("duration", "right"), Column("step", "right"), Column("loss", "right")]
+               Column("duration", "right"), Column("step", "right"), Column("loss", "right"), Column("tau", "right")]
     if multi:
         columns.insert(3, Column("hosts"))
     rows = []
@@ -313,11 +313,21 @@ def print_runs(console: Console, runs: Sequence[dict[str, Any]], host: str, seve
             Text(fmt_duration(duration(run))),
             Text("-" if step is None else (f"{step}/{total}" if total else str(step))),
             Text("-" if last.get("loss") is None else f"{last['loss']:.4f}"),
+            Text(tau_cell(run)),
         ]
         if multi:
             cells.insert(3, Text(",".join(n["host"] for n in run.get("nodes") or []) or str(run.get("host") or "-")))
         rows.append(cells)
     show(console, columns, rows, title=f"runs on {host} (times UTC)")
+
+
+def tau_cell(run: dict[str, Any]) -> str:
+    """The run's real acceptance length: `dflashctl eval`'s, else the training log's latest
+    speculative tau (marked `~`: a few held-out prompts), else `-`."""
+    if (run.get("eval") or {}).get("tau") is not None:
+        return f"{run['eval']['tau']:.2f}"
+    spec = (run.get("last") or {}).get("spec_tau")
+    return f"~{spec:.2f}" if spec is not None else "-"
 
 
 def details_table(run: dict[str, Any]) -> Table:
@@ -342,6 +352,11 @@ def details_table(run: dict[str, Any]) -> Table:
     extra: list[tuple[str, Text]] = []  # right after the state
     if run.get("reason"):
         extra.append(("reason", Text(str(run["reason"]), style="red")))
+    if run.get("eval"):
+        ev = run["eval"]
+        extra.append(("eval", Text(f"speculative tau {ev['tau']:.3f}, speedup {ev['speedup']:.2f}x on {ev['device']} "
+                                   f"({ev['prompts']} prompts x {ev['max_new_tokens']} tokens, greedy, identical: "
+                                   f"{'yes' if ev['identical'] else 'NO'})")))
     if run.get("nodes"):
         extra.append(("nodes", node_states(run["nodes"])))
         extra.append(("rendezvous", Text(str((run.get("group") or {}).get("rendezvous", "-")))))

@@ -80,7 +80,7 @@ def test_runs_list_over_two_hosts_names_each_runs_host(shim_host, tmp_path):
     listed = shim_host.run_cli("runs", "list", "dock,shim")
     assert listed.returncode == 0, listed.stderr
     header, *lines = listed.stdout.splitlines()  # in a pipe: plain columns, one run per line
-    assert header.split() == ["RUN", "NAME", "STATE", "HOSTS", "GPUS", "STARTED", "DURATION", "STEP", "LOSS"]
+    assert header.split() == ["RUN", "NAME", "STATE", "HOSTS", "GPUS", "STARTED", "DURATION", "STEP", "LOSS", "TAU"]
     rows = {line.split()[0]: line.split() for line in lines}
     assert {host: rows[run_id][3] for host, run_id in ids.items()} == {"dock": "dock", "shim": "shim"}
     assert all(rows[run_id][2] == "succeeded" for run_id in ids.values())  # whole words: `| grep succeeded`

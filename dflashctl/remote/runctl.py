@@ -26,6 +26,7 @@ METRICS = "metrics.jsonl"
 EXIT = "exit_code"
 STOP = "stop_request"
 META = "run.json"
+EVAL = "eval.json"  # `dflashctl eval`'s report
 REASON = "reason"  # why the run failed, in words, when the trainer knows (a lost node, ...)
 LOCK = ".lock"
 STARTING_GRACE_S = 60.0  # a run.json without pids is "starting" this long, then "lost"
@@ -210,8 +211,17 @@ def summary(run_dir, meta):
         pass
     out = dict(meta)
     out.update(state=state, exit_code=code, ended_ts=ended, last=last_metrics(run_dir), now_ts=time.time(),
-               reason=read_reason(run_dir) if state != "running" else None)
+               reason=read_reason(run_dir) if state != "running" else None, eval=eval_figures(run_dir))
     return out
+
+
+def eval_figures(run_dir):
+    """The headline of `dflashctl eval`'s report (eval.json), or None before one was made."""
+    report = read_json(os.path.join(run_dir, EVAL))
+    if not isinstance(report, dict):
+        return None
+    keys = ("tau", "speedup", "identical", "prompts", "max_new_tokens", "device")
+    return {k: report.get(k) for k in keys}
 
 
 def all_runs(root):

@@ -1,0 +1,77 @@
+"""`dflashctl eval`: a run's exported drafter against its target by real speculative decoding,
+in the container (the payload's `dflash_train/evaluate.py`); this side resolves the run, pushes
+the payload, sends the prompts and renders the report. docs/eval.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.console import Console
+from rich.text import Text
+
+from .containers import LineSplitter, Target
+from .errors import ContainerError, RemoteError, UsageError
+from .runs import show_run
+
+# Runs the payload's evaluator from wherever push put it: argv[1] is that directory.
+BOOTSTRAP = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "from dflash_train.evaluate import main; sys.exit(main(sys.argv[1:]))"
+)
+PROGRESS_PREFIX = "eval: "
+USAGE_PREFIX = "eval error: "
+MISSING_PREFIX = "eval missing module: "
+TIME_LIMIT_S = 3600  # a long decode on a slow box: a backstop, not an estimate
+
+
+def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new_tokens: int, count: int,
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Evaluate the run (latest when selector is empty) on its host; the report (eval.json's content)."""
+    from .payload import push
+
+    if max_new_tokens < 1 or count < 1:
+        raise UsageError("--max-new-tokens and --count must be at least 1")
+    stdin = None
+    if prompts is not None:
+        try:
+            stdin = prompts.read_bytes()
+        except OSError as exc:
+            raise UsageError(f"--prompts {prompts}: {exc.strerror}") from None
+    info = show_run(target, selector, metrics=False)
+    payload_dir = push(target).remote_dir
+    argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, info["run_dir"],
+            "--max-new-tokens", str(max_new_tokens), "--count", str(count), *(["--prompts", "-"] if stdin else [])]
+    lines = LineSplitter(progress, PROGRESS_PREFIX)
+    result = target.run(argv, stdin=stdin, timeout=TIME_LIMIT_S, on_stderr=lines.feed)
+    if result.exit_code == 2 and lines.last.startswith(USAGE_PREFIX):
+        raise UsageError(f"{target.label}: run {info['run_id']}: {lines.last.removeprefix(USAGE_PREFIX)}")
+    if result.exit_code == 4 and lines.last.startswith(MISSING_PREFIX):
+        module = lines.last.removeprefix(MISSING_PREFIX)
+        raise ContainerError(f"{target.label}: {module} is not installed for {target.host.interpreter}")
+    try:
+        report = json.loads(result.text().strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise RemoteError(f"{target.label}: eval gave no report (exit {result.exit_code}): {lines.last or 'no output'}") from None
+    report["run_id"] = info["run_id"]
+    return report
+
+
+def render(report: dict[str, Any], console: Console) -> None:
+    """The figures a user came for, one per line."""
+    by_position = "  ".join(f"{i}: {a:.2f}" for i, a in enumerate(report["acceptance_by_position"], 1))
+    same = sum(r["identical"] for r in report["per_prompt"])
+    lines = [
+        f"run {report['run_id']}: {report['prompts']} prompts x up to {report['max_new_tokens']} new tokens, "
+        f"greedy, on {report['device']}",
+        f"speculative tau: {report['tau']:.3f} tokens per verify step (block {report['block_size']}, bonus token included)",
+        f"acceptance by draft position: {by_position}",
+        f"target alone {report['target_ms_per_token']:.2f} ms/token, speculative {report['spec_ms_per_token']:.2f} "
+        f"ms/token: speedup {report['speedup']:.2f}x",
+        f"output identical to the target's own greedy decode: {'yes' if report['identical'] else 'NO'} "
+        f"({same}/{report['prompts']} prompts)",
+        f"wrote {report['run_dir']}/eval.json",
+    ]
+    for line in lines:
+        console.print(Text(line), soft_wrap=True, highlight=False)

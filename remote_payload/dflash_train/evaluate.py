@@ -1,0 +1,152 @@
+"""`python -m dflash_train.evaluate RUN_DIR [--prompts FILE|-] [--max-new-tokens N] [--count K]`:
+a finished run's exported drafter against its target, by real speculative decoding (greedy).
+
+For each prompt it times the target alone (KV-cached greedy decode) and the speculative loop,
+checks that both produced the same tokens, and reports tau (tokens per verify step, the bonus
+included), acceptance per draft position, ms per output token of each and the speedup. The
+report goes to RUN_DIR/eval.json and, as one JSON line, to stdout; progress lines go to stderr.
+Exit codes: 0 done (also when the outputs differed: the report says so), 2 bad input (no
+export yet, no or empty prompts, a prompt too long for the target's context), 4 torch missing.
+
+Prompts: JSON lines with `input_ids` (token ids); without --prompts, the run's held-out split
+(the tokens before each sequence's first supervised token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+USAGE_PREFIX = "eval error: "
+
+
+class EvalError(ValueError):
+    """Bad input for the evaluation: one line for the user."""
+
+
+def read_prompts(source: str) -> list[list[int]]:
+    """Token-id prompts from a JSONL file (`-`: stdin), one `{"input_ids": [...]}` per line."""
+    text = sys.stdin.read() if source == "-" else Path(source).read_text()
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            ids = row["input_ids"]
+        except (ValueError, KeyError, TypeError):
+            raise EvalError(f"prompts line {number}: expected a JSON object with input_ids") from None
+        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise EvalError(f"prompts line {number}: input_ids must be a non-empty list of token ids")
+        prompts.append(ids)
+    if not prompts:
+        raise EvalError("the prompts file has no prompts")
+    return prompts
+
+
+def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens: int, count: int,
+                 device: str | None, progress=lambda line: None) -> dict:
+    """Decode each prompt with the target alone and speculatively; the report (see the module doc)."""
+    import torch
+
+    from .config import load_config
+    from .export import load_exported
+    from .replica import build_target
+    from .resolve import resolve_config
+    from .speculate import acceptance_by_position, greedy, speculate
+    from .train import load_data
+
+    export = run_dir / "export"
+    if not (export / "model.safetensors").is_file():
+        raise EvalError(f"no export in {run_dir} yet (the run has not finished: an export is written at its last step)")
+    overrides = [f"run.spec_prompts={max(count, 1)}"] + ([f"run.device={device}", "run.gpus=[]"] if device else [])
+    cfg = resolve_config(load_config(str(run_dir / "config.resolved.yaml"), overrides=overrides))
+    dev = torch.device(cfg.run.device)
+    target = build_target(cfg, dev).eval()
+    drafter, _ = load_exported(export, dev)
+    drafter = drafter.float().eval()
+    if prompts is None:
+        prompts = load_data(cfg)[2]
+        if not prompts:
+            raise EvalError("the run's held-out split gives no prompts: pass --prompts FILE.jsonl")
+    prompts = prompts[:count]
+    limit = cfg.target.max_position_embeddings
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + max_new_tokens + cfg.drafter.block_size > limit:
+            raise EvalError(f"prompt {i + 1} has {len(prompt)} tokens: with {max_new_tokens} new ones it exceeds "
+                            f"the target's context of {limit}")
+        if max(prompt) >= cfg.target.vocab_size:
+            raise EvalError(f"prompt {i + 1} has a token id beyond the target's vocabulary ({cfg.target.vocab_size})")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows, results = [], []
+    for i, prompt in enumerate(prompts):
+        sync()
+        t0 = time.perf_counter()
+        reference = greedy(target, prompt, max_new_tokens)
+        sync()
+        t1 = time.perf_counter()
+        spec = speculate(target, drafter, prompt, max_new_tokens)
+        sync()
+        t2 = time.perf_counter()
+        results.append(spec)
+        rows.append({"prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
+                     "identical": spec.tokens == reference,
+                     "target_ms_per_token": 1e3 * (t1 - t0) / len(reference),
+                     "spec_ms_per_token": 1e3 * (t2 - t1) / len(spec.tokens)})
+        progress(f"prompt {i + 1}/{len(prompts)}: tau {spec.tau:.2f}, identical {rows[-1]['identical']}")
+    steps = sum(len(r.accepted) for r in results)
+    target_ms = sum(r["target_ms_per_token"] * r["new_tokens"] for r in rows) / sum(r["new_tokens"] for r in rows)
+    spec_ms = sum(r["spec_ms_per_token"] * r["new_tokens"] for r in rows) / sum(r["new_tokens"] for r in rows)
+    return {
+        "schema": "dflashctl.eval/1", "run_dir": str(run_dir), "device": str(dev), "prompts": len(rows),
+        "max_new_tokens": max_new_tokens, "temperature": 0.0, "block_size": cfg.drafter.block_size,
+        "tau": sum(k + 1 for r in results for k in r.accepted) / max(steps, 1),
+        "acceptance_by_position": acceptance_by_position(results, cfg.drafter.block_size),
+        "target_ms_per_token": target_ms, "spec_ms_per_token": spec_ms, "speedup": target_ms / spec_ms,
+        "identical": all(r["identical"] for r in rows), "per_prompt": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, evaluate, write eval.json, print the report line; see the module docstring."""
+    ap = argparse.ArgumentParser(prog="python -m dflash_train.evaluate", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir")
+    ap.add_argument("--prompts", help="JSONL of {\"input_ids\": [...]} (- for stdin); default: held-out split")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--count", type=int, default=16, help="at most this many prompts")
+    ap.add_argument("--device", help="cpu, cuda:N (default: the run's device, else auto)")
+    args = ap.parse_args(argv)
+
+    def progress(line: str) -> None:
+        print(f"eval: {line}", file=sys.stderr, flush=True)
+
+    try:
+        if args.max_new_tokens < 1 or args.count < 1:
+            raise EvalError("--max-new-tokens and --count must be at least 1")
+        run_dir = Path(args.run_dir)
+        prompts = read_prompts(args.prompts) if args.prompts else None
+        from .config import ConfigError
+
+        try:
+            report = evaluate_run(run_dir, prompts, args.max_new_tokens, args.count, args.device, progress)
+        except ConfigError as exc:
+            raise EvalError(str(exc)) from None
+    except EvalError as exc:
+        print(f"{USAGE_PREFIX}{exc}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as exc:
+        print(f"{USAGE_PREFIX}{exc.filename or ''}: {exc.strerror}", file=sys.stderr, flush=True)
+        return 2
+    except ImportError as exc:
+        print(f"eval missing module: {exc.name or exc}", file=sys.stderr, flush=True)
+        return 4
+    (run_dir / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

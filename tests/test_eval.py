@@ -1,0 +1,72 @@
+"""`dflashctl eval` end to end (issue 15): a real tiny run trained through the CLI, then its
+export decoded speculatively against its target, on `local` and through sshd + the pct shim."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from runs_helpers import install_standin
+from sshd import SHIM_VMID
+
+TRAIN = ["--set", "run.steps=60", "--set", "run.eval_every=60", "--set", "run.checkpoint_every=60", "--follow"]
+
+
+def local_env(tmp_path: Path) -> dict[str, str]:
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text(f"default: local\nhosts:\n  local: {{transport: local, workdir: {json.dumps(str(tmp_path / 'wd'))}}}\n")
+    return {"DFLASHCTL_INVENTORY": str(inventory)}
+
+
+def one_line(result) -> str:  # type: ignore[no-untyped-def]
+    lines = result.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+    return lines[-1]
+
+
+@pytest.mark.parametrize("where", ["local", "shim"])
+def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, tmp_path, where):
+    env = local_env(tmp_path) if where == "local" else {}
+    trained = shim_host.run_cli("train", where, "--name", "ev", *TRAIN, env=env, timeout=300)
+    assert trained.returncode == 0, trained.stderr
+    res = shim_host.run_cli("eval", where, "ev", "--count", "6", "--max-new-tokens", "24", "--json", env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["identical"] and report["prompts"] == 6 and 1.0 <= report["tau"] <= 8
+    assert len(report["acceptance_by_position"]) == 7 and report["speedup"] > 0
+    assert "prompt 6/6: tau" in res.stderr  # progress, streamed
+    saved = json.loads(Path(report["run_dir"], "eval.json").read_text())
+    assert saved["tau"] == report["tau"]
+    listed = shim_host.run_cli("runs", "list", where, env=env)
+    header, row = listed.stdout.splitlines()[:2]
+    assert header.split()[-1] == "TAU" and row.split()[-1] == f"{report['tau']:.2f}"
+    shown = shim_host.run_cli("runs", "show", where, "ev", "--no-curves", env=env)
+    assert f"speculative tau {report['tau']:.3f}" in shown.stdout and "identical: yes" in shown.stdout
+    text = shim_host.run_cli("eval", where, "ev", "--count", "2", "--max-new-tokens", "8", env=env, timeout=300)
+    assert text.returncode == 0 and "output identical to the target's own greedy decode: yes (2/2 prompts)" in text.stdout
+
+
+def test_eval_bad_input_is_one_line(shim_host, tmp_path):
+    env = local_env(tmp_path)
+    assert shim_host.run_cli("train", "local", "--name", "ev", *TRAIN, env=env, timeout=300).returncode == 0
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    res = shim_host.run_cli("eval", "local", "ev", "--prompts", str(empty), env=env, timeout=120)
+    assert res.returncode == 2 and one_line(res).endswith("the prompts file has no prompts")
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"input_ids": [5] * 4090}) + "\n")
+    res = shim_host.run_cli("eval", "local", "ev", "--prompts", str(long), env=env, timeout=120)
+    assert res.returncode == 2 and "prompt 1 has 4090 tokens" in one_line(res) and "context of 4096" in one_line(res)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "hello"}\n')
+    res = shim_host.run_cli("eval", "local", "ev", "--prompts", str(bad), env=env, timeout=120)
+    assert res.returncode == 2 and "prompts line 1: expected a JSON object with input_ids" in one_line(res)
+
+
+def test_eval_of_a_run_without_an_export_says_so(shim_host):
+    install_standin(shim_host.container_dir(SHIM_VMID) / "work" / "payload")
+    started = shim_host.run_cli("train", "shim", "--no-push", "--set", "run.steps=1", "--follow")
+    assert started.returncode == 0
+    res = shim_host.run_cli("eval", "shim", timeout=120)
+    assert res.returncode == 2 and "no export in" in one_line(res) and "the run has not finished" in one_line(res)
