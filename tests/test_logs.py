@@ -175,10 +175,12 @@ def test_terminal_view_prints_whole_lines_above_the_progress_line():
     assert "step 1 ü" in text and "step 2 [bold]x[/]" in text and "partial" in text
 
 
-def test_backoff_grows_across_drops_that_bring_no_log_bytes(tmp_path):
+def test_backoff_grows_across_drops_that_bring_no_log_bytes(shim_host):
     """A reader that answers and dies again without sending log bytes is no recovery: the next
-    wait is longer (it used to restart at the first delay: a new login every 0.2 s)."""
-    run = FakeRun(tmp_path)
+    wait is longer (it used to restart at the first delay: a new SSH login every 0.2 s). Each drop
+    is the remote reader killed in the container, which ends its SSH channel."""
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    run = FakeRun(workdir)
     run.write(b"line one\n")
     notices: list[str] = []
     policy = Reconnect(delays=(0.1, 0.3, 0.9), max_delay=2.0, give_up_s=60, stall_s=20)
@@ -186,8 +188,8 @@ def test_backoff_grows_across_drops_that_bring_no_log_bytes(tmp_path):
     got = bytearray()
 
     def follow() -> None:
-        with local_session(tmp_path) as session:
-            done.append(read_log(session, None, None, on_data=got.extend, on_notice=notices.append,
+        with shim_host.session() as session:
+            done.append(read_log(session, "shim", None, on_data=got.extend, on_notice=notices.append,
                                  follow=True, lines=-1, policy=policy))
 
     reader = threading.Thread(target=follow, daemon=True)
@@ -196,7 +198,7 @@ def test_backoff_grows_across_drops_that_bring_no_log_bytes(tmp_path):
     try:
         wait_until(lambda: got == b"line one\n", 30, "the log")  # the reader knows the run now
         for drop in range(3):
-            pid = wait_until(lambda: next((p for p in readers(tmp_path) if p not in killed), None), 30, "a reader")
+            pid = wait_until(lambda: next((p for p in readers(workdir) if p not in killed), None), 30, "a reader")
             killed.add(pid)
             os.kill(pid, signal.SIGKILL)  # the connection's end, before any new log byte
             wait_until(lambda: len(notices) > drop, 30, f"notice {drop + 1}")
