@@ -613,6 +613,7 @@ def eval_cmd(
         None, "--prompts", help='JSONL of {"input_ids": [...]} prompts (default: the run\'s held-out split).'),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate per prompt."),
     count: int = typer.Option(16, "--count", help="At most this many prompts."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy, checked lossless; > 0: sampled."),
     json_out: bool = typer.Option(False, "--json", help="Print the report (eval.json) as JSON."),
 ) -> None:
     """Measure a finished run's real acceptance length (tau) and speedup by speculative decoding."""
@@ -623,13 +624,13 @@ def eval_cmd(
     target = session.target(_first_host(session, host))
     err = Console(stderr=True)
     with _word_is_host_or_run(session, host, run):
-        report = run_eval(target, run, prompts.expanduser() if prompts else None, max_new_tokens, count,
+        report = run_eval(target, run, prompts.expanduser() if prompts else None, max_new_tokens, count, temperature,
                           progress=lambda line: err.print(Text(line, style="dim"), soft_wrap=True))
     if json_out:
         typer.echo(json.dumps(report, indent=2))
     else:
         render(report, Console())
-    if not report["identical"]:
+    if report["identical"] is False:
         raise RemoteError(f"run {report['run_id']}: the speculative output differs from the target's greedy "
                           f"decode (a bug: please report it with eval.json)")
 

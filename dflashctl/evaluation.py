@@ -27,12 +27,14 @@ TIME_LIMIT_S = 3600  # a long decode on a slow box: a backstop, not an estimate
 
 
 def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new_tokens: int, count: int,
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+             temperature: float = 0.0, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Evaluate the run (latest when selector is empty) on its host; the report (eval.json's content)."""
     from .payload import push
 
     if max_new_tokens < 1 or count < 1:
         raise UsageError("--max-new-tokens and --count must be at least 1")
+    if not 0 <= temperature < float("inf"):
+        raise UsageError(f"--temperature must be 0 (greedy) or positive, got {temperature:g}")
     stdin = None
     if prompts is not None:
         try:
@@ -42,7 +44,8 @@ def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new
     info = show_run(target, selector, metrics=False)
     payload_dir = push(target).remote_dir
     argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, info["run_dir"],
-            "--max-new-tokens", str(max_new_tokens), "--count", str(count), *(["--prompts", "-"] if stdin else [])]
+            "--max-new-tokens", str(max_new_tokens), "--count", str(count), "--temperature", repr(temperature),
+            *(["--prompts", "-"] if stdin else [])]
     lines = LineSplitter(progress, PROGRESS_PREFIX)
     result = target.run(argv, stdin=stdin, timeout=TIME_LIMIT_S, on_stderr=lines.feed)
     if result.exit_code == 2 and lines.last.startswith(USAGE_PREFIX):
@@ -61,17 +64,20 @@ def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new
 def render(report: dict[str, Any], console: Console) -> None:
     """The figures a user came for, one per line."""
     by_position = "  ".join(f"{i}: {a:.2f}" for i, a in enumerate(report["acceptance_by_position"], 1))
-    same = sum(r["identical"] for r in report["per_prompt"])
+    greedy = report["temperature"] == 0
+    how = "greedy" if greedy else f"sampled at temperature {report['temperature']:g}"
     lines = [
         f"run {report['run_id']}: {report['prompts']} prompts x up to {report['max_new_tokens']} new tokens, "
-        f"greedy, on {report['device']}",
+        f"{how}, on {report['device']}",
         f"speculative tau: {report['tau']:.3f} tokens per verify step (block {report['block_size']}, bonus token included)",
         f"acceptance by draft position: {by_position}",
         f"target alone {report['target_ms_per_token']:.2f} ms/token, speculative {report['spec_ms_per_token']:.2f} "
         f"ms/token: speedup {report['speedup']:.2f}x",
-        f"output identical to the target's own greedy decode: {'yes' if report['identical'] else 'NO'} "
-        f"({same}/{report['prompts']} prompts)",
         f"wrote {report['run_dir']}/eval.json",
     ]
+    if greedy:
+        same = sum(r["identical"] for r in report["per_prompt"])
+        lines.insert(-1, f"output identical to the target's own greedy decode: {'yes' if report['identical'] else 'NO'} "
+                         f"({same}/{report['prompts']} prompts)")
     for line in lines:
         console.print(Text(line), soft_wrap=True, highlight=False)

@@ -354,9 +354,10 @@ def details_table(run: dict[str, Any]) -> Table:
         extra.append(("reason", Text(str(run["reason"]), style="red")))
     if run.get("eval"):
         ev = run["eval"]
+        how = ("greedy, identical: " + ("yes" if ev["identical"] else "NO")) if ev.get("identical") is not None \
+            else f"sampled at temperature {ev.get('temperature')}"
         extra.append(("eval", Text(f"speculative tau {ev['tau']:.3f}, speedup {ev['speedup']:.2f}x on {ev['device']} "
-                                   f"({ev['prompts']} prompts x {ev['max_new_tokens']} tokens, greedy, identical: "
-                                   f"{'yes' if ev['identical'] else 'NO'})")))
+                                   f"({ev['prompts']} prompts x {ev['max_new_tokens']} tokens, {how})")))
     if run.get("nodes"):
         extra.append(("nodes", node_states(run["nodes"])))
         extra.append(("rendezvous", Text(str((run.get("group") or {}).get("rendezvous", "-")))))

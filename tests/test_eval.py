@@ -45,6 +45,12 @@ def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, tmp_path, where)
     assert f"speculative tau {report['tau']:.3f}" in shown.stdout and "identical: yes" in shown.stdout
     text = shim_host.run_cli("eval", where, "ev", "--count", "2", "--max-new-tokens", "8", env=env, timeout=300)
     assert text.returncode == 0 and "output identical to the target's own greedy decode: yes (2/2 prompts)" in text.stdout
+    sampled = shim_host.run_cli("eval", where, "ev", "--count", "2", "--temperature", "0.8", "--json", env=env, timeout=300)
+    assert sampled.returncode == 0, sampled.stderr
+    report = json.loads(sampled.stdout)
+    assert report["temperature"] == 0.8 and report["identical"] is None and 1.0 <= report["tau"] <= 8
+    bad = shim_host.run_cli("eval", where, "ev", "--temperature", "-1", env=env)
+    assert bad.returncode == 2 and one_line(bad) == "error: --temperature must be 0 (greedy) or positive, got -1"
 
 
 def test_eval_bad_input_is_one_line(shim_host, tmp_path):

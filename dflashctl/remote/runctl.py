@@ -220,7 +220,7 @@ def eval_figures(run_dir):
     report = read_json(os.path.join(run_dir, EVAL))
     if not isinstance(report, dict):
         return None
-    keys = ("tau", "speedup", "identical", "prompts", "max_new_tokens", "device")
+    keys = ("tau", "speedup", "identical", "prompts", "max_new_tokens", "device", "temperature")
     return {k: report.get(k) for k in keys}
 
 

@@ -1,8 +1,9 @@
-"""`python -m dflash_train.evaluate RUN_DIR [--prompts FILE|-] [--max-new-tokens N] [--count K]`:
-a finished run's exported drafter against its target, by real speculative decoding (greedy).
+"""`python -m dflash_train.evaluate RUN_DIR [--prompts FILE|-] [--max-new-tokens N] [--count K]
+[--temperature T] [--seed S]`: a finished run's exported drafter against its target, by real
+speculative decoding (greedy by default).
 
 For each prompt it times the target alone (KV-cached greedy decode) and the speculative loop,
-checks that both produced the same tokens, and reports tau (tokens per verify step, the bonus
+checks (greedy) that both produced the same tokens, and reports tau (tokens per verify step, the bonus
 included), acceptance per draft position, ms per output token of each and the speedup. The
 report goes to RUN_DIR/eval.json and, as one JSON line, to stdout; progress lines go to stderr.
 Exit codes: 0 done (also when the outputs differed: the report says so), 2 bad input (no
@@ -48,8 +49,10 @@ def read_prompts(source: str) -> list[list[int]]:
 
 
 def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens: int, count: int,
-                 device: str | None, progress=lambda line: None) -> dict:
-    """Decode each prompt with the target alone and speculatively; the report (see the module doc)."""
+                 device: str | None, temperature: float = 0.0, seed: int = 0, progress=lambda line: None) -> dict:
+    """Decode each prompt with the target alone and speculatively; the report (see the module doc).
+    At temperature 0 the two outputs must be identical; sampled, they are not compared (the
+    speculative-sampling rule keeps the target's distribution, tested statistically)."""
     import torch
 
     from .config import load_config
@@ -81,6 +84,7 @@ def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens:
         if max(prompt) >= cfg.target.vocab_size:
             raise EvalError(f"prompt {i + 1} has a token id beyond the target's vocabulary ({cfg.target.vocab_size})")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    generator = torch.Generator(device=dev).manual_seed(seed)
     rows, results = [], []
     for i, prompt in enumerate(prompts):
         sync()
@@ -88,25 +92,26 @@ def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens:
         reference = greedy(target, prompt, max_new_tokens)
         sync()
         t1 = time.perf_counter()
-        spec = speculate(target, drafter, prompt, max_new_tokens)
+        spec = speculate(target, drafter, prompt, max_new_tokens, temperature=temperature, generator=generator)
         sync()
         t2 = time.perf_counter()
         results.append(spec)
         rows.append({"prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
-                     "identical": spec.tokens == reference,
+                     "identical": spec.tokens == reference if temperature == 0 else None,
                      "target_ms_per_token": 1e3 * (t1 - t0) / len(reference),
                      "spec_ms_per_token": 1e3 * (t2 - t1) / len(spec.tokens)})
-        progress(f"prompt {i + 1}/{len(prompts)}: tau {spec.tau:.2f}, identical {rows[-1]['identical']}")
+        same = "" if temperature else f", identical {rows[-1]['identical']}"
+        progress(f"prompt {i + 1}/{len(prompts)}: tau {spec.tau:.2f}{same}")
     steps = sum(len(r.accepted) for r in results)
     target_ms = sum(r["target_ms_per_token"] * r["new_tokens"] for r in rows) / sum(r["new_tokens"] for r in rows)
     spec_ms = sum(r["spec_ms_per_token"] * r["new_tokens"] for r in rows) / sum(r["new_tokens"] for r in rows)
     return {
         "schema": "dflashctl.eval/1", "run_dir": str(run_dir), "device": str(dev), "prompts": len(rows),
-        "max_new_tokens": max_new_tokens, "temperature": 0.0, "block_size": cfg.drafter.block_size,
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "block_size": cfg.drafter.block_size,
         "tau": sum(k + 1 for r in results for k in r.accepted) / max(steps, 1),
         "acceptance_by_position": acceptance_by_position(results, cfg.drafter.block_size),
         "target_ms_per_token": target_ms, "spec_ms_per_token": spec_ms, "speedup": target_ms / spec_ms,
-        "identical": all(r["identical"] for r in rows), "per_prompt": rows,
+        "identical": all(r["identical"] for r in rows) if temperature == 0 else None, "per_prompt": rows,
     }
 
 
@@ -118,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--count", type=int, default=16, help="at most this many prompts")
     ap.add_argument("--device", help="cpu, cuda:N (default: the run's device, else auto)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (lossless check); > 0: sampled")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
     def progress(line: str) -> None:
@@ -126,12 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_new_tokens < 1 or args.count < 1:
             raise EvalError("--max-new-tokens and --count must be at least 1")
+        if not 0 <= args.temperature < float("inf"):
+            raise EvalError(f"--temperature must be 0 (greedy) or positive, got {args.temperature:g}")
         run_dir = Path(args.run_dir)
         prompts = read_prompts(args.prompts) if args.prompts else None
         from .config import ConfigError
 
         try:
-            report = evaluate_run(run_dir, prompts, args.max_new_tokens, args.count, args.device, progress)
+            report = evaluate_run(run_dir, prompts, args.max_new_tokens, args.count, args.device,
+                                  args.temperature, args.seed, progress)
         except ConfigError as exc:
             raise EvalError(str(exc)) from None
     except EvalError as exc:

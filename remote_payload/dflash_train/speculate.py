@@ -1,7 +1,8 @@
 """Speculative decoding with a DFlash drafter and its target: the acceptance length a user really
 gets (tau), not the teacher-forced proxy that training logs.
 
-One loop, batch 1, greedy (lossless: the output must equal the target's own greedy decode):
+One loop, batch 1, greedy (lossless: the output must equal the target's own greedy decode) or
+sampled (the speculative-sampling rule: the output is distributed as the target's samples):
 
     prefill the target on the prompt, keeping its KV cache and the drafter's context features
     repeat:
@@ -74,10 +75,10 @@ class Verifier:
 
 
 @torch.no_grad()
-def draft(drafter: DFlashDrafter, target: Qwen3Target, context: torch.Tensor, last: int,
-          attention: str = "dense") -> torch.Tensor:
-    """Greedy drafts for the B-1 positions after `last`, from the context features [1, S, L*H] of
-    the S verified positions before it: [B-1] token ids."""
+def draft_logits(drafter: DFlashDrafter, target: Qwen3Target, context: torch.Tensor, last: int,
+                 attention: str = "dense") -> torch.Tensor:
+    """The drafter's logits [B-1, V] (fp32) for the B-1 positions after `last`, from the context
+    features [1, S, L*H] of the S verified positions before it."""
     spec = drafter.spec
     s, bs = context.shape[1], spec.block_size
     device = context.device
@@ -87,28 +88,63 @@ def draft(drafter: DFlashDrafter, target: Qwen3Target, context: torch.Tensor, la
     # As in training: the drafter's fp32 weights under bf16 autocast when the target runs in bf16.
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=context.dtype == torch.bfloat16):
         hidden = drafter(context, target.embed_tokens(block), anchors, block_mask(anchors, s, bs, attention))
-    return target.lm_head(hidden[0, 1:].to(target.lm_head.weight.dtype)).float().argmax(-1)  # [B-1]
+    return target.lm_head(hidden[0, 1:].to(target.lm_head.weight.dtype)).float()  # [B-1, V]
+
+
+def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Greedy (temperature 0) or sampled token ids from logits [..., V]."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, -1)
+    return torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+
+
+def accept(drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float,
+           generator: torch.Generator | None) -> tuple[int, int]:
+    """(accepted drafts k, the next token) for drafts [B-1] proposed from q_logits [B-1, V], with
+    the target's p_logits [B, V] (row i predicts the token after block position i).
+
+    Greedy: the drafts that equal the target's argmax, then its argmax. Sampling: the standard
+    speculative-sampling rule, so that the output is distributed as the target's own samples:
+    draft i stands with probability min(1, p(d_i) / q(d_i)); the first that falls is replaced by
+    a sample of max(0, p - q), renormalised; if all stand, the next token is sampled from p."""
+    if temperature == 0:
+        predicted = p_logits.argmax(-1)
+        k = int((predicted[:-1] == drafts).long().cumprod(0).sum())
+        return k, int(predicted[k])
+    p = torch.softmax(p_logits / temperature, -1)
+    q = torch.softmax(q_logits / temperature, -1)
+    device = p.device
+    for i, token in enumerate(drafts.tolist()):
+        ratio = p[i, token] / q[i, token].clamp_min(1e-20)
+        if torch.rand((), generator=generator, device=device) >= ratio:  # rejected
+            residual = (p[i] - q[i]).clamp_min(0)
+            residual = residual if residual.sum() > 0 else p[i]
+            return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
 
 
 @torch.no_grad()
 def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
-              eos_id: int | None = None, attention: str = "dense") -> Decoded:
-    """Greedy speculative decoding of one prompt (see the module docstring)."""
+              eos_id: int | None = None, attention: str = "dense", temperature: float = 0.0,
+              generator: torch.Generator | None = None) -> Decoded:
+    """Speculative decoding of one prompt (see the module docstring): greedy at temperature 0
+    (lossless: the target's greedy text), else sampled with the speculative-sampling rule
+    (`accept`), whose output is distributed as the target's samples at that temperature."""
     device = next(target.parameters()).device
     verifier = Verifier(target, drafter.spec.target_layer_ids)
     logits, context = verifier.extend(torch.tensor([prompt], device=device))
-    out = Decoded([int(logits[-1].argmax())])                                     # the prefill's own token
+    out = Decoded([int(pick(logits[-1], temperature, generator))])                # the prefill's own token
     while len(out.tokens) < max_new_tokens and out.tokens[-1] != eos_id:
         anchor = verifier.length                                                  # position of tokens[-1]
-        drafts = draft(drafter, target, context, out.tokens[-1], attention)
+        q_logits = draft_logits(drafter, target, context, out.tokens[-1], attention)
+        drafts = pick(q_logits, temperature, generator)                          # [B-1]
         block = torch.cat([torch.tensor([out.tokens[-1]], device=device), drafts])[None]
-        logits, feats = verifier.extend(block)                                    # [B, V]: predicts B tokens
-        predicted = logits.argmax(-1)
-        agree = (predicted[:-1] == drafts).long()
-        k = int(agree.cumprod(0).sum())                                           # leading drafts the target agrees with
+        p_logits, feats = verifier.extend(block)                                  # [B, V]: predicts B tokens
+        k, following = accept(drafts, q_logits, p_logits, temperature, generator)
         out.accepted.append(k)
         out.anchors.append(anchor)
-        out.tokens += [int(t) for t in drafts[:k]] + [int(predicted[k])]          # accepted drafts + the bonus
+        out.tokens += [int(t) for t in drafts[:k]] + [following]                  # accepted drafts + the bonus
         verifier.crop(anchor + k + 1)                                             # anchor and accepted stay cached
         context = torch.cat([context, feats[:, :k + 1]], dim=1)
     if eos_id is not None and eos_id in out.tokens:

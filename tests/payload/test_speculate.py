@@ -82,3 +82,33 @@ def test_a_block_verified_after_the_cache_equals_one_token_at_a_time(trained):
     torch.testing.assert_close(block_logits, step_logits, rtol=1e-5, atol=1e-5)
     many.crop(many.length - 2)
     assert many.length == one.length - 2 and all(k.shape[2] == many.length for k, _ in many.cache)
+
+
+def test_sampled_speculation_is_distributed_as_the_target(trained):
+    """Temperature 1: the token decided by the first verify step has the target's own distribution
+    (the marginal over the prefill's sampled token, computed exactly), within a statistical bound."""
+    _, replica, prompts = trained
+    target, drafter, prompt = replica.target, replica.drafter, prompts[0]
+    generator = torch.Generator().manual_seed(0)
+    samples, accepted = [], []
+    for _ in range(2000):
+        out = speculate(target, drafter, prompt, 2, temperature=1.0, generator=generator)
+        samples.append(out.tokens[1])
+        accepted.append(out.accepted[0])
+    with torch.no_grad():
+        first = torch.softmax(target.logits(torch.tensor([prompt]))[0, -1], -1)          # p(t1 | prompt)
+        support = torch.nonzero(first > 1e-7).flatten()
+        batch = torch.cat([torch.tensor([prompt]).expand(len(support), -1), support[:, None]], dim=1)
+        second = torch.softmax(target.logits(batch)[:, -1], -1)                           # p(t2 | prompt, t1)
+        exact = (first[support, None] * second).sum(0)                                    # p(t2 | prompt)
+    empirical = torch.bincount(torch.tensor(samples), minlength=exact.numel()).float() / len(samples)
+    # The target's 20 likeliest tokens and the rest as one bin: with 2000 samples an exact sampler
+    # is within ~0.02 total variation of this (measured: 0.014 for plain ancestral sampling).
+    top = torch.topk(exact, 20).indices
+
+    def binned(dist: torch.Tensor) -> torch.Tensor:
+        return torch.cat([dist[top], (1 - dist[top].sum()).view(1)])
+
+    tv = 0.5 * float((binned(empirical) - binned(exact)).abs().sum())
+    assert tv < 0.06, tv
+    assert 0 < sum(a > 0 for a in accepted) < len(accepted)  # both paths ran: drafts kept, drafts replaced
