@@ -135,3 +135,10 @@ def test_a_wheel_install_pushes_and_trains(tmp_path, shim_host):
     pushed = workdir / "payload" / "dflash_train" / "train.py"
     assert pushed.read_bytes() == shipped.read_bytes() == (ROOT / "remote_payload" / "dflash_train" / "train.py").read_bytes()
     assert "exported drafter" in res.stdout
+
+
+def test_no_push_on_a_host_without_a_trainer_says_to_push(shim_workdir):
+    host, workdir = shim_workdir
+    res = host.run_cli("train", "shim", "--no-push", "--detach")
+    assert res.returncode == 1 and "push it first (dflashctl push)" in res.stderr.strip().splitlines()[-1]
+    assert runs_in(workdir) == []

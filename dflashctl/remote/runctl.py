@@ -388,6 +388,8 @@ def cmd_resume(workdir, selector):
 def preflight(argv, cwd, env):
     """Run the trainer's `--preflight` (config and devices resolved, nothing built); its answer,
     or RunError (config, missing_module, preflight) carrying the trainer's one line."""
+    if not os.path.isdir(cwd):
+        raise RunError("preflight", "no trainer in %s: push it first (dflashctl push), or train without --no-push" % cwd)
     child_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
     try:
         proc = subprocess.Popen(argv + ["--preflight"], cwd=cwd, env=child_env, stdin=subprocess.DEVNULL,
