@@ -346,6 +346,11 @@ def train_cmd(
     resume: Optional[str] = typer.Option(
         None, "--resume", metavar="RUN", help="Continue an ended run (id, prefix or name) from its newest checkpoint, "
                                              "in its directory with its config."),
+    max_restarts: int = typer.Option(
+        0, "--max-restarts", help="Restart the trainer from its newest checkpoint after a crash or stall, up to N times."),
+    restart_on: Optional[str] = typer.Option(
+        None, "--restart-on", help="Exit codes that restart it, e.g. 1,75,137 (default: any but 0, 2, 4 and a stop)."),
+    restart_delay: float = typer.Option(10.0, "--restart-delay", help="Seconds before the first restart (doubling)."),
     follow: Optional[bool] = typer.Option(None, "--follow/--detach", help="Stream the log until the run ends (default on a terminal)."),
     force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),
     no_push: bool = typer.Option(False, "--no-push", help="Use the payload already in the container."),
@@ -356,22 +361,24 @@ def train_cmd(
     """Push the payload if it changed, pre-flight the config and devices, start the trainer
     detached, and (optionally) follow it. `--resume RUN` continues an ended run instead."""
     from .logs import attach
-    from .runs import parse_gpus, push_payload, resolved_config, resume_run, start_run
+    from .runs import parse_gpus, push_payload, resolved_config, restart_policy, resume_run, start_run
 
     session = _state(ctx).session()
     env = _parse_env(env_items)
+    restart = restart_policy(max_restarts, restart_on, restart_delay)
     if config is not None and not config.is_file():
         raise UsageError(f"--config: no such file: {config}")
     if resume is not None:
         given = [flag for flag, value in (("--config", config), ("--set", overrides), ("--preset", preset),
-                                          ("--name", name), ("--gpus", gpus)) if value]
+                                          ("--name", name), ("--gpus", gpus), ("--max-restarts", max_restarts)) if value]
         if given:
             raise UsageError(f"--resume continues a run with its own config and GPUs: drop {', '.join(given)}")
     resolved_config(config, overrides)  # a bad --set or config file fails before anything is pushed
     hosts = session.inventory.resolve_many(host)
     if len(hosts) > 1:
-        if resume is not None:
-            raise UsageError("--resume takes one host (a run across several hosts: start it again with train)")
+        if resume is not None or restart:
+            raise UsageError("--resume and --max-restarts take one host (a run across several hosts restarts as a whole: "
+                             "start it again with train)")
         raise typer.Exit(_train_group(session, hosts, gpus=gpus, config=config, overrides=overrides, name=name,
                                       follow=follow, force=force, no_push=no_push, source=source,
                                       rdzv_port=rdzv_port, env=env, preset=preset))
@@ -384,7 +391,7 @@ def train_cmd(
         verb = "resumed"
     else:
         run = start_run(target, gpus=gpu_list, config_file=config, overrides=overrides, name=name, force=force,
-                        payload_hash=payload_hash, env=env, preset=preset)
+                        payload_hash=payload_hash, env=env, preset=preset, restart=restart)
         verb = "started"
     on = f"{target.label}, {_held(run.gpus)}"
     if not (sys.stdout.isatty() if follow is None else follow):

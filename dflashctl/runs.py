@@ -69,6 +69,23 @@ def trainer_argv(
     return argv
 
 
+def restart_policy(max_restarts: int, restart_on: str | None, delay_s: float) -> dict[str, Any] | None:
+    """`--max-restarts N --restart-on 1,75 --restart-delay 10` as the supervisor's policy (None: off)."""
+    if max_restarts < 0 or not 0 <= delay_s < float("inf"):
+        raise UsageError("--max-restarts and --restart-delay take 0 or more")
+    codes = None
+    if restart_on is not None:
+        items = [t.strip() for t in restart_on.split(",")]
+        if not all(t.isdigit() and 0 < int(t) < 256 for t in items):
+            raise UsageError(f"--restart-on takes exit codes like 1,75,137, got {restart_on!r}")
+        codes = [int(t) for t in items]
+    if max_restarts == 0:
+        if restart_on is not None:
+            raise UsageError("--restart-on needs --max-restarts N (N > 0)")
+        return None
+    return {"max": max_restarts, "on": codes, "delay_s": delay_s}
+
+
 def parse_gpus(text: str | None, host: HostSpec) -> list[str]:
     """`--gpus 0,1` (else the host's gpus, else `cpu`) as the list of GPU names a run holds."""
     if text is None:
@@ -124,6 +141,7 @@ def start_run(
     run_id: str | None = None,
     group: dict[str, Any] | None = None,
     preset: str | None = None,
+    restart: dict[str, Any] | None = None,
 ) -> StartedRun:
     """Start the trainer detached on target. The trainer's pre-flight (config and devices, nothing
     built), the GPU check and the start happen under one remote lock; a bad config is a
@@ -152,6 +170,8 @@ def start_run(
         spec["run_id"] = run_id
     if group:
         spec["group"] = group
+    if restart:
+        spec["restart"] = restart
     answer = call(target, "start", [host.workdir], stdin=json.dumps(spec).encode(), timeout=PREFLIGHT_TIMEOUT_S)
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or list(gpus))
 
@@ -286,6 +306,8 @@ def state_text(run: dict[str, Any]) -> Text:
     state = run.get("state", "?")
     code = run.get("exit_code")
     label = f"{state} ({code})" if code not in (None, 0) else state
+    if run.get("restarts"):
+        label += f", restarts {run['restarts']}"
     return Text(label, style=STATE_STYLE.get(state, ""))
 
 

@@ -8,6 +8,8 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
   standin.fail_at       exit with standin.fail_code (default 3) at that step
   standin.ignore_sigterm  true: print that SIGTERM was ignored and keep going
   standin.lines         log lines per step (default 1)
+  standin.fail_once      true: fail at standin.fail_at only the first time (a marker file in run.output_dir)
+  standin.checkpoint_every  write a fake checkpoint every N steps (default: only on SIGTERM)
   standin.preflight_error  --preflight answers this config error (exit 2), as the trainer does
 --preflight prints the trainer's one-line JSON answer ({"ok": true, "devices": [...], "gpus": [...]},
 the GPUs from run.gpus or run.device=cuda:N as the trainer resolves them);
@@ -53,6 +55,10 @@ def main():
     steps = int(opts["run.steps"])
     step_time = float(opts["standin.step_time"])
     fail_at = int(opts.get("standin.fail_at", -1))
+    marker = os.path.join(out, "standin-failed-once")
+    if opts.get("standin.fail_once", "false").lower() in ("1", "true", "yes") and os.path.exists(marker):
+        fail_at = -1
+    every = int(opts.get("standin.checkpoint_every", 0))
     ignore = opts.get("standin.ignore_sigterm", "false").lower() in ("1", "true", "yes")
     state = {"step": 0, "term": False}
 
@@ -80,7 +86,10 @@ def main():
                       "lr": 6e-4, "grad_norm": 1.0, "tokens_per_s": 1000.0, "step_time_s": step_time, "gpu_mem_gb": 0.0}
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+            if every and step % every == 0:
+                save(out, step)
             if step == fail_at:
+                open(marker, "w").close()
                 print("standin: failing at step %d" % step, file=sys.stderr, flush=True)
                 return int(opts["standin.fail_code"])
     print("standin: done", flush=True)
@@ -104,11 +113,16 @@ def latest_checkpoint(out):
     return max([int(n[5:-5]) for n in names if n.startswith("step-") and n.endswith(".json")] or [0])
 
 
-def checkpoint(out, step):
-    """Write a fake checkpoint and return the exit code for death by SIGTERM."""
+def save(out, step):
+    """Write a fake checkpoint for step."""
     os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
     with open(os.path.join(out, "checkpoints", "step-%d.json" % step), "w") as fh:
         json.dump({"step": step}, fh)
+
+
+def checkpoint(out, step):
+    """Write a fake checkpoint and return the exit code for death by SIGTERM."""
+    save(out, step)
     print("standin: SIGTERM, checkpoint saved at step %d" % step, flush=True)
     return 128 + signal.SIGTERM
 

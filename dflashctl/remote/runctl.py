@@ -338,6 +338,8 @@ def cmd_start(workdir):
         if spec.get("group"):
             # One run across several hosts: nodes (host names by rank), this node's rank, rendezvous.
             meta["group"] = spec["group"]
+        if spec.get("restart"):
+            meta["restart"] = spec["restart"]  # {max, on (exit codes, or None: crashes), delay_s}
         write_atomic(os.path.join(run_dir, META), json.dumps(meta, indent=2))
         os.makedirs(meta["cwd"], exist_ok=True)
         sup = spawn_supervisor(run_dir, meta, env, lock.fileno())
@@ -439,24 +441,52 @@ def spawn_supervisor(run_dir, meta, env, lock_fd):
     os._exit(code)
 
 
+# Exit codes that are never restarted: success, a bad config or data (2), a missing module (4),
+# and a stop (130 SIGINT, 143 SIGTERM). Anything else is a crash or a stall (docs/runs.md).
+NO_RESTART = (0, 2, 4, 130, 143)
+RESTART_DELAY_CAP_S = 300.0
+
+
 def supervise(run_dir, meta, env):
-    """Run the trainer, honour stop requests, and record its exit code (128+N for signal N)."""
+    """Run the trainer, honour stop requests, restart it from its newest checkpoint after a crash
+    when the run asked for restarts, and record its exit code (128+N for signal N)."""
     stop_flag = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop_flag.append(1))
     child_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
     child_env["DFLASHCTL_REASON_FILE"] = os.path.join(run_dir, REASON)
-    try:
-        child = subprocess.Popen(meta["argv"], cwd=meta["cwd"], env=child_env, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
-    except OSError as exc:
-        sys.stderr.write("dflashctl: cannot start the trainer: %s\n" % exc)
-        sys.stderr.flush()
-        update_meta(run_dir, supervisor=marker(os.getpid()))
-        write_atomic(os.path.join(run_dir, EXIT), "127\n")
-        return 0
-    update_meta(run_dir, supervisor=marker(os.getpid()), trainer=marker(child.pid), pgid=child.pid)
-    code = wait_trainer(run_dir, child, stop_flag)
+    restart = meta.get("restart") or {}
+    argv, failed_at = list(meta["argv"]), None
+    while True:
+        try:
+            child = subprocess.Popen(argv, cwd=meta["cwd"], env=child_env, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        except OSError as exc:
+            sys.stderr.write("dflashctl: cannot start the trainer: %s\n" % exc)
+            sys.stderr.flush()
+            update_meta(run_dir, supervisor=marker(os.getpid()))
+            write_atomic(os.path.join(run_dir, EXIT), "127\n")
+            return 0
+        update_meta(run_dir, supervisor=marker(os.getpid()), trainer=marker(child.pid), pgid=child.pid)
+        code = wait_trainer(run_dir, child, stop_flag)
+        step = newest_checkpoint(run_dir)
+        done = (read_json(os.path.join(run_dir, META)) or {}).get("restarts", 0)
+        if not wants_restart(restart, code, done) or stop_flag or os.path.exists(os.path.join(run_dir, STOP)):
+            break
+        if step is not None and step == failed_at:
+            print("dflashctl: the trainer failed again (exit %d) without getting past its checkpoint at step %s: "
+                  "not restarting" % (code, step), flush=True)
+            break
+        failed_at = step
+        delay = min(RESTART_DELAY_CAP_S, float(restart.get("delay_s", 10)) * 2 ** done)
+        print("dflashctl: restart %d/%d after exit code %d, from %s, in %g s" % (
+            done + 1, restart["max"], code, "the checkpoint at step %s" % step if step is not None else "the start",
+            delay), flush=True)
+        update_meta(run_dir, restarts=done + 1, last_restart={"exit_code": code, "checkpoint": step, "at": utc_iso(time.time())})
+        if sleep_unless_stopped(run_dir, delay, stop_flag):
+            break
+        if step is not None and "--resume" not in argv:
+            argv.append("--resume")
     if code not in (0, 2) and meta.get("host") and not meta.get("group") and has_checkpoint(run_dir):
         # The trainer's own hint names its flag; this one names the command that does it here.
         command = shlex.join(["dflashctl", "train", meta["host"], "--resume", meta["run_id"]])
@@ -464,6 +494,35 @@ def supervise(run_dir, meta, env):
               flush=True)
     write_atomic(os.path.join(run_dir, EXIT), "%d\n" % code)
     return 0
+
+
+def wants_restart(restart, code, done):
+    """Whether a run that asked for restarts gets one more after this exit code."""
+    if not restart or done >= restart.get("max", 0):
+        return False
+    listed = restart.get("on")
+    return code in listed if listed else code not in NO_RESTART
+
+
+def newest_checkpoint(run_dir):
+    """The step of the run's newest complete checkpoint (hidden entries are half-written), or None."""
+    try:
+        names = [n for n in os.listdir(os.path.join(run_dir, "checkpoints")) if not n.startswith(".")]
+    except OSError:
+        return None
+    steps = [checkpoint_key(n)[0] for n in names]
+    steps = [s for s in steps if s >= 0]
+    return max(steps) if steps else None
+
+
+def sleep_unless_stopped(run_dir, seconds, stop_flag):
+    """Wait out a restart delay; True when a stop came meanwhile (the run then ends as it stood)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if stop_flag or os.path.exists(os.path.join(run_dir, STOP)):
+            return True
+        time.sleep(SUPERVISOR_POLL_S)
+    return False
 
 
 def has_checkpoint(run_dir):

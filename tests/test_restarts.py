@@ -1,0 +1,78 @@
+"""Restart with resume (issue 20): `train --max-restarts N` through sshd + the pct shim, with the
+stand-in trainer failing at a chosen step. Waits are bounded polls, never timing assertions."""
+
+from __future__ import annotations
+
+import json
+
+from runs_helpers import install_standin, meta, run_dir, wait_until
+from sshd import SHIM_VMID
+
+FAST = ["--restart-delay", "0.2"]
+
+
+def start(host, *args: str) -> tuple[object, str]:  # type: ignore[no-untyped-def]
+    res = host.run_cli("train", "shim", "--no-push", *args, "--follow", timeout=120)
+    return res, res.stderr.split("started run ")[1].split()[0]
+
+
+def final_record(workdir, run_id: str) -> dict:
+    lines = (run_dir(workdir, run_id) / "metrics.jsonl").read_text().splitlines()
+    return json.loads(lines[-1])
+
+
+def test_a_crash_restarts_from_the_checkpoint_and_finishes_like_an_unbroken_run(shim_host):
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    install_standin(workdir / "payload")
+    steps = ["--set", "run.steps=12", "--set", "standin.checkpoint_every=4"]
+    res, run_id = start(shim_host, *steps, "--set", "standin.fail_at=6", "--set", "standin.fail_once=true",
+                        "--max-restarts", "2", *FAST)
+    assert res.returncode == 0, res.stderr  # the followed run succeeded in the end
+    log = (run_dir(workdir, run_id) / "train.log").read_text()
+    assert "dflashctl: restart 1/2 after exit code 3, from the checkpoint at step 4" in log
+    assert "standin: resuming after step 4" in log and "standin: done" in log
+    info = meta(workdir, run_id)
+    assert info["restarts"] == 1 and info["last_restart"]["exit_code"] == 3
+    unbroken_res, unbroken = start(shim_host, *steps, "--force")
+    assert unbroken_res.returncode == 0
+    assert final_record(workdir, run_id) == final_record(workdir, unbroken)
+    listed = shim_host.run_cli("runs", "list", "shim")
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(run_id))
+    assert "succeeded, restarts 1" in row
+
+
+def test_failing_at_the_same_step_again_stops_restarting(shim_host):
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    install_standin(workdir / "payload")
+    res, run_id = start(shim_host, "--set", "run.steps=12", "--set", "standin.checkpoint_every=4",
+                        "--set", "standin.fail_at=6", "--max-restarts", "5", *FAST)
+    assert res.returncode == 100  # failed
+    log = (run_dir(workdir, run_id) / "train.log").read_text()
+    assert log.count("dflashctl: restart ") == 1
+    assert "failed again (exit 3) without getting past its checkpoint at step 4: not restarting" in log
+    assert meta(workdir, run_id)["restarts"] == 1
+
+
+def test_config_errors_and_unlisted_codes_are_not_restarted(shim_host):
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    install_standin(workdir / "payload")
+    for extra in (["--set", "standin.fail_code=2"], ["--set", "standin.fail_code=3", "--restart-on", "1,75"]):
+        res, run_id = start(shim_host, "--set", "run.steps=8", "--set", "standin.fail_at=2", "--max-restarts", "3",
+                            *FAST, *extra, "--force")
+        assert res.returncode == 100
+        assert "dflashctl: restart" not in (run_dir(workdir, run_id) / "train.log").read_text()
+    bad = shim_host.run_cli("train", "shim", "--restart-on", "x", "--max-restarts", "1")
+    assert bad.returncode == 2 and "--restart-on takes exit codes" in bad.stderr
+
+
+def test_a_stop_during_the_restart_delay_ends_the_run(shim_host):
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    install_standin(workdir / "payload")
+    res = shim_host.run_cli("train", "shim", "--no-push", "--set", "run.steps=12", "--set", "standin.fail_at=2",
+                            "--max-restarts", "3", "--restart-delay", "300", "--detach")
+    run_id = res.stdout.strip()
+    log = run_dir(workdir, run_id) / "train.log"
+    wait_until(lambda: "dflashctl: restart 1/3" in log.read_text(), 60, "the restart notice")
+    stopped = shim_host.run_cli("runs", "stop", "shim", run_id, timeout=120)  # long before the 300 s delay
+    assert stopped.returncode == 0 and "stopped (3)" in stopped.stdout
+    assert "standin: pid" in log.read_text() and log.read_text().count("standin: pid") == 1  # never restarted
