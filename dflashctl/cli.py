@@ -351,6 +351,10 @@ def train_cmd(
     restart_on: Optional[str] = typer.Option(
         None, "--restart-on", help="Exit codes that restart it, e.g. 1,75,137 (default: any but 0, 2, 4 and a stop)."),
     restart_delay: float = typer.Option(10.0, "--restart-delay", help="Seconds before the first restart (doubling)."),
+    on_event: Optional[str] = typer.Option(
+        None, "--on-event", help="Command run in the container at each run event (started, restarted, succeeded, "
+                                 "failed, stopped), split like a shell line; its environment says which "
+                                 "(DFLASHCTL_EVENT, DFLASHCTL_RUN_ID, ...). Default: hosts.yaml's on_event."),
     follow: Optional[bool] = typer.Option(None, "--follow/--detach", help="Stream the log until the run ends (default on a terminal)."),
     force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),
     no_push: bool = typer.Option(False, "--no-push", help="Use the payload already in the container."),
@@ -366,6 +370,7 @@ def train_cmd(
     session = _state(ctx).session()
     env = _parse_env(env_items)
     restart = restart_policy(max_restarts, restart_on, restart_delay)
+    hook = _split_command(on_event, "--on-event") if on_event is not None else []
     if config is not None and not config.is_file():
         raise UsageError(f"--config: no such file: {config}")
     if resume is not None:
@@ -391,7 +396,7 @@ def train_cmd(
         verb = "resumed"
     else:
         run = start_run(target, gpus=gpu_list, config_file=config, overrides=overrides, name=name, force=force,
-                        payload_hash=payload_hash, env=env, preset=preset, restart=restart)
+                        payload_hash=payload_hash, env=env, preset=preset, restart=restart, on_event=hook)
         verb = "started"
     on = f"{target.label}, {_held(run.gpus)}"
     if not (sys.stdout.isatty() if follow is None else follow):
@@ -404,6 +409,19 @@ def train_cmd(
     out = Console()
     raise typer.Exit(attach(session, target.host.name, run.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
                             console=out if out.is_terminal else None, err=err))
+
+
+def _split_command(text: str, option: str) -> list:
+    """A command given as one shell-like line, split into argv (never run through a shell)."""
+    import shlex
+
+    try:
+        argv = shlex.split(text)
+    except ValueError as exc:
+        raise UsageError(f"{option} {text!r}: {exc}") from None
+    if not argv:
+        raise UsageError(f"{option} needs a command")
+    return argv
 
 
 def _held(gpus: List[str]) -> str:

@@ -68,6 +68,7 @@ class HostSpec:
     rendezvous_address: str | None = None
     persist: int = 0  # seconds a background mux keeps the SSH connection open between CLI calls; 0 = off
     # (hosts.yaml's default for ssh hosts is DEFAULT_PERSIST_S)
+    on_event: tuple[str, ...] = ()  # argv run in the container at each run event (docs/runs.md)
 
     @property
     def interpreter(self) -> str:
@@ -198,7 +199,7 @@ def parse_inventory(text: str, path: Path | None = None) -> Inventory:
 
 _HOST_KEYS = {
     "transport", "address", "user", "port", "identity_file", "proxy_jump", "container",
-    "python", "workdir", "gpus", "rendezvous_address", "persist",
+    "python", "workdir", "gpus", "rendezvous_address", "persist", "on_event",
 }
 _CONTAINER_KEYS = {"runtime", "vmid", "name", "pct", "docker"}
 _DOCKER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
@@ -244,6 +245,9 @@ def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
         raise fail(f"gpus must be a list of GPU indices like [0, 1], got {gpus!r}")
     if len(set(gpus)) != len(gpus):
         raise fail(f"gpus lists an index twice: {gpus!r}")
+    on_event = raw.get("on_event") or []
+    if not isinstance(on_event, list) or not all(isinstance(a, str) and a for a in on_event):
+        raise fail(f"on_event must be a command as a list of arguments, like [curl, -fsS, URL], got {on_event!r}")
     return HostSpec(
         name=name,
         transport=transport,
@@ -258,6 +262,7 @@ def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
         gpus=tuple(gpus),
         rendezvous_address=strings["rendezvous_address"],
         persist=persist,
+        on_event=tuple(on_event),
     )
 
 

@@ -142,6 +142,7 @@ def start_run(
     group: dict[str, Any] | None = None,
     preset: str | None = None,
     restart: dict[str, Any] | None = None,
+    on_event: Sequence[str] = (),
 ) -> StartedRun:
     """Start the trainer detached on target. The trainer's pre-flight (config and devices, nothing
     built), the GPU check and the start happen under one remote lock; a bad config is a
@@ -172,6 +173,9 @@ def start_run(
         spec["group"] = group
     if restart:
         spec["restart"] = restart
+    hook = list(on_event) or list(host.on_event)
+    if hook:
+        spec["on_event"] = hook
     answer = call(target, "start", [host.workdir], stdin=json.dumps(spec).encode(), timeout=PREFLIGHT_TIMEOUT_S)
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or list(gpus))
 

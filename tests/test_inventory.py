@@ -34,6 +34,8 @@ from dflashctl.inventory import completions, load_inventory, parse_inventory
          "hosts.yaml: host 'gpu1': container.docker must be a command or path, got ''"),
         ("hosts:\n  gpu1:\n    gpus: [0, 0]\n", "hosts.yaml: host 'gpu1': gpus lists an index twice: [0, 0]"),
         ("hosts:\n  gpu1:\n    gpus: 2\n", "hosts.yaml: host 'gpu1': gpus must be a list of GPU indices like [0, 1], got 2"),
+        ("hosts:\n  gpu1:\n    on_event: curl x\n",
+         "hosts.yaml: host 'gpu1': on_event must be a command as a list of arguments, like [curl, -fsS, URL], got 'curl x'"),
         ("hosts:\n  local:\n    address: 10.0.0.1\n",
          "hosts.yaml: host 'local': address, user, port, identity_file and proxy_jump only apply to transport ssh"),
         ("default: gpu9\nhosts:\n  gpu1: {}\n", "hosts.yaml: default host 'gpu9' is not defined under hosts"),

@@ -1,9 +1,11 @@
-"""Restart with resume (issue 20): `train --max-restarts N` through sshd + the pct shim, with the
+"""Restart with resume and event hooks (issue 20): `train --max-restarts N` through sshd + the pct shim, with the
 stand-in trainer failing at a chosen step. Waits are bounded polls, never timing assertions."""
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
 
 from runs_helpers import install_standin, meta, run_dir, wait_until
 from sshd import SHIM_VMID
@@ -76,3 +78,27 @@ def test_a_stop_during_the_restart_delay_ends_the_run(shim_host):
     stopped = shim_host.run_cli("runs", "stop", "shim", run_id, timeout=120)  # long before the 300 s delay
     assert stopped.returncode == 0 and "stopped (3)" in stopped.stdout
     assert "standin: pid" in log.read_text() and log.read_text().count("standin: pid") == 1  # never restarted
+
+
+HOOK = ("import json, os, sys; keys = ('DFLASHCTL_EVENT', 'DFLASHCTL_RUN_ID', 'DFLASHCTL_RUN_NAME', "
+        "'DFLASHCTL_STATE', 'DFLASHCTL_EXIT_CODE'); "
+        "open(sys.argv[1], 'a').write(json.dumps({k: os.environ[k] for k in keys}) + '\\n')")
+
+
+def test_the_event_hook_runs_once_per_event_with_hostile_names_passed_literally(shim_host, tmp_path):
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    install_standin(workdir / "payload")
+    events = tmp_path / "events.jsonl"
+    python = shim_host.host_entry(SHIM_VMID)["python"]
+    name = "a'b\"c; $(touch /tmp/pwned) `x` \\n"
+    command = f"{python} -c {shlex.quote(HOOK)} {events}"
+    res, run_id = start(shim_host, "--name", name, "--set", "run.steps=12", "--set", "standin.checkpoint_every=4",
+                        "--set", "standin.fail_at=6", "--set", "standin.fail_once=true", "--max-restarts", "1", *FAST,
+                        "--on-event", command)
+    assert res.returncode == 0, res.stderr
+    wait_until(lambda: events.exists() and len(events.read_text().splitlines()) == 3, 60, "three events")
+    seen = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [e["DFLASHCTL_EVENT"] for e in seen] == ["started", "restarted", "succeeded"]
+    assert all(e["DFLASHCTL_RUN_ID"] == run_id and e["DFLASHCTL_RUN_NAME"] == name for e in seen)
+    assert seen[-1]["DFLASHCTL_STATE"] == "succeeded" and seen[-1]["DFLASHCTL_EXIT_CODE"] == "0"
+    assert not os.path.exists("/tmp/pwned")

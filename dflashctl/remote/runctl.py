@@ -340,6 +340,8 @@ def cmd_start(workdir):
             meta["group"] = spec["group"]
         if spec.get("restart"):
             meta["restart"] = spec["restart"]  # {max, on (exit codes, or None: crashes), delay_s}
+        if spec.get("on_event"):
+            meta["on_event"] = spec["on_event"]  # argv of the event hook
         write_atomic(os.path.join(run_dir, META), json.dumps(meta, indent=2))
         os.makedirs(meta["cwd"], exist_ok=True)
         sup = spawn_supervisor(run_dir, meta, env, lock.fileno())
@@ -445,6 +447,7 @@ def spawn_supervisor(run_dir, meta, env, lock_fd):
 # and a stop (130 SIGINT, 143 SIGTERM). Anything else is a crash or a stall (docs/runs.md).
 NO_RESTART = (0, 2, 4, 130, 143)
 RESTART_DELAY_CAP_S = 300.0
+HOOK_WAIT_S = 30.0  # how long the supervisor waits for the last event's hook before it exits
 
 
 def supervise(run_dir, meta, env):
@@ -456,8 +459,9 @@ def supervise(run_dir, meta, env):
     child_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
     child_env["DFLASHCTL_REASON_FILE"] = os.path.join(run_dir, REASON)
     restart = meta.get("restart") or {}
-    argv, failed_at = list(meta["argv"]), None
+    argv, failed_at, attempt = list(meta["argv"]), None, 0
     while True:
+        attempt += 1
         try:
             child = subprocess.Popen(argv, cwd=meta["cwd"], env=child_env, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -468,6 +472,7 @@ def supervise(run_dir, meta, env):
             write_atomic(os.path.join(run_dir, EXIT), "127\n")
             return 0
         update_meta(run_dir, supervisor=marker(os.getpid()), trainer=marker(child.pid), pgid=child.pid)
+        fire(run_dir, meta, "restarted" if attempt > 1 else "started", "running")
         code = wait_trainer(run_dir, child, stop_flag)
         step = newest_checkpoint(run_dir)
         done = (read_json(os.path.join(run_dir, META)) or {}).get("restarts", 0)
@@ -493,7 +498,31 @@ def supervise(run_dir, meta, env):
         print("dflashctl: the trainer exited with %d; continue from its newest checkpoint: %s" % (code, command),
               flush=True)
     write_atomic(os.path.join(run_dir, EXIT), "%d\n" % code)
+    state = state_of(run_dir, read_json(os.path.join(run_dir, META)) or meta)[0]
+    hook = fire(run_dir, meta, state, state, code)
+    if hook is not None:
+        try:  # the last event: give its hook time to report before the supervisor goes
+            hook.wait(timeout=HOOK_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
     return 0
+
+
+def fire(run_dir, meta, event, state, code=None):
+    """Run the run's event hook, if it has one, with what happened in its environment; never
+    through a shell, never waited for here (the caller may). Its output goes to the log."""
+    argv = meta.get("on_event")
+    if not argv:
+        return None
+    env = dict(os.environ, DFLASHCTL_EVENT=event, DFLASHCTL_RUN_ID=meta["run_id"], DFLASHCTL_RUN_NAME=meta.get("name") or "",
+               DFLASHCTL_STATE=state, DFLASHCTL_EXIT_CODE="" if code is None else str(code),
+               DFLASHCTL_HOST=meta.get("host") or "", DFLASHCTL_RUN_DIR=run_dir)
+    print("dflashctl: event %s" % event, flush=True)
+    try:
+        return subprocess.Popen(argv, cwd=run_dir, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as exc:
+        print("dflashctl: the event hook cannot start: %s" % exc, flush=True)
+        return None
 
 
 def wants_restart(restart, code, done):
