@@ -626,6 +626,33 @@ def logs_tail(
                             err=err, final=partial(final_state, session, where)))  # several hosts: the whole run's state
 
 
+# --- tunnel ------------------------------------------------------------------------------------
+
+
+@app.command("tunnel")
+def tunnel_cmd(
+    ctx: typer.Context,
+    host: str = typer.Argument(..., help="Host whose container has the port.", autocompletion=_complete_host),
+    ports: str = typer.Argument(..., help="PORT in the container, or PORT:LOCAL to listen on another local port."),
+) -> None:
+    """Forward 127.0.0.1:LOCAL here to PORT inside the container (a served drafter, a dashboard)."""
+    from .tunnel import Tunnel, parse_ports
+
+    remote, local = parse_ports(ports)
+    target = _state(ctx).session().target(host)
+    err = Console(stderr=True)
+    tunnel = Tunnel(target, remote, local, notice=lambda line: err.print(Text(line, style="dim"), soft_wrap=True))
+    err.print(Text(f"forwarding 127.0.0.1:{tunnel.local_port} -> port {remote} in {target.label} "
+                   f"(Ctrl-C closes it)"), soft_wrap=True)
+    try:
+        tunnel.serve()
+    except (Interrupted, KeyboardInterrupt):
+        pass
+    finally:
+        tunnel.close()
+    err.print(Text("tunnel closed"), soft_wrap=True)
+
+
 # --- eval --------------------------------------------------------------------------------------
 
 
