@@ -357,6 +357,8 @@ def train_cmd(
                                  "(DFLASHCTL_EVENT, DFLASHCTL_RUN_ID, ...). Default: hosts.yaml's on_event."),
     follow: Optional[bool] = typer.Option(None, "--follow/--detach", help="Stream the log until the run ends (default on a terminal)."),
     force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),
+    queue: bool = typer.Option(False, "--queue", help="If the GPUs are busy, wait for them (FIFO, in the container: "
+                                                    "no client needs to stay connected) instead of refusing."),
     no_push: bool = typer.Option(False, "--no-push", help="Use the payload already in the container."),
     source: Optional[Path] = typer.Option(None, "--source", help="Payload directory to push (default: the trainer that ships with dflashctl)."),
     rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Several hosts: the rendezvous (MASTER_PORT) on the first host."),
@@ -381,8 +383,8 @@ def train_cmd(
     resolved_config(config, overrides)  # a bad --set or config file fails before anything is pushed
     hosts = session.inventory.resolve_many(host)
     if len(hosts) > 1:
-        if resume is not None or restart:
-            raise UsageError("--resume and --max-restarts take one host (a run across several hosts restarts as a whole: "
+        if resume is not None or restart or queue:
+            raise UsageError("--resume, --max-restarts and --queue take one host (a run across several hosts restarts as a whole: "
                              "start it again with train)")
         raise typer.Exit(_train_group(session, hosts, gpus=gpus, config=config, overrides=overrides, name=name,
                                       follow=follow, force=force, no_push=no_push, source=source,
@@ -396,8 +398,13 @@ def train_cmd(
         verb = "resumed"
     else:
         run = start_run(target, gpus=gpu_list, config_file=config, overrides=overrides, name=name, force=force,
-                        payload_hash=payload_hash, env=env, preset=preset, restart=restart, on_event=hook)
+                        payload_hash=payload_hash, env=env, preset=preset, restart=restart, on_event=hook,
+                        queue=queue)
         verb = "started"
+        if run.queued_behind is not None:
+            verb = "queued"
+            err.print(Text(f"GPUs busy: queued behind {', '.join(run.queued_behind)}; it starts by itself when they "
+                           f"are free (runs stop cancels it)", style="dim"), soft_wrap=True)
     on = f"{target.label}, {_held(run.gpus)}"
     if not (sys.stdout.isatty() if follow is None else follow):
         typer.echo(run.run_id)

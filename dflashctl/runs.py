@@ -35,7 +35,7 @@ CPU = "cpu"  # the "GPU" a run on a host without GPUs holds, so two such runs st
 PREFLIGHT_TIMEOUT_S = 330  # runctl gives the trainer's pre-flight 300 s (CUDA start-up on every GPU)
 STATE_EXIT = {"succeeded": 0, "failed": 100, "stopped": 101, "lost": 102}
 EXIT_DETACHED = 130  # Ctrl-C while following: the run goes on
-STATE_STYLE = {"running": "cyan", "succeeded": "green", "failed": "red", "stopped": "yellow", "lost": "magenta"}
+STATE_STYLE = {"queued": "blue", "running": "cyan", "succeeded": "green", "failed": "red", "stopped": "yellow", "lost": "magenta"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class StartedRun:
     run_dir: str
     pid: int | None
     gpus: list[str]  # what the run holds: the GPUs the trainer resolved (all of them for run.device auto), or cpu
+    queued_behind: list[str] | None = None  # --queue: the runs it waits for (None: it started)
 
 
 def trainer_argv(
@@ -143,6 +144,7 @@ def start_run(
     preset: str | None = None,
     restart: dict[str, Any] | None = None,
     on_event: Sequence[str] = (),
+    queue: bool = False,
 ) -> StartedRun:
     """Start the trainer detached on target. The trainer's pre-flight (config and devices, nothing
     built), the GPU check and the start happen under one remote lock; a bad config is a
@@ -173,11 +175,14 @@ def start_run(
         spec["group"] = group
     if restart:
         spec["restart"] = restart
+    if queue:
+        spec["queue"] = True
     hook = list(on_event) or list(host.on_event)
     if hook:
         spec["on_event"] = hook
     answer = call(target, "start", [host.workdir], stdin=json.dumps(spec).encode(), timeout=PREFLIGHT_TIMEOUT_S)
-    return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or list(gpus))
+    return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or list(gpus),
+                      answer.get("queued_behind"))
 
 
 def resume_run(target: Target, selector: str, *, payload_hash: str | None, force: bool = False,

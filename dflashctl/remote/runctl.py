@@ -142,14 +142,16 @@ def alive(mark):
 
 
 def state_of(run_dir, meta):
-    """running | succeeded | failed | stopped | lost, and the exit code if known."""
+    """queued | running | succeeded | failed | stopped | lost, and the exit code if known."""
     code = read_exit_code(run_dir)
     if code is None:
         if meta.get("supervisor") is None:
             young = time.time() - meta.get("started_ts", 0) < STARTING_GRACE_S
             return ("running" if young else "lost"), None
         if alive(meta.get("supervisor")) or alive(meta.get("trainer")):
-            return "running", None
+            # A queued run's supervisor waits for its GPUs; run.json says when it stopped waiting.
+            queued = (read_json(os.path.join(run_dir, META)) or meta).get("queued")
+            return ("queued" if queued else "running"), None
         code = read_exit_code(run_dir)  # it may have ended between the two reads
         if code is None:
             return "lost", None
@@ -274,7 +276,7 @@ def conflicts(root, gpus):
     found = []
     for run_id, run_dir, meta in all_runs(root):
         shared = wanted & set(meta.get("gpus") or [])
-        if shared and state_of(run_dir, meta)[0] == "running":
+        if shared and state_of(run_dir, meta)[0] == "running":  # a queued run holds nothing yet
             found.append((run_id, meta.get("name"), sorted(shared)))
     return found
 
@@ -313,8 +315,8 @@ def cmd_start(workdir):
                 if gpus != ["cpu"] and spec["gpus"] == ["cpu"]:
                     # The trainer chose the GPUs (run.device auto): pin them, so the run uses what is locked.
                     argv += ["--set", "run.gpus=[%s]" % ",".join(gpus)]
-            busy = [] if spec.get("force") else conflicts(root, gpus)
-            if busy:
+            busy = [] if spec.get("force") else conflicts(root, gpus) + queued_ahead(root, gpus, run_id)
+            if busy and not spec.get("queue"):
                 raise RunError("conflict", "GPUs busy", runs=busy)
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -342,11 +344,45 @@ def cmd_start(workdir):
             meta["restart"] = spec["restart"]  # {max, on (exit codes, or None: crashes), delay_s}
         if spec.get("on_event"):
             meta["on_event"] = spec["on_event"]  # argv of the event hook
+        if busy:  # --queue: the supervisor waits for the GPUs (FIFO), then starts the trainer
+            meta["queued"] = True
+            meta["queued_behind"] = [rid for rid, _, _ in busy]
         write_atomic(os.path.join(run_dir, META), json.dumps(meta, indent=2))
         os.makedirs(meta["cwd"], exist_ok=True)
         sup = spawn_supervisor(run_dir, meta, env, lock.fileno())
         meta = wait_for_pids(run_dir, sup)
-    emit({"run_id": run_id, "run_dir": run_dir, "pid": (meta.get("trainer") or {}).get("pid"), "gpus": gpus})
+    emit({"run_id": run_id, "run_dir": run_dir, "pid": (meta.get("trainer") or {}).get("pid"), "gpus": gpus,
+          "queued_behind": meta.get("queued_behind") if meta.get("queued") else None})
+
+
+def queued_ahead(root, gpus, run_id):
+    """Queued runs before run_id (run ids sort by time: FIFO) that want any of these GPUs."""
+    wanted = set(gpus)
+    found = []
+    for rid, run_dir, meta in all_runs(root):
+        shared = wanted & set(meta.get("gpus") or [])
+        if rid < run_id and shared and state_of(run_dir, meta)[0] == "queued":
+            found.append((rid, meta.get("name"), sorted(shared)))
+    return found
+
+
+def wait_in_queue(run_dir, meta, stop_flag):
+    """A queued run's supervisor: poll until no running run holds its GPUs and no earlier queued run
+    wants them, then leave the queue under the runs lock (so two starts cannot both win).
+    False when a stop came first."""
+    import fcntl
+
+    root = os.path.dirname(run_dir)
+    while True:
+        if stop_flag or os.path.exists(os.path.join(run_dir, STOP)):
+            return False
+        with open(os.path.join(root, LOCK), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not conflicts(root, meta["gpus"]) and not queued_ahead(root, meta["gpus"], meta["run_id"]):
+                update_meta(run_dir, queued=False, dequeued_at=utc_iso(time.time()))
+                print("dflashctl: GPUs %s free: starting" % ",".join(meta["gpus"]), flush=True)
+                return True
+        time.sleep(QUEUE_POLL_S)
 
 
 def cmd_resume(workdir, selector):
@@ -359,8 +395,8 @@ def cmd_resume(workdir, selector):
         fcntl.flock(lock, fcntl.LOCK_EX)
         run_id, run_dir, meta = resolve(root, selector)
         state, _ = state_of(run_dir, meta)
-        if state == "running":
-            raise RunError("conflict_running", "run %s is still running (stop it first: dflashctl runs stop)" % run_id)
+        if state in ("running", "queued"):
+            raise RunError("conflict_running", "run %s is still %s (stop it first: dflashctl runs stop)" % (run_id, state))
         if meta.get("group"):
             raise RunError("bad_request", "run %s spans several hosts: resume it with a new `train` on them" % run_id)
         argv = list(meta["argv"])
@@ -447,6 +483,7 @@ def spawn_supervisor(run_dir, meta, env, lock_fd):
 # and a stop (130 SIGINT, 143 SIGTERM). Anything else is a crash or a stall (docs/runs.md).
 NO_RESTART = (0, 2, 4, 130, 143)
 RESTART_DELAY_CAP_S = 300.0
+QUEUE_POLL_S = 1.0  # how often a queued run looks whether its GPUs are free
 HOOK_WAIT_S = 30.0  # how long the supervisor waits for the last event's hook before it exits
 
 
@@ -460,6 +497,15 @@ def supervise(run_dir, meta, env):
     child_env["DFLASHCTL_REASON_FILE"] = os.path.join(run_dir, REASON)
     restart = meta.get("restart") or {}
     argv, failed_at, attempt = list(meta["argv"]), None, 0
+    if meta.get("queued"):
+        update_meta(run_dir, supervisor=marker(os.getpid()))
+        print("dflashctl: queued behind %s for GPUs %s" % (", ".join(meta.get("queued_behind") or []),
+                                                          ",".join(meta["gpus"])), flush=True)
+        if not wait_in_queue(run_dir, meta, stop_flag):
+            print("dflashctl: the queued run was cancelled before it started", flush=True)
+            write_atomic(os.path.join(run_dir, EXIT), "%d\n" % (128 + signal.SIGTERM))
+            fire(run_dir, meta, "stopped", "stopped", 128 + signal.SIGTERM)
+            return 0
     while True:
         attempt += 1
         try:
@@ -664,7 +710,7 @@ def cmd_stop(workdir, selector, grace):
     grace = float(grace)
     _, run_dir, meta = resolve(runs_root(workdir), selector)
     state, _ = state_of(run_dir, meta)
-    if state != "running":
+    if state not in ("running", "queued"):
         out = summary(run_dir, meta)
         out["already"] = True
         emit(out)
@@ -674,7 +720,7 @@ def cmd_stop(workdir, selector, grace):
     if meta.get("trainer") and not alive(meta.get("supervisor")):
         stop_orphan_trainer(run_dir, meta, grace)
     deadline = time.time() + grace + 30
-    while time.time() < deadline and read_exit_code(run_dir) is None and state_of(run_dir, meta)[0] == "running":
+    while time.time() < deadline and read_exit_code(run_dir) is None and state_of(run_dir, meta)[0] in ("running", "queued"):
         time.sleep(0.1)
     meta = read_json(os.path.join(run_dir, META)) or meta
     emit(summary(run_dir, meta))
@@ -807,7 +853,7 @@ def stream_log(run_dir, meta, fh, ino, follow, metrics):
                 continue
         if metrics:
             metrics_size = send_metrics(run_dir, metrics_size)
-        if not follow or state_of(run_dir, meta)[0] != "running":
+        if not follow or state_of(run_dir, meta)[0] not in ("running", "queued"):
             if fh is not None and fh.read(1):  # the last lines arrived after our read: drain first
                 fh.seek(-1, os.SEEK_CUR)
                 continue
