@@ -353,7 +353,7 @@ def train_cmd(
     restart_delay: float = typer.Option(10.0, "--restart-delay", help="Seconds before the first restart (doubling)."),
     on_event: Optional[str] = typer.Option(
         None, "--on-event", help="Command run in the container at each run event (started, restarted, succeeded, "
-                                 "failed, stopped), split like a shell line; its environment says which "
+                                 "failed, stopped, lost), split like a shell line; its environment says which "
                                  "(DFLASHCTL_EVENT, DFLASHCTL_RUN_ID, ...). Default: hosts.yaml's on_event."),
     follow: Optional[bool] = typer.Option(None, "--follow/--detach", help="Stream the log until the run ends (default on a terminal)."),
     force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),

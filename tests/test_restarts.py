@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 
 from runs_helpers import install_standin, meta, run_dir, wait_until
 from sshd import SHIM_VMID
@@ -102,3 +103,22 @@ def test_the_event_hook_runs_once_per_event_with_hostile_names_passed_literally(
     assert all(e["DFLASHCTL_RUN_ID"] == run_id and e["DFLASHCTL_RUN_NAME"] == name for e in seen)
     assert seen[-1]["DFLASHCTL_STATE"] == "succeeded" and seen[-1]["DFLASHCTL_EXIT_CODE"] == "0"
     assert not os.path.exists("/tmp/pwned")
+
+
+def test_a_lost_run_fires_the_lost_event_once_at_the_next_contact(shim_host, tmp_path):
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    install_standin(workdir / "payload")
+    events = tmp_path / "events.jsonl"
+    python = shim_host.host_entry(SHIM_VMID)["python"]
+    res = shim_host.run_cli("train", "shim", "--no-push", "--set", "run.steps=100000", "--detach",
+                            "--on-event", f"{python} -c {shlex.quote(HOOK)} {events}")
+    run_id = res.stdout.strip()
+    info = meta(workdir, run_id)
+    os.kill(info["supervisor"]["pid"], signal.SIGKILL)
+    os.killpg(info["pgid"], signal.SIGKILL)
+    for _ in range(3):  # three contacts, one event
+        listed = shim_host.run_cli("runs", "list", "shim", "--json")
+        assert listed.returncode == 0 and json.loads(listed.stdout)[0]["state"] == "lost"
+    wait_until(lambda: events.exists() and "lost" in events.read_text(), 60, "the lost event")
+    kinds = [json.loads(line)["DFLASHCTL_EVENT"] for line in events.read_text().splitlines()]
+    assert kinds == ["started", "lost"]

@@ -27,6 +27,7 @@ EXIT = "exit_code"
 STOP = "stop_request"
 META = "run.json"
 EVAL = "eval.json"  # `dflashctl eval`'s report
+LOST_EVENT = ".lost_event"  # exists once the `lost` event was fired
 REASON = "reason"  # why the run failed, in words, when the trainer knows (a lost node, ...)
 LOCK = ".lock"
 STARTING_GRACE_S = 60.0  # a run.json without pids is "starting" this long, then "lost"
@@ -211,10 +212,23 @@ def summary(run_dir, meta):
         ended = os.stat(os.path.join(run_dir, EXIT)).st_mtime
     except OSError:
         pass
+    if state == "lost":
+        report_lost(run_dir, meta)
     out = dict(meta)
     out.update(state=state, exit_code=code, ended_ts=ended, last=last_metrics(run_dir), now_ts=time.time(),
                reason=read_reason(run_dir) if state != "running" else None, eval=eval_figures(run_dir))
     return out
+
+
+def report_lost(run_dir, meta):
+    """The `lost` event, once: nobody is left to notice the loss but whoever looks next (this call)."""
+    if not meta.get("on_event"):
+        return
+    try:
+        os.close(os.open(os.path.join(run_dir, LOST_EVENT), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except OSError:
+        return  # reported already (or by a concurrent call)
+    fire(run_dir, meta, "lost", "lost", log=os.path.join(run_dir, LOG))
 
 
 def eval_figures(run_dir):
@@ -554,21 +568,34 @@ def supervise(run_dir, meta, env):
     return 0
 
 
-def fire(run_dir, meta, event, state, code=None):
+def fire(run_dir, meta, event, state, code=None, log=None):
     """Run the run's event hook, if it has one, with what happened in its environment; never
-    through a shell, never waited for here (the caller may). Its output goes to the log."""
+    through a shell, never waited for here (the caller may). Its output goes to the run's log
+    (the supervisor's stdout is the log; `log` names it for a caller whose stdout is not)."""
     argv = meta.get("on_event")
     if not argv:
         return None
     env = dict(os.environ, DFLASHCTL_EVENT=event, DFLASHCTL_RUN_ID=meta["run_id"], DFLASHCTL_RUN_NAME=meta.get("name") or "",
                DFLASHCTL_STATE=state, DFLASHCTL_EXIT_CODE="" if code is None else str(code),
                DFLASHCTL_HOST=meta.get("host") or "", DFLASHCTL_RUN_DIR=run_dir)
-    print("dflashctl: event %s" % event, flush=True)
+    note = "dflashctl: event %s\n" % event
+    out = open(log, "ab") if log else None  # never this process's stdout there: it carries the answer
     try:
-        return subprocess.Popen(argv, cwd=run_dir, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        if out:
+            out.write(note.encode())
+            out.flush()
+        else:
+            sys.stdout.write(note)
+            sys.stdout.flush()
+        return subprocess.Popen(argv, cwd=run_dir, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                stdout=out, stderr=out, close_fds=True)
     except OSError as exc:
-        print("dflashctl: the event hook cannot start: %s" % exc, flush=True)
+        if not out:
+            print("dflashctl: the event hook cannot start: %s" % exc, flush=True)
         return None
+    finally:
+        if out:
+            out.close()
 
 
 def wants_restart(restart, code, done):
