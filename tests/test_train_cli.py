@@ -135,6 +135,9 @@ def test_a_wheel_install_pushes_and_trains(tmp_path, shim_host):
     pushed = workdir / "payload" / "dflash_train" / "train.py"
     assert pushed.read_bytes() == shipped.read_bytes() == (ROOT / "remote_payload" / "dflash_train" / "train.py").read_bytes()
     assert "exported drafter" in res.stdout
+    assert (site / "dflashctl" / "_payload" / "dflash_train" / "hf" / "dflash.py").is_file()  # the export's modeling file
+    exports = list((workdir / "runs").glob("*/export"))
+    assert exports and (exports[0] / "dflash.py").is_file() and (exports[0] / "dflash_model.py").is_file()
 
 
 def test_no_push_on_a_host_without_a_trainer_says_to_push(shim_workdir):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -60,6 +61,11 @@ def export_drafter(drafter: DFlashDrafter, target: TargetConfig, out_dir: str | 
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = drafter_config(drafter.spec, target, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # config.json's auto_map names dflash.DFlashDraftModel: the modeling file and the trainer's
+    # own model.py beside it, so `AutoModel.from_pretrained(out, trust_remote_code=True)` works.
+    here = Path(__file__).resolve().parent
+    shutil.copyfile(here / "hf" / "dflash.py", out / "dflash.py")
+    shutil.copyfile(here / "model.py", out / "dflash_model.py")
     return out
 
 

@@ -112,3 +112,27 @@ def test_sampled_speculation_is_distributed_as_the_target(trained):
     tv = 0.5 * float((binned(empirical) - binned(exact)).abs().sum())
     assert tv < 0.06, tv
     assert 0 < sum(a > 0 for a in accepted) < len(accepted)  # both paths ran: drafts kept, drafts replaced
+
+
+def test_the_export_loads_with_transformers_automodel_and_drafts_the_same(trained, tmp_path):
+    """Issue 15: `AutoModel.from_pretrained(export, trust_remote_code=True)` gives the trainer's
+    drafter (same logits), and the speculative loop driven by it decodes the same tokens."""
+    transformers = pytest.importorskip("transformers")
+    from dflash_train.export import export_drafter
+
+    cfg, replica, prompts = trained
+    out = export_drafter(replica.drafter, cfg.target, tmp_path / "export", torch.float32)
+    loaded = transformers.AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32)
+    assert type(loaded).__name__ == "DFlashDraftModel"
+    spec = replica.drafter.spec
+    ids = torch.tensor([prompts[0] + prompts[1]])
+    anchors = torch.tensor([[3, 7]])
+    feats = replica.target.features(ids, spec.target_layer_ids)
+    embeds = replica.target.embed_tokens(block_input_ids(ids, anchors, spec.block_size, spec.mask_token_id))
+    mask = block_mask(anchors, ids.shape[1], spec.block_size, "dense")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(feats, embeds, anchors, mask), replica.drafter(feats, embeds, anchors, mask))
+    for prompt in prompts[:4]:
+        ours = speculate(replica.target, replica.drafter, prompt, 24)
+        theirs = speculate(replica.target, loaded, prompt, 24)
+        assert theirs.tokens == ours.tokens and theirs.accepted == ours.accepted
