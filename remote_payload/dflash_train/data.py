@@ -59,10 +59,13 @@ def seeded_generator(*parts: int) -> torch.Generator:
 
 def sample_anchors(loss_mask: torch.Tensor, num: int, block_size: int,
                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to `num` distinct sorted anchors among positions with loss_mask=1 that leave room for a
-    whole block; returns (anchors [num], valid [num]), padded with invalid anchors at 0."""
+    """Up to `num` distinct sorted anchors a that leave room for a whole block and whose next
+    token is supervised (loss_mask[a+1], as SpecForge samples them): the block's first prediction
+    always counts, so no block trains with zero weight (an anchor on the last token of an
+    assistant turn used to predict only the next user turn's unsupervised tokens). Returns
+    (anchors [num], valid [num]), padded with invalid anchors at 0."""
     room = max(0, loss_mask.shape[0] - block_size + 1)
-    candidates = loss_mask[:room].nonzero().flatten()
+    candidates = loss_mask[1:room + 1].nonzero().flatten()
     chosen = candidates[torch.randperm(candidates.numel(), generator=generator)[:num]].sort().values
     anchors = torch.zeros(num, dtype=torch.long)
     valid = torch.zeros(num, dtype=torch.bool)

@@ -15,14 +15,25 @@ from dflash_train.resolve import resolve_config
 from dflash_train.train import run_training
 
 
-def test_anchors_have_loss_mask_and_room_for_a_block():
+def test_anchors_predict_a_supervised_token_and_have_room_for_a_block():
     mask = torch.zeros(40, dtype=torch.bool)
     mask[10:40] = True
     for seed in range(20):
         anchors, valid = sample_anchors(mask, 6, 8, seeded_generator(seed))
         assert valid.all()
-        assert (anchors >= 10).all() and (anchors + 8 <= 40).all()
+        assert (anchors >= 9).all() and (anchors + 8 <= 40).all()  # 9: the prompt's last token starts the reply
+        assert mask[anchors + 1].all()
         assert anchors.unique().numel() == 6 and torch.equal(anchors, anchors.sort().values)
+
+
+def test_no_anchor_sits_where_the_next_token_is_unsupervised():
+    """Multi-turn: the last token of an assistant turn is followed by the user's (unsupervised)
+    tokens; a block anchored there would train with zero weight."""
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0], dtype=torch.bool)
+    for seed in range(30):
+        anchors, valid = sample_anchors(mask, 20, 4, seeded_generator(seed))
+        chosen = anchors[valid]
+        assert sorted(chosen.tolist()) == [2, 3, 4, 9, 10, 11, 12]  # every a with mask[a+1], room for 4
 
 
 def test_short_sequences_pad_with_invalid_anchors():
