@@ -168,26 +168,40 @@ def load_tokenizer(tokenizer_path: str | None, data_path: str | Path):
 
 
 def tokenize_chat(messages: list[dict], tokenizer) -> Sequence:
-    """Render with the chat template; loss_mask=1 on the tokens that assistant turns add.
+    """Render the whole conversation once with the chat template; loss_mask=1 on the tokens of
+    each assistant reply: its content as rendered, and the end-of-turn token right after it.
 
-    Each prefix of the conversation is rendered and the tokens it adds are attributed to its last
-    message. That needs a template which renders a prefix the same way whatever follows it; one
-    that does not is a DataError, not a shifted mask. Qwen3's does not for multi-turn chats: it
-    gives the last assistant turn an empty think block and earlier ones none.
+    The replies are found by character offsets in that one rendering (a fast tokenizer's offset
+    mapping), so a template that renders earlier turns differently once more follow (Qwen3 gives
+    only the last assistant turn an empty think block) still gives exact masks. A template that
+    rewrites a message's content is a DataError, not a shifted mask.
     """
-    ids: list[int] = []
-    mask: list[int] = []
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans, cursor = [], 0
     for i, message in enumerate(messages):
-        # return_dict=True: a BatchEncoding on 4.x (whose default is a list of ids) and 5.x alike.
-        rendered = list(tokenizer.apply_chat_template(messages[: i + 1], tokenize=True,
-                                                      return_dict=True)["input_ids"])
-        if rendered[: len(ids)] != ids:
-            raise DataError(f"the chat template renders messages 0..{i - 1} differently once message "
-                             f"{i} ({message.get('role')}) follows them, so the tokens of each turn are "
-                             "unknown; pre-tokenise this row to input_ids/loss_mask")
-        mask += [int(message.get("role") == "assistant")] * (len(rendered) - len(ids))
-        ids = rendered
-    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+        content = message.get("content") or ""
+        if not isinstance(content, str):
+            raise DataError(f"message {i} ({message.get('role')}): content must be a string")
+        if not content:
+            continue
+        at = text.find(content, cursor)
+        if at < 0:
+            raise DataError(f"message {i} ({message.get('role')}) does not appear as written in the rendered chat "
+                            "(the template rewrites it), so its tokens are unknown; pre-tokenise this row "
+                            "to input_ids/loss_mask")
+        end = at + len(content)
+        if message.get("role") == "assistant":
+            eos = tokenizer.eos_token
+            if eos and text.startswith(eos, end):
+                end += len(eos)  # the drafter learns where a reply ends
+            spans.append((at, end))
+        cursor = end
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError("chat rows need a fast tokenizer (its offsets place each reply); "
+                        "pre-tokenise to input_ids/loss_mask")
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [hi > lo and any(a <= lo and hi <= b for a, b in spans) for lo, hi in enc["offset_mapping"]]
+    return torch.tensor(enc["input_ids"], dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
 
 def demo_sequences(target: Qwen3Target, cfg: DataConfig, mask_token_id: int, seed: int) -> tuple[list[Sequence], list[Sequence]]:
