@@ -633,6 +633,53 @@ def logs_tail(
                             err=err, final=partial(final_state, session, where)))  # several hosts: the whole run's state
 
 
+# --- data --------------------------------------------------------------------------------------
+
+data_app = typer.Typer(help="Datasets in the container: push and list (a run names one as data:NAME).",
+                       no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("push")
+def data_push(
+    ctx: typer.Context,
+    host: str = typer.Argument(..., help="Host to send the datasets to.", autocompletion=_complete_host),
+    files: List[Path] = typer.Argument(..., help="JSONL files (each kept under its file name)."),
+    as_name: Optional[str] = typer.Option(None, "--as", help="The dataset's name there (one file only)."),
+) -> None:
+    """Copy datasets into <workdir>/data/: streamed, hashed, atomic; unchanged files are skipped."""
+    from .data import push_data
+    from .runs import fmt_bytes
+
+    target = _state(ctx).session().target(host)
+    out = Console()
+    for done in push_data(target, [f.expanduser() for f in files], as_name):
+        verb = "sent" if done.sent else "unchanged"
+        out.print(Text(f"{done.name}: {verb}, {fmt_bytes(done.size)}, {done.rows} rows, sha256 {done.sha256[:12]} "
+                       f"(use it as data.train_path=data:{done.name})"), soft_wrap=True)
+
+
+@data_app.command("list")
+def data_list(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(None, help="Host (default host if omitted).", autocompletion=_complete_host),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """The datasets on a host: name, size, rows, sha256 prefix."""
+    from .data import list_data
+    from .runs import fmt_bytes
+    from .tables import Column, show
+
+    target = _state(ctx).session().target(host)
+    datasets = list_data(target)
+    if json_out:
+        typer.echo(json.dumps(datasets, indent=2))
+        return
+    show(Console(), [Column("name"), Column("size", "right"), Column("rows", "right"), Column("sha256")],
+         [[d["name"], fmt_bytes(d["size"]), str(d["rows"]), d["sha256"][:12]] for d in datasets],
+         title=f"datasets on {target.label}")
+
+
 # --- tunnel ------------------------------------------------------------------------------------
 
 

@@ -59,7 +59,7 @@ def trainer_argv(
         argv += ["--preset", preset]
     if config_path:
         argv += ["--config", config_path]
-    sets = [f"run.output_dir={run_dir}", f"run.compile_cache_dir={COMPILE_CACHE}"]
+    sets = [f"run.output_dir={run_dir}", f"run.compile_cache_dir={COMPILE_CACHE}", f"data.dir={WORKDIR_TOKEN}/data"]
     numeric = [g for g in gpus if g != CPU]
     if len(numeric) == 1:
         sets.append(f"run.device=cuda:{numeric[0]}")
@@ -295,6 +295,15 @@ def duration(run: dict[str, Any]) -> float | None:
     start = run.get("started_ts")
     end = run.get("ended_ts") or (run.get("now_ts") if run.get("state") == "running" else None)
     return end - start if start and end else None
+
+
+def fmt_bytes(size: int) -> str:
+    """`12.3 MB` (decimal units, as rich and ls -h --si print them)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
 
 
 def fmt_duration(seconds: float | None) -> str:

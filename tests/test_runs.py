@@ -72,7 +72,7 @@ def test_trainer_argv_places_gpus_and_output_dir_before_user_overrides():
     argv = trainer_argv(host, "/w/runs/r1", "/w/runs/r1/c.yaml", ["run.steps=3"], ["0", "2"], preset="qwen3-8b")
     assert argv == ["/venv/bin/python", "-m", "dflash_train", "--preset", "qwen3-8b", "--config", "/w/runs/r1/c.yaml",
                     "--set", "run.output_dir=/w/runs/r1", "--set", f"run.compile_cache_dir={COMPILE_CACHE}",
-                    "--set", "run.gpus=[0,2]", "--set", "run.steps=3"]
+                    "--set", "data.dir={workdir}/data", "--set", "run.gpus=[0,2]", "--set", "run.steps=3"]
     assert "--set" in trainer_argv(host, RUN_DIR_TOKEN, None, [], ["1"]) and "run.device=cuda:1" in trainer_argv(
         host, RUN_DIR_TOKEN, None, [], ["1"])
     assert not any("device" in a or "gpus" in a for a in trainer_argv(host, RUN_DIR_TOKEN, None, [], [CPU]))

@@ -55,7 +55,9 @@ class DataConfig:
     """Where sequences come from and how blocks are sampled from them."""
 
     source: str = "demo"  # demo (greedy continuations of the random target) | jsonl | random
-    train_path: str | None = None  # jsonl rows: {"input_ids", "loss_mask"} or {"messages"}
+    train_path: str | None = None  # jsonl rows: {"input_ids", "loss_mask"} or {"messages"};
+    # `data:NAME` is a dataset pushed with `dflashctl data push` (in data.dir)
+    dir: str | None = None  # where `data:NAME` paths live; dflashctl sets <workdir>/data
     eval_path: str | None = None  # held-out jsonl; None holds out `eval_fraction` of train
     eval_fraction: float = 0.05
     tokenizer_path: str | None = None  # for chat rows; None uses target.path

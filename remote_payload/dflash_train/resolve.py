@@ -18,6 +18,7 @@ from .target import default_target_layer_ids, read_hf_config, resolve_mask_token
 # step is compute-bound, so the regional compile costs no speed, while one graph of the whole step
 # takes minutes to compile (8B: not done after 10 min on an H200, against 24 s per layer).
 LAYERS_SCOPE_MIN_HIDDEN = 1024
+DATASET_PREFIX = "data:"  # data.train_path: data:NAME is <data.dir>/NAME (`dflashctl data push`)
 
 
 def auto_attention(on_cuda: bool, compile_mode: str) -> str:
@@ -124,6 +125,12 @@ def resolve_config(cfg: Config, notes: list[str] | None = None) -> Config:
         d.mask_token_id = resolve_mask_token_id(cfg.target, d.mask_token_id, cfg.data.tokenizer_path)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    for key in ("train_path", "eval_path"):
+        path = getattr(cfg.data, key)
+        if path is not None and path.startswith(DATASET_PREFIX):
+            if cfg.data.dir is None:
+                raise ConfigError(f"data.{key} {path}: a pushed dataset needs data.dir (dflashctl train sets it)")
+            setattr(cfg.data, key, str(Path(cfg.data.dir) / path[len(DATASET_PREFIX):]))
     if cfg.optim.gamma is None:
         cfg.optim.gamma = default_gamma(d.block_size)
     if run.export_dir is None:

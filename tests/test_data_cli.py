@@ -1,0 +1,73 @@
+"""`dflashctl data push/list` (issue 16) through sshd + the pct shim, and a run on a pushed dataset."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+
+from runs_helpers import wait_until
+from sshd import CLI, SHIM_VMID
+
+
+def rows(n: int, seed: int = 0) -> str:
+    """n JSONL rows of token ids the tiny target's vocabulary holds."""
+    return "".join(json.dumps({"input_ids": [(seed + i * 7 + j) % 500 for j in range(40)]}) + "\n" for i in range(n))
+
+
+def test_push_list_skip_unchanged_and_replace(shim_host, tmp_path):
+    data = shim_host.container_dir(SHIM_VMID) / "work" / "data"
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(rows(30))
+    b.write_text(rows(12, seed=3))
+    first = shim_host.run_cli("data", "push", "shim", str(a), str(b))
+    assert first.returncode == 0, first.stderr
+    assert "a.jsonl: sent" in first.stdout and "30 rows" in first.stdout and "data.train_path=data:a.jsonl" in first.stdout
+    assert (data / "a.jsonl").read_bytes() == a.read_bytes()
+    listed = json.loads(shim_host.run_cli("data", "list", "shim", "--json").stdout)
+    sha = hashlib.sha256(a.read_bytes()).hexdigest()
+    assert {d["name"]: (d["rows"], d["size"], d["sha256"]) for d in listed}["a.jsonl"] == (30, a.stat().st_size, sha)
+    again = shim_host.run_cli("data", "push", "shim", str(a))
+    assert "a.jsonl: unchanged" in again.stdout
+    a.write_text(rows(31))
+    changed = shim_host.run_cli("data", "push", "shim", str(a), "--as", "train")
+    assert "train: sent" in changed.stdout and (data / "train").read_bytes() == a.read_bytes()
+    table = shim_host.run_cli("data", "list", "shim").stdout.splitlines()
+    assert table[0].split() == ["NAME", "SIZE", "ROWS", "SHA256"] and any(line.startswith("train ") for line in table)
+    bad = shim_host.run_cli("data", "push", "shim", str(a), str(b), "--as", "x")
+    assert bad.returncode == 2 and "--as names one file" in bad.stderr
+
+
+def test_a_killed_push_leaves_the_old_copy_and_no_partial(shim_host, tmp_path):
+    data = shim_host.container_dir(SHIM_VMID) / "work" / "data"
+    big = tmp_path / "big.jsonl"
+    big.write_text(rows(10))
+    assert shim_host.run_cli("data", "push", "shim", str(big)).returncode == 0
+    old = big.read_bytes()
+    with big.open("wb") as fh:  # 300 MB: the transfer is still going when it is killed
+        fh.write(os.urandom(1 << 20) * 300)
+    proc = subprocess.Popen([*CLI, "data", "push", "shim", str(big)], env=shim_host.env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(lambda: any(p.name.startswith(".big.jsonl.partial.") and p.stat().st_size > (1 << 20)
+                           for p in data.iterdir()), 120, "a partial transfer")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    wait_until(lambda: not any(p.name.startswith(".big.jsonl.partial.") for p in data.iterdir()), 60,
+               "the partial file to be removed")
+    assert (data / "big.jsonl").read_bytes() == old
+
+
+def test_a_run_trains_on_a_pushed_dataset(shim_host, tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text(rows(40))
+    assert shim_host.run_cli("data", "push", "shim", str(train), "--as", "mine").returncode == 0
+    res = shim_host.run_cli("train", "shim", "--set", "data.source=jsonl", "--set", "data.train_path=data:mine",
+                            "--set", "run.steps=4", "--set", "data.batch_size=4", "--set", "run.eval_every=4",
+                            "--follow", timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "data: " + str(shim_host.container_dir(SHIM_VMID) / "work" / "data" / "mine") in res.stdout
+    missing = shim_host.run_cli("train", "shim", "--set", "data.source=jsonl", "--set", "data.train_path=data:nope",
+                                "--detach", timeout=300)
+    assert missing.returncode == 2 and "data.train_path: no such file" in missing.stderr
