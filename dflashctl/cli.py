@@ -323,6 +323,12 @@ def _word_is_host_or_run(session: Session, host: Optional[str], run: Optional[st
         raise
 
 
+def _run_target(session: Session, host: Optional[str], run: Optional[str]):  # type: ignore[no-untyped-def]
+    """(target, host, run) for `CMD [HOST] [RUN]`: a lone word naming no host is the RUN."""
+    host, run = _host_and_run(session, host, run)
+    return session.target(_first_host(session, host)), host, run
+
+
 def _first_host(session: Session, spec: Optional[str]) -> Optional[str]:
     """The host to ask first for HOST given as a host, `a,b` or a group name (None: the default)."""
     return session.inventory.resolve_many(spec)[0].name if spec else None
@@ -545,8 +551,7 @@ def runs_stop(
 
     check_grace(grace)  # before the "stopping" line
     session = _state(ctx).session()
-    host, run = _host_and_run(session, host, run)
-    target = session.target(_first_host(session, host))
+    target, host, run = _run_target(session, host, run)
     with _word_is_host_or_run(session, host, run):
         # Which run, before saying "stopping": an unreachable host or stopped container is one error line.
         run_id = show_run(target, run, metrics=False)["run_id"] if run else _latest_running(target)
@@ -583,8 +588,7 @@ def runs_pull(
     from .pull import pull_run
 
     session = _state(ctx).session()
-    host, run = _host_and_run(session, host, run)
-    target = session.target(_first_host(session, host))
+    target, host, run = _run_target(session, host, run)
     err = Console(stderr=True)
     guard = _word_is_host_or_run(session, host, run)
     bar = Progress(TextColumn("pulling"), BarColumn(), DownloadColumn(binary_units=False), TransferSpeedColumn(),
@@ -726,8 +730,7 @@ def eval_cmd(
     from .evaluation import render, run_eval
 
     session = _state(ctx).session()
-    host, run = _host_and_run(session, host, run)
-    target = session.target(_first_host(session, host))
+    target, host, run = _run_target(session, host, run)
     err = Console(stderr=True)
     with _word_is_host_or_run(session, host, run):
         report = run_eval(target, run, prompts.expanduser() if prompts else None, max_new_tokens, count, temperature,

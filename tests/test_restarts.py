@@ -86,13 +86,17 @@ HOOK = ("import json, os, sys; keys = ('DFLASHCTL_EVENT', 'DFLASHCTL_RUN_ID', 'D
         "open(sys.argv[1], 'a').write(json.dumps({k: os.environ[k] for k in keys}) + '\\n')")
 
 
+def hook_command(host, events) -> str:  # type: ignore[no-untyped-def]
+    """A --on-event command line that appends each event's environment to `events`."""
+    return f"{host.host_entry(SHIM_VMID)['python']} -c {shlex.quote(HOOK)} {events}"
+
+
 def test_the_event_hook_runs_once_per_event_with_hostile_names_passed_literally(shim_host, tmp_path):
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
     events = tmp_path / "events.jsonl"
-    python = shim_host.host_entry(SHIM_VMID)["python"]
     name = "a'b\"c; $(touch /tmp/pwned) `x` \\n"
-    command = f"{python} -c {shlex.quote(HOOK)} {events}"
+    command = hook_command(shim_host, events)
     res, run_id = start(shim_host, "--name", name, "--set", "run.steps=12", "--set", "standin.checkpoint_every=4",
                         "--set", "standin.fail_at=6", "--set", "standin.fail_once=true", "--max-restarts", "1", *FAST,
                         "--on-event", command)
@@ -109,9 +113,8 @@ def test_a_lost_run_fires_the_lost_event_once_at_the_next_contact(shim_host, tmp
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
     events = tmp_path / "events.jsonl"
-    python = shim_host.host_entry(SHIM_VMID)["python"]
     res = shim_host.run_cli("train", "shim", "--no-push", "--set", "run.steps=100000", "--detach",
-                            "--on-event", f"{python} -c {shlex.quote(HOOK)} {events}")
+                            "--on-event", hook_command(shim_host, events))
     run_id = res.stdout.strip()
     info = meta(workdir, run_id)
     os.kill(info["supervisor"]["pid"], signal.SIGKILL)

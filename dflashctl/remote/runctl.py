@@ -151,8 +151,7 @@ def state_of(run_dir, meta):
             return ("running" if young else "lost"), None
         if alive(meta.get("supervisor")) or alive(meta.get("trainer")):
             # A queued run's supervisor waits for its GPUs; run.json says when it stopped waiting.
-            queued = (read_json(os.path.join(run_dir, META)) or meta).get("queued")
-            return ("queued" if queued else "running"), None
+            return ("queued" if meta.get("queued") else "running"), None
         code = read_exit_code(run_dir)  # it may have ended between the two reads
         if code is None:
             return "lost", None
@@ -552,7 +551,7 @@ def supervise(run_dir, meta, env):
             break
         if step is not None and "--resume" not in argv:
             argv.append("--resume")
-    if code not in (0, 2) and meta.get("host") and not meta.get("group") and has_checkpoint(run_dir):
+    if code not in (0, 2) and meta.get("host") and not meta.get("group") and newest_checkpoint(run_dir) is not None:
         # The trainer's own hint names its flag; this one names the command that does it here.
         command = shlex.join(["dflashctl", "train", meta["host"], "--resume", meta["run_id"]])
         print("dflashctl: the trainer exited with %d; continue from its newest checkpoint: %s" % (code, command),
@@ -625,14 +624,6 @@ def sleep_unless_stopped(run_dir, seconds, stop_flag):
             return True
         time.sleep(SUPERVISOR_POLL_S)
     return False
-
-
-def has_checkpoint(run_dir):
-    """True when the trainer has saved at least one checkpoint (hidden entries are half-written)."""
-    try:
-        return any(not name.startswith(".") for name in os.listdir(os.path.join(run_dir, "checkpoints")))
-    except OSError:
-        return False
 
 
 def wait_trainer(run_dir, child, stop_flag):

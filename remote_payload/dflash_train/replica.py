@@ -204,6 +204,11 @@ def warmup_progress(replica: Replica) -> str:
     return f"forward: {what} {i}/{n}" if n else what
 
 
+def stop_progress_probes(replica: Replica) -> None:
+    """Take the warm-up's progress probes off the layer loops (every later step would pay them)."""
+    replica.target.on_layer = replica.drafter.on_layer = None
+
+
 def train_step(replica: Replica, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """One full step on one replica; metrics stay tensors (no device sync) except the lr used."""
     loss = forward_backward(replica, batch)

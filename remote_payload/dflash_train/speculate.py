@@ -53,8 +53,9 @@ class Verifier:
         self.length = 0  # positions in the cache
 
     @torch.no_grad()
-    def extend(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ids [1, T] after the cache: (logits [T, V] in fp32, features [1, T, L*H])."""
+    def extend(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ids [1, T] after the cache: (logits [T, V] in fp32, features [1, T, L*H], or None
+        when no feature layers were asked for)."""
         m = self.model
         x = m.embed_tokens(ids)                                                  # [1, T, H]
         positions = torch.arange(self.length, self.length + ids.shape[1], device=ids.device)[None]
@@ -66,7 +67,7 @@ class Verifier:
                 feats[i] = x
         self.length += ids.shape[1]
         logits = m.lm_head(m.norm(x[0])).float()                                 # [T, V]
-        return logits, torch.cat([feats[i] for i in self.feature_layers], dim=-1)
+        return logits, torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
 
     def crop(self, length: int) -> None:
         """Forget every cached position from `length` on (rejected drafts)."""
@@ -157,7 +158,7 @@ def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], ma
 def greedy(target: Qwen3Target, prompt: list[int], max_new_tokens: int, eos_id: int | None = None) -> list[int]:
     """The target's own greedy decode (one token per forward, KV cached): the lossless reference."""
     device = next(target.parameters()).device
-    decoder = Verifier(target, (0,))
+    decoder = Verifier(target, ())
     logits, _ = decoder.extend(torch.tensor([prompt], device=device))
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < max_new_tokens and tokens[-1] != eos_id:

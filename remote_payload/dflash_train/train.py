@@ -9,10 +9,10 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import signal
 import threading
 import time
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,9 +24,10 @@ from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import Batch, BlockSampler, DataError, build_datasets
 from .export import export_drafter
 from .model import DFlashDrafter
-from .replica import DTYPES, Replica, drafter_ops, evaluate
+from .replica import DTYPES, Replica, drafter_ops, evaluate, stop_progress_probes
 from .resolve import drafter_spec, resolve_config, summary, worker_devices
 from .speculate import held_out_prompts, speculative_eval
+
 
 def load_data(cfg: Config, world: int = 1) -> tuple[BlockSampler, list[Batch], list[list[int]]]:
     """The sampler of global batches (`data.batch_size` sequences per replica, `world` replicas),
@@ -153,7 +154,6 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
     cfg = resolve_config(cfg, notes)
     if cfg.run.compile != "off":
         workers.preload_compiler()
-    if cfg.run.compile != "off":
         notes.append(use_compile_cache(cfg.run.compile_cache_dir))
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -220,7 +220,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         return replica
 
     state = {"loss_sum": 0.0, "steps": 0, "record_step": start, "t0": time.perf_counter(),
-             "untrained": None, "stopped": None}
+             "untrained": None, "stopped": None, "spec_tau": None}
     threads_at = time.monotonic()
 
     def run_eval(replica: Replica, step: int, event: str) -> float:
@@ -243,6 +243,8 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
 
     def on_start(point: workers.SyncPoint) -> None:
         ready_at = time.monotonic()
+        for replica in point.replicas:  # warm-up is over: no progress probes in the steps' layer loops
+            stop_progress_probes(replica)
         if policy.effective != "off":
             log(f"compiled and warmed up: {' / '.join(f'{s:.1f}' for s in point.warmup_s)} s per worker")
         if start == 0:
@@ -251,7 +253,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         timing = {"time_to_first_step_s": now - launched_at, "before_workers_s": threads_at - launched_at,
                   "workers_ready_s": ready_at - threads_at, "warmup_s": list(point.warmup_s),
                   "first_eval_s": now - ready_at}
-        metrics.write({"event": "start", "step": start, **{k: v for k, v in timing.items()}})
+        metrics.write({"event": "start", "step": start, **timing})
         log(f"time to first step: {timing['time_to_first_step_s']:.1f} s (start-up, config and data "
             f"{timing['before_workers_s']:.1f} s; build, compile and warm-up {timing['workers_ready_s']:.1f} s; "
             f"step-{start} evaluation {timing['first_eval_s']:.1f} s)")
@@ -294,7 +296,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
                 log(f"exported drafter to {export_dir}")
             before = f" (untrained: {state['untrained']:.3f})" if state["untrained"] is not None else ""
             real = (f"; speculative tau {state['spec_tau']:.3f} (real draft-and-verify decoding, greedy)"
-                    if state.get("spec_tau") is not None else
+                    if state["spec_tau"] is not None else
                     " (a proxy: real speculative decoding accepts fewer tokens per step)")
             log(f"final held-out teacher-forced acceptance length: {final:.3f}{before}{real}")
         state["t0"] = time.perf_counter()
@@ -308,7 +310,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         barrier_timeout_s=run.barrier_timeout_s, compile_timeout_s=run.compile_timeout_s, start_step=start,
         fail_at=cfg.debug.fail_at, hang_at=cfg.debug.hang_at, fail_rank=cfg.debug.fail_rank,
         should_stop=should_stop, stop_before_start=lambda: stop.requested, on_start=on_start,
-        on_progress=lambda line: log(line),
+        on_progress=log,
         cross_reduce=group.cross_reduce if group else None, cross_check=group.cross_check if group else None)
     result = workers.run_threaded(dataclasses.replace(ops, build=build), devices,
                                   group.sharded(data) if group else data, total, options, on_sync)

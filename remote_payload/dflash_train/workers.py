@@ -120,7 +120,7 @@ def choose_compile_policy(mode: str, device_type: str, version: str = torch.__ve
     return CompilePolicy(mode, "cudagraphs", dict(CUDAGRAPH_OPTIONS), why)
 
 
-def preload_compiler() -> threading.Thread:
+def preload_compiler() -> None:
     """Import Dynamo and Inductor in a background thread: the first `torch.compile` pays for it
     otherwise, in the worker, after everything else (7.7 s of the 8B preset's start-up on an H200
     box with a cold page cache, bench/startup_profile.py). Started before the config, data,
@@ -130,9 +130,7 @@ def preload_compiler() -> threading.Thread:
         import torch._dynamo  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
 
-    thread = threading.Thread(target=load, name="dflash-preload-compiler", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=load, name="dflash-preload-compiler", daemon=True).start()
 
 
 @dataclass(frozen=True)
