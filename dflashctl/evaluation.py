@@ -73,6 +73,8 @@ def render(report: dict[str, Any], console: Console) -> None:
         f"acceptance by draft position: {by_position}",
         f"target alone {report['target_ms_per_token']:.2f} ms/token, speculative {report['spec_ms_per_token']:.2f} "
         f"ms/token: speedup {report['speedup']:.2f}x",
+        f"one verify step (draft, verify, accept) costs {report['spec_ms_per_step']:.2f} ms = "
+        f"{report['step_cost']:.2f} target decode steps (speedup = tau / that)",
         f"wrote {report['run_dir']}/eval.json",
     ]
     if greedy:

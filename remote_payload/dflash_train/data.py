@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .config import Config, DataConfig
+from .decode import generate
 from .target import Qwen3Target, build_tiny_target
 
 Sequence = tuple[torch.Tensor, torch.Tensor]  # (input_ids [T] long, loss_mask [T] bool)
@@ -214,8 +215,8 @@ def demo_sequences(target: Qwen3Target, cfg: DataConfig, mask_token_id: int, see
     gen = seeded_generator(seed, 7)
     prompts = torch.randint(0, target.cfg.vocab_size - 1, (n, cfg.prompt_length), generator=gen)
     prompts[prompts >= mask_token_id] += 1  # never the MASK id (random targets reserve the last)
-    ids = target.generate_greedy(prompts.to(target.embed_tokens.weight.device), cfg.max_length,
-                                 mask_token_id).cpu()
+    new = generate(target, prompts.tolist(), cfg.max_length - cfg.prompt_length, banned_ids=(mask_token_id,))
+    ids = torch.cat([prompts, torch.tensor(new, dtype=torch.long)], dim=1)
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, : cfg.prompt_length] = False
     seqs = list(zip(ids.unbind(0), mask.unbind(0)))

@@ -4,7 +4,8 @@ speculative decoding (greedy by default).
 
 For each prompt it times the target alone (KV-cached greedy decode) and the speculative loop,
 checks (greedy) that both produced the same tokens, and reports tau (tokens per verify step, the bonus
-included), acceptance per draft position, ms per output token of each and the speedup. The
+included), acceptance per draft position, ms per output token of each and the speedup, and
+the cost of one verify step (draft + verify + accept) in target decode steps. The
 report goes to RUN_DIR/eval.json and, as one JSON line, to stdout; progress lines go to stderr.
 Exit codes: 0 done (also when the outputs differed: the report says so), 2 bad input (no
 export yet, no or empty prompts, a prompt too long for the target's context), 4 torch missing.
@@ -59,7 +60,8 @@ def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens:
     from .export import load_exported
     from .replica import build_target
     from .resolve import resolve_config
-    from .speculate import acceptance_by_position, greedy, speculate
+    from .decode import greedy
+    from .speculate import acceptance_by_position, speculate
     from .train import load_data
 
     export = run_dir / "export"
@@ -70,7 +72,8 @@ def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens:
     dev = torch.device(cfg.run.device)
     target = build_target(cfg, dev).eval()
     drafter, _ = load_exported(export, dev)
-    drafter = drafter.float().eval()
+    # In the target's dtype, as a server loads it (bf16 on a GPU): no fp32 weights cast per call.
+    drafter = drafter.to(target.embed_tokens.weight.dtype).eval()
     if prompts is None:
         prompts = load_data(cfg)[2]
         if not prompts:
@@ -99,18 +102,22 @@ def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens:
         rows.append({"prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
                      "identical": spec.tokens == reference if temperature == 0 else None,
                      "target_ms_per_token": 1e3 * (t1 - t0) / len(reference),
-                     "spec_ms_per_token": 1e3 * (t2 - t1) / len(spec.tokens)})
+                     "spec_ms_per_token": 1e3 * (t2 - t1) / len(spec.tokens),
+                     "verify_steps": len(spec.accepted)})
         same = "" if temperature else f", identical {rows[-1]['identical']}"
         progress(f"prompt {i + 1}/{len(prompts)}: tau {spec.tau:.2f}{same}")
     steps = sum(len(r.accepted) for r in results)
     target_ms = sum(r["target_ms_per_token"] * r["new_tokens"] for r in rows) / sum(r["new_tokens"] for r in rows)
     spec_ms = sum(r["spec_ms_per_token"] * r["new_tokens"] for r in rows) / sum(r["new_tokens"] for r in rows)
+    # A verify step's whole cost (draft, verify, accept) in target decode steps: speedup = tau / this.
+    step_ms = sum(r["spec_ms_per_token"] * r["new_tokens"] for r in rows) / max(steps, 1)
     return {
         "schema": "dflashctl.eval/1", "run_dir": str(run_dir), "device": str(dev), "prompts": len(rows),
         "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "block_size": cfg.drafter.block_size,
         "tau": sum(k + 1 for r in results for k in r.accepted) / max(steps, 1),
         "acceptance_by_position": acceptance_by_position(results, cfg.drafter.block_size),
         "target_ms_per_token": target_ms, "spec_ms_per_token": spec_ms, "speedup": target_ms / spec_ms,
+        "spec_ms_per_step": step_ms, "step_cost": step_ms / target_ms,
         "identical": all(r["identical"] for r in rows) if temperature == 0 else None, "per_prompt": rows,
     }
 

@@ -121,24 +121,6 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, apply_rope(k, cos, sin), v, is_causal=True, enable_gqa=True)
         return self.output(out)
 
-    def extend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               past: tuple[torch.Tensor, torch.Tensor] | None):
-        """Causal attention for new tokens x [N, T, H] after cached keys/values `past`
-        ([N, nkv, T0, d] each, or None); cos/sin [1, T, d] at positions T0..T0+T-1.
-        Returns ([N, T, H], the cache extended to T0+T). Used for greedy generation (T = 1) and
-        for verifying a drafted block (T = B)."""
-        q = apply_rope(self.queries(x), cos, sin)
-        k, v = self.keys_values(x)
-        k = apply_rope(k, cos, sin)
-        mask = None
-        if past is not None:
-            t0, t = past[0].shape[2], x.shape[1]
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-            if t > 1:  # new token i sees every cached key and new tokens 0..i
-                mask = torch.arange(t0 + t, device=x.device)[None, :] <= t0 + torch.arange(t, device=x.device)[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past is None, enable_gqa=True)
-        return self.output(out), (k, v)
-
 
 class DecoderLayer(nn.Module):
     """Pre-norm Qwen3 decoder layer; `forward` is the target's causal layer."""
@@ -154,13 +136,6 @@ class DecoderLayer(nn.Module):
         # x: [N, S, H] -> [N, S, H]
         x = x + self.self_attn.causal(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def extend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               past: tuple[torch.Tensor, torch.Tensor] | None):
-        """`forward` for new tokens after a key/value cache; returns (x, extended cache)."""
-        attn, cache = self.self_attn.extend(self.input_layernorm(x), cos, sin, past)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 # ----------------------------------------------------------------------------------------------

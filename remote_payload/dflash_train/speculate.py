@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import DFlashDrafter, block_mask, rope_cos_sin
+from .decode import Decoder, pick
+from .model import DFlashDrafter, block_mask
 from .target import Qwen3Target
-
-Cache = list  # one (keys, values) pair per target layer, [1, nkv, T, d] each
 
 
 @dataclass
@@ -40,39 +39,6 @@ class Decoded:
     def tau(self) -> float:
         """Mean tokens per verify step, the bonus token included."""
         return sum(k + 1 for k in self.accepted) / max(len(self.accepted), 1)
-
-
-class Verifier:
-    """The target as a KV-cached decoder that also returns the drafter's context features."""
-
-    def __init__(self, model: Qwen3Target, feature_layers: tuple[int, ...]):
-        if len(model.layers) != model.cfg.num_layers:
-            raise ValueError("speculative decoding needs the whole target (this one stops early)")
-        self.model, self.feature_layers = model, feature_layers
-        self.cache: Cache = [None] * len(model.layers)
-        self.length = 0  # positions in the cache
-
-    @torch.no_grad()
-    def extend(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run ids [1, T] after the cache: (logits [T, V] in fp32, features [1, T, L*H], or None
-        when no feature layers were asked for)."""
-        m = self.model
-        x = m.embed_tokens(ids)                                                  # [1, T, H]
-        positions = torch.arange(self.length, self.length + ids.shape[1], device=ids.device)[None]
-        cos, sin = rope_cos_sin(positions, m.shape.head_dim, m.shape.rope_theta, x.dtype)
-        wanted, feats = set(self.feature_layers), {}
-        for i, layer in enumerate(m.layers):
-            x, self.cache[i] = layer.extend(x, cos, sin, self.cache[i])
-            if i in wanted:
-                feats[i] = x
-        self.length += ids.shape[1]
-        logits = m.lm_head(m.norm(x[0])).float()                                 # [T, V]
-        return logits, torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
-
-    def crop(self, length: int) -> None:
-        """Forget every cached position from `length` on (rejected drafts)."""
-        self.cache = [(k[:, :, :length], v[:, :, :length]) for k, v in self.cache]
-        self.length = length
 
 
 @torch.no_grad()
@@ -90,14 +56,6 @@ def draft_logits(drafter: DFlashDrafter, target: Qwen3Target, context: torch.Ten
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=context.dtype == torch.bfloat16):
         hidden = drafter(context, target.embed_tokens(block), anchors, block_mask(anchors, s, bs, attention))
     return target.lm_head(hidden[0, 1:].to(target.lm_head.weight.dtype)).float()  # [B-1, V]
-
-
-def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Greedy (temperature 0) or sampled token ids from logits [..., V]."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, -1)
-    return torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
 
 
 def accept(drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float,
@@ -128,21 +86,22 @@ def accept(drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor,
 @torch.no_grad()
 def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
               eos_id: int | None = None, attention: str = "dense", temperature: float = 0.0,
-              generator: torch.Generator | None = None) -> Decoded:
+              generator: torch.Generator | None = None, graphs: bool | None = None) -> Decoded:
     """Speculative decoding of one prompt (see the module docstring): greedy at temperature 0
     (lossless: the target's greedy text), else sampled with the speculative-sampling rule
     (`accept`), whose output is distributed as the target's samples at that temperature."""
     device = next(target.parameters()).device
-    verifier = Verifier(target, drafter.spec.target_layer_ids)
-    logits, context = verifier.extend(torch.tensor([prompt], device=device))
-    out = Decoded([int(pick(logits[-1], temperature, generator))])                # the prefill's own token
+    block_size = drafter.spec.block_size
+    verifier = Decoder(target, 1, len(prompt) + max_new_tokens + block_size, drafter.spec.target_layer_ids, graphs)
+    logits, context = verifier.prefill([prompt])                                  # [1, V], [1, P, L*H]
+    out = Decoded([int(pick(logits[0], temperature, generator=generator))])      # the prefill's own token
     while len(out.tokens) < max_new_tokens and out.tokens[-1] != eos_id:
         anchor = verifier.length                                                  # position of tokens[-1]
         q_logits = draft_logits(drafter, target, context, out.tokens[-1], attention)
-        drafts = pick(q_logits, temperature, generator)                          # [B-1]
+        drafts = pick(q_logits, temperature, generator=generator)                # [B-1]
         block = torch.cat([torch.tensor([out.tokens[-1]], device=device), drafts])[None]
-        p_logits, feats = verifier.extend(block)                                  # [B, V]: predicts B tokens
-        k, following = accept(drafts, q_logits, p_logits, temperature, generator)
+        p_logits, feats = verifier.step(block)                                    # [1, B, V]: predicts B tokens
+        k, following = accept(drafts, q_logits, p_logits[0], temperature, generator)
         out.accepted.append(k)
         out.anchors.append(anchor)
         out.tokens += [int(t) for t in drafts[:k]] + [following]                  # accepted drafts + the bonus
@@ -152,19 +111,6 @@ def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], ma
         out.tokens = out.tokens[:out.tokens.index(eos_id) + 1]
     out.tokens = out.tokens[:max_new_tokens]
     return out
-
-
-@torch.no_grad()
-def greedy(target: Qwen3Target, prompt: list[int], max_new_tokens: int, eos_id: int | None = None) -> list[int]:
-    """The target's own greedy decode (one token per forward, KV cached): the lossless reference."""
-    device = next(target.parameters()).device
-    decoder = Verifier(target, ())
-    logits, _ = decoder.extend(torch.tensor([prompt], device=device))
-    tokens = [int(logits[-1].argmax())]
-    while len(tokens) < max_new_tokens and tokens[-1] != eos_id:
-        logits, _ = decoder.extend(torch.tensor([[tokens[-1]]], device=device))
-        tokens.append(int(logits[-1].argmax()))
-    return tokens
 
 
 def acceptance_by_position(results: list[Decoded], block_size: int) -> list[float]:

@@ -52,8 +52,8 @@ class Qwen3Target(nn.Module):
 
     def compile_layers(self, **compile_kwargs) -> "Qwen3Target":
         """Regional compilation of the decoder layers' causal `forward` (used by `features` and
-        `logits`; `extend`, the greedy-generation path, stays eager). The layers share one
-        compiled graph; it fuses the RMSNorms, q/k norms, RoPE and SwiGLU that eager runs as
+        `logits`; decode.py, the KV-cached path, calls the layers' parts and stays eager). The
+        layers share one compiled graph; it fuses the RMSNorms, q/k norms, RoPE and SwiGLU that eager runs as
         ~30 separate memory-bound kernels per layer. `compile_kwargs` go to `torch.compile`."""
         for layer in self.layers:
             layer.compile(**compile_kwargs)
@@ -89,25 +89,6 @@ class Qwen3Target(nn.Module):
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x)).float()
 
-
-    @torch.no_grad()
-    def generate_greedy(self, prompts: torch.Tensor, length: int, banned_id: int) -> torch.Tensor:
-        """Greedy continuation of prompts [N, P] to [N, length], never emitting `banned_id`."""
-        if len(self.layers) != self.cfg.num_layers:
-            raise RuntimeError("generate_greedy() needs the full target; this one stops early")
-        ids, caches = prompts, [None] * len(self.layers)
-        x, start = self.embed_tokens(prompts), 0                              # prefill: [N, P, H]
-        while ids.shape[1] < length:
-            positions = torch.arange(start, start + x.shape[1], device=x.device)[None]
-            cos, sin = rope_cos_sin(positions, self.shape.head_dim, self.shape.rope_theta, x.dtype)
-            for i, layer in enumerate(self.layers):
-                x, caches[i] = layer.extend(x, cos, sin, caches[i])
-            logits = self.lm_head(self.norm(x[:, -1])).float()               # [N, V]
-            logits[:, banned_id] = float("-inf")
-            nxt = logits.argmax(-1, keepdim=True)                             # [N, 1]
-            start += x.shape[1]
-            ids, x = torch.cat([ids, nxt], dim=1), self.embed_tokens(nxt)
-        return ids
 
 
 def shape_of(cfg: TargetConfig) -> Shape:

@@ -12,7 +12,8 @@ from dflash_train.data import BlockSampler, build_datasets
 from dflash_train.model import block_input_ids, block_mask
 from dflash_train.replica import build_replica, train_step
 from dflash_train.resolve import resolve_config
-from dflash_train.speculate import acceptance_by_position, greedy, speculate
+from dflash_train.decode import greedy
+from dflash_train.speculate import acceptance_by_position, speculate
 
 PROMPTS = 20
 NEW_TOKENS = 40
@@ -65,23 +66,6 @@ def test_greedy_speculation_is_lossless_and_matches_teacher_forcing(trained):
     per_position = acceptance_by_position(results, block)
     assert all(1.0 <= t <= block for t in taus) and sum(taus) / len(taus) > 1.2  # the drafter learned something
     assert per_position == sorted(per_position, reverse=True) and len(per_position) == block - 1
-
-
-def test_a_block_verified_after_the_cache_equals_one_token_at_a_time(trained):
-    """The verify step's masked multi-token extend gives the logits of the one-token path."""
-    _, replica, prompts = trained
-    from dflash_train.speculate import Verifier
-
-    layers = replica.drafter.spec.target_layer_ids
-    one, many = Verifier(replica.target, layers), Verifier(replica.target, layers)
-    prompt, more = torch.tensor([prompts[0]]), [5, 9, 11, 3]
-    one.extend(prompt)
-    many.extend(prompt)
-    step_logits = torch.stack([one.extend(torch.tensor([[t]]))[0][0] for t in more])
-    block_logits, _ = many.extend(torch.tensor([more]))
-    torch.testing.assert_close(block_logits, step_logits, rtol=1e-5, atol=1e-5)
-    many.crop(many.length - 2)
-    assert many.length == one.length - 2 and all(k.shape[2] == many.length for k, _ in many.cache)
 
 
 def test_sampled_speculation_is_distributed_as_the_target(trained):

@@ -65,17 +65,6 @@ def test_features_are_the_hidden_states_after_each_layer():
     torch.testing.assert_close(feats, torch.cat([outs[1], outs[2]], -1))
 
 
-def test_cached_greedy_generation_matches_full_recompute():
-    target = build_tiny_target(TargetConfig(), seed=0)
-    ids = torch.randint(0, 511, (3, 5))
-    generated = target.generate_greedy(ids, 16, banned_id=511)
-    while ids.shape[1] < 16:
-        logits = target.logits(ids)[:, -1]
-        logits[:, 511] = float("-inf")
-        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
-    assert torch.equal(generated, ids)
-
-
 def test_mask_token_id(tmp_path):
     assert resolve_mask_token_id(TargetConfig(), None) == 511
     assert resolve_mask_token_id(TargetConfig(), 7) == 7

@@ -1,0 +1,245 @@
+"""KV-cached decoding of the target: the one decode path in the payload.
+
+Everything that runs the target token by token goes through `Decoder`: the greedy reference of
+`dflashctl eval` (`greedy`), the speculative loop's verify step (speculate.py), batched
+generation for data regeneration and the demo data (`generate`).
+
+The cache is static, as in gpt-fast: per layer one key and one value buffer [N, nkv, C, d]
+allocated once for C positions. A step writes the new tokens' keys and values at slots
+length..length+T-1 and attends over a window of the first W slots under a mask, so that the
+step's shapes depend only on (T, W). On CUDA each (T, W) step is captured once as a CUDA graph
+and replayed (W rounds up to a multiple of `WINDOW`); an 8B decode step is ~600 kernels,
+whose launches would otherwise cost more than reading the weights.
+
+Batches are left-padded: row n's prompt starts at slot pad[n]; its positions (RoPE) count from
+there and keys before it are masked. Cropping (rejected drafts) only moves `length` back: the
+stale slots are masked until they are overwritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .model import DecoderLayer, apply_rope, rope_cos_sin
+from .target import Qwen3Target
+
+WINDOW = 256  # attention window granularity under CUDA graphs: one captured graph per multiple
+
+
+@dataclass
+class _Graph:
+    """One captured step: its static inputs and outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor                  # [N, T]
+    start: torch.Tensor                # [1]: the first slot written
+    logits: torch.Tensor               # [N, T, V]
+    features: torch.Tensor | None      # [N, T, L*H]
+
+
+class Decoder:
+    """The whole target as a static-KV-cache decoder for a batch of N rows and C positions."""
+
+    def __init__(self, target: Qwen3Target, batch: int, capacity: int, feature_layers: tuple[int, ...] = (),
+                 graphs: bool | None = None):
+        if len(target.layers) != target.cfg.num_layers:
+            raise ValueError("decoding needs the whole target (this one stops early)")
+        weight = target.embed_tokens.weight
+        self.target, self.feature_layers = target, tuple(feature_layers)
+        self.device, self.dtype = weight.device, weight.dtype
+        self.capacity = capacity
+        s = target.shape
+        self.keys = [torch.zeros(batch, s.num_kv_heads, capacity, s.head_dim, device=self.device, dtype=self.dtype)
+                     for _ in target.layers]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)   # [N] left padding per row
+        self.length = 0                                                        # slots written
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self._captured: dict[tuple[int, int], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+
+    # -- the steps -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the prompts (left-padded to the longest) from slot 0: (the last position's logits
+        [N, V] in fp32, features [N, P, L*H] or None). Eager: its shape is the prompts'."""
+        if len(prompts) != self.pad.numel():
+            raise ValueError(f"{len(prompts)} prompts for a decoder of batch {self.pad.numel()}")
+        p = max(len(q) for q in prompts)
+        if p > self.capacity:
+            raise ValueError(f"a prompt of {p} tokens does not fit the cache ({self.capacity})")
+        ids = torch.zeros(len(prompts), p, dtype=torch.long)
+        for n, q in enumerate(prompts):
+            ids[n, p - len(q):] = torch.tensor(q, dtype=torch.long)
+        self.pad.copy_(torch.tensor([p - len(q) for q in prompts]))
+        self.length = 0
+        logits, feats = self._forward(ids.to(self.device), torch.zeros(1, dtype=torch.long, device=self.device), p,
+                                      prefill=True)
+        return logits[:, -1], feats
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ids [N, T] after the cached slots: (logits [N, T, V] fp32, features [N, T, L*H] or
+        None). Under CUDA graphs the results are the graph's buffers: use them before the next step."""
+        t = ids.shape[1]
+        if self.length + t > self.capacity:
+            raise ValueError(f"the cache is full ({self.capacity} positions)")
+        window = self._window(self.length + t)
+        if not self.graphs:
+            start = torch.tensor([self.length], device=self.device)
+            return self._forward(ids, start, window)
+        captured = self._captured.get((t, window)) or self._capture(ids, window)
+        captured.ids.copy_(ids)
+        captured.start.fill_(self.length)
+        captured.graph.replay()
+        self.length += t
+        return captured.logits, captured.features
+
+    def crop(self, length: int) -> None:
+        """Forget every slot from `length` on (rejected drafts)."""
+        self.length = length
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _window(self, need: int) -> int:
+        """Slots a step attends over: exactly those written on CPU, a multiple of WINDOW under graphs."""
+        if not self.graphs:
+            return need
+        return min(self.capacity, -(-need // WINDOW) * WINDOW)
+
+    def _capture(self, ids: torch.Tensor, window: int) -> _Graph:
+        """Capture the (T, window) step after one eager warm-up run on a side stream (cuBLAS and
+        the caching allocator initialise there). The warm-up writes the same slots the replay
+        then writes again, so running it changes nothing."""
+        static_ids, start = ids.clone(), torch.tensor([self.length], device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(static_ids, start, window, advance=False)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other worker threads may launch work while this one captures.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits, feats = self._forward(static_ids, start, window, advance=False)
+        captured = _Graph(graph, static_ids, start, logits, feats)
+        self._captured[(ids.shape[1], window)] = captured
+        return captured
+
+    def _forward(self, ids: torch.Tensor, start: torch.Tensor, window: int, prefill: bool = False,
+                 advance: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target over ids [N, T] written at slots start..start+T-1, attending to `window` slots."""
+        m, t = self.target, ids.shape[1]
+        slots = start + torch.arange(t, device=self.device)                          # [T]
+        positions = (slots[None] - self.pad[:, None]).clamp_min(0)                   # [N, T]
+        x = m.embed_tokens(ids)                                                      # [N, T, H]
+        cos, sin = rope_cos_sin(positions, m.shape.head_dim, m.shape.rope_theta, x.dtype)
+        mask = self._mask(slots, window, prefill)
+        wanted, feats = set(self.feature_layers), {}
+        for i, layer in enumerate(m.layers):
+            x = self._layer(layer, x, cos, sin, self.keys[i], self.values[i], slots, window, mask)
+            if i in wanted:
+                feats[i] = x
+        if advance:
+            self.length += t
+        logits = m.lm_head(m.norm(x)).float()                                         # [N, T, V]
+        return logits, torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
+
+    def _mask(self, slots: torch.Tensor, window: int, prefill: bool) -> torch.Tensor | None:
+        """[N, 1, T, W] (True = attend): a row's own slots up to each query; None when that is
+        plain causal attention over exactly the written slots (the CPU path without padding)."""
+        keys = torch.arange(window, device=self.device)
+        causal = keys[None, :] <= slots[:, None]                                       # [T, W]
+        if not self.graphs and not bool(self.pad.any()) and (prefill or slots.numel() == 1):
+            return None
+        mask = causal[None] & (keys[None, None, :] >= self.pad[:, None, None])         # [N, T, W]
+        if prefill:  # a padding query sees itself: no row without keys (SDPA would give NaN)
+            mask = mask | (keys[None, :] == slots[:, None])[None]
+        return mask[:, None]
+
+    def _layer(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, window: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """One decoder layer for new tokens x [N, T, H]: their keys and values go into the cache
+        at `slots`, their queries attend to the first `window` slots."""
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = apply_rope(attn.queries(h), cos, sin)                                    # [N, nh, T, d]
+        k, v = attn.keys_values(h)
+        key_cache.index_copy_(2, slots, apply_rope(k, cos, sin))
+        value_cache.index_copy_(2, slots, v)
+        out = grouped_attention(q, key_cache[:, :, :window], value_cache[:, :, :window], mask)
+        x = x + attn.output(out)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [N, nh, T, d] against k/v [N, nkv, W, d] (GQA) under mask [N, 1, T, W] or causal (None).
+
+    The group's query heads become extra query rows of their key-value head, [N, nkv, g*T, d], so
+    that SDPA reads each cached key once instead of repeating it g times."""
+    n, nh, t, d = q.shape
+    nkv = k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
+    g = nh // nkv
+    rows = q.reshape(n, nkv, g * t, d)                                                # head h = kv * g + i
+    mask = mask[:, :, None].expand(n, 1, g, t, mask.shape[-1]).reshape(n, 1, g * t, -1)
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
+    return out.view(n, nh, t, d)
+
+
+def pick(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
+         generator: torch.Generator | None = None) -> torch.Tensor:
+    """Token ids from logits [..., V]: argmax at temperature 0, else a sample of the
+    temperature-scaled distribution restricted to its top-p nucleus."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p                       # keeps the top token
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+@torch.no_grad()
+def generate(target: Qwen3Target, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, eos_ids: tuple[int, ...] = (), generator: torch.Generator | None = None,
+             banned_ids: tuple[int, ...] = (), graphs: bool | None = None) -> list[list[int]]:
+    """Continue every prompt in one batch: each row's new tokens, cut after its first EOS (kept).
+    Greedy at temperature 0; a row's tokens do not depend on the other rows (left padding)."""
+    if not prompts or max_new_tokens < 1:
+        return [[] for _ in prompts]
+    decoder = Decoder(target, len(prompts), max(map(len, prompts)) + max_new_tokens, graphs=graphs)
+    banned = torch.tensor(banned_ids, dtype=torch.long, device=decoder.device)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=decoder.device)
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:                                 # [N, V] -> [N]
+        if banned.numel():
+            logits = logits.index_fill(-1, banned, float("-inf"))
+        return pick(logits, temperature, top_p, generator)
+
+    logits, _ = decoder.prefill(prompts)
+    tokens = [choose(logits)]                                                         # [N] per step
+    done = torch.isin(tokens[0], eos)
+    for i in range(max_new_tokens - 1):
+        if i % 8 == 0 and bool(done.all()):  # a sync: not every step, so the GPU stays fed
+            break
+        logits, _ = decoder.step(tokens[-1][:, None])
+        tokens.append(choose(logits[:, -1]))
+        done |= torch.isin(tokens[-1], eos)
+    rows = torch.stack(tokens, 1).tolist()                                            # [N, new]
+    ends = set(eos_ids)
+    return [row[: next((i + 1 for i, tok in enumerate(row) if tok in ends), len(row))] for row in rows]
+
+
+def greedy(target: Qwen3Target, prompt: list[int], max_new_tokens: int, eos_id: int | None = None,
+           graphs: bool | None = None) -> list[int]:
+    """The target's own greedy continuation of one prompt: the lossless reference."""
+    eos = () if eos_id is None else (eos_id,)
+    return generate(target, [prompt], max_new_tokens, eos_ids=eos, graphs=graphs)[0]
