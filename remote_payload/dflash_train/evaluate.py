@@ -60,7 +60,7 @@ def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens:
     from .export import load_exported
     from .replica import build_target
     from .resolve import resolve_config
-    from .decode import greedy
+    from .decode import Decoder, greedy
     from .speculate import acceptance_by_position, speculate
     from .train import load_data
 
@@ -88,14 +88,22 @@ def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens:
             raise EvalError(f"prompt {i + 1} has a token id beyond the target's vocabulary ({cfg.target.vocab_size})")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     generator = torch.Generator(device=dev).manual_seed(seed)
+    # One decoder for every prompt and both loops: its compiled steps and CUDA graphs are made
+    # once, in a warm-up decode of the first prompt that the timings leave out.
+    decoder = Decoder(target, 1, max(map(len, prompts)) + max_new_tokens + cfg.drafter.block_size,
+                      cfg.drafter.target_layer_ids)
+    progress("warm-up decode (compiles the decode step and captures its CUDA graphs on a GPU)")
+    greedy(target, prompts[0], max_new_tokens, decoder=decoder)
+    speculate(target, drafter, prompts[0], max_new_tokens, verifier=decoder)
     rows, results = [], []
     for i, prompt in enumerate(prompts):
         sync()
         t0 = time.perf_counter()
-        reference = greedy(target, prompt, max_new_tokens)
+        reference = greedy(target, prompt, max_new_tokens, decoder=decoder)
         sync()
         t1 = time.perf_counter()
-        spec = speculate(target, drafter, prompt, max_new_tokens, temperature=temperature, generator=generator)
+        spec = speculate(target, drafter, prompt, max_new_tokens, temperature=temperature, generator=generator,
+                         verifier=decoder)
         sync()
         t2 = time.perf_counter()
         results.append(spec)

@@ -86,13 +86,15 @@ def accept(drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor,
 @torch.no_grad()
 def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
               eos_id: int | None = None, attention: str = "dense", temperature: float = 0.0,
-              generator: torch.Generator | None = None, graphs: bool | None = None) -> Decoded:
+              generator: torch.Generator | None = None, verifier: Decoder | None = None) -> Decoded:
     """Speculative decoding of one prompt (see the module docstring): greedy at temperature 0
     (lossless: the target's greedy text), else sampled with the speculative-sampling rule
-    (`accept`), whose output is distributed as the target's samples at that temperature."""
+    (`accept`), whose output is distributed as the target's samples at that temperature.
+    `verifier`: a batch-1 Decoder with the drafter's feature layers to reuse (and its graphs)."""
     device = next(target.parameters()).device
     block_size = drafter.spec.block_size
-    verifier = Decoder(target, 1, len(prompt) + max_new_tokens + block_size, drafter.spec.target_layer_ids, graphs)
+    if verifier is None:
+        verifier = Decoder(target, 1, len(prompt) + max_new_tokens + block_size, drafter.spec.target_layer_ids)
     logits, context = verifier.prefill([prompt])                                  # [1, V], [1, P, L*H]
     out = Decoded([int(pick(logits[0], temperature, generator=generator))])      # the prefill's own token
     while len(out.tokens) < max_new_tokens and out.tokens[-1] != eos_id:
@@ -135,10 +137,14 @@ def held_out_prompts(seqs: list[tuple[torch.Tensor, torch.Tensor]], count: int, 
 
 def speculative_eval(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[list[int]],
                      new_tokens: int) -> dict:
-    """tau and acceptance per draft position over prompts, decoded greedily. Compiled layers run
-    eagerly here (the decode's shapes change every step: no recompiles)."""
+    """tau and acceptance per draft position over prompts, decoded greedily. The drafter's
+    compiled layers run eagerly here (its shapes change every step: no recompiles), and the
+    target's decode steps are not compiled (no compile in the middle of training)."""
+    block = drafter.spec.block_size
+    verifier = Decoder(target, 1, max(map(len, prompts)) + new_tokens + block, drafter.spec.target_layer_ids,
+                       compile=False)
     with torch.compiler.set_stance("force_eager"):
-        results = [speculate(target, drafter, p, new_tokens) for p in prompts]
+        results = [speculate(target, drafter, p, new_tokens, verifier=verifier) for p in prompts]
     steps = sum(len(r.accepted) for r in results)
     return {"spec_tau": sum(k + 1 for r in results for k in r.accepted) / max(steps, 1),
             "spec_by_position": acceptance_by_position(results, drafter.spec.block_size),

@@ -4,6 +4,7 @@ EOS, banned ids and nucleus sampling."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash_train.config import TargetConfig
@@ -68,3 +69,16 @@ def test_nucleus_sampling_keeps_only_the_top_p_mass():
     assert counts[2:].sum() == 0  # outside the nucleus {0, 1}
     assert abs(float(counts[0]) - 0.5 / 0.8) < 0.03  # renormalised within it (4000 draws: sd ~0.008)
     assert torch.equal(pick(logits, 0.0), torch.tensor(0))
+
+
+@pytest.mark.slow
+def test_compiled_steps_decode_the_same_tokens_as_eager():
+    """The compiled parts of a step (what a GPU runs, there inside CUDA graphs) against eager."""
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    compiled = Decoder(TARGET, 2, 32, compile=True)
+    assert generate(TARGET, prompts, 10, decoder=compiled) == generate(TARGET, prompts, 10)
+    compiled.prefill(prompts)
+    eager = Decoder(TARGET, 2, 32)
+    eager.prefill(prompts)
+    block = torch.tensor([[5, 9, 11, 3], [2, 7, 1, 8]])
+    torch.testing.assert_close(compiled.step(block)[0], eager.step(block)[0], rtol=1e-4, atol=1e-4)
