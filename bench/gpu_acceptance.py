@@ -6,6 +6,8 @@
 Stages (each bounded; all run even if one fails; exit 1 if any failed):
   8b-cold      `dflashctl train local --preset qwen3-8b --set run.steps=30 --follow`: the whole CLI,
                an inventory with no `gpus` (run.device auto), a cold compile cache in the workdir
+  8b-eval      `dflashctl eval local RUN` on that run's export (4 prompts x 128 tokens): the decode
+               path (CUDA graphs, compiled steps), its verify-step cost, greedy identity or ties
   bench        bench/step_bench.py's 8b fast row and the bf16 matmul peak, in this same call
   8b-warm-stop the same preset again (warm cache), detached; `runs stop` after step 10
   8b-stop-compile  a cold-cache start stopped while it compiles: exit 143 at once
@@ -50,6 +52,7 @@ class Acceptance:
         self.inventory.write_text(f"default: local\nhosts:\n  local:\n    transport: local\n"
                                   f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n")
         self.preset = "tiny" if dry else "qwen3-8b"
+        self.cold_run: str | None = None  # the cold stage's finished run, evaluated next
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -159,7 +162,27 @@ class Acceptance:
                "ms_per_step": self.steady_ms(recs), "tokens_per_s": final[-1].get("tokens_per_s") if final else None,
                "cli_s": round(secs, 1)}
         shutil.rmtree(self.run_dir(run_id) / "checkpoints", ignore_errors=True)  # GBs at 8B scale
+        self.cold_run = run_id if ok else None
         return row
+
+    def evaluate(self) -> dict:
+        """`dflashctl eval local RUN` on the cold run's export: the decode path a user measures tau with."""
+        if not self.cold_run:
+            return {"ok": False, "note": "no finished cold run to evaluate"}
+        code, out, err, secs = self.cli("eval", "local", self.cold_run, "--count", "4", "--max-new-tokens", "128",
+                                        "--json", timeout=self.left(200))
+        self.log(err[-3000:])
+        try:
+            report = json.loads(out)
+        except ValueError:
+            return {"ok": False, "exit": code, "note": (out + err)[-300:]}
+        # Random weights make near-ties common: a difference must be a tie, never a real one.
+        fair = report["identical"] or report.get("differences_are_ties")
+        return {"ok": code == 0 and bool(fair), "exit": code, "eval_s": round(secs, 1), "tau": round(report["tau"], 3),
+                "identical": report["identical"], "ties_only": report.get("differences_are_ties"),
+                "gaps": [r["first_difference"]["logit_gap"] for r in report["per_prompt"] if r.get("first_difference")],
+                "target_ms_per_token": round(report["target_ms_per_token"], 2),
+                "spec_ms_per_step": round(report["spec_ms_per_step"], 2), "step_cost": round(report["step_cost"], 3)}
 
     def bench(self) -> dict:
         if self.dry:
@@ -272,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/dflash-acceptance", help="scratch workdir (GBs of checkpoints at 8B)")
     ap.add_argument("--budget-s", type=float, default=560)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny preset: check the script itself")
-    ap.add_argument("--stages", default="cold,bench,warm,stopcompile,cudagraphs,doctor")
+    ap.add_argument("--stages", default="cold,eval,bench,warm,stopcompile,cudagraphs,doctor")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -282,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     acc.log(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {name}; torch {torch.__version__}; "
             f"python {sys.version.split()[0]}")
-    stages = {"cold": ("8b-cold", acc.cold_follow), "bench": ("bench", acc.bench),
+    stages = {"cold": ("8b-cold", acc.cold_follow), "eval": ("8b-eval", acc.evaluate), "bench": ("bench", acc.bench),
               "warm": ("8b-warm-stop", acc.warm_stop), "stopcompile": ("8b-stop-compile", acc.stop_compile),
               "cudagraphs": ("small-cudagraphs", acc.small_cudagraphs), "doctor": ("doctor", acc.doctor)}
     for key in args.stages.split(","):

@@ -79,7 +79,12 @@ def render(report: dict[str, Any], console: Console) -> None:
     ]
     if greedy:
         same = sum(r["identical"] for r in report["per_prompt"])
-        lines.insert(-1, f"output identical to the target's own greedy decode: {'yes' if report['identical'] else 'NO'} "
-                         f"({same}/{report['prompts']} prompts)")
+        verdict = "yes" if report["identical"] else "no, at numerical ties only" if report.get("differences_are_ties") else "NO"
+        lines.insert(-1, f"output identical to the target's own greedy decode: {verdict} ({same}/{report['prompts']} prompts)")
+        gaps = [r["first_difference"]["logit_gap"] for r in report["per_prompt"] if r.get("first_difference")]
+        known = [g for g in gaps if g is not None]
+        if known:
+            why = " (ties: a block and a one-token forward round differently)" if verdict != "NO" else ""
+            lines.insert(-1, f"where they part, the target's two candidates are at most {max(known):.3g} logits apart{why}")
     for line in lines:
         console.print(Text(line), soft_wrap=True, highlight=False)

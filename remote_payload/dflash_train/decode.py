@@ -20,8 +20,6 @@ stale slots are masked until they are overwritten.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -31,15 +29,37 @@ from .target import Qwen3Target
 WINDOW = 256  # attention window granularity under CUDA graphs: one captured graph per multiple
 
 
-@dataclass
-class _Graph:
-    """One captured step: its static inputs and outputs."""
+class StepGraphs:
+    """CUDA graphs of step functions, one per key (the step's shapes): the first call of a key runs
+    the function once eagerly on a side stream (cuBLAS, the allocator and any compile happen
+    there) and captures it; every call copies its tensor inputs into the graph's static copies and
+    replays. Outputs are the graph's own buffers, valid until the next replay of that key. Steps
+    must be idempotent (a cache write at given slots), since the first call runs twice."""
 
-    graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor                  # [N, T]
-    start: torch.Tensor                # [1]: the first slot written
-    logits: torch.Tensor               # [N, T, V]
-    features: torch.Tensor | None      # [N, T, L*H]
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[object, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], object]] = {}
+
+    def run(self, key: object, fn, *inputs: torch.Tensor):
+        """fn(*inputs) by replay of its graph for `key` (captured on first use)."""
+        if key not in self.graphs:
+            static = [x.clone() for x in inputs]
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                fn(*static)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other worker threads may launch work while this one captures.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = fn(*static)
+            self.graphs[key] = (graph, static, out)
+        graph, static, out = self.graphs[key]
+        for dst, src in zip(static, inputs):
+            dst.copy_(src)
+        graph.replay()
+        return out
 
 
 class Decoder:
@@ -60,8 +80,7 @@ class Decoder:
         self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)   # [N] left padding per row
         self.length = 0                                                        # slots written
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self._captured: dict[tuple[int, int], _Graph] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._graphs = StepGraphs(self.device) if self.graphs else None
         # Steps (not the prefill, whose shape is the prompts') run the layers' parts compiled.
         compiled = self.graphs if compile is None else compile
         self._before = torch.compile(before_attention) if compiled else before_attention
@@ -82,7 +101,7 @@ class Decoder:
         for n, q in enumerate(prompts):
             ids[n, p - len(q):] = torch.tensor(q, dtype=torch.long)
         self.pad.copy_(torch.tensor([p - len(q) for q in prompts]))
-        self.length = 0
+        self.length = p
         logits, feats = self._forward(ids.to(self.device), torch.zeros(1, dtype=torch.long, device=self.device), p,
                                       prefill=True)
         return logits[:, -1], feats
@@ -94,16 +113,12 @@ class Decoder:
         t = ids.shape[1]
         if self.length + t > self.capacity:
             raise ValueError(f"the cache is full ({self.capacity} positions)")
-        window = self._window(self.length + t)
-        if not self.graphs:
-            start = torch.tensor([self.length], device=self.device)
-            return self._forward(ids, start, window)
-        captured = self._captured.get((t, window)) or self._capture(ids, window)
-        captured.ids.copy_(ids)
-        captured.start.fill_(self.length)
-        captured.graph.replay()
+        window = window_for(self.length + t, self.capacity, self.graphs)
+        start = torch.tensor([self.length], device=self.device)
         self.length += t
-        return captured.logits, captured.features
+        if not self.graphs:
+            return self._forward(ids, start, window)
+        return self._graphs.run((t, window), lambda i, s: self._forward(i, s, window), ids, start)
 
     def crop(self, length: int) -> None:
         """Forget every slot from `length` on (rejected drafts)."""
@@ -111,32 +126,8 @@ class Decoder:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _window(self, need: int) -> int:
-        """Slots a step attends over: exactly those written on CPU, a multiple of WINDOW under graphs."""
-        if not self.graphs:
-            return need
-        return min(self.capacity, -(-need // WINDOW) * WINDOW)
-
-    def _capture(self, ids: torch.Tensor, window: int) -> _Graph:
-        """Capture the (T, window) step after one eager warm-up run on a side stream (cuBLAS and
-        the caching allocator initialise there). The warm-up writes the same slots the replay
-        then writes again, so running it changes nothing."""
-        static_ids, start = ids.clone(), torch.tensor([self.length], device=self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._forward(static_ids, start, window, advance=False)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other worker threads may launch work while this one captures.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, feats = self._forward(static_ids, start, window, advance=False)
-        captured = _Graph(graph, static_ids, start, logits, feats)
-        self._captured[(ids.shape[1], window)] = captured
-        return captured
-
-    def _forward(self, ids: torch.Tensor, start: torch.Tensor, window: int, prefill: bool = False,
-                 advance: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, ids: torch.Tensor, start: torch.Tensor, window: int,
+                 prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target over ids [N, T] written at slots start..start+T-1, attending to `window` slots."""
         m, t = self.target, ids.shape[1]
         slots = start + torch.arange(t, device=self.device)                          # [T]
@@ -154,8 +145,6 @@ class Decoder:
             x = after(layer, x, out)
             if i in wanted:
                 feats[i] = x
-        if advance:
-            self.length += t
         logits = m.lm_head(m.norm(x)).float()                                         # [N, T, V]
         return logits, torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
 
@@ -170,6 +159,11 @@ class Decoder:
         if prefill:  # a padding query sees itself: no row without keys (SDPA would give NaN)
             mask = mask | (keys[None, :] == slots[:, None])[None]
         return mask[:, None]
+
+
+def window_for(need: int, capacity: int, graphs: bool) -> int:
+    """Slots a step attends over: exactly those written, or under graphs a multiple of WINDOW."""
+    return min(capacity, -(-need // WINDOW) * WINDOW) if graphs else need
 
 
 def before_attention(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,

@@ -3,7 +3,8 @@
 speculative decoding (greedy by default).
 
 For each prompt it times the target alone (KV-cached greedy decode) and the speculative loop,
-checks (greedy) that both produced the same tokens, and reports tau (tokens per verify step, the bonus
+checks (greedy) that both produced the same tokens (or, where they part, that the target's two
+candidates there are a numerical tie: `first_difference`), and reports tau (tokens per verify step, the bonus
 included), acceptance per draft position, ms per output token of each and the speedup, and
 the cost of one verify step (draft + verify + accept) in target decode steps. The
 report goes to RUN_DIR/eval.json and, as one JSON line, to stdout; progress lines go to stderr.
@@ -49,6 +50,32 @@ def read_prompts(source: str) -> list[list[int]]:
     return prompts
 
 
+def tie_tolerance(dtype) -> float:
+    """The logit gap below which two decode paths may legitimately pick different tokens: a block
+    of B tokens per forward and one token per forward round differently (bf16: ~0.03 per logit
+    near 8, compounded over the layers; fp32: ~1e-6)."""
+    import torch
+
+    return 1e-4 if dtype == torch.float32 else 0.25
+
+
+def first_difference(target, prompt: list[int], reference: list[int], tokens: list[int]) -> dict | None:
+    """Where the speculative output first departs from the greedy reference (None: identical),
+    with the target's logit gap there between the two tokens from one full forward: a gap within
+    `tie_tolerance` is a numerical tie, a larger one a bug."""
+    import torch
+
+    j = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
+    if j is None:
+        return None if len(reference) == len(tokens) else {"index": min(len(reference), len(tokens)),
+                                                            "logit_gap": None, "tie": False}
+    device = target.embed_tokens.weight.device
+    logits = target.logits(torch.tensor([prompt + reference[:j]], device=device))[0, -1]
+    gap = abs(float(logits[reference[j]] - logits[tokens[j]]))
+    return {"index": j, "reference": reference[j], "speculative": tokens[j], "logit_gap": gap,
+            "tie": gap <= tie_tolerance(target.embed_tokens.weight.dtype)}
+
+
 def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens: int, count: int,
                  device: str | None, temperature: float = 0.0, seed: int = 0, progress=lambda line: None) -> dict:
     """Decode each prompt with the target alone and speculatively; the report (see the module doc).
@@ -61,7 +88,7 @@ def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens:
     from .replica import build_target
     from .resolve import resolve_config
     from .decode import Decoder, greedy
-    from .speculate import acceptance_by_position, speculate
+    from .speculate import DraftDecoder, acceptance_by_position, speculate
     from .train import load_data
 
     export = run_dir / "export"
@@ -90,11 +117,12 @@ def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens:
     generator = torch.Generator(device=dev).manual_seed(seed)
     # One decoder for every prompt and both loops: its compiled steps and CUDA graphs are made
     # once, in a warm-up decode of the first prompt that the timings leave out.
-    decoder = Decoder(target, 1, max(map(len, prompts)) + max_new_tokens + cfg.drafter.block_size,
-                      cfg.drafter.target_layer_ids)
-    progress("warm-up decode (compiles the decode step and captures its CUDA graphs on a GPU)")
+    room = max(map(len, prompts)) + max_new_tokens + 2 * cfg.drafter.block_size
+    decoder = Decoder(target, 1, room, cfg.drafter.target_layer_ids)
+    drafting = DraftDecoder(drafter, target, room)
+    progress("warm-up decode (compiles the decode steps and captures their CUDA graphs on a GPU)")
     greedy(target, prompts[0], max_new_tokens, decoder=decoder)
-    speculate(target, drafter, prompts[0], max_new_tokens, verifier=decoder)
+    speculate(target, drafter, prompts[0], max_new_tokens, verifier=decoder, drafting=drafting)
     rows, results = [], []
     for i, prompt in enumerate(prompts):
         sync()
@@ -103,12 +131,13 @@ def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens:
         sync()
         t1 = time.perf_counter()
         spec = speculate(target, drafter, prompt, max_new_tokens, temperature=temperature, generator=generator,
-                         verifier=decoder)
+                         verifier=decoder, drafting=drafting)
         sync()
         t2 = time.perf_counter()
         results.append(spec)
+        differs = first_difference(target, prompt, reference, spec.tokens) if temperature == 0 else None
         rows.append({"prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
-                     "identical": spec.tokens == reference if temperature == 0 else None,
+                     "identical": differs is None if temperature == 0 else None, "first_difference": differs,
                      "target_ms_per_token": 1e3 * (t1 - t0) / len(reference),
                      "spec_ms_per_token": 1e3 * (t2 - t1) / len(spec.tokens),
                      "verify_steps": len(spec.accepted)})
@@ -126,7 +155,9 @@ def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens:
         "acceptance_by_position": acceptance_by_position(results, cfg.drafter.block_size),
         "target_ms_per_token": target_ms, "spec_ms_per_token": spec_ms, "speedup": target_ms / spec_ms,
         "spec_ms_per_step": step_ms, "step_cost": step_ms / target_ms,
-        "identical": all(r["identical"] for r in rows) if temperature == 0 else None, "per_prompt": rows,
+        "identical": all(r["identical"] for r in rows) if temperature == 0 else None,
+        "differences_are_ties": all(r["first_difference"]["tie"] for r in rows if r["first_difference"])
+        if temperature == 0 else None, "per_prompt": rows,
     }
 
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decode import Decoder, pick
-from .model import DFlashDrafter, block_mask
+from .decode import (Decoder, StepGraphs, after_attention, before_attention, grouped_attention, grouped_mask, pick,
+                     window_for)
+from .model import DFlashDrafter, apply_rope, rope_cos_sin
 from .target import Qwen3Target
 
 
@@ -41,21 +42,95 @@ class Decoded:
         return sum(k + 1 for k in self.accepted) / max(len(self.accepted), 1)
 
 
-@torch.no_grad()
-def draft_logits(drafter: DFlashDrafter, target: Qwen3Target, context: torch.Tensor, last: int,
-                 attention: str = "dense") -> torch.Tensor:
-    """The drafter's logits [B-1, V] (fp32) for the B-1 positions after `last`, from the context
-    features [1, S, L*H] of the S verified positions before it."""
-    spec = drafter.spec
-    s, bs = context.shape[1], spec.block_size
-    device = context.device
-    block = torch.full((1, bs), spec.mask_token_id, dtype=torch.long, device=device)
-    block[0, 0] = last
-    anchors = torch.tensor([[s]], device=device)                                  # the block sits at S..S+B-1
-    # As in training: the drafter's fp32 weights under bf16 autocast when the target runs in bf16.
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=context.dtype == torch.bfloat16):
-        hidden = drafter(context, target.embed_tokens(block), anchors, block_mask(anchors, s, bs, attention))
-    return target.lm_head(hidden[0, 1:].to(target.lm_head.weight.dtype)).float()  # [B-1, V]
+class DraftDecoder:
+    """The drafter with a static cache of its context keys and values, one pair per draft layer.
+
+    A verified position's context keys and values never change (they come from its target
+    features alone), so each is projected once, when its features arrive, instead of at every
+    draft over the whole context as the training forward does. Drafting a block at positions
+    s..s+B-1 then writes the block's own keys and values at slots s..s+B-1 and attends to slots
+    < s+B: the context before s and the whole block, the training mask for one block. Context
+    from a verify step arrives for all B positions (a fixed shape) and overwrites those slots;
+    the ones past the accepted run are stale and masked until the next write. On CUDA both steps
+    are CUDA graphs (decode.StepGraphs) running the layers' compiled parts."""
+
+    def __init__(self, drafter: DFlashDrafter, target: Qwen3Target, capacity: int, graphs: bool | None = None,
+                 compile: bool | None = None):
+        self.drafter, self.target, self.capacity = drafter, target, capacity
+        self.device = target.embed_tokens.weight.device
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self._graphs = StepGraphs(self.device) if self.graphs else None
+        compiled = self.graphs if compile is None else compile
+        self._before = torch.compile(before_attention) if compiled else before_attention
+        self._after = torch.compile(after_attention) if compiled else after_attention
+        # As in training: fp32 drafter weights run under bf16 autocast when the target is bf16.
+        self._autocast = target.embed_tokens.weight.dtype == torch.bfloat16
+        self.keys: list[torch.Tensor] = []    # [1, nkv, C, d] per draft layer, made by the first context
+        self.values: list[torch.Tensor] = []
+
+    def _rope(self, slots: torch.Tensor, dtype: torch.dtype):
+        shape = self.drafter.spec.shape
+        return rope_cos_sin(slots[None], shape.head_dim, shape.rope_theta, dtype)     # [1, T, d] each
+
+    @torch.no_grad()
+    def add_context(self, features: torch.Tensor, start: int) -> None:
+        """Cache the context keys/values of positions start..start+T-1 from their target
+        features [1, T, L*H] (a prompt's, eagerly; a verify step's B, as a graph)."""
+        t = features.shape[1]
+        if start + t > self.capacity:
+            raise ValueError(f"the drafter's cache is full ({self.capacity} positions)")
+        first = torch.tensor([start], device=self.device)
+        if not self.keys or not self.graphs:
+            self._context(features, first)
+        else:
+            self._graphs.run(("context", t), self._context, features, first)
+
+    @torch.no_grad()
+    def draft(self, last: int, start: int) -> torch.Tensor:
+        """The drafter's logits [B-1, V] (fp32) for the block [last, MASK x (B-1)] at position
+        `start` (the position of `last`), after the context of positions < start."""
+        spec = self.drafter.spec
+        block = torch.full((1, spec.block_size), spec.mask_token_id, dtype=torch.long)
+        block[0, 0] = last
+        block, first = block.to(self.device), torch.tensor([start], device=self.device)
+        window = window_for(start + spec.block_size, self.capacity, self.graphs)
+        if not self.graphs:
+            return self._draft(block, first, window)
+        return self._graphs.run(("draft", window), lambda b, f: self._draft(b, f, window), block, first)
+
+    def _context(self, features: torch.Tensor, start: torch.Tensor) -> None:
+        d = self.drafter
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
+            ctx = d.hidden_norm(d.fc(features))                                         # [1, T, H]
+            slots = start + torch.arange(features.shape[1], device=self.device)
+            cos, sin = self._rope(slots, ctx.dtype)
+            for i, layer in enumerate(d.layers):
+                k, v = layer.self_attn.keys_values(ctx)                                  # [1, nkv, T, d]
+                k = apply_rope(k, cos, sin)
+                if len(self.keys) == i:  # the first context fixes the cache's dtype (the autocast one)
+                    self.keys.append(k.new_zeros(*k.shape[:2], self.capacity, k.shape[-1]))
+                    self.values.append(v.new_zeros(*v.shape[:2], self.capacity, v.shape[-1]))
+                self.keys[i].index_copy_(2, slots, k.to(self.keys[i].dtype))
+                self.values[i].index_copy_(2, slots, v.to(self.values[i].dtype))
+
+    def _draft(self, block: torch.Tensor, start: torch.Tensor, window: int) -> torch.Tensor:
+        d, t = self.drafter, self.target
+        bs = d.spec.block_size
+        slots = start + torch.arange(bs, device=self.device)                             # [B]
+        mask = (torch.arange(window, device=self.device) < start + bs).expand(1, 1, bs, window)
+        mask = grouped_mask(mask, d.spec.shape.num_heads // d.spec.shape.num_kv_heads)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
+            x = t.embed_tokens(block).to(self.keys[0].dtype)                              # [1, B, H]
+            cos, sin = self._rope(slots, x.dtype)
+            for i, layer in enumerate(d.layers):
+                q, k, v = self._before(layer, x, cos, sin)
+                self.keys[i].index_copy_(2, slots, k.to(self.keys[i].dtype))
+                self.values[i].index_copy_(2, slots, v.to(self.values[i].dtype))
+                out = grouped_attention(q.to(v.dtype), self.keys[i][:, :, :window].to(v.dtype),
+                                        self.values[i][:, :, :window].to(v.dtype), mask)
+                x = self._after(layer, x, out)
+            hidden = d.norm(x)
+        return t.lm_head(hidden[0, 1:].to(t.lm_head.weight.dtype)).float()                # [B-1, V]
 
 
 def accept(drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float,
@@ -85,21 +160,23 @@ def accept(drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor,
 
 @torch.no_grad()
 def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
-              eos_id: int | None = None, attention: str = "dense", temperature: float = 0.0,
-              generator: torch.Generator | None = None, verifier: Decoder | None = None) -> Decoded:
+              eos_id: int | None = None, temperature: float = 0.0, generator: torch.Generator | None = None,
+              verifier: Decoder | None = None, drafting: DraftDecoder | None = None) -> Decoded:
     """Speculative decoding of one prompt (see the module docstring): greedy at temperature 0
     (lossless: the target's greedy text), else sampled with the speculative-sampling rule
     (`accept`), whose output is distributed as the target's samples at that temperature.
-    `verifier`: a batch-1 Decoder with the drafter's feature layers to reuse (and its graphs)."""
+    `verifier` (a batch-1 Decoder with the drafter's feature layers) and `drafting`: to reuse,
+    with their CUDA graphs, across prompts."""
     device = next(target.parameters()).device
-    block_size = drafter.spec.block_size
-    if verifier is None:
-        verifier = Decoder(target, 1, len(prompt) + max_new_tokens + block_size, drafter.spec.target_layer_ids)
+    room = len(prompt) + max_new_tokens + 2 * drafter.spec.block_size
+    verifier = verifier or Decoder(target, 1, room, drafter.spec.target_layer_ids)
+    drafting = drafting or DraftDecoder(drafter, target, room)
     logits, context = verifier.prefill([prompt])                                  # [1, V], [1, P, L*H]
+    drafting.add_context(context, 0)
     out = Decoded([int(pick(logits[0], temperature, generator=generator))])      # the prefill's own token
     while len(out.tokens) < max_new_tokens and out.tokens[-1] != eos_id:
         anchor = verifier.length                                                  # position of tokens[-1]
-        q_logits = draft_logits(drafter, target, context, out.tokens[-1], attention)
+        q_logits = drafting.draft(out.tokens[-1], anchor)                         # [B-1, V]
         drafts = pick(q_logits, temperature, generator=generator)                # [B-1]
         block = torch.cat([torch.tensor([out.tokens[-1]], device=device), drafts])[None]
         p_logits, feats = verifier.step(block)                                    # [1, B, V]: predicts B tokens
@@ -108,7 +185,7 @@ def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], ma
         out.anchors.append(anchor)
         out.tokens += [int(t) for t in drafts[:k]] + [following]                  # accepted drafts + the bonus
         verifier.crop(anchor + k + 1)                                             # anchor and accepted stay cached
-        context = torch.cat([context, feats[:, :k + 1]], dim=1)
+        drafting.add_context(feats, anchor)                                       # valid up to anchor + k
     if eos_id is not None and eos_id in out.tokens:
         out.tokens = out.tokens[:out.tokens.index(eos_id) + 1]
     out.tokens = out.tokens[:max_new_tokens]
@@ -140,11 +217,11 @@ def speculative_eval(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[
     """tau and acceptance per draft position over prompts, decoded greedily. The drafter's
     compiled layers run eagerly here (its shapes change every step: no recompiles), and the
     target's decode steps are not compiled (no compile in the middle of training)."""
-    block = drafter.spec.block_size
-    verifier = Decoder(target, 1, max(map(len, prompts)) + new_tokens + block, drafter.spec.target_layer_ids,
-                       compile=False)
+    room = max(map(len, prompts)) + new_tokens + 2 * drafter.spec.block_size
+    verifier = Decoder(target, 1, room, drafter.spec.target_layer_ids, compile=False)
+    drafting = DraftDecoder(drafter, target, room, compile=False)
     with torch.compiler.set_stance("force_eager"):
-        results = [speculate(target, drafter, p, new_tokens, verifier=verifier) for p in prompts]
+        results = [speculate(target, drafter, p, new_tokens, verifier=verifier, drafting=drafting) for p in prompts]
     steps = sum(len(r.accepted) for r in results)
     return {"spec_tau": sum(k + 1 for r in results for k in r.accepted) / max(steps, 1),
             "spec_by_position": acceptance_by_position(results, drafter.spec.block_size),

@@ -9,6 +9,8 @@ import torch
 
 from dflash_train.config import TargetConfig
 from dflash_train.decode import Decoder, generate, greedy, pick
+from dflash_train.model import DFlashDrafter, DrafterSpec
+from dflash_train.speculate import DraftDecoder
 from dflash_train.target import build_tiny_target
 
 TARGET = build_tiny_target(TargetConfig(), seed=0)
@@ -71,6 +73,21 @@ def test_nucleus_sampling_keeps_only_the_top_p_mass():
     assert torch.equal(pick(logits, 0.0), torch.tensor(0))
 
 
+def test_a_difference_from_the_reference_is_located_and_weighed():
+    """eval's check: where the speculative output parts from greedy, the target's logit gap there."""
+    from dflash_train.evaluate import first_difference
+
+    prompt = [4, 8, 15, 16]
+    reference = greedy(TARGET, prompt, 6)
+    assert first_difference(TARGET, prompt, reference, list(reference)) is None
+    logits = TARGET.logits(torch.tensor([prompt + reference[:2]]))[0, -1]
+    worst = int(logits.argmin())
+    found = first_difference(TARGET, prompt, reference, reference[:2] + [worst] + reference[3:])
+    assert found["index"] == 2 and found["speculative"] == worst and found["tie"] is False
+    assert found["logit_gap"] == pytest.approx(float(logits.max() - logits.min()), rel=1e-5)
+    assert first_difference(TARGET, prompt, reference, reference[:4])["tie"] is False  # stopped early
+
+
 @pytest.mark.slow
 def test_compiled_steps_decode_the_same_tokens_as_eager():
     """The compiled parts of a step (what a GPU runs, there inside CUDA graphs) against eager."""
@@ -82,3 +99,14 @@ def test_compiled_steps_decode_the_same_tokens_as_eager():
     eager.prefill(prompts)
     block = torch.tensor([[5, 9, 11, 3], [2, 7, 1, 8]])
     torch.testing.assert_close(compiled.step(block)[0], eager.step(block)[0], rtol=1e-4, atol=1e-4)
+    # The drafter's compiled draft step (its layers' parts share the target's compiled functions).
+    spec = DrafterSpec(TARGET.shape, 2, 4, (1, 3), 511)
+    drafter = DFlashDrafter(spec)
+    drafter.init_weights(0.02, seed=0)
+    feats = TARGET.features(torch.tensor([prompts[0]]), spec.target_layer_ids)
+    drafts = []
+    for flag in (True, False):
+        drafting = DraftDecoder(drafter, TARGET, 16, compile=flag)
+        drafting.add_context(feats, 0)
+        drafts.append(drafting.draft(7, len(prompts[0])))
+    torch.testing.assert_close(drafts[0], drafts[1], rtol=1e-4, atol=1e-4)

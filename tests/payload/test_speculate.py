@@ -13,7 +13,7 @@ from dflash_train.model import block_input_ids, block_mask
 from dflash_train.replica import build_replica, train_step
 from dflash_train.resolve import resolve_config
 from dflash_train.decode import greedy
-from dflash_train.speculate import acceptance_by_position, speculate
+from dflash_train.speculate import DraftDecoder, acceptance_by_position, speculate
 
 PROMPTS = 20
 NEW_TOKENS = 40
@@ -66,6 +66,33 @@ def test_greedy_speculation_is_lossless_and_matches_teacher_forcing(trained):
     per_position = acceptance_by_position(results, block)
     assert all(1.0 <= t <= block for t in taus) and sum(taus) / len(taus) > 1.2  # the drafter learned something
     assert per_position == sorted(per_position, reverse=True) and len(per_position) == block - 1
+
+
+def test_the_cached_drafter_drafts_what_the_training_forward_drafts(trained):
+    """DraftDecoder (context keys cached, a block's B positions of context written per verify
+    step, the unaccepted ones stale) against the training forward at the same anchors."""
+    _, replica, prompts = trained
+    spec = replica.drafter.spec
+    block = spec.block_size
+    sequence = prompts[0] + greedy(replica.target, prompts[0], 3 * block)
+    ids = torch.tensor([sequence])
+    feats = replica.target.features(ids, spec.target_layer_ids)
+
+    def trained_forward(anchor: int) -> torch.Tensor:
+        anchors = torch.tensor([[anchor]])
+        embeds = replica.target.embed_tokens(block_input_ids(ids, anchors, block, spec.mask_token_id))
+        with torch.no_grad():
+            hidden = replica.drafter(feats[:, :anchor], embeds, anchors, block_mask(anchors, anchor, block, "dense"))
+        return replica.target.lm_head(hidden[0, 1:])
+
+    drafting = DraftDecoder(replica.drafter, replica.target, len(sequence) + block)
+    anchor = len(prompts[0])
+    drafting.add_context(feats[:, :anchor], 0)
+    for accepted in (2, 0, 5):
+        torch.testing.assert_close(drafting.draft(sequence[anchor], anchor), trained_forward(anchor),
+                                   rtol=1e-5, atol=1e-5)
+        drafting.add_context(feats[:, anchor:anchor + block], anchor)  # a verify step's B positions
+        anchor += accepted + 1
 
 
 def test_sampled_speculation_is_distributed_as_the_target(trained):
