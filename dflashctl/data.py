@@ -58,6 +58,13 @@ def _call(target: Target, args: list[str], stdin: Any = None) -> dict[str, Any]:
     return answer
 
 
+def check_name(name: str) -> str:
+    """A dataset name as `data/` holds it (UsageError otherwise)."""
+    if not name or len(name) > 200 or name[0] in "._-" or not set(name) <= NAME_CHARS:
+        raise UsageError(f"dataset name {name!r}: letters, digits, '.', '_' and '-' (not first), at most 200")
+    return name
+
+
 def list_data(target: Target) -> list[dict[str, Any]]:
     """The host's datasets: name, size, rows, sha256."""
     return _call(target, ["list", target.host.workdir])["datasets"]
@@ -73,8 +80,7 @@ def push_data(target: Target, files: list[Path], as_name: str | None = None,
             raise UsageError(f"no such file: {path}")
     names = [as_name or path.name for path in files]
     for name in names:
-        if not name or name[0] in "._-" or not set(name) <= NAME_CHARS:
-            raise UsageError(f"dataset name {name!r}: letters, digits, '.', '_' and '-' (not first)")
+        check_name(name)
     known = {d["name"]: d for d in list_data(target)}
     done = []
     for path, name in zip(files, names):

@@ -321,7 +321,14 @@ class LogView:
 
 
 def progress_text(m: dict[str, Any]) -> Text:
-    """`step 120/1000 (12%)  loss 2.3456  accept 3.21  12,345 tok/s  ETA 1:02:03`."""
+    """`step 120/1000 (12%)  loss 2.3456  accept 3.21  12,345 tok/s  ETA 1:02:03`, or for a data
+    run `rows 120/1000 (12%)  3 failed  12,345 tok/s  ETA 0:04:10`."""
+    if "rows_done" in m:
+        done, total = m["rows_done"], m.get("rows_total") or 0
+        share = f" ({100 * done / total:.0f}%)" if total else ""
+        eta = m.get("eta_s")
+        return Text(f"rows {done}/{total}{share}  {m.get('rows_failed', 0)} failed  {m.get('tokens_per_s') or 0:,.0f} tok/s"
+                    f"  ETA {fmt_duration(eta) if isinstance(eta, (int, float)) else '-'}", style="bold cyan")
     step, total = m.get("step"), m.get("total_steps")
     parts = [f"step {step}/{total} ({100 * step / total:.0f}%)" if step is not None and total else f"step {step}"]
     for key, label, fmt in (("loss", "loss", "{:.4f}"), ("acceptance_length", "accept", "{:.2f}"),

@@ -180,17 +180,24 @@ def start_run(
     hook = list(on_event) or list(host.on_event)
     if hook:
         spec["on_event"] = hook
-    answer = call(target, "start", [host.workdir], stdin=json.dumps(spec).encode(), timeout=PREFLIGHT_TIMEOUT_S)
-    return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or list(gpus),
+    return launch(target, spec)
+
+
+def launch(target: Target, spec: dict[str, Any]) -> StartedRun:
+    """`runctl start` with a run's spec (argv, cwd, kind, gpus, ...; see start_run): pre-flight,
+    GPU check and start under the remote lock."""
+    answer = call(target, "start", [target.host.workdir], stdin=json.dumps(spec).encode(), timeout=PREFLIGHT_TIMEOUT_S)
+    return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus", list(spec["gpus"])),
                       answer.get("queued_behind"))
 
 
 def resume_run(target: Target, selector: str, *, payload_hash: str | None, force: bool = False,
-               env: dict[str, str] | None = None) -> StartedRun:
+               env: dict[str, str] | None = None, kind: str = "train") -> StartedRun:
     """Start an ended run again in its own directory, from its newest checkpoint (`--resume`),
-    on the payload now in the container (pre-flight and GPU check as for a new run)."""
+    on the payload now in the container (pre-flight and GPU check as for a new run). A run of
+    another kind (a data run given to `train --resume`) is refused."""
     spec = {"cwd": f"{target.host.workdir}/payload", "payload_hash": payload_hash, "force": force,
-            "env": env or None, "preflight": True}
+            "env": env or None, "preflight": True, "kind": kind}
     answer = call(target, "resume", [target.host.workdir, selector], stdin=json.dumps(spec).encode(),
                   timeout=PREFLIGHT_TIMEOUT_S)
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or [])
@@ -266,6 +273,8 @@ def answer_error(target: Target, answer: dict[str, Any]) -> Exception:
         return NotFoundError(f"{target.label}: {message}")
     if kind == "config":  # the trainer's own one line, from its pre-flight
         return UsageError(f"{target.label}: trainer config: {message}")
+    if kind == "usage":
+        return UsageError(f"{target.label}: {message}")
     if kind == "missing_module":
         return ContainerError(f"{target.label}: {message}; install it there, or point `python:` in hosts.yaml "
                               f"at an interpreter that has it")
@@ -335,18 +344,18 @@ def print_runs(console: Console, runs: Sequence[dict[str, Any]], host: str, seve
     a run across several hosts (docs/multihost.md); it is there when several hosts were listed or
     such a run is."""
     multi = several_hosts or any(run.get("nodes") for run in runs)
-    columns = [Column("run"), Column("name", text=True), Column("state"), Column("GPUs"), Column("started"),
+    columns = [Column("run"), Column("name", text=True), Column("kind"), Column("state"), Column("GPUs"), Column("started"),
                Column("duration", "right"), Column("step", "right"), Column("loss", "right"), Column("tau", "right")]
     if multi:
-        columns.insert(3, Column("hosts"))
+        columns.insert(4, Column("hosts"))
     rows = []
     for run in runs:
         last = run.get("last") or {}
-        step = last.get("step")
-        total = last.get("total_steps")
+        step, total = progress_of(run)
         cells = [
             Text(run.get("run_id", "?")),
             Text(run.get("name") or "-"),
+            Text(run.get("kind") or "train"),
             state_text(run),
             Text(",".join(run.get("gpus") or []) or "-"),
             Text(short_time(run.get("started_at"))),
@@ -356,9 +365,17 @@ def print_runs(console: Console, runs: Sequence[dict[str, Any]], host: str, seve
             Text(tau_cell(run)),
         ]
         if multi:
-            cells.insert(3, Text(",".join(n["host"] for n in run.get("nodes") or []) or str(run.get("host") or "-")))
+            cells.insert(4, Text(",".join(n["host"] for n in run.get("nodes") or []) or str(run.get("host") or "-")))
         rows.append(cells)
     show(console, columns, rows, title=f"runs on {host} (times UTC)")
+
+
+def progress_of(run: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(done, total) of a run: steps of a training run, rows of a data run."""
+    last = run.get("last") or {}
+    if run.get("kind") == "data":
+        return last.get("rows_done"), last.get("rows_total")
+    return last.get("step"), last.get("total_steps")
 
 
 def tau_cell(run: dict[str, Any]) -> str:
@@ -378,6 +395,7 @@ def details_table(run: dict[str, Any]) -> Table:
     rows: list[tuple[str, Text]] = [
         ("run", Text(run["run_id"])),
         ("name", Text(run.get("name") or "-")),
+        ("kind", Text(run.get("kind") or "train")),
         ("state", state_text(run)),
         ("host", Text(str(run.get("host")))),
         ("GPUs", Text(",".join(run.get("gpus") or []))),
@@ -401,7 +419,7 @@ def details_table(run: dict[str, Any]) -> Table:
     if run.get("nodes"):
         extra.append(("nodes", node_states(run["nodes"])))
         extra.append(("rendezvous", Text(str((run.get("group") or {}).get("rendezvous", "-")))))
-    rows[3:3] = extra
+    rows[4:4] = extra
     rows += [(k, Text(v)) for k, v in metrics_summary(run.get("metrics") or [], run.get("metrics_count", 0))]
     for key, value in rows:
         table.add_row(key, value)
@@ -424,6 +442,9 @@ def metrics_summary(records: Sequence[dict[str, Any]], count: int) -> list[tuple
     if not records:
         return [("metrics", "none yet")]
     last = records[-1]
+    if "rows_done" in last:  # a data run's progress records
+        return [("rows", f"{last['rows_done']}/{last.get('rows_total', '?')} ({last.get('rows_failed', 0)} failed)"),
+                ("tokens/s", f"{last.get('tokens_per_s') or 0:.0f}")]
     losses = series(records, "loss")[1]
     accs = series(records, "acceptance_length")[1]
     out = [("metrics", f"{count} records"), ("step", f"{last.get('step')}/{last.get('total_steps', '?')}")]

@@ -80,10 +80,11 @@ def test_runs_list_over_two_hosts_names_each_runs_host(shim_host, tmp_path):
     listed = shim_host.run_cli("runs", "list", "dock,shim")
     assert listed.returncode == 0, listed.stderr
     header, *lines = listed.stdout.splitlines()  # in a pipe: plain columns, one run per line
-    assert header.split() == ["RUN", "NAME", "STATE", "HOSTS", "GPUS", "STARTED", "DURATION", "STEP", "LOSS", "TAU"]
+    assert header.split() == ["RUN", "NAME", "KIND", "STATE", "HOSTS", "GPUS", "STARTED", "DURATION", "STEP", "LOSS",
+                              "TAU"]
     rows = {line.split()[0]: line.split() for line in lines}
-    assert {host: rows[run_id][3] for host, run_id in ids.items()} == {"dock": "dock", "shim": "shim"}
-    assert all(rows[run_id][2] == "succeeded" for run_id in ids.values())  # whole words: `| grep succeeded`
+    assert {host: rows[run_id][4] for host, run_id in ids.items()} == {"dock": "dock", "shim": "shim"}
+    assert all(rows[run_id][2:4] == ["train", "succeeded"] for run_id in ids.values())  # whole words: `| grep succeeded`
     # A host that cannot be listed does not hide the others' runs: one error line each, its exit code.
     partial = shim_host.run_cli("runs", "list", "dock,dockstop,shim", "--json")
     assert partial.returncode == 4 and "Traceback" not in partial.stderr

@@ -207,3 +207,8 @@ def test_backoff_grows_across_drops_that_bring_no_log_bytes(shim_host):
         reader.join(60)
     delays = [n.split("reconnecting in ")[1] for n in notices[:3]]
     assert delays == ["0.1 s", "0.3 s", "0.9 s"] and done and done[0].state == "succeeded"
+
+
+def test_progress_text_of_a_data_run_shows_rows():
+    text = progress_text({"rows_done": 30, "rows_total": 120, "rows_failed": 2, "tokens_per_s": 1234.4, "eta_s": 75})
+    assert text.plain == "rows 30/120 (25%)  2 failed  1,234 tok/s  ETA 1:15"

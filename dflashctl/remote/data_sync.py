@@ -6,7 +6,9 @@
 `put` streams stdin into a hidden partial file in the same directory while hashing and counting
 lines, checks the size and hash it was told, fsyncs, then renames it over NAME: a transfer that
 stops early leaves the old copy (or none) and nothing under the final name. `data/.index.json`
-records each dataset's size, rows and hash, so an unchanged file is known without reading it.
+records each dataset's size, rows and hash, so an unchanged file is known without reading it;
+`list` records a file that came another way (`data regen` writes its output there) the first
+time it sees it. Hidden files (partial transfers and regenerations) are never datasets.
 """
 
 import hashlib
@@ -58,9 +60,37 @@ def write_index(root, index):
     os.replace(tmp, os.path.join(root, INDEX))
 
 
+def describe(path):
+    """{size, rows, sha256} of a file, read in chunks."""
+    digest, size, rows = hashlib.sha256(), 0, 0
+    with open(path, "rb") as fh:
+        while True:
+            chunk = fh.read(CHUNK)
+            if not chunk:
+                break
+            digest.update(chunk)
+            size += len(chunk)
+            rows += chunk.count(b"\n")
+    return {"size": size, "rows": rows, "sha256": digest.hexdigest()}
+
+
 def cmd_list(workdir):
-    """Every recorded dataset."""
-    index = read_index(data_dir(workdir))
+    """Every dataset: the recorded ones, and files that came into data/ another way (written by
+    `data regen`, copied by hand), hashed once and recorded."""
+    import fcntl
+
+    root = data_dir(workdir)
+    with open(os.path.join(root, ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        index = read_index(root)
+        found = {}
+        for name in sorted(os.listdir(root)):
+            path = os.path.join(root, name)
+            if name not in index and NAME_RE.match(name) and os.path.isfile(path) and not os.path.islink(path):
+                found[name] = describe(path)
+        if found:
+            index.update(found)
+            write_index(root, index)
     emit({"datasets": [dict(name=name, **entry) for name, entry in sorted(index.items())]})
 
 

@@ -214,6 +214,7 @@ def summary(run_dir, meta):
     if state == "lost":
         report_lost(run_dir, meta)
     out = dict(meta)
+    out.setdefault("kind", "train")  # run.json from before kinds
     out.update(state=state, exit_code=code, ended_ts=ended, last=last_metrics(run_dir), now_ts=time.time(),
                reason=read_reason(run_dir) if state != "running" else None, eval=eval_figures(run_dir))
     return out
@@ -324,10 +325,15 @@ def cmd_start(workdir):
             gpus = spec["gpus"]
             if spec.get("preflight"):
                 found = preflight(argv, cwd, env)
-                gpus = [str(g) for g in found.get("gpus") or []] or ["cpu"]
-                if gpus != ["cpu"] and spec["gpus"] == ["cpu"]:
-                    # The trainer chose the GPUs (run.device auto): pin them, so the run uses what is locked.
-                    argv += ["--set", "run.gpus=[%s]" % ",".join(gpus)]
+                if "holds" in found:
+                    # A program that says what it holds (data regen: maybe nothing) and how to pin it.
+                    gpus = [str(g) for g in found["holds"]]
+                    argv += found.get("pin") or []
+                else:
+                    gpus = [str(g) for g in found.get("gpus") or []] or ["cpu"]
+                    if gpus != ["cpu"] and spec["gpus"] == ["cpu"]:
+                        # The trainer chose the GPUs (run.device auto): pin them, so the run uses what is locked.
+                        argv += ["--set", "run.gpus=[%s]" % ",".join(gpus)]
             busy = [] if spec.get("force") else conflicts(root, gpus) + queued_ahead(root, gpus, run_id)
             if busy and not spec.get("queue"):
                 raise RunError("conflict", "GPUs busy", runs=busy)
@@ -337,6 +343,7 @@ def cmd_start(workdir):
         now = time.time()
         meta = {
             "run_id": run_id,
+            "kind": spec.get("kind") or "train",  # train | data (dflashctl data regen)
             "name": spec.get("name"),
             "host": spec.get("host"),
             "argv": argv,
@@ -412,6 +419,11 @@ def cmd_resume(workdir, selector):
             raise RunError("conflict_running", "run %s is still %s (stop it first: dflashctl runs stop)" % (run_id, state))
         if meta.get("group"):
             raise RunError("bad_request", "run %s spans several hosts: resume it with a new `train` on them" % run_id)
+        kind = meta.get("kind", "train")
+        if spec.get("kind", kind) != kind:
+            how = ["dflashctl", "data", "regen"] if kind == "data" else ["dflashctl", "train"]
+            raise RunError("usage", "run %s is a %s run: continue it with %s" % (
+                run_id, kind, shlex.join(how + [meta.get("host") or "HOST", "--resume", run_id])))
         argv = list(meta["argv"])
         if "--resume" not in argv:
             argv.append("--resume")
@@ -551,7 +563,11 @@ def supervise(run_dir, meta, env):
             break
         if step is not None and "--resume" not in argv:
             argv.append("--resume")
-    if code not in (0, 2) and meta.get("host") and not meta.get("group") and newest_checkpoint(run_dir) is not None:
+    if code not in (0, 2) and meta.get("host") and meta.get("kind") == "data":
+        # A regen keeps every row it wrote: --resume goes on at the first missing one.
+        command = shlex.join(["dflashctl", "data", "regen", meta["host"], "--resume", meta["run_id"]])
+        print("dflashctl: regen exited with %d; continue where it stopped: %s" % (code, command), flush=True)
+    elif code not in (0, 2) and meta.get("host") and not meta.get("group") and newest_checkpoint(run_dir) is not None:
         # The trainer's own hint names its flag; this one names the command that does it here.
         command = shlex.join(["dflashctl", "train", meta["host"], "--resume", meta["run_id"]])
         print("dflashctl: the trainer exited with %d; continue from its newest checkpoint: %s" % (code, command),

@@ -1,0 +1,502 @@
+"""`python -m dflash_train.regen --prompts IN.jsonl --out OUT.jsonl [options]`: the target's own
+responses to a set of prompts, written as rows the trainer reads (the DFlash recipe: a drafter
+learns to predict its target, so it trains on what the target itself says). docs/data.md.
+
+Input rows, one per non-blank line; a row's index counts them from 0. The first key found wins:
+  {"messages": [...]}   a chat: the next assistant turn for the conversation up to its last user
+                        turn; out: {"index", "messages": that conversation + the reply,
+                        "finish_reason"}
+  {"prompt": "..."}     plain text, continued as it is; out: {"index", "input_ids", "loss_mask",
+                        "finish_reason"}, the prompt's tokens masked out
+  {"input_ids": [...]}  token ids (a target without a tokenizer); out as for "prompt"
+
+Exact and resumable: results are appended in input order to a hidden partial file beside OUT
+(`.<name>.partial`), each batch flushed and fsynced, a failed row as a marker line. `--resume`
+reads it back (a torn last line is dropped) and goes on at the first row it lacks, redoing that
+row's whole batch with the batch's own seed: the result equals an uninterrupted run's. Once
+every row is there, the partial is split into OUT and, if rows failed, `<stem>.errors.jsonl`
+({"index", "reason"}), each through a temporary file and a rename, and removed.
+
+Exit codes: 0 done, 1 an engine failure (an endpoint that stays down, a batch that does not fit
+the GPU: resume after fixing it), 2 bad input, 4 a missing module, 143 stopped by SIGTERM (the
+batches in flight are finished and written first). `--preflight` checks arguments, files and
+devices without generating and prints one JSON line, as the trainer's pre-flight does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+from .regen_rows import KINDS, Done, Options, RegenError, Row
+
+EXIT_FAILED, EXIT_USAGE, EXIT_MISSING, EXIT_STOPPED = 1, 2, 4, 143
+DEFAULT_BATCH = {"builtin": 32, "openai": 1}
+LOG_EVERY_S = 1.0  # progress lines at most this often (and at the end)
+
+
+class Engine(Protocol):
+    """Turns batches of rows into results, from `workers` threads at once."""
+
+    workers: int
+    options: Options
+
+    def setup(self, worker: int) -> None:
+        """Prepare worker `worker` (build its target replica); runs in that worker's thread."""
+
+    def run(self, worker: int, batch: int, rows: list[Row]) -> list[Done] | None:
+        """Results for the batch's rows in order (None: abandoned for a stop, redone on resume)."""
+
+
+# --- rows ---------------------------------------------------------------------------------------
+
+
+def count_rows(path: Path) -> int:
+    """Non-blank lines of the prompts file (streamed)."""
+    with path.open("rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
+def first_row(path: Path) -> dict | None:
+    """The first parseable row (for the pre-flight's checks), or None."""
+    with path.open("rb") as fh:
+        for line in fh:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    return None
+                return row if isinstance(row, dict) else None
+    return None
+
+
+def read_batches(path: Path, batch_size: int, first_batch: int) -> Iterator[tuple[int, list[Row]]]:
+    """(batch number, its rows) from batch `first_batch` on; batch j holds rows j*B..j*B+B-1."""
+    skip = first_batch * batch_size
+    index, rows = 0, []
+    with path.open("rb") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            if index >= skip:
+                rows.append(parse_row(index, line))
+                if len(rows) == batch_size:
+                    yield index // batch_size, rows
+                    rows = []
+            index += 1
+    if rows:
+        yield rows[0].index // batch_size, rows
+
+
+def parse_row(index: int, line: bytes) -> Row:
+    """One line as a Row (a parse failure is the row's error, not the run's)."""
+    try:
+        data = json.loads(line)
+    except ValueError as exc:
+        return Row(index, None, f"not JSON ({exc})")
+    if not isinstance(data, dict):
+        return Row(index, None, "not a JSON object")
+    return Row(index, data)
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+def errors_path(out: Path) -> Path:
+    """`<stem>.errors.jsonl` beside the output."""
+    stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
+    return out.with_name(f"{stem}.errors.jsonl")
+
+
+def partial_path(out: Path) -> Path:
+    """The hidden partial file beside the output."""
+    return out.with_name(f".{out.name}.partial")
+
+
+class Output:
+    """The partial file: results in input order, each batch fsynced; split into the output (and
+    errors file) when complete. One writer at a time (an flock on the partial)."""
+
+    def __init__(self, out: Path):
+        self.out, self.partial, self.errors = out, partial_path(out), errors_path(out)
+        self.next_index = 0  # rows 0..next_index-1 are in the partial
+        self.failed = 0
+        self.fh = None
+
+    def open(self) -> int:
+        """Open the partial (read back what an interrupted run left in it); returns the next row index."""
+        import fcntl
+
+        self.fh = open(self.partial, "a+b")
+        try:
+            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise RegenError(f"another regen is writing {self.partial}") from None
+        good = self._read_back()
+        if good < self.fh.seek(0, os.SEEK_END):
+            self.fh.truncate(good)  # a torn last line: its batch is redone
+        return self.next_index
+
+    def _read_back(self) -> int:
+        """Check the partial's rows (indices 0, 1, 2, ...); returns the byte offset after the last whole one."""
+        self.fh.seek(0)
+        offset = 0
+        for line in self.fh:
+            try:
+                row = json.loads(line) if line.endswith(b"\n") else None
+            except ValueError:
+                row = None
+            if not isinstance(row, dict):
+                if self.fh.read(1):
+                    raise RegenError(f"{self.partial}: line {self.next_index + 1} is damaged (not the last line)")
+                break
+            if row.get("index") != self.next_index:
+                raise RegenError(f"{self.partial}: row {self.next_index} has index {row.get('index')}")
+            self.failed += "_error" in row
+            self.next_index += 1
+            offset += len(line)
+        return offset
+
+    def write(self, results: list[Done]) -> None:
+        """Append the results not yet written (a redone batch repeats none), flushed and fsynced."""
+        lines = []
+        for done in results:
+            if done.index < self.next_index:
+                continue
+            if done.index != self.next_index:
+                raise RuntimeError(f"result {done.index} out of order (expected {self.next_index})")
+            record = {"index": done.index, "_error": done.error} if done.error is not None else done.row
+            lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+            self.failed += done.error is not None
+            self.next_index += 1
+        if lines:
+            self.fh.write("".join(lines).encode("utf-8"))
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+
+    def finish(self) -> None:
+        """Split the complete partial into the output and the errors file, then remove it."""
+        tmp_out, tmp_err = self.out.with_name(f".{self.out.name}.tmp"), self.errors.with_name(f".{self.errors.name}.tmp")
+        self.fh.seek(0)
+        with open(tmp_out, "wb") as out, open(tmp_err, "wb") as err:
+            for line in self.fh:
+                row = json.loads(line)
+                if "_error" in row:
+                    err.write((json.dumps({"index": row["index"], "reason": row["_error"]}, ensure_ascii=False)
+                               + "\n").encode("utf-8"))
+                else:
+                    out.write(line)
+            for fh in (out, err):
+                fh.flush()
+                os.fsync(fh.fileno())
+        if self.failed:
+            os.replace(tmp_err, self.errors)
+        else:
+            os.remove(tmp_err)
+            if self.errors.exists():
+                os.remove(self.errors)  # left by an earlier run under this name
+        os.replace(tmp_out, self.out)
+        os.remove(self.partial)
+        self.close()
+
+    def close(self) -> None:
+        """Release the partial (and its lock)."""
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None
+
+
+# --- progress -------------------------------------------------------------------------------------
+
+
+class Progress:
+    """Rows done/total, tokens/s and ETA: a log line at most every second, and a metrics record."""
+
+    def __init__(self, total: int, start: int, metrics: Path | None, log: Callable[[str], None]):
+        self.total, self.start, self.metrics, self.log = total, start, metrics, log
+        self.t0 = time.monotonic()
+        self.tokens = 0
+        self.last = 0.0
+
+    def update(self, done: int, failed: int, new_tokens: int, final: bool = False) -> None:
+        """Count a written batch; log when due (or final)."""
+        self.tokens += new_tokens
+        now = time.monotonic()
+        if not final and now - self.last < LOG_EVERY_S:
+            return
+        self.last = now
+        elapsed = max(now - self.t0, 1e-9)
+        rate = (done - self.start) / elapsed
+        eta = (self.total - done) / rate if rate > 0 else None
+        tok_s = self.tokens / elapsed
+        share = 100 * done / self.total if self.total else 100.0
+        self.log(f"regen: {done}/{self.total} rows ({share:.0f}%), {failed} failed, {tok_s:,.0f} tok/s, "
+                 f"ETA {duration(eta)}")
+        if self.metrics is not None:
+            record = {"rows_done": done, "rows_total": self.total, "rows_failed": failed,
+                      "tokens_per_s": round(tok_s, 1), "eta_s": None if eta is None else round(eta, 1),
+                      "time": time.time()}
+            with self.metrics.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+
+def duration(seconds: float | None) -> str:
+    """`1:02:03` / `4:05`, or `-`."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+# --- the scheduler --------------------------------------------------------------------------------
+
+
+def work_loop(engine: Engine, worker: int, work: queue.Queue, results: queue.Queue) -> None:
+    """One worker thread: set up, then run batches from the shared queue until None."""
+    try:
+        engine.setup(worker)
+    except BaseException as exc:  # noqa: BLE001 - reported to the main thread, which ends the run
+        results.put((None, exc))
+        return
+    while True:
+        item = work.get()
+        if item is None:
+            return
+        number, rows = item
+        try:
+            results.put((number, engine.run(worker, number, rows)))
+        except BaseException as exc:  # noqa: BLE001 - see above
+            results.put((number, exc))
+            return
+
+
+def regenerate(engine: Engine, batches: Iterator[tuple[int, list[Row]]], output: Output, progress: Progress,
+               stop: threading.Event) -> BaseException | None:
+    """Run every batch through the engine's workers and write the results in input order. A
+    stop (or a failure) issues no new batch, waits for those in flight and writes what is in
+    order; returns the failure, if any."""
+    work: queue.Queue = queue.Queue()
+    results: queue.Queue = queue.Queue()
+    threads = [threading.Thread(target=work_loop, args=(engine, w, work, results), daemon=True, name=f"regen-{w}")
+               for w in range(engine.workers)]
+    for t in threads:
+        t.start()
+    window = 2 * engine.workers  # batches issued and not yet written: bounds what waits in memory
+    pending: dict[int, list[Done] | None] = {}  # finished out of order (None: abandoned or failed)
+    expected = None  # the batch to write next
+    in_flight, alive, exhausted, failure = 0, len(threads), False, None
+    while True:
+        while not (stop.is_set() or failure is not None or exhausted) and in_flight + len(pending) < window:
+            item = next(batches, None)
+            if item is None:
+                exhausted = True
+                break
+            expected = item[0] if expected is None else expected
+            work.put(item)
+            in_flight += 1
+        if in_flight == 0 or alive == 0:
+            break
+        try:
+            number, result = results.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if number is None:  # a worker could not set up
+            failure, alive = failure or result, alive - 1
+            continue
+        in_flight -= 1
+        if isinstance(result, BaseException):
+            failure, alive, result = failure or result, alive - 1, None
+        pending[number] = result
+        while pending.get(expected) is not None:
+            done = pending.pop(expected)
+            output.write(done)
+            progress.update(output.next_index, output.failed, sum(d.new_tokens for d in done))
+            expected += 1
+        if expected in pending:  # nothing after an unwritten batch can be written in order
+            stop.set()
+    for _ in threads:
+        work.put(None)
+    for t in threads:
+        # Every batch has come back, so each worker is at its queue and ends now; one still
+        # inside torch when the interpreter exits would abort it (std::terminate).
+        t.join()
+    progress.update(output.next_index, output.failed, 0, final=True)
+    return failure
+
+
+# --- the program ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see the module docstring and docs/data.md)."""
+    ap = argparse.ArgumentParser(prog="python -m dflash_train.regen", description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", required=True, help="input JSONL")
+    ap.add_argument("--out", required=True, help="output JSONL (the errors file goes beside it)")
+    ap.add_argument("--engine", choices=("builtin", "openai"), default="builtin")
+    ap.add_argument("--gpus", default="auto", help="builtin: auto (every visible GPU, else cpu), cpu, or 0,1")
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--thinking", choices=("on", "off"), help="enable_thinking of Qwen3 chat templates "
+                                                              "(default: the template's own)")
+    ap.add_argument("--batch-size", type=int, help="rows per batch (builtin: 32, openai: 1)")
+    ap.add_argument("--tokenizer", help="HF tokenizer directory (default: target.path; openai: none)")
+    ap.add_argument("--preset", help="builtin: the target's preset (tiny, qwen3-8b)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="builtin: target.*, run.dtype or run.cpu_threads (repeatable)")
+    ap.add_argument("--endpoint", help="openai: the server's base URL, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--model", help="openai: the model name the server serves")
+    ap.add_argument("--concurrency", type=int, default=8, help="openai: requests at once")
+    ap.add_argument("--retries", type=int, default=8, help="openai: attempts after a 429, 5xx or connection error")
+    ap.add_argument("--metrics", help="append progress records (JSONL) here")
+    ap.add_argument("--resume", action="store_true", help="continue the partial output of an interrupted run")
+    ap.add_argument("--preflight", action="store_true", help="check everything, print one JSON line, generate nothing")
+    return ap.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Options that make no sense, whatever the machine (RegenError)."""
+    if args.max_new_tokens < 1:
+        raise RegenError("--max-new-tokens must be at least 1")
+    if not 0 <= args.temperature < float("inf"):
+        raise RegenError(f"--temperature must be 0 (greedy) or positive, got {args.temperature:g}")
+    if not 0 < args.top_p <= 1:
+        raise RegenError(f"--top-p must be in (0, 1], got {args.top_p:g}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise RegenError("--batch-size must be at least 1")
+    if args.engine == "openai":
+        if not args.endpoint or not args.model:
+            raise RegenError("the openai engine needs --endpoint URL and --model NAME")
+        if not args.endpoint.startswith(("http://", "https://")):
+            raise RegenError(f"--endpoint must be an http:// or https:// URL, got {args.endpoint!r}")
+        if args.concurrency < 1 or args.retries < 0:
+            raise RegenError("--concurrency must be at least 1 and --retries 0 or more")
+        if args.overrides or args.preset or args.gpus != "auto":
+            raise RegenError("--set, --preset and --gpus are for the builtin engine")
+    elif args.endpoint or args.model:
+        raise RegenError("--endpoint and --model are for the openai engine")
+    prompts = Path(args.prompts)
+    if not prompts.is_file():
+        raise RegenError(f"no such prompts file: {prompts}")
+    if args.tokenizer and not Path(args.tokenizer, "tokenizer_config.json").is_file():
+        raise RegenError(f"--tokenizer {args.tokenizer} is not a tokenizer directory (no tokenizer_config.json)")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise RegenError(f"no such directory for --out: {out.parent}")
+    if not args.resume:
+        for path in (out, partial_path(out)):
+            if path.exists():
+                raise RegenError(f"{path} exists already (an earlier regen): choose another output name"
+                                 + (", or resume that run" if path != out else ""))
+    first = first_row(prompts)
+    if first is not None and args.engine == "openai" and not args.tokenizer:
+        kind = next((k for k in KINDS if k in first), None)
+        if kind in ("prompt", "input_ids"):
+            raise RegenError(f"{prompts} has {kind} rows: the openai engine needs --tokenizer DIR to turn the "
+                             f"responses into input_ids")
+
+
+def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | None, dict]:
+    """The engine (None for a pre-flight) and the pre-flight's answer fields."""
+    opts = Options(args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                   None if args.thinking is None else args.thinking == "on")
+    if args.engine == "openai":
+        from .regen_openai import OpenAIEngine
+
+        answer = {"devices": [], "holds": [], "summary": [f"engine: openai, {args.endpoint} model {args.model}, "
+                                                          f"{args.concurrency} requests at once"]}
+        if preflight:
+            return None, answer
+        return OpenAIEngine(args.endpoint, args.model, args.concurrency, args.retries, opts, args.tokenizer), answer
+    from .regen_builtin import BuiltinEngine, resolve_target
+
+    cfg, devices = resolve_target(args.preset, args.overrides, args.gpus)
+    holds = sorted({d.split(":")[1] for d in devices if d.startswith("cuda:")}, key=int) or ["cpu"]
+    answer = {"devices": devices, "gpus": [int(g) for g in holds if g != "cpu"], "holds": holds,
+              "summary": [f"engine: builtin, target {cfg.target.path or 'random ' + str(cfg.target.num_layers) + ' layers'}"
+                          f", {cfg.run.dtype}, devices {', '.join(devices)}"]}
+    if args.gpus == "auto" and holds != ["cpu"]:
+        answer["pin"] = ["--gpus", ",".join(holds)]  # the run uses exactly what the pre-flight saw
+    if preflight:
+        return None, answer
+    return BuiltinEngine(cfg, devices, args.tokenizer or cfg.target.path, opts), answer
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, check, regenerate; the exit code (see the module docstring)."""
+    args = parse_args(argv)
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        check_args(args)
+        engine, answer = build_engine(args, args.preflight)
+        if args.preflight:
+            print(json.dumps({"ok": True, **answer}), flush=True)
+            return 0
+        return run(args, engine, log)
+    except RegenError as exc:
+        return _fail(args.preflight, "config", str(exc), EXIT_USAGE)
+    except ImportError as exc:
+        name = getattr(exc, "name", None) or str(exc)
+        return _fail(args.preflight, "missing_module", f"{name} is not installed in {sys.executable}", EXIT_MISSING,
+                     module=name)
+
+
+def _fail(preflight: bool, kind: str, message: str, code: int, **extra: Any) -> int:
+    """One line: the pre-flight's JSON answer, or `error: ...` on stderr."""
+    if preflight:
+        print(json.dumps({"ok": False, "error": kind, "message": message, **extra}), flush=True)
+    else:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) -> int:
+    """Open the output, regenerate what is missing, finish; the exit code."""
+    stop = engine.options.stop
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    out = Output(Path(args.out))
+    try:
+        if args.resume and Path(args.out).exists() and not partial_path(Path(args.out)).exists():
+            log(f"regen: {args.out} is complete already; nothing to do")
+            return 0
+        start = out.open()
+        total = count_rows(Path(args.prompts))
+        batch = args.batch_size or DEFAULT_BATCH[args.engine]
+        if start:
+            log(f"regen: resuming at row {start}/{total} (batch {start // batch} is redone)")
+        log(f"regen: {total} rows from {args.prompts} -> {args.out}, batch {batch}, {engine.workers} worker(s)")
+        progress = Progress(total, start, Path(args.metrics) if args.metrics else None, log)
+        failure = regenerate(engine, read_batches(Path(args.prompts), batch, start // batch), out, progress, stop)
+        if isinstance(failure, RegenError):
+            raise failure
+        if isinstance(failure, ImportError):
+            raise failure
+        if failure is not None:
+            print(f"error: {failure}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        if out.next_index < total:
+            log(f"regen: stopped after {out.next_index}/{total} rows; --resume continues there")
+            return EXIT_STOPPED
+        out.finish()
+        where = f"; failed rows: {out.errors}" if out.failed else ""
+        log(f"regen: done, {total - out.failed} rows in {args.out}{where}")
+        return 0
+    finally:
+        out.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The `builtin` engine of `dflash_train.regen`: the project's own Qwen3 target, one replica per
+worker thread (one thread per GPU, one on CPU), each batch generated at once by decode.generate
+(left-padded, static KV cache): the same decode path as `dflashctl eval`'s target-only decode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .config import Config, ConfigError, load_config
+from .data import seeded_generator
+from .regen_rows import (Done, Options, RegenError, Row, RowError, SharedTokenizer, chat_row, conversation, row_kind,
+                         token_ids, token_row)
+from .replica import DTYPES
+from .target import build_random_target, load_hf_target, read_hf_config, resolve_mask_token_id
+
+ALLOWED_SETS = ("target.", "run.dtype=", "run.cpu_threads=")
+
+
+def resolve_target(preset: str | None, overrides: list[str], gpus: str) -> tuple[Config, list[str]]:
+    """(config with the target and dtype resolved, one device per worker) for `--preset`,
+    `--set target.*|run.dtype|run.cpu_threads` and `--gpus auto|cpu|0,1` (RegenError if bad)."""
+    bad = [o for o in overrides if not o.startswith(ALLOWED_SETS)]
+    if bad:
+        raise RegenError(f"--set {bad[0]!r}: regen takes target.*, run.dtype and run.cpu_threads")
+    try:
+        cfg = load_config(None, preset, overrides)
+        if cfg.target.path is not None:
+            loaded = read_hf_config(cfg.target.path)
+            loaded.seed, loaded.init_std = cfg.target.seed, cfg.target.init_std
+            cfg.target = loaded
+    except ConfigError as exc:
+        raise RegenError(str(exc)) from None
+    except (OSError, KeyError, ValueError) as exc:
+        raise RegenError(f"target.path: {exc}") from None
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    if gpus == "auto":
+        devices = [f"cuda:{i}" for i in range(count)] or ["cpu"]
+    elif gpus == "cpu":
+        devices = ["cpu"]
+    else:
+        items = [t.strip() for t in gpus.split(",")]
+        if not all(t.isdigit() for t in items) or len(set(items)) != len(items):
+            raise RegenError(f"--gpus must be auto, cpu or distinct GPU indices like 0,1, got {gpus!r}")
+        if not cuda:
+            raise RegenError(f"--gpus {gpus} requested but CUDA is not available")
+        if max(int(t) for t in items) >= count:
+            raise RegenError(f"--gpus {gpus}: torch sees {count} GPU(s)")
+        devices = [f"cuda:{int(t)}" for t in items]
+    if cfg.run.dtype == "auto":
+        cfg.run.dtype = "bf16" if devices[0].startswith("cuda") else "fp32"
+    return cfg, devices
+
+
+def batch_generator(seed: int, batch: int, device: str) -> torch.Generator:
+    """The sampling generator of one batch: the same batch gets the same draws, also on resume."""
+    state = seeded_generator(seed, batch).initial_seed()
+    return torch.Generator(device=device).manual_seed(state)
+
+
+class BuiltinEngine:
+    """Batched generation with the project's target; see the module docstring."""
+
+    def __init__(self, cfg: Config, devices: list[str], tokenizer_dir: str | None, options: Options):
+        self.cfg, self.devices, self.options = cfg, devices, options
+        self.workers = len(devices)
+        self.targets: list = [None] * len(devices)
+        self.tokenizer = SharedTokenizer(tokenizer_dir, "chat and prompt rows need a tokenizer: --tokenizer DIR or "
+                                                        "target.path")
+        self.eos_ids = self._generation_eos()
+        try:
+            self.banned = (resolve_mask_token_id(cfg.target, None, tokenizer_dir),)  # MASK never appears in data
+        except ValueError:
+            self.banned = ()
+
+    def _generation_eos(self) -> tuple[int, ...]:
+        """End-of-sequence ids from the target's generation_config.json (Qwen3 has two)."""
+        path = self.cfg.target.path
+        try:
+            raw = json.loads((Path(path) / "generation_config.json").read_text()).get("eos_token_id") if path else None
+        except (OSError, ValueError):
+            raw = None
+        return tuple(raw if isinstance(raw, list) else [] if raw is None else [raw])
+
+    def setup(self, worker: int) -> None:
+        """Build this worker's replica of the target on its device."""
+        device, t = self.devices[worker], self.cfg.target
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        elif self.cfg.run.cpu_threads > 0:
+            torch.set_num_threads(self.cfg.run.cpu_threads)
+        dtype = DTYPES[self.cfg.run.dtype]
+        if t.path is not None:
+            target = load_hf_target(t.path, [], device, dtype, whole=True)
+        else:
+            target = build_random_target(t, t.seed, None, device, dtype)
+        self.targets[worker] = target.eval()
+        if self.tokenizer.path is not None:  # its end-of-turn token ends every row's generation, from the first batch
+            with self.tokenizer as tok:
+                if tok.eos_token_id is not None and tok.eos_token_id not in self.eos_ids:
+                    self.eos_ids = self.eos_ids + (tok.eos_token_id,)
+
+    def prompt_ids(self, row: Row) -> tuple[list[int], list[dict] | None]:
+        """(the token ids to continue, the conversation for a chat row); RowError if it cannot be."""
+        if row.error is not None:
+            raise RowError(row.error)
+        kind = row_kind(row.data)
+        if kind == "input_ids":
+            return token_ids(row.data["input_ids"], self.cfg.target.vocab_size), None
+        with self.tokenizer as tok:
+            return self._encode(tok, kind, row.data)
+
+    def _encode(self, tok, kind: str, data: dict) -> tuple[list[int], list[dict] | None]:
+        if kind == "prompt":
+            if not isinstance(data["prompt"], str) or not data["prompt"]:
+                raise RowError("prompt must be a non-empty string")
+            return list(tok(data["prompt"])["input_ids"]), None
+        convo = conversation(data["messages"])
+        extra = {} if self.options.thinking is None else {"enable_thinking": self.options.thinking}
+        try:
+            text = tok.apply_chat_template(convo, tokenize=False, add_generation_prompt=True, **extra)
+        except Exception as exc:  # noqa: BLE001 - jinja raises many types; each is this row's error
+            raise RowError(f"chat template: {type(exc).__name__}: {exc}") from None
+        return list(tok(text, add_special_tokens=False)["input_ids"]), convo
+
+    def run(self, worker: int, batch: int, rows: list[Row]) -> list[Done]:
+        """Generate the batch's valid rows together; the others are errors."""
+        from .decode import generate
+
+        o, limit = self.options, self.cfg.target.max_position_embeddings
+        done: dict[int, Done] = {}
+        ready: list[tuple[Row, list[int], list[dict] | None]] = []
+        for row in rows:
+            try:
+                ids, convo = self.prompt_ids(row)
+                if len(ids) + o.max_new_tokens > limit:
+                    raise RowError(f"prompt of {len(ids)} tokens + {o.max_new_tokens} new ones exceeds the "
+                                   f"target's context of {limit}")
+                ready.append((row, ids, convo))
+            except RowError as exc:
+                done[row.index] = Done(row.index, error=str(exc))
+        if ready:
+            device = self.devices[worker]
+            gen = batch_generator(o.seed, batch, device) if o.temperature > 0 else None
+            news = generate(self.targets[worker], [ids for _, ids, _ in ready], o.max_new_tokens,
+                            temperature=o.temperature, top_p=o.top_p, eos_ids=self.eos_ids, generator=gen,
+                            banned_ids=self.banned)
+            for (row, ids, convo), new in zip(ready, news):
+                finish = "stop" if new and new[-1] in self.eos_ids else "length"
+                if convo is None:
+                    out = token_row(row.index, ids, new, finish)
+                else:
+                    with self.tokenizer as tok:
+                        reply = tok.decode(new, skip_special_tokens=True)
+                    out = chat_row(row.index, convo, reply, finish)
+                done[row.index] = Done(row.index, out, new_tokens=len(new))
+        return [done[row.index] for row in rows]

@@ -1,0 +1,131 @@
+"""What `dflash_train.regen` and its engines share: rows in and out, options, errors, and the
+HF tokenizer loader. Standard library only (the openai engine runs without torch)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KINDS = ("messages", "prompt", "input_ids")
+
+
+class RegenError(ValueError):
+    """Bad input for the whole run (arguments, files, a missing tokenizer): one line, exit 2."""
+
+
+class RowError(ValueError):
+    """One row cannot be regenerated (malformed, too long, a template error): it goes to the
+    errors file with this reason and the run goes on."""
+
+
+class EngineError(RuntimeError):
+    """The engine cannot go on (an endpoint down after every retry): exit 1, resumable."""
+
+
+@dataclass
+class Row:
+    """One input row: its index and its parsed object, or why it could not be parsed."""
+
+    index: int
+    data: dict | None
+    error: str | None = None
+
+
+@dataclass
+class Done:
+    """One row's result: the output row, or the reason it failed; new tokens generated."""
+
+    index: int
+    row: dict | None = None
+    error: str | None = None
+    new_tokens: int = 0
+
+
+@dataclass
+class Options:
+    """What every engine needs to know about the generation."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    thinking: bool | None = None  # None: the chat template's default
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+# --- rows ---------------------------------------------------------------------------------------
+
+
+def row_kind(row: dict) -> str:
+    """messages | prompt | input_ids: the first of those keys the row has (RowError: none)."""
+    for kind in KINDS:
+        if kind in row:
+            return kind
+    raise RowError("row has none of messages, prompt, input_ids")
+
+
+def conversation(messages: Any) -> list[dict]:
+    """The messages up to and including the last user turn (RowError when there is none)."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise RowError("messages must be a list of objects")
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    if not users:
+        raise RowError("messages has no user turn to answer")
+    return messages[: users[-1] + 1]
+
+
+def token_ids(value: Any, vocab_size: int | None = None) -> list[int]:
+    """A row's input_ids as a non-empty list of token ids (RowError otherwise)."""
+    if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                            for t in value):
+        raise RowError("input_ids must be a non-empty list of token ids")
+    if vocab_size is not None and max(value) >= vocab_size:
+        raise RowError(f"token id {max(value)} is outside the target's vocabulary ({vocab_size})")
+    return value
+
+
+def token_row(index: int, prompt: list[int], new: list[int], finish: str) -> dict:
+    """The trainer's token row: prompt + response, only the response supervised."""
+    return {"index": index, "input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new),
+            "finish_reason": finish}
+
+
+def chat_row(index: int, convo: list[dict], reply: str, finish: str) -> dict:
+    """The trainer's chat row: the conversation and the target's reply."""
+    return {"index": index, "messages": convo + [{"role": "assistant", "content": reply}], "finish_reason": finish}
+
+
+def load_tokenizer(path: str):
+    """The HF tokenizer in a local directory (never fetched from a hub: a container must not)."""
+    if not Path(path, "tokenizer_config.json").is_file():
+        raise RegenError(f"{path} is not a tokenizer directory (no tokenizer_config.json)")
+    from transformers import AutoTokenizer  # an ImportError here is the run's exit 4
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class SharedTokenizer:
+    """One tokenizer for every worker thread, loaded on first use; `with shared as tok:` holds it
+    (fast tokenizers are not reentrant: two threads encoding at once can fail)."""
+
+    def __init__(self, path: str | None, missing: str):
+        self.path, self.missing = path, missing
+        self._tok = None
+        self._lock = threading.RLock()
+
+    def __enter__(self):
+        self._lock.acquire()
+        try:
+            if self._tok is None:
+                if self.path is None:
+                    raise RegenError(self.missing)
+                self._tok = load_tokenizer(self.path)
+        except BaseException:
+            self._lock.release()
+            raise
+        return self._tok
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
