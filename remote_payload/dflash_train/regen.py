@@ -26,6 +26,7 @@ devices without generating and prints one JSON line, as the trainer's pre-flight
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import queue
@@ -397,12 +398,22 @@ def check_args(args: argparse.Namespace) -> None:
             if path.exists():
                 raise RegenError(f"{path} exists already (an earlier regen): choose another output name"
                                  + (", or resume that run" if path != out else ""))
-    first = first_row(prompts)
-    if first is not None and args.engine == "openai" and not args.tokenizer:
-        kind = next((k for k in KINDS if k in first), None)
-        if kind in ("prompt", "input_ids"):
-            raise RegenError(f"{prompts} has {kind} rows: the openai engine needs --tokenizer DIR to turn the "
-                             f"responses into input_ids")
+
+
+def check_tokenizer(args: argparse.Namespace, target_path: str | None) -> None:
+    """When the first row needs a tokenizer (chat or prompt rows with the builtin engine, prompt
+    or token rows with openai): one is configured and `transformers` is there to load it."""
+    first = first_row(Path(args.prompts))
+    kind = next((k for k in KINDS if k in first), None) if first is not None else None
+    needs = ("messages", "prompt") if args.engine == "builtin" else ("prompt", "input_ids")
+    if kind not in needs:
+        return
+    if not (args.tokenizer or target_path):
+        how = ("need a tokenizer: --tokenizer DIR, or target.path" if args.engine == "builtin" else
+               "come back as text: the openai engine needs --tokenizer DIR to turn them into input_ids")
+        raise RegenError(f"{args.prompts} has {kind} rows, which {how}")
+    if importlib.util.find_spec("transformers") is None:
+        raise ImportError("transformers is needed for the tokenizer", name="transformers")
 
 
 def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | None, dict]:
@@ -412,6 +423,7 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
     if args.engine == "openai":
         from .regen_openai import OpenAIEngine
 
+        check_tokenizer(args, None)
         answer = {"devices": [], "holds": [], "summary": [f"engine: openai, {args.endpoint} model {args.model}, "
                                                           f"{args.concurrency} requests at once"]}
         if preflight:
@@ -420,6 +432,7 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
     from .regen_builtin import BuiltinEngine, resolve_target
 
     cfg, devices = resolve_target(args.preset, args.overrides, args.gpus)
+    check_tokenizer(args, cfg.target.path)
     holds = sorted({d.split(":")[1] for d in devices if d.startswith("cuda:")}, key=int) or ["cpu"]
     answer = {"devices": devices, "gpus": [int(g) for g in holds if g != "cpu"], "holds": holds,
               "summary": [f"engine: builtin, target {cfg.target.path or 'random ' + str(cfg.target.num_layers) + ' layers'}"

@@ -116,6 +116,11 @@ def test_bad_options_are_one_line_exit_2(tmp_path, capsys):
     for extra, message in cases:
         assert regen.main(["--prompts", str(src), "--out", str(tmp_path / "o.jsonl"), *extra]) == 2
         assert message in capsys.readouterr().err
+    chats = write_rows(tmp_path / "c.jsonl", [{"messages": CHATS[1]}])
+    assert regen.main(["--prompts", str(chats), "--out", str(tmp_path / "o.jsonl"), "--preflight"]) == 2
+    assert json.loads(capsys.readouterr().out) == {
+        "ok": False, "error": "config",
+        "message": f"{chats} has messages rows, which need a tokenizer: --tokenizer DIR, or target.path"}
     assert regen.main(["--prompts", str(src), "--out", str(tmp_path / "o.jsonl"), "--preflight"]) == 0
     assert json.loads(capsys.readouterr().out) == {"ok": True, "devices": ["cpu"], "gpus": [], "holds": ["cpu"],
                                                    "summary": ["engine: builtin, target random 6 layers, fp32, devices cpu"]}
