@@ -419,7 +419,8 @@ def check_tokenizer(args: argparse.Namespace, target_path: str | None) -> None:
 def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | None, dict]:
     """The engine (None for a pre-flight) and the pre-flight's answer fields."""
     opts = Options(args.max_new_tokens, args.temperature, args.top_p, args.seed,
-                   None if args.thinking is None else args.thinking == "on")
+                   None if args.thinking is None else args.thinking == "on",
+                   args.batch_size or DEFAULT_BATCH[args.engine])
     if args.engine == "openai":
         from .regen_openai import OpenAIEngine
 
@@ -486,7 +487,7 @@ def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) ->
             return 0
         start = out.open()
         total = count_rows(Path(args.prompts))
-        batch = args.batch_size or DEFAULT_BATCH[args.engine]
+        batch = engine.options.batch_size
         if start:
             log(f"regen: resuming at row {start}/{total} (batch {start // batch} is redone)")
         log(f"regen: {total} rows from {args.prompts} -> {args.out}, batch {batch}, {engine.workers} worker(s)")

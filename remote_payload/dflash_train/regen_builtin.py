@@ -1,10 +1,21 @@
 """The `builtin` engine of `dflash_train.regen`: the project's own Qwen3 target, one replica per
 worker thread (one thread per GPU, one on CPU), each batch generated at once by decode.generate
-(left-padded, static KV cache): the same decode path as `dflashctl eval`'s target-only decode."""
+(left-padded, static KV cache): the same decode path as `dflashctl eval`'s target-only decode.
+A batch with failed rows (or the short last one) is filled up to --batch-size with one-token
+filler prompts whose output is dropped; they run to --max-new-tokens, so such a batch never
+ends early.
+
+Each worker keeps one Decoder (its KV cache, and on CUDA its compiled layer parts and captured
+step graphs) and reuses it while batches have its shape: the batch's rows and a capacity of its
+longest prompt + --max-new-tokens rounded up to CAPACITY_STEP. The shape depends only on the
+batch, so a resumed run decodes each batch exactly as an uninterrupted one. On CUDA a new
+decoder first runs every step it can take once, under a lock the workers share: compiling and
+capturing CUDA graphs in two threads at once is what docs/threaded-compile.md warns about."""
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -17,6 +28,7 @@ from .replica import DTYPES
 from .target import build_random_target, load_hf_target, read_hf_config, resolve_mask_token_id
 
 ALLOWED_SETS = ("target.", "run.dtype=", "run.cpu_threads=")
+CAPACITY_STEP = 1024  # cache positions are allocated in steps of this: fewer decoder shapes, each warmed up once
 
 
 def resolve_target(preset: str | None, overrides: list[str], gpus: str) -> tuple[Config, list[str]]:
@@ -68,6 +80,8 @@ class BuiltinEngine:
         self.cfg, self.devices, self.options = cfg, devices, options
         self.workers = len(devices)
         self.targets: list = [None] * len(devices)
+        self.decoders: list = [None] * len(devices)  # per worker: ((rows, capacity), Decoder)
+        self.warmup_lock = threading.Lock()
         self.tokenizer = SharedTokenizer(tokenizer_dir, "chat and prompt rows need a tokenizer: --tokenizer DIR or "
                                                         "target.path")
         self.eos_ids = self._generation_eos()
@@ -126,6 +140,24 @@ class BuiltinEngine:
             raise RowError(f"chat template: {type(exc).__name__}: {exc}") from None
         return list(tok(text, add_special_tokens=False)["input_ids"]), convo
 
+    def decoder(self, worker: int, rows: int, need: int):
+        """This worker's decoder for `rows` prompts needing `need` positions (see the module docstring)."""
+        from .decode import Decoder, generate
+
+        limit = self.cfg.target.max_position_embeddings
+        key = (rows, min(limit, -(-need // CAPACITY_STEP) * CAPACITY_STEP))
+        held = self.decoders[worker]
+        if held is not None and held[0] == key:
+            return held[1]
+        self.decoders[worker] = held = None  # the old cache goes before the new one is allocated
+        target = self.targets[worker]
+        decoder = Decoder(target, rows, key[1])
+        if decoder.graphs:
+            with self.warmup_lock:  # compiles, and captures every step shape up to the capacity
+                generate(target, [[0]] * rows, key[1] - 1, decoder=decoder)
+        self.decoders[worker] = (key, decoder)
+        return decoder
+
     def run(self, worker: int, batch: int, rows: list[Row]) -> list[Done]:
         """Generate the batch's valid rows together; the others are errors."""
         from .decode import generate
@@ -145,9 +177,13 @@ class BuiltinEngine:
         if ready:
             device = self.devices[worker]
             gen = batch_generator(o.seed, batch, device) if o.temperature > 0 else None
-            news = generate(self.targets[worker], [ids for _, ids, _ in ready], o.max_new_tokens,
-                            temperature=o.temperature, top_p=o.top_p, eos_ids=self.eos_ids, generator=gen,
-                            banned_ids=self.banned)
+            # Filler rows keep every batch at --batch-size (rows do not see each other): one
+            # decoder shape for the run, whatever rows failed.
+            prompts = [ids for _, ids, _ in ready] + [[0]] * (o.batch_size - len(ready))
+            decoder = self.decoder(worker, len(prompts), max(map(len, prompts)) + o.max_new_tokens)
+            news = generate(self.targets[worker], prompts, o.max_new_tokens, temperature=o.temperature,
+                            top_p=o.top_p, eos_ids=self.eos_ids, generator=gen, banned_ids=self.banned,
+                            decoder=decoder)
             for (row, ids, convo), new in zip(ready, news):
                 finish = "stop" if new and new[-1] in self.eos_ids else "length"
                 if convo is None:

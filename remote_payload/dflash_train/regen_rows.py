@@ -52,6 +52,7 @@ class Options:
     top_p: float = 1.0
     seed: int = 0
     thinking: bool | None = None  # None: the chat template's default
+    batch_size: int = 1  # rows per batch (the builtin engine pads a batch's generation to it)
     stop: threading.Event = field(default_factory=threading.Event)
 
 
