@@ -234,3 +234,20 @@ def test_openai_engine_needs_a_tokenizer_for_prompt_rows_and_fails_on_a_dead_ser
     prompt_ids = hf("once upon a time")["input_ids"]
     assert row["input_ids"][: len(prompt_ids)] == prompt_ids and row["loss_mask"].count(0) == len(prompt_ids)
     assert row["input_ids"][-1] == hf.eos_token_id and row["finish_reason"] == "stop"
+
+
+def test_openai_engine_runs_on_the_standard_library_alone(tmp_path, standin):
+    """A container without torch or any HTTP package: chat rows through the openai engine."""
+    import venv
+
+    venv.EnvBuilder(with_pip=False, system_site_packages=False).create(tmp_path / "bare")
+    python = tmp_path / "bare" / "bin" / "python"
+    url, _ = standin(fail=1)
+    src = write_rows(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    done = subprocess.run([str(python), "-m", "dflash_train.regen", "--prompts", str(src), "--out",
+                           str(tmp_path / "o.jsonl"), "--engine", "openai", "--endpoint", url, "--model", "standin"],
+                          cwd=Path(regen.__file__).parents[1], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode != 0
+    (row,) = read_jsonl(tmp_path / "o.jsonl")
+    assert row["messages"][-1]["role"] == "assistant" and row["finish_reason"] in ("stop", "length")
