@@ -18,8 +18,8 @@ every row is there, the partial is split into OUT and, if rows failed, `<stem>.e
 ({"index", "reason"}), each through a temporary file and a rename, and removed.
 
 Exit codes: 0 done, 1 an engine failure (an endpoint that stays down, a batch that does not fit
-the GPU: resume after fixing it), 2 bad input, 4 a missing module, 143 stopped by SIGTERM (the
-batches in flight are finished and written first). `--preflight` checks arguments, files and
+the GPU: resume after fixing it), 2 bad input, 4 a missing module, 143 (130) stopped by SIGTERM
+(SIGINT): the batches in flight are finished and written first. `--preflight` checks arguments, files and
 devices without generating and prints one JSON line, as the trainer's pre-flight does.
 """
 
@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from .regen_rows import KINDS, Done, Options, RegenError, Row
 
-EXIT_FAILED, EXIT_USAGE, EXIT_MISSING, EXIT_STOPPED = 1, 2, 4, 143
+EXIT_FAILED, EXIT_USAGE, EXIT_MISSING = 1, 2, 4
 DEFAULT_BATCH = {"builtin": 32, "openai": 1}
 LOG_EVERY_S = 1.0  # progress lines at most this often (and at the end)
 
@@ -478,8 +478,13 @@ def _fail(preflight: bool, kind: str, message: str, code: int, **extra: Any) -> 
 
 def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) -> int:
     """Open the output, regenerate what is missing, finish; the exit code."""
-    stop = engine.options.stop
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop, signals = engine.options.stop, []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        signals.append(signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     out = Output(Path(args.out))
     try:
         if args.resume and Path(args.out).exists() and not partial_path(Path(args.out)).exists():
@@ -488,28 +493,34 @@ def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) ->
         start = out.open()
         total = count_rows(Path(args.prompts))
         batch = engine.options.batch_size
-        if start:
-            log(f"regen: resuming at row {start}/{total} (batch {start // batch} is redone)")
+        if start > total:
+            raise RegenError(f"{out.partial} has {start} rows, {args.prompts} only {total}: the prompts changed; "
+                             f"remove the partial file and start again")
+        if start % batch:
+            log(f"regen: resuming at row {start}/{total}: batch {start // batch} runs again from row "
+                f"{start // batch * batch}, and only its missing rows are written")
+        elif start:
+            log(f"regen: resuming at row {start}/{total}")
         log(f"regen: {total} rows from {args.prompts} -> {args.out}, batch {batch}, {engine.workers} worker(s)")
         progress = Progress(total, start, Path(args.metrics) if args.metrics else None, log)
-        failure = regenerate(engine, read_batches(Path(args.prompts), batch, start // batch), out, progress, stop)
-        if isinstance(failure, RegenError):
-            raise failure
-        if isinstance(failure, ImportError):
+        batches = read_batches(Path(args.prompts), batch, start // batch) if start < total else iter(())
+        failure = regenerate(engine, batches, out, progress, stop)
+        if isinstance(failure, (RegenError, ImportError)):
             raise failure
         if failure is not None:
             print(f"error: {failure}", file=sys.stderr, flush=True)
             return EXIT_FAILED
         if out.next_index < total:
             log(f"regen: stopped after {out.next_index}/{total} rows; --resume continues there")
-            return EXIT_STOPPED
+            return 128 + (signals[0] if signals else signal.SIGTERM)
         out.finish()
         where = f"; failed rows: {out.errors}" if out.failed else ""
         log(f"regen: done, {total - out.failed} rows in {args.out}{where}")
         return 0
     finally:
         out.close()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

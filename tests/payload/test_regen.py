@@ -93,7 +93,7 @@ def test_resume_from_a_torn_partial_gives_the_uninterrupted_file(tmp_path, capsy
     assert regen.main([*opts, "--out", str(tmp_path / "res.jsonl")]) == 2  # a partial is left: resume it, not over it
     capsys.readouterr()
     assert regen.main([*opts, "--out", str(tmp_path / "res.jsonl"), "--resume"]) == 0
-    assert "regen: resuming at row 7/12 (batch 2 is redone)" in capsys.readouterr().out
+    assert "regen: resuming at row 7/12: batch 2 runs again from row 6" in capsys.readouterr().out
     assert (tmp_path / "res.jsonl").read_bytes() == ref
     assert (tmp_path / "res.errors.jsonl").read_bytes() == (tmp_path / "ref.errors.jsonl").read_bytes()
     assert len(set(lines)) == len(lines) == 11  # distinct rows: a duplicate could not hide
