@@ -28,20 +28,18 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import queue
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from .regen_rows import KINDS, Done, Options, RegenError, Row
+from .regen_output import Output, Progress, partial_path
+from .regen_rows import KINDS, Done, Options, RegenError, Row, count_rows, first_row, read_batches
 
 EXIT_FAILED, EXIT_USAGE, EXIT_MISSING = 1, 2, 4
 DEFAULT_BATCH = {"builtin": 32, "openai": 1}
-LOG_EVERY_S = 1.0  # progress lines at most this often (and at the end)
 
 
 class Engine(Protocol):
@@ -55,206 +53,6 @@ class Engine(Protocol):
 
     def run(self, worker: int, batch: int, rows: list[Row]) -> list[Done] | None:
         """Results for the batch's rows in order (None: abandoned for a stop, redone on resume)."""
-
-
-# --- rows ---------------------------------------------------------------------------------------
-
-
-def count_rows(path: Path) -> int:
-    """Non-blank lines of the prompts file (streamed)."""
-    with path.open("rb") as fh:
-        return sum(1 for line in fh if line.strip())
-
-
-def first_row(path: Path) -> dict | None:
-    """The first parseable row (for the pre-flight's checks), or None."""
-    with path.open("rb") as fh:
-        for line in fh:
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    return None
-                return row if isinstance(row, dict) else None
-    return None
-
-
-def read_batches(path: Path, batch_size: int, first_batch: int) -> Iterator[tuple[int, list[Row]]]:
-    """(batch number, its rows) from batch `first_batch` on; batch j holds rows j*B..j*B+B-1."""
-    skip = first_batch * batch_size
-    index, rows = 0, []
-    with path.open("rb") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            if index >= skip:
-                rows.append(parse_row(index, line))
-                if len(rows) == batch_size:
-                    yield index // batch_size, rows
-                    rows = []
-            index += 1
-    if rows:
-        yield rows[0].index // batch_size, rows
-
-
-def parse_row(index: int, line: bytes) -> Row:
-    """One line as a Row (a parse failure is the row's error, not the run's)."""
-    try:
-        data = json.loads(line)
-    except ValueError as exc:
-        return Row(index, None, f"not JSON ({exc})")
-    if not isinstance(data, dict):
-        return Row(index, None, "not a JSON object")
-    return Row(index, data)
-
-
-# --- output ---------------------------------------------------------------------------------------
-
-
-def errors_path(out: Path) -> Path:
-    """`<stem>.errors.jsonl` beside the output."""
-    stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
-    return out.with_name(f"{stem}.errors.jsonl")
-
-
-def partial_path(out: Path) -> Path:
-    """The hidden partial file beside the output."""
-    return out.with_name(f".{out.name}.partial")
-
-
-class Output:
-    """The partial file: results in input order, each batch fsynced; split into the output (and
-    errors file) when complete. One writer at a time (an flock on the partial)."""
-
-    def __init__(self, out: Path):
-        self.out, self.partial, self.errors = out, partial_path(out), errors_path(out)
-        self.next_index = 0  # rows 0..next_index-1 are in the partial
-        self.failed = 0
-        self.fh = None
-
-    def open(self) -> int:
-        """Open the partial (read back what an interrupted run left in it); returns the next row index."""
-        import fcntl
-
-        self.fh = open(self.partial, "a+b")
-        try:
-            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise RegenError(f"another regen is writing {self.partial}") from None
-        good = self._read_back()
-        if good < self.fh.seek(0, os.SEEK_END):
-            self.fh.truncate(good)  # a torn last line: its batch is redone
-        return self.next_index
-
-    def _read_back(self) -> int:
-        """Check the partial's rows (indices 0, 1, 2, ...); returns the byte offset after the last whole one."""
-        self.fh.seek(0)
-        offset = 0
-        for line in self.fh:
-            try:
-                row = json.loads(line) if line.endswith(b"\n") else None
-            except ValueError:
-                row = None
-            if not isinstance(row, dict):
-                if self.fh.read(1):
-                    raise RegenError(f"{self.partial}: line {self.next_index + 1} is damaged (not the last line)")
-                break
-            if row.get("index") != self.next_index:
-                raise RegenError(f"{self.partial}: row {self.next_index} has index {row.get('index')}")
-            self.failed += "_error" in row
-            self.next_index += 1
-            offset += len(line)
-        return offset
-
-    def write(self, results: list[Done]) -> None:
-        """Append the results not yet written (a redone batch repeats none), flushed and fsynced."""
-        lines = []
-        for done in results:
-            if done.index < self.next_index:
-                continue
-            if done.index != self.next_index:
-                raise RuntimeError(f"result {done.index} out of order (expected {self.next_index})")
-            record = {"index": done.index, "_error": done.error} if done.error is not None else done.row
-            lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-            self.failed += done.error is not None
-            self.next_index += 1
-        if lines:
-            self.fh.write("".join(lines).encode("utf-8"))
-            self.fh.flush()
-            os.fsync(self.fh.fileno())
-
-    def finish(self) -> None:
-        """Split the complete partial into the output and the errors file, then remove it."""
-        tmp_out, tmp_err = self.out.with_name(f".{self.out.name}.tmp"), self.errors.with_name(f".{self.errors.name}.tmp")
-        self.fh.seek(0)
-        with open(tmp_out, "wb") as out, open(tmp_err, "wb") as err:
-            for line in self.fh:
-                row = json.loads(line)
-                if "_error" in row:
-                    err.write((json.dumps({"index": row["index"], "reason": row["_error"]}, ensure_ascii=False)
-                               + "\n").encode("utf-8"))
-                else:
-                    out.write(line)
-            for fh in (out, err):
-                fh.flush()
-                os.fsync(fh.fileno())
-        if self.failed:
-            os.replace(tmp_err, self.errors)
-        else:
-            os.remove(tmp_err)
-            if self.errors.exists():
-                os.remove(self.errors)  # left by an earlier run under this name
-        os.replace(tmp_out, self.out)
-        os.remove(self.partial)
-        self.close()
-
-    def close(self) -> None:
-        """Release the partial (and its lock)."""
-        if self.fh is not None:
-            self.fh.close()
-            self.fh = None
-
-
-# --- progress -------------------------------------------------------------------------------------
-
-
-class Progress:
-    """Rows done/total, tokens/s and ETA: a log line at most every second, and a metrics record."""
-
-    def __init__(self, total: int, start: int, metrics: Path | None, log: Callable[[str], None]):
-        self.total, self.start, self.metrics, self.log = total, start, metrics, log
-        self.t0 = time.monotonic()
-        self.tokens = 0
-        self.last = 0.0
-
-    def update(self, done: int, failed: int, new_tokens: int, final: bool = False) -> None:
-        """Count a written batch; log when due (or final)."""
-        self.tokens += new_tokens
-        now = time.monotonic()
-        if not final and now - self.last < LOG_EVERY_S:
-            return
-        self.last = now
-        elapsed = max(now - self.t0, 1e-9)
-        rate = (done - self.start) / elapsed
-        eta = (self.total - done) / rate if rate > 0 else None
-        tok_s = self.tokens / elapsed
-        share = 100 * done / self.total if self.total else 100.0
-        self.log(f"regen: {done}/{self.total} rows ({share:.0f}%), {failed} failed, {tok_s:,.0f} tok/s, "
-                 f"ETA {duration(eta)}")
-        if self.metrics is not None:
-            record = {"rows_done": done, "rows_total": self.total, "rows_failed": failed,
-                      "tokens_per_s": round(tok_s, 1), "eta_s": None if eta is None else round(eta, 1),
-                      "time": time.time()}
-            with self.metrics.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
-
-
-def duration(seconds: float | None) -> str:
-    """`1:02:03` / `4:05`, or `-`."""
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
 # --- the scheduler --------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
-"""What `dflash_train.regen` and its engines share: rows in and out, options, errors, and the
-HF tokenizer loader. Standard library only (the openai engine runs without torch)."""
+"""What `dflash_train.regen` and its engines share: rows in and out (and reading the prompts
+file), options, errors, and the HF tokenizer loader. Standard library only (the openai engine
+runs without torch)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 KINDS = ("messages", "prompt", "input_ids")
 
@@ -96,6 +98,57 @@ def token_row(index: int, prompt: list[int], new: list[int], finish: str) -> dic
 def chat_row(index: int, convo: list[dict], reply: str, finish: str) -> dict:
     """The trainer's chat row: the conversation and the target's reply."""
     return {"index": index, "messages": convo + [{"role": "assistant", "content": reply}], "finish_reason": finish}
+
+
+# --- reading the input ---------------------------------------------------------------------------
+
+
+def count_rows(path: Path) -> int:
+    """Non-blank lines of the prompts file (streamed)."""
+    with path.open("rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
+def first_row(path: Path) -> dict | None:
+    """The first parseable row (for the pre-flight's checks), or None."""
+    with path.open("rb") as fh:
+        for line in fh:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    return None
+                return row if isinstance(row, dict) else None
+    return None
+
+
+def read_batches(path: Path, batch_size: int, first_batch: int) -> Iterator[tuple[int, list[Row]]]:
+    """(batch number, its rows) from batch `first_batch` on; batch j holds rows j*B..j*B+B-1."""
+    skip = first_batch * batch_size
+    index, rows = 0, []
+    with path.open("rb") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            if index >= skip:
+                rows.append(parse_row(index, line))
+                if len(rows) == batch_size:
+                    yield index // batch_size, rows
+                    rows = []
+            index += 1
+    if rows:
+        yield rows[0].index // batch_size, rows
+
+
+def parse_row(index: int, line: bytes) -> Row:
+    """One line as a Row (a parse failure is the row's error, not the run's)."""
+    try:
+        data = json.loads(line)
+    except ValueError as exc:
+        return Row(index, None, f"not JSON ({exc})")
+    if not isinstance(data, dict):
+        return Row(index, None, "not a JSON object")
+    return Row(index, data)
 
 
 def load_tokenizer(path: str):
