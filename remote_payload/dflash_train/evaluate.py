@@ -11,8 +11,9 @@ report goes to RUN_DIR/eval.json and, as one JSON line, to stdout; progress line
 Exit codes: 0 done (also when the outputs differed: the report says so), 2 bad input (no
 export yet, no or empty prompts, a prompt too long for the target's context), 4 torch missing.
 
-Prompts: JSON lines with `input_ids` (token ids); without --prompts, the run's held-out split
-(the tokens before each sequence's first supervised token).
+Prompts: JSON lines with `input_ids` (token ids), `messages` (a chat, answered after its last
+user turn through the run's tokenizer and chat template) or `prompt` (text); without --prompts,
+the run's held-out split (the tokens before each sequence's first supervised token).
 """
 
 from __future__ import annotations
@@ -30,23 +31,50 @@ class EvalError(ValueError):
     """Bad input for the evaluation: one line for the user."""
 
 
-def read_prompts(source: str) -> list[list[int]]:
-    """Token-id prompts from a JSONL file (`-`: stdin), one `{"input_ids": [...]}` per line."""
+def read_prompts(source: str) -> list[dict]:
+    """Prompt rows from a JSONL file (`-`: stdin): `{"input_ids": [...]}`, `{"messages": [...]}`
+    or `{"prompt": "..."}` per line, as `data regen` reads them (encoded by `encode_prompts`)."""
+    from .regen_rows import KINDS
+
     text = sys.stdin.read() if source == "-" else Path(source).read_text()
-    prompts = []
+    rows = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            ids = row["input_ids"]
-        except (ValueError, KeyError, TypeError):
-            raise EvalError(f"prompts line {number}: expected a JSON object with input_ids") from None
-        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise EvalError(f"prompts line {number}: input_ids must be a non-empty list of token ids")
-        prompts.append(ids)
-    if not prompts:
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or not any(kind in row for kind in KINDS):
+            raise EvalError(f"prompts line {number}: expected a JSON object with input_ids, messages or prompt")
+        rows.append({**row, "line": number})
+    if not rows:
         raise EvalError("the prompts file has no prompts")
+    return rows
+
+
+def encode_prompts(rows: list[dict], tokenizer_dir: str | None, vocab_size: int) -> list[list[int]]:
+    """Token ids of each prompt row: its input_ids, or its text / chat (with the template's
+    generation prompt) through the run's tokenizer."""
+    from .regen_rows import RegenError, RowError, encode_prompt, load_tokenizer, row_kind, token_ids
+
+    tok, prompts = None, []
+    for row in rows:
+        kind = row_kind(row)
+        try:
+            if kind == "input_ids":
+                prompts.append(token_ids(row["input_ids"], vocab_size))
+                continue
+            if tok is None:
+                if tokenizer_dir is None:
+                    raise EvalError(f"prompts line {row['line']} is a {kind} row, but the run has no tokenizer "
+                                    "(data.tokenizer_path or target.path): give input_ids")
+                tok = load_tokenizer(tokenizer_dir)
+            prompts.append(encode_prompt(tok, kind, row, thinking=None)[0])
+        except RowError as exc:
+            raise EvalError(f"prompts line {row['line']}: {exc}") from None
+        except RegenError as exc:
+            raise EvalError(str(exc)) from None
     return prompts
 
 
@@ -76,7 +104,7 @@ def first_difference(target, prompt: list[int], reference: list[int], tokens: li
             "tie": gap <= tie_tolerance(target.embed_tokens.weight.dtype)}
 
 
-def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens: int, count: int,
+def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int, count: int,
                  device: str | None, temperature: float = 0.0, seed: int = 0, progress=lambda line: None) -> dict:
     """Decode each prompt with the target alone and speculatively; the report (see the module doc).
     At temperature 0 the two outputs must be identical; sampled, they are not compared (the
@@ -105,6 +133,8 @@ def evaluate_run(run_dir: Path, prompts: list[list[int]] | None, max_new_tokens:
         prompts = load_data(cfg)[2]
         if not prompts:
             raise EvalError("the run's held-out split gives no prompts: pass --prompts FILE.jsonl")
+    else:
+        prompts = encode_prompts(prompts[:count], cfg.data.tokenizer_path or cfg.target.path, cfg.target.vocab_size)
     prompts = prompts[:count]
     limit = cfg.target.max_position_embeddings
     for i, prompt in enumerate(prompts):
@@ -165,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse arguments, evaluate, write eval.json, print the report line; see the module docstring."""
     ap = argparse.ArgumentParser(prog="python -m dflash_train.evaluate", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
-    ap.add_argument("--prompts", help="JSONL of {\"input_ids\": [...]} (- for stdin); default: held-out split")
+    ap.add_argument("--prompts", help="JSONL of input_ids, messages or prompt rows (- for stdin); default: held-out split")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--count", type=int, default=16, help="at most this many prompts")
     ap.add_argument("--device", help="cpu, cuda:N (default: the run's device, else auto)")

@@ -22,7 +22,7 @@ import torch
 
 from .config import Config, ConfigError, load_config
 from .data import seeded_generator
-from .regen_rows import (Done, Options, RegenError, Row, RowError, SharedTokenizer, chat_row, conversation, row_kind,
+from .regen_rows import (Done, Options, RegenError, Row, RowError, SharedTokenizer, chat_row, encode_prompt, row_kind,
                          token_ids, token_row)
 from .replica import DTYPES
 from .target import build_random_target, load_hf_target, read_hf_config, resolve_mask_token_id
@@ -125,20 +125,7 @@ class BuiltinEngine:
         if kind == "input_ids":
             return token_ids(row.data["input_ids"], self.cfg.target.vocab_size), None
         with self.tokenizer as tok:
-            return self._encode(tok, kind, row.data)
-
-    def _encode(self, tok, kind: str, data: dict) -> tuple[list[int], list[dict] | None]:
-        if kind == "prompt":
-            if not isinstance(data["prompt"], str) or not data["prompt"]:
-                raise RowError("prompt must be a non-empty string")
-            return list(tok(data["prompt"])["input_ids"]), None
-        convo = conversation(data["messages"])
-        extra = {} if self.options.thinking is None else {"enable_thinking": self.options.thinking}
-        try:
-            text = tok.apply_chat_template(convo, tokenize=False, add_generation_prompt=True, **extra)
-        except Exception as exc:  # noqa: BLE001 - jinja raises many types; each is this row's error
-            raise RowError(f"chat template: {type(exc).__name__}: {exc}") from None
-        return list(tok(text, add_special_tokens=False)["input_ids"]), convo
+            return encode_prompt(tok, kind, row.data, self.options.thinking)
 
     def decoder(self, worker: int, rows: int, need: int):
         """This worker's decoder for `rows` prompts needing `need` positions (see the module docstring)."""

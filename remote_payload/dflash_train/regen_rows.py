@@ -89,6 +89,22 @@ def token_ids(value: Any, vocab_size: int | None = None) -> list[int]:
     return value
 
 
+def encode_prompt(tok, kind: str, data: dict, thinking: bool | None) -> tuple[list[int], list[dict] | None]:
+    """(the token ids to continue, the conversation for a chat row) of a `prompt` or `messages`
+    row with tokenizer `tok`; a chat gets the template's generation prompt (RowError: cannot)."""
+    if kind == "prompt":
+        if not isinstance(data["prompt"], str) or not data["prompt"]:
+            raise RowError("prompt must be a non-empty string")
+        return list(tok(data["prompt"])["input_ids"]), None
+    convo = conversation(data["messages"])
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+    try:
+        text = tok.apply_chat_template(convo, tokenize=False, add_generation_prompt=True, **extra)
+    except Exception as exc:  # noqa: BLE001 - jinja raises many types; each is this row's error
+        raise RowError(f"chat template: {type(exc).__name__}: {exc}") from None
+    return list(tok(text, add_special_tokens=False)["input_ids"]), convo
+
+
 def token_row(index: int, prompt: list[int], new: list[int], finish: str) -> dict:
     """The trainer's token row: prompt + response, only the response supervised."""
     return {"index": index, "input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new),

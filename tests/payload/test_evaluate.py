@@ -1,0 +1,33 @@
+"""`python -m dflash_train.evaluate` with chat and text prompts (issue 15): they are encoded by the
+run's tokenizer, a chat with its template's generation prompt after the last user turn."""
+
+from __future__ import annotations
+
+import json
+
+from test_data import CHATS, save_tokenizer
+
+from dflash_train.config import load_config
+from dflash_train.evaluate import main as evaluate
+from dflash_train.train import run_training
+
+
+def test_chat_and_text_prompts_go_through_the_runs_tokenizer(tmp_path, capsys):
+    tok = save_tokenizer(tmp_path / "tok")
+    out = tmp_path / "run"
+    cfg = load_config(overrides=[f"run.output_dir={out}", "run.steps=10", "run.eval_every=10",
+                                 "run.checkpoint_every=10", f"data.tokenizer_path={tmp_path / 'tok'}",
+                                 "drafter.mask_token_id=511"])
+    assert run_training(cfg, log=lambda line: None) == 0
+    chat = CHATS[0][:4]  # up to "And the dog?": answered after that user turn
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": chat + [{"role": "assistant", "content": "ignored"}]}) + "\n"
+                       + json.dumps({"prompt": "Say hello."}) + "\n")
+    assert evaluate([str(out), "--prompts", str(prompts), "--max-new-tokens", "6"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    expected = [len(tok(rendered, add_special_tokens=False)["input_ids"]), len(tok("Say hello.")["input_ids"])]
+    assert [r["prompt_tokens"] for r in report["per_prompt"]] == expected and report["identical"]
+    prompts.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
+    assert evaluate([str(out), "--prompts", str(prompts)]) == 2
+    assert capsys.readouterr().err.strip().endswith("eval error: prompts line 1: messages has no user turn to answer")
