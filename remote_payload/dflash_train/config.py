@@ -112,6 +112,11 @@ class RunConfig:
     # the drafter | layers: each draft and target layer (regional; not with cudagraphs)
     compile_cache_dir: str | None = None  # Inductor/Triton caches (TORCHINDUCTOR_CACHE_DIR); None:
     # torch's default under /tmp. dflashctl sets <workdir>/cache/compile so a second run starts warm
+    parallel_warmup: str = "auto"  # auto | on | off: before the worker threads start, one short-lived
+    # process per device compiles the step once, in parallel, into the on-disk compile cache (the
+    # threads' compiles are serialised); auto: on with more than one CUDA device and compile on
+    warmup_timeout_s: float = 900.0  # a warm-up process still running after this is killed (the
+    # threads then compile without it)
     gpus: list[int] = field(default_factory=list)  # one worker thread per listed GPU; empty: run.device
     threads: int = 0  # worker threads; 0: one per entry of gpus (else 1); N > 1 without gpus: N
     # replicas on run.device (CPU tests of the data-parallel path)
@@ -159,6 +164,7 @@ CHOICES = {
     "run.dtype": ("auto", "bf16", "fp32"),
     "run.compile": ("off", "default", "cudagraphs", None),
     "run.compile_scope": ("auto", "step", "drafter", "layers"),
+    "run.parallel_warmup": ("auto", "on", "off"),
 }
 
 # Presets are override dicts on top of the dataclass defaults (which are the tiny run).
@@ -258,7 +264,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"run.threads {run.threads} contradicts run.gpus {run.gpus} (one thread per GPU)")
     if any(g < 0 for g in run.gpus) or len(set(run.gpus)) != len(run.gpus):
         raise ConfigError(f"run.gpus must list distinct GPU indices, got {run.gpus}")
-    seconds = [("run", "barrier_timeout_s"), ("run", "compile_timeout_s"), ("dist", "timeout_s"),
+    seconds = [("run", "barrier_timeout_s"), ("run", "compile_timeout_s"), ("run", "warmup_timeout_s"), ("dist", "timeout_s"),
                ("dist", "rendezvous_timeout_s"), ("dist", "heartbeat_s"), ("dist", "lost_after_s")]
     for section, name in seconds:
         # Finite too: an infinite timeout overflows in threading and torch.distributed; nan compares false.

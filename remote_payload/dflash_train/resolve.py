@@ -40,6 +40,27 @@ def auto_compile_scope(hidden_size: int, compile_mode: str) -> tuple[str, str]:
     return "step", f"hidden size {hidden_size} < {LAYERS_SCOPE_MIN_HIDDEN}: the whole step as one graph (launch-bound)"
 
 
+def parallel_warmup_decision(setting: str, devices: list[str], compile_mode: str) -> tuple[str, str]:
+    """(on | off, reason) for `run.parallel_warmup` given the worker devices and `run.compile`.
+
+    The worker threads compile one after another (Dynamo's compile_lock, and our warm-up lock for
+    CUDA graph capture), and a compile for cuda:1 cannot reuse cuda:0's (the cache keys hold the
+    device), so N GPUs pay N compiles. Processes compile in parallel and share the on-disk cache."""
+    distinct = sorted(set(devices))
+    if compile_mode == "off":
+        return "off", "run.compile off: nothing to compile"
+    if setting == "off":
+        return "off", "run.parallel_warmup off: the threads compile one after another"
+    if setting == "on":
+        return "on", f"run.parallel_warmup on: one process per device ({', '.join(distinct)})"
+    cuda = [d for d in distinct if d.startswith("cuda")]
+    if len(cuda) < 2:
+        return "off", ("one device: nothing to compile in parallel" if len(distinct) == 1 else
+                       "CPU workers share one device")
+    return "on", (f"{len(cuda)} GPUs and compile {compile_mode}: one process per GPU compiles the step at once "
+                  f"into the compile cache; the threads then compile from it instead of one after another")
+
+
 def _resolve_devices(cfg: Config, notes: list[str]) -> None:
     """Fill run.device, run.gpus and run.threads; devices are always indexed (`cuda:N`)."""
     run = cfg.run
@@ -116,6 +137,9 @@ def resolve_config(cfg: Config, notes: list[str] | None = None) -> Config:
             notes.append(f"compile scope: {run.compile_scope} ({why})")
     if run.compile == "cudagraphs" and run.compile_scope == "layers":
         raise ConfigError("run.compile_scope layers cannot use run.compile cudagraphs (use step)")
+    run.parallel_warmup, why = parallel_warmup_decision(run.parallel_warmup, worker_devices(cfg), run.compile)
+    if run.compile != "off":
+        notes.append(f"parallel warm-up: {run.parallel_warmup} ({why})")
     if d.target_layer_ids is None:
         d.target_layer_ids = default_target_layer_ids(cfg.target.num_layers, d.num_target_features)
     if not d.target_layer_ids or not all(0 <= i < cfg.target.num_layers for i in d.target_layer_ids):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import distributed, workers
+from . import distributed, warmup, workers
 from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import Batch, BlockSampler, DataError, build_datasets
@@ -210,6 +210,12 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         log(f"checkpoint step {start} is already at run.steps {total}: nothing to train")
         return 0
     stop = stop or StopFlag()
+    warmup_at = time.monotonic()
+    if cfg.run.parallel_warmup == "on":  # resolve.parallel_warmup_decision
+        if not warmup.warm_up(devices, out / "config.resolved.yaml", out / "warmup", cfg.run.warmup_timeout_s,
+                              lambda: stop.requested, log):
+            log(f"stopped by signal {stop.signum} before step {start + 1}: nothing to save")
+            return stop.exit_code
     data = GlobalBatches(sampler, pin=any(torch.device(d).type == "cuda" for d in devices))
     ops = drafter_ops(cfg)
 
@@ -222,6 +228,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
     state = {"loss_sum": 0.0, "steps": 0, "record_step": start, "t0": time.perf_counter(),
              "untrained": None, "stopped": None, "spec_tau": None}
     threads_at = time.monotonic()
+    parallel_warmup_s = threads_at - warmup_at
 
     def run_eval(replica: Replica, step: int, event: str) -> float:
         result = evaluate(replica, eval_batches)
@@ -246,16 +253,18 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         for replica in point.replicas:  # warm-up is over: no progress probes in the steps' layer loops
             stop_progress_probes(replica)
         if policy.effective != "off":
-            log(f"compiled and warmed up: {' / '.join(f'{s:.1f}' for s in point.warmup_s)} s per worker")
+            log(f"compiled and warmed up: {' / '.join(f'{s:.1f}' for s in point.warmup_s)} s per worker; "
+                f"{warmup.cache_stats()}")
         if start == 0:
             state["untrained"] = run_eval(point.replicas[0], 0, "eval")
         now = time.monotonic()
-        timing = {"time_to_first_step_s": now - launched_at, "before_workers_s": threads_at - launched_at,
-                  "workers_ready_s": ready_at - threads_at, "warmup_s": list(point.warmup_s),
-                  "first_eval_s": now - ready_at}
+        timing = {"time_to_first_step_s": now - launched_at, "before_workers_s": warmup_at - launched_at,
+                  "parallel_warmup_s": parallel_warmup_s, "workers_ready_s": ready_at - threads_at,
+                  "warmup_s": list(point.warmup_s), "first_eval_s": now - ready_at}
         metrics.write({"event": "start", "step": start, **timing})
+        parallel = f"parallel warm-up {parallel_warmup_s:.1f} s; " if cfg.run.parallel_warmup == "on" else ""
         log(f"time to first step: {timing['time_to_first_step_s']:.1f} s (start-up, config and data "
-            f"{timing['before_workers_s']:.1f} s; build, compile and warm-up {timing['workers_ready_s']:.1f} s; "
+            f"{timing['before_workers_s']:.1f} s; {parallel}build, compile and warm-up {timing['workers_ready_s']:.1f} s; "
             f"step-{start} evaluation {timing['first_eval_s']:.1f} s)")
         state["t0"] = time.perf_counter()
 
