@@ -141,6 +141,8 @@ def child_process(args) -> dict:
     sync(device)
     for flat in flats:
         flat.zero_()
+    ops.warm_up_step(replica)  # as the workers do: capture the optimizer step (run.capture_optimizer)
+    sync(device)
     warmup = time.monotonic() - t0
     dist.barrier()
     t0 = last = time.monotonic()

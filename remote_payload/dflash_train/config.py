@@ -115,6 +115,9 @@ class RunConfig:
     parallel_warmup: str = "auto"  # auto | on | off: before the worker threads start, one short-lived
     # process per device compiles the step once, in parallel, into the on-disk compile cache (the
     # threads' compiles are serialised); auto: on with more than one CUDA device and compile on
+    capture_optimizer: str = "auto"  # auto: where the step runs under CUDA graphs (run.compile
+    # cudagraphs), gradient clipping, AdamW (capturable, lr a device tensor) and zeroing the
+    # gradients replay as one captured CUDA graph per step | off: eager fused AdamW as before
     warmup_timeout_s: float = 900.0  # a warm-up process still running after this is killed (the
     # threads then compile without it)
     gpus: list[int] = field(default_factory=list)  # one worker thread per listed GPU; empty: run.device
@@ -165,6 +168,7 @@ CHOICES = {
     "run.compile": ("off", "default", "cudagraphs", None),
     "run.compile_scope": ("auto", "step", "drafter", "layers"),
     "run.parallel_warmup": ("auto", "on", "off"),
+    "run.capture_optimizer": ("auto", "off"),
 }
 
 # Presets are override dicts on top of the dataclass defaults (which are the tiny run).

@@ -477,7 +477,7 @@ def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str
     ops, batches = drafter_ops(cfg), smoke_batches(cfg)
     policy = smoke_policy(policy_name, cfg.run.device)
     wrapped = ReplicaOps(lambda device, seed, _: ops.build(device, seed, policy), ops.forward_backward,
-                         ops.optimizer_step, ops.parameters)
+                         ops.optimizer_step, ops.parameters, warm_up_step=ops.warm_up_step)
     # Injected faults use the trainer's own mechanism (run config `debug.fail_at` / `debug.hang_at`),
     # at "build": before anything is built, so the CI tests of these paths stay fast.
     fault = {"fail_at": "build"} if inject == "crash" else {"hang_at": "build"} if inject == "hang" else {}

@@ -71,6 +71,11 @@ class Replica:
     last_lr: float = 0.0
     last_grad_norm: torch.Tensor | None = None
     last_acceptance: torch.Tensor | None = None
+    # run.capture_optimizer: clip + AdamW + zero grads as one CUDA graph, captured at warm-up
+    # (`capture_optimizer_step`); its output slot holds the last replay's gradient norm.
+    capture_step: bool = False
+    step_graph: torch.cuda.CUDAGraph | None = None
+    graph_norm: torch.Tensor | None = None
 
 
 def build_replica(cfg: Config, device: torch.device | str, seed: int,
@@ -91,8 +96,13 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int,
     drafter.to(device)
     o = cfg.optim
     on_cuda = device.type == "cuda"
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay, fused=True if on_cuda else None)
+    capture = captures_optimizer(cfg, policy)
+    # Captured: the graph reads lr from device memory, so lr is a tensor the schedule fills in place.
+    lr = torch.tensor(o.lr, device=device) if capture else o.lr
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay, fused=True if on_cuda else None, capturable=capture)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = o.lr  # a float base lr: a tensor one would cost a host sync per scheduler step
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, WarmupCosine(cfg.run.steps, o.warmup_ratio, o.min_lr_ratio))
     flex_fn = flex_attention
@@ -109,7 +119,8 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int,
             raise ConfigError("run.compile_scope layers cannot use run.compile cudagraphs (use step)")
         drafter.compile_layers()  # regional (docs/performance.md): names and state_dict unchanged
         target.compile_layers()
-    replica = Replica(cfg, device, target, drafter, optimizer, scheduler, policy, None, run_drafter, flex_fn)
+    replica = Replica(cfg, device, target, drafter, optimizer, scheduler, policy, None, run_drafter, flex_fn,
+                      capture_step=capture)
     # Progress probes on the layer loops that run eagerly (inside a compiled graph they would be traced).
     if policy.effective == "off" or scope in ("layers", "drafter"):
         target.on_layer = lambda i, n: setattr(replica, "at", ("target layer", i + 1, n))
@@ -180,22 +191,106 @@ def forward_backward(replica: Replica, batch: Batch) -> torch.Tensor:
     return loss.detach()
 
 
-def optimizer_step(replica: Replica) -> torch.Tensor:
-    """Clip, AdamW step, zero grads in place (the workers' flat gradient buffers stay attached),
-    advance the schedule; returns the pre-clip grad norm (a device tensor: no host sync)."""
-    replica.last_lr = replica.optimizer.param_groups[0]["lr"]
+def captures_optimizer(cfg: Config, policy: workers.CompilePolicy) -> bool:
+    """`run.capture_optimizer: auto`: capture clip + AdamW + zero grads where the step already runs
+    under CUDA graphs (the cudagraphs policy, CUDA only); elsewhere the eager path, unchanged."""
+    return cfg.run.capture_optimizer == "auto" and policy.effective == "cudagraphs"
+
+
+def scheduled_lr(replica: Replica) -> float:
+    """The lr the next optimizer step uses, computed on the host (LambdaLR's own formula): reading
+    a tensor lr would sync with the device."""
+    sched = replica.scheduler
+    return sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch)
+
+
+def clip_step_zero(replica: Replica) -> torch.Tensor:
+    """Clip, AdamW step, zero grads in place: the optimizer step's device work, eager or captured;
+    returns the pre-clip grad norm."""
     grad_norm = torch.nn.utils.clip_grad_norm_(replica.drafter.parameters(), replica.cfg.optim.grad_clip)
     replica.optimizer.step()
     replica.optimizer.zero_grad(set_to_none=False)
+    return grad_norm.detach()
+
+
+def optimizer_step(replica: Replica) -> torch.Tensor:
+    """Clip, AdamW step, zero grads in place (the workers' flat gradient buffers stay attached),
+    advance the schedule; returns the pre-clip grad norm (a device tensor: no host sync). With a
+    captured step graph, the first three are one replay."""
+    replica.last_lr = scheduled_lr(replica)
+    if replica.step_graph is not None:
+        replica.step_graph.replay()
+        replica.last_grad_norm = replica.graph_norm
+    else:
+        replica.last_grad_norm = clip_step_zero(replica)
     replica.scheduler.step()
-    replica.last_grad_norm = grad_norm.detach()
     return replica.last_grad_norm
+
+
+def optimizer_tensors(replica: Replica) -> list[torch.Tensor]:
+    """Parameters and every tensor of the optimizer state (step counts, moments), in a fixed order."""
+    state = [t for p in replica.drafter.parameters() for t in replica.optimizer.state.get(p, {}).values()
+             if isinstance(t, torch.Tensor)]
+    return list(replica.drafter.parameters()) + state
+
+
+def capture_optimizer_step(replica: Replica) -> None:
+    """Capture `clip_step_zero` as a CUDA graph (run.capture_optimizer; a no-op elsewhere), leaving
+    parameters and optimizer state as they were. Called by the worker under the warm-up lock with
+    the gradients zeroed and attached to their flat buffers (fixed addresses, as the graph needs).
+
+    Eager calls on a side stream first create the optimizer state and any lazy handles
+    (PyTorch's recipe for capturing a capturable optimizer), then are undone in place
+    (`rehearse_optimizer_step`); capture itself runs no kernel. capture_error_mode thread_local: the other workers are idle at the warm-up
+    lock or the ready barrier, as for inductor's own capture (docs/threaded-compile.md)."""
+    if not replica.capture_step:
+        return
+    for group in replica.optimizer.param_groups:
+        # A checkpoint from an uncaptured run brings a float lr and capturable False: the graph
+        # would bake that lr in, and the capture check refuses capturable False.
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(group["lr"], device=replica.device)
+        group["capturable"] = True
+    side = torch.cuda.Stream(replica.device)
+    side.wait_stream(torch.cuda.current_stream(replica.device))
+    with torch.cuda.stream(side):
+        rehearse_optimizer_step(replica)
+    torch.cuda.current_stream(replica.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # A stream of this device: torch.cuda.graph's default capture stream is one per process,
+    # made on whichever device first asked (another worker's GPU).
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream(replica.device), capture_error_mode="thread_local"):
+        norm = clip_step_zero(replica)
+    replica.step_graph, replica.graph_norm = graph, norm
+
+
+def rehearse_optimizer_step(replica: Replica) -> None:
+    """Run the optimizer step twice (the first creates the optimizer state, the second runs as
+    every later step will) and undo both in place: parameters and state that existed before are
+    copied back, state created since is zeroed (AdamW's initial value). Every tensor keeps its
+    address, so a graph captured afterwards reads and writes the live ones."""
+    before = {id(t): t.detach().clone() for t in optimizer_tensors(replica)}
+    for _ in range(2):
+        clip_step_zero(replica)
+    undo_in_place(optimizer_tensors(replica), before)
+
+
+@torch.no_grad()
+def undo_in_place(tensors: list[torch.Tensor], before: dict[int, torch.Tensor]) -> None:
+    """Put `tensors` back to `before` (copies by id) in place; a tensor with no copy (optimizer state
+    created since) is zeroed, its initial value in AdamW."""
+    for t in tensors:
+        if id(t) in before:
+            t.copy_(before[id(t)])
+        else:
+            t.zero_()
 
 
 def drafter_ops(cfg: Config) -> workers.ReplicaOps:
     """The drafter as the workers' ReplicaOps (build, step, parameters, warm-up progress) for a resolved config."""
     return workers.ReplicaOps(lambda device, seed, policy: build_replica(cfg, device, seed, policy), forward_backward,
-                              optimizer_step, lambda replica: list(replica.drafter.parameters()), warmup_progress)
+                              optimizer_step, lambda replica: list(replica.drafter.parameters()), warmup_progress,
+                              capture_optimizer_step)
 
 
 def warmup_progress(replica: Replica) -> str:

@@ -142,6 +142,9 @@ class ReplicaOps:
     optimizer_step: Callable[[Any], None]  # clip, step, zero grads (in place: never set .grad to None)
     parameters: Callable[[Any], Sequence[torch.Tensor]]  # trainable params, same order on every replica
     progress: Callable[[Any], str] | None = None  # (replica) -> where its warm-up is, for progress lines
+    # (replica) -> None, under the warm-up lock after the forward/backward calls, gradients zeroed
+    # and attached: compile or capture the optimizer step, leaving parameters and state as they were.
+    warm_up_step: Callable[[Any], None] | None = None
 
 
 @dataclass
@@ -523,9 +526,9 @@ class Coordinator:
             params = list(self.ops.parameters(replica))
         self.replicas[rank] = replica
         buckets = self.buckets[rank] = GradBuckets(params)
-        if self.reducing:
-            buckets.attach()
-        self._warm_up(rank, replica, params)
+        # Always, one replica too: gradients at fixed addresses, which a captured optimizer step needs.
+        buckets.attach()
+        self._warm_up(rank, replica)
         self.loss_sum[rank] = torch.zeros((), device=device)
         self._wait(rank, self.ready, "ready", self.opt.compile_timeout_s)
         if self.opt.on_start is not None:
@@ -546,7 +549,7 @@ class Coordinator:
             self.loss_sum[rank] += loss
             self.step_now = step
             self._wait(rank, self.reduced, f"step {step} gradient all-reduce")
-            if self.sync_now and self.reducing and not buckets.attached():
+            if self.sync_now and not buckets.attached():
                 raise RuntimeError("a gradient was replaced instead of accumulated in place (optimizer_step "
                                    "must zero grads with set_to_none=False)")
             self.phase[rank] = f"step {step} optimizer"
@@ -564,7 +567,7 @@ class Coordinator:
         done = step - self.opt.start_step
         self.step_ms[rank] = (time.monotonic() - t0) / max(done, 1) * 1e3
 
-    def _warm_up(self, rank: int, replica: Any, params: list[torch.Tensor]) -> None:
+    def _warm_up(self, rank: int, replica: Any) -> None:
         """Compile and capture under the lock, leaving parameters and optimizer untouched."""
         with self._serialised(rank, "compile/warm-up"):
             t0 = time.monotonic()
@@ -574,11 +577,10 @@ class Coordinator:
                 for _ in range(self.opt.warmup_steps):
                     self.ops.forward_backward(replica, batch)
                 _synchronize(self.devices[rank])
-            if self.reducing:
-                self.buckets[rank].zero()
-            else:
-                for p in params:
-                    p.grad = None
+            self.buckets[rank].zero()
+            if self.ops.warm_up_step is not None:
+                self.ops.warm_up_step(replica)
+                _synchronize(self.devices[rank])
             self.warmup_s[rank] = time.monotonic() - t0
 
     @contextmanager
