@@ -152,10 +152,15 @@ def test_smoke_rows_and_verdict() -> None:
     assert trees.status == "warn" and trees.evidence.endswith("cudagraph_trees.py:359 in get_obj")
     diverged = D.smoke_check("default", {**ok, "losses": [0.1, 1.0], "losses_agree": False}, allowed)
     assert diverged.status == "fail" and "disagree" in diverged.result
-    verdict = D.verdict_check("cuda", "default", smoke)
+    verdict = D.verdict_check("cuda", "default", smoke, 2)
     assert verdict.status == "ok" and verdict.result.startswith("trainer uses default")
+    assert verdict.result.endswith("launcher (run.launcher auto, 2 GPU(s)): threads for target hidden >= 1024, "
+                                   "processes for target hidden < 1024")
+    assert D.verdict_check("cuda", "default", smoke, 1).result.endswith("threads for target hidden < 1024")
+    assert D.verdict_check("cuda", "default", smoke, 9).result.endswith(": processes for target hidden >= 1024, "
+                                                                      "processes for target hidden < 1024")
     assert verdict.hint == "run.compile: cudagraphs was 2.0x faster here"
-    broken = D.verdict_check("cuda", "default", {**smoke, "default": {"outcome": "hang"}})
+    broken = D.verdict_check("cuda", "default", {**smoke, "default": {"outcome": "hang"}}, 2)
     assert broken.status == "fail" and broken.hint == "set run.compile: cudagraphs (its smoke test passed)"
 
 

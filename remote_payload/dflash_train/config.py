@@ -112,6 +112,9 @@ class RunConfig:
     # the drafter | layers: each draft and target layer (regional; not with cudagraphs)
     compile_cache_dir: str | None = None  # Inductor/Triton caches (TORCHINDUCTOR_CACHE_DIR); None:
     # torch's default under /tmp. dflashctl sets <workdir>/cache/compile so a second run starts warm
+    launcher: str = "auto"  # threads (one thread per device, this process) | processes (one process
+    # per device, joined like the hosts of a multi-host run) | auto: processes where threads are
+    # predicted not to keep up with the GPUs (resolve.THREADS_KEEP_UP), else threads
     parallel_warmup: str = "auto"  # auto | on | off: before the worker threads start, one short-lived
     # process per device compiles the step once, in parallel, into the on-disk compile cache (the
     # threads' compiles are serialised); auto: on with more than one CUDA device and compile on
@@ -169,6 +172,7 @@ CHOICES = {
     "run.compile_scope": ("auto", "step", "drafter", "layers"),
     "run.parallel_warmup": ("auto", "on", "off"),
     "run.capture_optimizer": ("auto", "off"),
+    "run.launcher": ("auto", "threads", "processes"),
 }
 
 # Presets are override dicts on top of the dataclass defaults (which are the tiny run).

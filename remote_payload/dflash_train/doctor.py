@@ -643,12 +643,26 @@ def trainer_policies(device_type: str) -> set[str]:
     return {choose_compile_policy(mode, device_type).effective for mode in COMPILE_MODES}
 
 
-def verdict_check(device_type: str, mode: str, smoke: dict[str, dict]) -> Check:
-    """Which policy the trainer uses here for `run.compile` resolved to mode, why, and whether the smoke test backs it."""
+def launcher_verdict(gpus: int) -> str:
+    """What `run.launcher: auto` picks on a box with this many GPUs, for each width class of
+    resolve.THREADS_KEEP_UP (the model is the user's, so every class is named)."""
+    from .resolve import THREADS_KEEP_UP, launcher_decision
+
+    devices = [f"cuda:{i}" for i in range(gpus)] or ["cpu"]
+    picks = []
+    for i, (width, _) in enumerate(THREADS_KEEP_UP):
+        which = launcher_decision("auto", devices, width)[0]
+        picks.append(f"{which} for target hidden {'>= ' + str(width) if i == 0 else '< ' + str(THREADS_KEEP_UP[i - 1][0])}")
+    return f"launcher (run.launcher auto, {gpus} GPU(s)): {', '.join(picks)}"
+
+
+def verdict_check(device_type: str, mode: str, smoke: dict[str, dict], gpus: int) -> Check:
+    """Which policy and launcher the trainer uses here for `run.compile` resolved to mode, why, and
+    whether the smoke test backs the policy."""
     from .workers import choose_compile_policy
 
     policy = choose_compile_policy(mode, device_type)
-    result = f"trainer uses {policy.effective} (run.compile unset -> {mode})"
+    result = f"trainer uses {policy.effective} (run.compile unset -> {mode}); {launcher_verdict(gpus)}"
     evidence = policy.reason
     tested = smoke.get(policy.effective, {})
     faster = _fastest_ok(smoke)
@@ -793,7 +807,7 @@ def report(args: argparse.Namespace) -> dict:
     device_type = devices[0].split(":")[0]
     allowed = trainer_policies(device_type)
     checks += [smoke_check(p, d, allowed) for p, d in smoke.items()]
-    checks.append(verdict_check(device_type, default_compile_mode(device_type), smoke))
+    checks.append(verdict_check(device_type, default_compile_mode(device_type), smoke, len(gpus)))
     return {
         "schema": SCHEMA,
         "ok": all(c.status != "fail" for c in checks),

@@ -40,6 +40,42 @@ def auto_compile_scope(hidden_size: int, compile_mode: str) -> tuple[str, str]:
     return "step", f"hidden size {hidden_size} < {LAYERS_SCOPE_MIN_HIDDEN}: the whole step as one graph (launch-bound)"
 
 
+# `run.launcher: auto`: the predicted largest GPU count at which one thread per GPU keeps up with
+# the GPU, by target hidden size (the step's GPU time grows with the width, its host time hardly
+# does). Threads share one GIL, so N threads need N x the host time of a step per GPU step:
+# N_max ~= device ms/step / host ms/step (bench/host_overhead.py prints both). Until that bench
+# has run on an H200, the entries come from the 2 x H200 tables of docs/threaded-compile.md:
+# hidden 256 (small): threads 0.63x of processes at 2 GPUs, so 1; hidden 2048 (mid): 1.01x at 2
+# GPUs, and the 8B preset's step (243 ms) is longer still, so threads from 1024 up (8: a full box).
+THREADS_KEEP_UP = ((LAYERS_SCOPE_MIN_HIDDEN, 8), (0, 1))  # (from hidden size, N_max), widest first
+
+
+def threads_keep_up(hidden_size: int) -> int:
+    """THREADS_KEEP_UP's N_max for this target width."""
+    return next(n for width, n in THREADS_KEEP_UP if hidden_size >= width)
+
+
+def launcher_decision(setting: str, devices: list[str], hidden_size: int, multi_host: bool = False) -> tuple[str, str]:
+    """(threads | processes, reason) for `run.launcher` on these worker devices; `multi_host`: this
+    process is one node of a multi-host run (docs/multihost.md), which uses threads inside."""
+    gpus = len({d for d in devices if d.startswith("cuda")})
+    if multi_host:
+        if setting == "processes":
+            raise ConfigError("run.launcher processes joins one host's devices as a group: a multi-host run "
+                              "already runs one process per host (use threads or auto)")
+        return "threads", "a multi-host run: one process per host, one thread per GPU inside"
+    if setting != "auto":
+        return setting, f"run.launcher {setting}"
+    keep_up = threads_keep_up(hidden_size)
+    if gpus <= 1:
+        return "threads", "one device" if len(set(devices)) == 1 else "CPU workers: threads"
+    if gpus > keep_up:
+        return "processes", (f"{gpus} GPUs > {keep_up}, the GPU count threads are predicted to keep up with "
+                             f"at target hidden size {hidden_size} (one GIL for all): one process per GPU")
+    return "threads", (f"{gpus} GPUs <= {keep_up}, the GPU count threads are predicted to keep up with at "
+                       f"target hidden size {hidden_size}: one thread per GPU")
+
+
 def parallel_warmup_decision(setting: str, devices: list[str], compile_mode: str) -> tuple[str, str]:
     """(on | off, reason) for `run.parallel_warmup` given the worker devices and `run.compile`.
 
@@ -104,10 +140,11 @@ def _resolve_devices(cfg: Config, notes: list[str]) -> None:
     notes.append(f"devices: {replicas} ({why}{'; run.threads' if run.threads > 1 else ''})")
 
 
-def resolve_config(cfg: Config, notes: list[str] | None = None) -> Config:
+def resolve_config(cfg: Config, notes: list[str] | None = None, multi_host: bool = False) -> Config:
     """A copy with every `auto`/None filled in (devices, dtype, compile, scope, attention, target
     shape, feature layers, MASK id, gamma, export dir); raises ConfigError on inconsistencies.
-    Each decision that depends on the machine or the model is appended to `notes` with its reason."""
+    Each decision that depends on the machine or the model is appended to `notes` with its reason.
+    `multi_host`: this process is one node of a multi-host run (WORLD_SIZE > 1)."""
     cfg = copy.deepcopy(cfg)
     notes = [] if notes is None else notes
     run, d = cfg.run, cfg.drafter
@@ -137,7 +174,16 @@ def resolve_config(cfg: Config, notes: list[str] | None = None) -> Config:
             notes.append(f"compile scope: {run.compile_scope} ({why})")
     if run.compile == "cudagraphs" and run.compile_scope == "layers":
         raise ConfigError("run.compile_scope layers cannot use run.compile cudagraphs (use step)")
-    run.parallel_warmup, why = parallel_warmup_decision(run.parallel_warmup, worker_devices(cfg), run.compile)
+    devices = worker_devices(cfg)
+    run.launcher, why = launcher_decision(run.launcher, devices, cfg.target.hidden_size, multi_host)
+    if run.launcher == "processes" and on_cuda and len(set(devices)) != len(devices):
+        raise ConfigError(f"run.launcher processes needs a GPU of its own per worker, got {', '.join(devices)}")
+    if len(devices) > 1:
+        notes.append(f"launcher: {run.launcher} ({why})")
+    if run.launcher == "processes" and run.parallel_warmup != "off":
+        run.parallel_warmup, why = "off", "one process per device: they compile in parallel anyway"
+    else:
+        run.parallel_warmup, why = parallel_warmup_decision(run.parallel_warmup, devices, run.compile)
     if run.compile != "off":
         notes.append(f"parallel warm-up: {run.parallel_warmup} ({why})")
     if d.target_layer_ids is None:

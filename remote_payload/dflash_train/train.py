@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import distributed, warmup, workers
+from . import distributed, launcher, warmup, workers
 from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import Batch, BlockSampler, DataError, build_datasets
@@ -151,7 +151,11 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
     process's start (time.monotonic), for the time-to-first-step line."""
     launched_at = time.monotonic() if launched_at is None else launched_at
     notes: list[str] = []
-    cfg = resolve_config(cfg, notes)
+    cfg = resolve_config(cfg, notes, multi_host=distributed.NodeEnv.from_env(cfg.dist) is not None)
+    if cfg.run.launcher == "processes":  # resolve.launcher_decision: one process per device instead
+        for line in notes:
+            log(line)
+        return launcher.run_processes(cfg, worker_devices(cfg), resume, overwrite, stop or StopFlag(), log)
     if cfg.run.compile != "off":
         workers.preload_compiler()
         notes.append(use_compile_cache(cfg.run.compile_cache_dir))
