@@ -203,7 +203,8 @@ def child_main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     policy = workers.choose_compile_policy(cfg.run.compile, device.type)
     torch.manual_seed(cfg.run.seed)
-    replica = drafter_ops(cfg).build(device, cfg.run.seed, policy)
+    ops = drafter_ops(cfg)
+    replica = ops.build(device, cfg.run.seed, policy)
     # A batch of the run's static shape and dtypes; its values do not change the compiled code.
     d = cfg.data
     seqs = random_sequences(cfg.target.vocab_size, d.batch_size, d.max_length, cfg.drafter.mask_token_id, cfg.run.seed)
@@ -214,7 +215,7 @@ def child_main(argv: list[str] | None = None) -> int:
         if cfg.debug.fail_at == "compile":
             raise workers.InjectedFault(f"injected fault at compile in the warm-up of {args.device}")
     t0 = time.monotonic()
-    drafter_ops(cfg).forward_backward(replica, batch)
+    ops.forward_backward(replica, batch)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     print(f"warm-up {args.device}: compiled in {time.monotonic() - t0:.1f} s; {cache_stats()}", flush=True)
