@@ -68,7 +68,7 @@ def launcher_decision(setting: str, devices: list[str], hidden_size: int, multi_
         return setting, f"run.launcher {setting}"
     keep_up = threads_keep_up(hidden_size)
     if gpus <= 1:
-        return "threads", "one device" if len(set(devices)) == 1 else "CPU workers: threads"
+        return "threads", "one device"
     if gpus > keep_up:
         return "processes", (f"{gpus} GPUs > {keep_up}, the GPU count threads are predicted to keep up with "
                              f"at target hidden size {hidden_size} (one GIL for all): one process per GPU")

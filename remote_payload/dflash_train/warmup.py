@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 POLL_S = 0.1  # how often the launcher looks at its children and the stop flag
+# A child ends itself this long after its timeout if nobody killed it (the trainer died): later
+# than the launcher's own kill, so a live launcher always reports a timeout as one.
+ORPHAN_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -179,10 +182,11 @@ def child_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the run's config.resolved.yaml")
     parser.add_argument("--device", required=True)
     parser.add_argument("--rank", type=int, default=0, help="the first worker on this device (fault injection)")
-    parser.add_argument("--timeout-s", type=float, required=True, help="exit (stacks in the log) after this")
+    parser.add_argument("--timeout-s", type=float, required=True,
+                        help=f"the launcher's timeout: exit (stacks in the log) {ORPHAN_GRACE_S:g} s after it")
     args = parser.parse_args(argv)
     # Bounded even if the trainer dies without killing us: dump every thread's stack and exit.
-    faulthandler.dump_traceback_later(args.timeout_s, exit=True)
+    faulthandler.dump_traceback_later(args.timeout_s + ORPHAN_GRACE_S, exit=True)
 
     import torch
 
