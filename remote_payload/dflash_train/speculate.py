@@ -201,14 +201,14 @@ def acceptance_by_position(results: list[Decoded], block_size: int) -> list[floa
 def held_out_prompts(seqs: list[tuple[torch.Tensor, torch.Tensor]], count: int, length: int) -> list[list[int]]:
     """Up to `count` prompts from held-out (input_ids, loss_mask) sequences: the tokens before the
     first supervised one (a chat row's prompt), else the first `length` tokens."""
-    prompts = []
+    prompts: list[list[int]] = []
     for ids, mask in seqs:
+        if len(prompts) >= count:
+            break
         supervised = torch.nonzero(mask).flatten()
         cut = int(supervised[0]) if len(supervised) and int(supervised[0]) > 0 else length
         if 0 < cut < len(ids):
             prompts.append([int(t) for t in ids[:cut]])
-        if len(prompts) == count:
-            break
     return prompts
 
 

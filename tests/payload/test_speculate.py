@@ -13,7 +13,7 @@ from dflash_train.model import block_input_ids, block_mask
 from dflash_train.replica import build_replica, train_step
 from dflash_train.resolve import resolve_config
 from dflash_train.decode import greedy
-from dflash_train.speculate import DraftDecoder, acceptance_by_position, speculate
+from dflash_train.speculate import DraftDecoder, acceptance_by_position, held_out_prompts, speculate
 
 PROMPTS = 20
 NEW_TOKENS = 40
@@ -147,3 +147,10 @@ def test_the_export_loads_with_transformers_automodel_and_drafts_the_same(traine
         ours = speculate(replica.target, replica.drafter, prompt, 24)
         theirs = speculate(replica.target, loaded, prompt, 24)
         assert theirs.tokens == ours.tokens and theirs.accepted == ours.accepted
+
+
+def test_held_out_prompts_takes_at_most_count_and_none_for_zero():
+    """run.spec_prompts=0 turns the in-training loop off: no prompts (it once meant all of them)."""
+    seqs = [(torch.arange(10), torch.tensor([False] * 4 + [True] * 6)) for _ in range(3)]
+    assert held_out_prompts(seqs, 0, 5) == []
+    assert held_out_prompts(seqs, 2, 5) == [list(range(4))] * 2
