@@ -201,7 +201,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
     rows = q.reshape(n, k.shape[1], -1, d)                                            # head h = kv * g + i
     out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
-    return out.view(n, nh, t, d)
+    return out.reshape(n, nh, t, d)  # SDPA may return another layout (fp32 on CUDA does)
 
 
 def pick(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
