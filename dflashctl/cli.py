@@ -808,10 +808,13 @@ def eval_cmd(
     host: Optional[str] = typer.Argument(None, **_HOST_THEN_RUN),
     run: Optional[str] = typer.Argument(None, **_RUN),
     prompts: Optional[Path] = typer.Option(
-        None, "--prompts", help='JSONL of {"input_ids": [...]} prompts (default: the run\'s held-out split).'),
+        None, "--prompts", help="JSONL of input_ids, messages (chat) or prompt (text) rows "
+                                "(default: the run's held-out split)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate per prompt."),
     count: int = typer.Option(16, "--count", help="At most this many prompts."),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy, checked lossless; > 0: sampled."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="The one GPU to decode on, e.g. 3, or cpu "
+                                                            "(default: the run's first device)."),
     json_out: bool = typer.Option(False, "--json", help="Print the report (eval.json) as JSON."),
 ) -> None:
     """Measure a finished run's real acceptance length (tau) and speedup by speculative decoding."""
@@ -822,7 +825,7 @@ def eval_cmd(
     err = Console(stderr=True)
     with _word_is_host_or_run(session, host, run):
         report = run_eval(target, run, prompts.expanduser() if prompts else None, max_new_tokens, count, temperature,
-                          progress=lambda line: err.print(Text(line, style="dim"), soft_wrap=True))
+                          progress=lambda line: err.print(Text(line, style="dim"), soft_wrap=True), gpus=gpus)
     if json_out:
         typer.echo(json.dumps(report, indent=2))
     else:

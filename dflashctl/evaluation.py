@@ -13,7 +13,7 @@ from rich.text import Text
 
 from .containers import LineSplitter, Target
 from .errors import ContainerError, RemoteError, UsageError
-from .runs import show_run
+from .runs import CPU, parse_gpus, show_run
 
 # Runs the payload's evaluator from wherever push put it: argv[1] is that directory.
 BOOTSTRAP = (
@@ -26,11 +26,23 @@ MISSING_PREFIX = "eval missing module: "
 TIME_LIMIT_S = 3600  # a long decode on a slow box: a backstop, not an estimate
 
 
+def eval_device(gpus: str | None, target: Target) -> str | None:
+    """`--gpus N` (or cpu) as the one device the evaluation runs on; None: the run's own."""
+    if gpus is None:
+        return None
+    names = parse_gpus(gpus, target.host)
+    if len(names) != 1:
+        raise UsageError(f"--gpus {gpus}: eval runs on one GPU (the loop decodes one prompt at a time)")
+    return CPU if names[0] == CPU else f"cuda:{names[0]}"
+
+
 def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new_tokens: int, count: int,
-             temperature: float = 0.0, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+             temperature: float = 0.0, progress: Callable[[str], None] | None = None,
+             gpus: str | None = None) -> dict[str, Any]:
     """Evaluate the run (latest when selector is empty) on its host; the report (eval.json's content)."""
     from .payload import push
 
+    device = eval_device(gpus, target)
     if max_new_tokens < 1 or count < 1:
         raise UsageError("--max-new-tokens and --count must be at least 1")
     if not 0 <= temperature < float("inf"):
@@ -45,7 +57,7 @@ def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new
     payload_dir = push(target).remote_dir
     argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, info["run_dir"],
             "--max-new-tokens", str(max_new_tokens), "--count", str(count), "--temperature", repr(temperature),
-            *(["--prompts", "-"] if stdin else [])]
+            *(["--prompts", "-"] if stdin else []), *(["--device", device] if device else [])]
     lines = LineSplitter(progress, PROGRESS_PREFIX)
     result = target.run(argv, stdin=stdin, timeout=TIME_LIMIT_S, on_stderr=lines.feed)
     if result.exit_code == 2 and lines.last.startswith(USAGE_PREFIX):

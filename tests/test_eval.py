@@ -68,6 +68,10 @@ def test_eval_bad_input_is_one_line(shim_host, tmp_path):
     bad.write_text('{"text": "hello"}\n')
     res = shim_host.run_cli("eval", "local", "ev", "--prompts", str(bad), env=env, timeout=120)
     assert res.returncode == 2 and "prompts line 1: expected a JSON object with input_ids" in one_line(res)
+    res = shim_host.run_cli("eval", "local", "ev", "--gpus", "0,1", env=env)
+    assert res.returncode == 2 and one_line(res) == "error: --gpus 0,1: eval runs on one GPU (the loop decodes one prompt at a time)"
+    res = shim_host.run_cli("eval", "local", "ev", "--gpus", "0", env=env, timeout=120)  # this machine has no GPU
+    assert res.returncode == 2 and "CUDA" in one_line(res), res.stderr
 
 
 def test_eval_of_a_run_without_an_export_says_so(shim_host):
