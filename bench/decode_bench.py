@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -185,9 +186,10 @@ class Bench:
                     ids = prompt + cont
                     f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * len(cont)}) + "\n")
         gen_s = time.perf_counter() - t0
-        del self.target
+        del self.target  # the trainer and eval processes below need the GPU's memory
         gc.collect()
-        torch.cuda.empty_cache() if self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         inventory = work / "hosts.yaml"
         inventory.write_text(f"default: local\nhosts:\n  local:\n    transport: local\n"
                              f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n")
@@ -210,7 +212,7 @@ class Bench:
             self.add({"stage": "e2e", "ok": False, "note": f"train exit {train.returncode}: {train.stderr[-400:]}"})
             return
         run_id = match.group(1)
-        shutil_rm(work / "dflashctl" / "runs" / run_id / "checkpoints")
+        shutil.rmtree(work / "dflashctl" / "runs" / run_id / "checkpoints", ignore_errors=True)  # GBs at 8B
         t0 = time.perf_counter()
         ev = subprocess.run([sys.executable, "-m", "dflashctl", "eval", "local", run_id, "--max-new-tokens",
                              str(new), "--count", "8", "--json"], capture_output=True, text=True, env=env, cwd=work,
@@ -234,13 +236,6 @@ class Bench:
                   "spec_ms_per_token": round(report["spec_ms_per_token"], 2), "speedup": round(report["speedup"], 3),
                   "spec_ms_per_step": round(report["spec_ms_per_step"], 2), "step_cost": round(report["step_cost"], 3),
                   "by_position": [round(a, 2) for a in report["acceptance_by_position"]]})
-
-
-def shutil_rm(path: Path) -> None:
-    """Remove a directory tree if present (GBs of checkpoints at 8B scale)."""
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

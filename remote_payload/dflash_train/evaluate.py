@@ -124,18 +124,13 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
         raise EvalError(f"no export in {run_dir} yet (the run has not finished: an export is written at its last step)")
     overrides = [f"run.spec_prompts={max(count, 1)}"] + ([f"run.device={device}", "run.gpus=[]"] if device else [])
     cfg = resolve_config(load_config(str(run_dir / "config.resolved.yaml"), overrides=overrides))
-    dev = torch.device(cfg.run.device)
-    target = build_target(cfg, dev).eval()
-    drafter, _ = load_exported(export, dev)
-    # In the target's dtype, as a server loads it (bf16 on a GPU): no fp32 weights cast per call.
-    drafter = drafter.to(target.embed_tokens.weight.dtype).eval()
+    # The prompts are checked before the target is built (16 GB at 8B scale).
     if prompts is None:
-        prompts = load_data(cfg)[2]
+        prompts = load_data(cfg)[2]  # at most run.spec_prompts = count of them
         if not prompts:
             raise EvalError("the run's held-out split gives no prompts: pass --prompts FILE.jsonl")
     else:
         prompts = encode_prompts(prompts[:count], cfg.data.tokenizer_path or cfg.target.path, cfg.target.vocab_size)
-    prompts = prompts[:count]
     limit = cfg.target.max_position_embeddings
     for i, prompt in enumerate(prompts):
         if len(prompt) + max_new_tokens + cfg.drafter.block_size > limit:
@@ -143,6 +138,11 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
                             f"the target's context of {limit}")
         if max(prompt) >= cfg.target.vocab_size:
             raise EvalError(f"prompt {i + 1} has a token id beyond the target's vocabulary ({cfg.target.vocab_size})")
+    dev = torch.device(cfg.run.device)
+    target = build_target(cfg, dev).eval()
+    drafter, _ = load_exported(export, dev)
+    # In the target's dtype, as a server loads it (bf16 on a GPU): no fp32 weights cast per call.
+    drafter = drafter.to(target.embed_tokens.weight.dtype).eval()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     generator = torch.Generator(device=dev).manual_seed(seed)
     # One decoder for every prompt and both loops: its compiled steps and CUDA graphs are made
