@@ -117,20 +117,18 @@ def make_handler(state: Standin) -> type:
             if body.get("model") != state.model:
                 self.error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
                 return
-            if route == "/v1/chat/completions":
-                self.chat(body)
-            else:
-                self.completion(body)
-
-        def chat(self, body: dict) -> None:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
+            chat = route == "/v1/chat/completions"
+            given = body.get("messages" if chat else "prompt")
+            if chat and (not isinstance(given, list) or not given):
                 self.error(400, "messages must be a non-empty list")
-                return
-            text = json.dumps(messages)
-            if "FAIL-ROW" in text:
+            elif not chat and not given:
+                self.error(400, "prompt must be given")
+            elif "FAIL-ROW" in json.dumps(given):
                 self.error(400, "stand-in: this prompt is refused")
-                return
+            else:
+                (self.chat if chat else self.completion)(body, json.dumps(given))
+
+        def chat(self, body: dict, text: str) -> None:
             out, finish = generate(body, text)
             message = {"role": "assistant", "content": " ".join(out)}
             if (body.get("chat_template_kwargs") or {}).get("enable_thinking"):
@@ -140,15 +138,7 @@ def make_handler(state: Standin) -> type:
                              "usage": {"prompt_tokens": len(text.split()), "completion_tokens": len(out),
                                        "total_tokens": len(text.split()) + len(out)}})
 
-        def completion(self, body: dict) -> None:
-            prompt = body.get("prompt")
-            if not prompt:
-                self.error(400, "prompt must be given")
-                return
-            text = json.dumps(prompt)
-            if "FAIL-ROW" in text:
-                self.error(400, "stand-in: this prompt is refused")
-                return
+        def completion(self, body: dict, text: str) -> None:
             out, finish = generate(body, text)
             self.reply(200, {"id": "cmpl-standin", "object": "text_completion", "model": state.model,
                              "choices": [{"index": 0, "text": " " + " ".join(out), "finish_reason": finish}],
