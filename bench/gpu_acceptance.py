@@ -12,6 +12,7 @@ Stages (each bounded; all run even if one fails; exit 1 if any failed):
   8b-warm-stop the same preset again (warm cache), detached; `runs stop` after step 10
   8b-stop-compile  a cold-cache start stopped while it compiles: exit 143 at once
   small-cg     the small config with run.compile cudagraphs on one GPU, then two replicas on it
+  small-pair   the small config twice on a fresh run.compile_cache_dir: time to first step cold, then warm
   doctor       `dflashctl doctor local`
 It prints a table (time to first step cold/warm, ms/step against the bench's fast row, MFU
 against the peak measured here, stop latencies) and writes acceptance.json and acceptance.log
@@ -251,6 +252,25 @@ class Acceptance:
                               "time_to_first_step_s": round(self.start_record(recs).get("time_to_first_step_s", float("nan")), 1)}
         return {"ok": all(r["exit"] == 0 for r in results.values()), **results}
 
+    def small_pair(self) -> dict:
+        """The small config (compile default) twice on one fresh compile cache: cold, then warm."""
+        cache = self.work / "small-cache"
+        pair = {}
+        for label in ("cold", "warm"):
+            sets = [a for item in SMALL + [f"run.compile_cache_dir={cache}"] for a in ("--set", item)]
+            code, out, err, secs = self.cli("train", "local", *sets, "--gpus", "0" if not self.dry else "cpu",
+                                            "--follow", timeout=self.left(150))
+            run_id = re.search(r"started run (\S+)", err)
+            start = self.start_record(self.records(run_id.group(1))) if run_id else {}
+            if not run_id:
+                self.log(err[-2000:])
+            pair[label] = {"exit": code, "cli_s": round(secs, 1),
+                           "time_to_first_step_s": round(start.get("time_to_first_step_s", float("nan")), 1),
+                           "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1)}
+        cold, warm = pair["cold"]["time_to_first_step_s"], pair["warm"]["time_to_first_step_s"]
+        return {"ok": all(r["exit"] == 0 for r in pair.values()), **pair,
+                "warm_over_cold": round(warm / cold, 3) if cold == cold and cold > 0 else None}
+
     def doctor(self) -> dict:
         code, out, err, secs = self.cli("doctor", "local", "--json", timeout=self.left(240))
         self.log(err[-3000:])
@@ -295,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/dflash-acceptance", help="scratch workdir (GBs of checkpoints at 8B)")
     ap.add_argument("--budget-s", type=float, default=560)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny preset: check the script itself")
-    ap.add_argument("--stages", default="cold,eval,bench,warm,stopcompile,cudagraphs,doctor")
+    ap.add_argument("--stages", default="cold,eval,bench,warm,stopcompile,cudagraphs,smallpair,doctor")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -307,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             f"python {sys.version.split()[0]}")
     stages = {"cold": ("8b-cold", acc.cold_follow), "eval": ("8b-eval", acc.evaluate), "bench": ("bench", acc.bench),
               "warm": ("8b-warm-stop", acc.warm_stop), "stopcompile": ("8b-stop-compile", acc.stop_compile),
-              "cudagraphs": ("small-cudagraphs", acc.small_cudagraphs), "doctor": ("doctor", acc.doctor)}
+              "cudagraphs": ("small-cudagraphs", acc.small_cudagraphs), "smallpair": ("small-pair", acc.small_pair),
+              "doctor": ("doctor", acc.doctor)}
     for key in args.stages.split(","):
         acc.stage(*stages[key])
     table = acc.table()
