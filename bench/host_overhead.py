@@ -21,7 +21,10 @@ barrier and GlobalBatches included) with timing wrappers around the replica ops:
   the barrier, the optimizer step, the scheduler. Nothing in that window syncs with the GPU and
   one step's launches do not fill the launch queue, so the window is the thread's own work
   (Python and launch calls, both holding the GIL). Median over those steps. Not included: the
-  per-step loss accumulation (one kernel) and the periodic sync-point work.
+  per-step loss accumulation (one kernel) and the periodic sync-point work. The window runs under
+  `torch.cuda.set_sync_debug_mode("warn")`: the `syncs` column counts the synchronising calls seen
+  there (any makes that row's host figure include GPU time). A step of more kernels than the launch
+  queue holds also waits for the GPU inside the window, which no counter shows.
 - predicted N_max ~= device ms/step / host ms/step: threads share one GIL, so N threads need
   N x host ms of the GIL per step; they keep up while that fits in the GPU's step time. The
   device time is the free-running ms/step when it exceeds the host time (the GPU is then the
@@ -43,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,17 +98,34 @@ def child(args) -> dict:
     ops = drafter_ops(cfg)
     started: dict[str, float] = {}
     host_ms: list[float] = []
+    syncs: list[str] = []
+    shown = warnings.showwarning
+
+    def count_syncs(message, category, *rest, **kw):
+        if "started" in started and "synchroniz" in str(message):
+            syncs.append(str(message).splitlines()[0])
+        else:
+            shown(message, category, *rest, **kw)
+
+    warnings.showwarning = count_syncs
+    warnings.simplefilter("always")  # every synchronising call in a host window, not the first of each
+    debug = device.startswith("cuda")
 
     def data(step, rank, world):
         if step < host_steps:
             sync()  # the GPU is idle: nothing below waits for it
-            started["t"] = time.perf_counter()
+            started["t"] = started["started"] = time.perf_counter()
+            if debug:
+                torch.cuda.set_sync_debug_mode("warn")
         return batches(step, rank, world)
 
     def optimizer_step(replica):
         out = ops.optimizer_step(replica)
         if "t" in started:
             host_ms.append((time.perf_counter() - started.pop("t")) * 1e3)
+            if debug:
+                torch.cuda.set_sync_debug_mode("default")
+            started.pop("started")
         return out
 
     windows = []
@@ -128,7 +149,8 @@ def child(args) -> dict:
             "free_steps": sum(n for n, _ in free), "warmup_s": res.warmup_s[0], "policy": res.policy.reason,
             "compile": cfg.run.compile, "scope": cfg.run.compile_scope,
             "captured_optimizer": replica.step_graph is not None, "final_loss": res.losses[0],
-            "checksum": res.checksums[0], "n_max": n_max(ms, host)}
+            "checksum": res.checksums[0], "n_max": n_max(ms, host), "syncs": len(syncs),
+            "sync_calls": sorted(set(syncs))[:5]}
 
 
 def n_max(device_ms: float, host_ms: float) -> int:
@@ -162,15 +184,16 @@ def run_row(config: str, variant: str, args, log) -> dict:
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table, with the prediction per row."""
     lines = ["| config | variant | compile | optimizer captured | ms/step | host ms/step (median; min) | "
-             "predicted N_max | warm-up s | final loss | status |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "syncs in host windows | predicted N_max | warm-up s | final loss | status |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         if "ms_per_step" not in r:
-            lines.append(f"| {r['config']} | {r['variant']} | - | - | - | - | - | - | - | {r['status']} |")
+            lines.append(f"| {r['config']} | {r['variant']} | - | - | - | - | - | - | - | - | {r['status']} |")
             continue
         lines.append(f"| {r['config']} | {r['variant']} | {r['compile']} ({r['scope']}) | "
                      f"{'yes' if r['captured_optimizer'] else 'no'} | {r['ms_per_step']:.2f} | "
-                     f"{r['host_ms_per_step']:.2f}; {r['host_ms_min']:.2f} | {r['n_max']} | {r['warmup_s']:.1f} | "
+                     f"{r['host_ms_per_step']:.2f}; {r['host_ms_min']:.2f} | {r['syncs']} | {r['n_max']} | "
+                     f"{r['warmup_s']:.1f} | "
                      f"{r['final_loss']:.4f} | {r['status']} |")
     return "\n".join(lines)
 

@@ -124,6 +124,21 @@ class Decoder:
         """Forget every slot from `length` on (rejected drafts)."""
         self.length = length
 
+    def warm_up(self, width: int = 1) -> int:
+        """Take one step of `width` tokens in every window the cache has, then forget them: on
+        CUDA that compiles the layer parts and captures each step graph, a handful of steps where
+        decoding the whole capacity would take one per position. Returns the steps taken."""
+        ends = list(range(WINDOW, self.capacity, WINDOW)) + [self.capacity]           # each window's last slot + 1
+        ids = torch.zeros(self.pad.numel(), width, dtype=torch.long, device=self.device)
+        taken = 0
+        for end in ends:
+            if end >= width:
+                self.length = end - width
+                self.step(ids)
+                taken += 1
+        self.length = 0
+        return taken
+
     # -- internals -------------------------------------------------------------------------
 
     def _forward(self, ids: torch.Tensor, start: torch.Tensor, window: int,

@@ -9,13 +9,15 @@ Each worker keeps one Decoder (its KV cache, and on CUDA its compiled layer part
 step graphs) and reuses it while batches have its shape: the batch's rows and a capacity of its
 longest prompt + --max-new-tokens rounded up to CAPACITY_STEP. The shape depends only on the
 batch, so a resumed run decodes each batch exactly as an uninterrupted one. On CUDA a new
-decoder first runs every step it can take once, under a lock the workers share: compiling and
-capturing CUDA graphs in two threads at once is what docs/threaded-compile.md warns about."""
+decoder first takes one step in each of its attention windows (Decoder.warm_up), under the
+trainer's build/compile lock (workers.SerialLock): compiling and capturing CUDA graphs in two
+threads at once is what docs/threaded-compile.md warns about. The threads themselves are
+regen.py's: batches are independent jobs from a queue, where the trainer's workers step in
+lockstep around an all-reduce."""
 
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import torch
@@ -26,9 +28,11 @@ from .regen_rows import (Done, Options, RegenError, Row, RowError, SharedTokeniz
                          token_ids, token_row)
 from .replica import DTYPES
 from .target import build_random_target, load_hf_target, read_hf_config, resolve_mask_token_id
+from .workers import SerialLock, Stopped, bind_device
 
 ALLOWED_SETS = ("target.", "run.dtype=", "run.cpu_threads=")
 CAPACITY_STEP = 1024  # cache positions are allocated in steps of this: fewer decoder shapes, each warmed up once
+WARMUP_TIMEOUT_S = 1800.0  # a worker waiting this long for another's warm-up fails (as the trainer's compile_timeout_s)
 
 
 def resolve_target(preset: str | None, overrides: list[str], gpus: str) -> tuple[Config, list[str]]:
@@ -81,7 +85,7 @@ class BuiltinEngine:
         self.workers = len(devices)
         self.targets: list = [None] * len(devices)
         self.decoders: list = [None] * len(devices)  # per worker: ((rows, capacity), Decoder)
-        self.warmup_lock = threading.Lock()
+        self.serial = SerialLock(options.stop, WARMUP_TIMEOUT_S)
         self.tokenizer = SharedTokenizer(tokenizer_dir, "chat and prompt rows need a tokenizer: --tokenizer DIR or "
                                                         "target.path")
         self.eos_ids = self._generation_eos()
@@ -102,9 +106,8 @@ class BuiltinEngine:
     def setup(self, worker: int) -> None:
         """Build this worker's replica of the target on its device."""
         device, t = self.devices[worker], self.cfg.target
-        if device.startswith("cuda"):
-            torch.cuda.set_device(device)
-        elif self.cfg.run.cpu_threads > 0:
+        bind_device(torch.device(device))
+        if device == "cpu" and self.cfg.run.cpu_threads > 0:
             torch.set_num_threads(self.cfg.run.cpu_threads)
         dtype = DTYPES[self.cfg.run.dtype]
         if t.path is not None:
@@ -129,7 +132,7 @@ class BuiltinEngine:
 
     def decoder(self, worker: int, rows: int, need: int):
         """This worker's decoder for `rows` prompts needing `need` positions (see the module docstring)."""
-        from .decode import Decoder, generate
+        from .decode import Decoder
 
         limit = self.cfg.target.max_position_embeddings
         key = (rows, min(limit, -(-need // CAPACITY_STEP) * CAPACITY_STEP))
@@ -140,13 +143,20 @@ class BuiltinEngine:
         target = self.targets[worker]
         decoder = Decoder(target, rows, key[1])
         if decoder.graphs:
-            with self.warmup_lock:  # compiles, and captures every step shape up to the capacity
-                generate(target, [[0]] * rows, key[1] - 1, decoder=decoder)
+            with self.serial.held(f"regen worker {worker} ({self.devices[worker]}) warm-up"):
+                decoder.warm_up()  # compiles, and captures every step graph up to the capacity
         self.decoders[worker] = (key, decoder)
         return decoder
 
-    def run(self, worker: int, batch: int, rows: list[Row]) -> list[Done]:
-        """Generate the batch's valid rows together; the others are errors."""
+    def run(self, worker: int, batch: int, rows: list[Row]) -> list[Done] | None:
+        """Generate the batch's valid rows together; the others are errors. None: a stop came
+        while this worker waited for another's warm-up (the batch is redone on resume)."""
+        try:
+            return self._generate(worker, batch, rows)
+        except Stopped:
+            return None
+
+    def _generate(self, worker: int, batch: int, rows: list[Row]) -> list[Done]:
         from .decode import generate
 
         o, limit = self.options, self.cfg.target.max_position_embeddings

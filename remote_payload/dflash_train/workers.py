@@ -324,8 +324,41 @@ def hang_forever() -> None:
         time.sleep(3600)
 
 
-class _Stopped(Exception):
-    """This worker stops because another one failed."""
+class Stopped(Exception):
+    """This worker stops because the run stops (another worker failed, or a stop was asked for)."""
+
+
+class SerialLock:
+    """The lock under which worker threads build, compile and capture, one thread at a time: the
+    same seed then gives identical replicas, and no CUDA graph capture overlaps another thread's
+    (torch < 2.13 has no lock of its own; docs/threaded-compile.md). Shared by the trainer's
+    workers and data regeneration's. A wait gives up with TimeoutError after `timeout_s`, and
+    with Stopped as soon as `stop` is set."""
+
+    def __init__(self, stop: threading.Event, timeout_s: float):
+        self.stop, self.timeout_s = stop, timeout_s
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def held(self, who: str) -> Iterator[None]:
+        """Hold the lock for the block; `who` names the waiter in a timeout's message."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self._lock.acquire(timeout=0.1):
+            if self.stop.is_set():
+                raise Stopped()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{who} waited {self.timeout_s:g}s for the build/compile lock")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `device` the current CUDA device of the calling thread (first in a worker: every CUDA
+    call after it targets that GPU); nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 class Coordinator:
@@ -352,10 +385,8 @@ class Coordinator:
             raise ValueError("steps and sync_every must be positive")
         if not 0 <= options.start_step <= steps:
             raise ValueError(f"start_step {options.start_step} outside [0, {steps}]")
-        # Building and warm-up are serialised: same seed => identical replicas, and CUDA graph
-        # capture must not overlap another thread's capture (torch < 2.13 has no lock of its own).
-        self.serial = threading.Lock()
         self.stop = threading.Event()
+        self.serial = SerialLock(self.stop, options.compile_timeout_s)  # builds and warm-ups, one at a time
         self.error_lock = threading.Lock()
         self.error: WorkerError | None = None
         self.phase = ["starting"] * self.world
@@ -447,7 +478,7 @@ class Coordinator:
         so aborting from inside would deadlock that thread; their exception breaks the barrier,
         and the thread aborts the others when it reaches `_worker`'s handler."""
         with self.error_lock:
-            secondary = self.stop.is_set() and isinstance(exc, (threading.BrokenBarrierError, _Stopped))
+            secondary = self.stop.is_set() and isinstance(exc, (threading.BrokenBarrierError, Stopped))
             if self.error is None and not secondary:
                 device = "coordinator" if rank is None else str(self.devices[rank])
                 detail = "".join(traceback.format_exception(exc))
@@ -517,8 +548,7 @@ class Coordinator:
 
     def _train(self, rank: int) -> None:
         device = self.devices[rank]
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # first: every CUDA call below targets this GPU
+        bind_device(device)
         with self._serialised(rank, "build"):
             self._maybe_fail(rank, "build")
             torch.manual_seed(self.opt.seed)
@@ -586,22 +616,13 @@ class Coordinator:
     @contextmanager
     def _serialised(self, rank: int, phase: str) -> Iterator[None]:
         self.phase[rank] = f"waiting for lock ({phase})"
-        deadline = time.monotonic() + self.opt.compile_timeout_s
-        while not self.serial.acquire(timeout=0.1):
-            if self.stop.is_set():
-                raise _Stopped()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"worker {rank} waited {self.opt.compile_timeout_s:g}s for the "
-                                   f"build/compile lock ({phase})")
-        try:
+        with self.serial.held(f"worker {rank} ({phase})"):
             self.phase[rank] = phase
             yield
-        finally:
-            self.serial.release()
 
     def _wait(self, rank: int, barrier: threading.Barrier, phase: str, timeout: float | None = None) -> None:
         if self.stop.is_set():
-            raise _Stopped()
+            raise Stopped()
         self.phase[rank] = phase
         timeout = self.opt.barrier_timeout_s if timeout is None else timeout
         try:

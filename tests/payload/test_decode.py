@@ -54,6 +54,14 @@ def test_a_block_step_after_the_cache_equals_one_token_at_a_time_and_crop_forget
     torch.testing.assert_close(again, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_warmed_up_decoder_takes_a_step_per_window_and_then_decodes_as_a_fresh_one():
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    decoder = Decoder(TARGET, 2, 600)  # windows end at 256, 512 and 600
+    assert decoder.warm_up() == 3 and decoder.length == 0
+    assert decoder.warm_up(width=300) == 2  # no window ends before a 300-token step fits
+    assert generate(TARGET, prompts, 10, decoder=decoder) == generate(TARGET, prompts, 10)
+
+
 def test_rows_stop_after_their_eos_and_the_batch_stops_when_all_have():
     prompt = [2, 7, 1, 8]
     free = recomputed_greedy(prompt, 10)

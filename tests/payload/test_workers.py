@@ -263,3 +263,32 @@ def test_compiled_whole_step_in_two_threads_matches_eager(setup):
     compiled = run(cfg, sampler, world=2, steps=2, compile="default", warmup_steps=1)
     assert len(set(compiled.checksums)) == 1
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
+
+
+def test_a_wait_for_the_serial_lock_ends_on_a_stop_or_after_its_timeout():
+    """The build/compile lock that the trainer and data regeneration share: a waiter never hangs."""
+    stop = threading.Event()
+    lock = W.SerialLock(stop, timeout_s=0.3)
+    outcome = {}
+
+    def waiter(name: str) -> None:
+        try:
+            with lock.held(name):
+                outcome[name] = "held"
+        except (W.Stopped, TimeoutError) as exc:
+            outcome[name] = exc
+
+    with lock.held("holder"):
+        timed = threading.Thread(target=waiter, args=("timed",))
+        timed.start()
+        timed.join()
+        lock.timeout_s = 600.0
+        stopped = threading.Thread(target=waiter, args=("stopped",))
+        stopped.start()
+        stop.set()
+        stopped.join()
+    assert isinstance(outcome["timed"], TimeoutError) and "timed waited 0.3s" in str(outcome["timed"])
+    assert isinstance(outcome["stopped"], W.Stopped)
+    stop.clear()
+    waiter("free")
+    assert outcome["free"] == "held"
