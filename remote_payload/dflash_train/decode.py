@@ -82,9 +82,7 @@ class Decoder:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self._graphs = StepGraphs(self.device) if self.graphs else None
         # Steps (not the prefill, whose shape is the prompts') run the layers' parts compiled.
-        compiled = self.graphs if compile is None else compile
-        self._before = torch.compile(before_attention) if compiled else before_attention
-        self._after = torch.compile(after_attention) if compiled else after_attention
+        self._layers = CachedLayers(self.graphs if compile is None else compile)
 
     # -- the steps -------------------------------------------------------------------------
 
@@ -150,14 +148,9 @@ class Decoder:
         x = m.embed_tokens(ids)                                                      # [N, T, H]
         cos, sin = rope_cos_sin(positions, m.shape.head_dim, m.shape.rope_theta, x.dtype)
         mask = grouped_mask(self._mask(slots, window, prefill), m.shape.num_heads // m.shape.num_kv_heads)
-        before, after = (before_attention, after_attention) if prefill else (self._before, self._after)
         wanted, feats = set(self.feature_layers), {}
         for i, layer in enumerate(m.layers):
-            q, k, v = before(layer, x, cos, sin)
-            self.keys[i].index_copy_(2, slots, k)
-            self.values[i].index_copy_(2, slots, v)
-            out = grouped_attention(q, self.keys[i][:, :, :window], self.values[i][:, :, :window], mask)
-            x = after(layer, x, out)
+            x = self._layers(layer, x, cos, sin, self.keys[i], self.values[i], slots, window, mask, eager=prefill)
             if i in wanted:
                 feats[i] = x
         logits = m.lm_head(m.norm(x)).float()                                         # [N, T, V]
@@ -174,6 +167,28 @@ class Decoder:
         if prefill:  # a padding query sees itself: no row without keys (SDPA would give NaN)
             mask = mask | (keys[None, :] == slots[:, None])[None]
         return mask[:, None]
+
+
+class CachedLayers:
+    """One layer's step against its static KV cache, for the target's decoder and the drafter's:
+    the work before attention, the cache write, grouped attention over the window, the work
+    after it. The parts before and after attention run compiled (one graph each, shared by every
+    layer of both models) or eager."""
+
+    def __init__(self, compiled: bool):
+        self.compiled = (torch.compile(before_attention), torch.compile(after_attention)) if compiled else None
+
+    def __call__(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, window: int,
+                 mask: torch.Tensor | None, eager: bool = False) -> torch.Tensor:
+        """x [N, T, H] written at `slots` [T] of keys/values [N, nkv, C, d], attending to their
+        first `window` slots under a `grouped_mask` -> the layer's output [N, T, H]."""
+        before, after = (before_attention, after_attention) if eager or not self.compiled else self.compiled
+        q, k, v = before(layer, x, cos, sin)
+        keys.index_copy_(2, slots, k.to(keys.dtype))
+        values.index_copy_(2, slots, v.to(values.dtype))
+        out = grouped_attention(q.to(keys.dtype), keys[:, :, :window], values[:, :, :window], mask)
+        return after(layer, x, out)
 
 
 def window_for(need: int, capacity: int, graphs: bool) -> int:

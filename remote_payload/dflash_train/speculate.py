@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decode import (Decoder, StepGraphs, after_attention, before_attention, grouped_attention, grouped_mask, pick,
-                     window_for)
+from .decode import CachedLayers, Decoder, StepGraphs, grouped_mask, pick, window_for
 from .model import DFlashDrafter, apply_rope, rope_cos_sin
 from .target import Qwen3Target
 
@@ -60,9 +59,7 @@ class DraftDecoder:
         self.device = target.embed_tokens.weight.device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self._graphs = StepGraphs(self.device) if self.graphs else None
-        compiled = self.graphs if compile is None else compile
-        self._before = torch.compile(before_attention) if compiled else before_attention
-        self._after = torch.compile(after_attention) if compiled else after_attention
+        self._layers = CachedLayers(self.graphs if compile is None else compile)
         # As in training: fp32 drafter weights run under bf16 autocast when the target is bf16.
         self._autocast = target.embed_tokens.weight.dtype == torch.bfloat16
         self.keys: list[torch.Tensor] = []    # [1, nkv, C, d] per draft layer, made by the first context
@@ -123,12 +120,7 @@ class DraftDecoder:
             x = t.embed_tokens(block).to(self.keys[0].dtype)                              # [1, B, H]
             cos, sin = self._rope(slots, x.dtype)
             for i, layer in enumerate(d.layers):
-                q, k, v = self._before(layer, x, cos, sin)
-                self.keys[i].index_copy_(2, slots, k.to(self.keys[i].dtype))
-                self.values[i].index_copy_(2, slots, v.to(self.values[i].dtype))
-                out = grouped_attention(q.to(v.dtype), self.keys[i][:, :, :window].to(v.dtype),
-                                        self.values[i][:, :, :window].to(v.dtype), mask)
-                x = self._after(layer, x, out)
+                x = self._layers(layer, x, cos, sin, self.keys[i], self.values[i], slots, window, mask)
             hidden = d.norm(x)
         return t.lm_head(hidden[0, 1:].to(t.lm_head.weight.dtype)).float()                # [B-1, V]
 
@@ -183,7 +175,7 @@ def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], ma
         k, following = accept(drafts, q_logits, p_logits[0], temperature, generator)
         out.accepted.append(k)
         out.anchors.append(anchor)
-        out.tokens += [int(t) for t in drafts[:k]] + [following]                  # accepted drafts + the bonus
+        out.tokens += drafts[:k].tolist() + [following]                           # accepted drafts + the bonus
         verifier.crop(anchor + k + 1)                                             # anchor and accepted stay cached
         drafting.add_context(feats, anchor)                                       # valid up to anchor + k
     if eos_id is not None and eos_id in out.tokens:
