@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -102,9 +103,11 @@ def child(args) -> dict:
     shown = warnings.showwarning
 
     def count_syncs(message, category, *rest, **kw):
-        if "started" in started and "synchroniz" in str(message):
-            syncs.append(str(message).splitlines()[0])
-        else:
+        if "started" in started and "called a synchronizing" in str(message):
+            # Where: the innermost caller outside this file and the warnings machinery.
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith(("warnings.py", __file__))]
+            syncs.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1]))
+        elif "prototype feature" not in str(message):
             shown(message, category, *rest, **kw)
 
     warnings.showwarning = count_syncs
@@ -150,7 +153,7 @@ def child(args) -> dict:
             "compile": cfg.run.compile, "scope": cfg.run.compile_scope,
             "captured_optimizer": replica.step_graph is not None, "final_loss": res.losses[0],
             "checksum": res.checksums[0], "n_max": n_max(ms, host), "syncs": len(syncs),
-            "sync_calls": sorted(set(syncs))[:5]}
+            "sync_calls": sorted(set(syncs))[:8]}
 
 
 def n_max(device_ms: float, host_ms: float) -> int:
@@ -240,6 +243,9 @@ def main(argv=None) -> int:
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
     (out / "host_overhead.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
+    for r in rows:
+        for where in r.get("sync_calls", []):
+            print(f"sync in a host window ({r['config']} {r['variant']}): {where}")
     print("\n".join(["", "predicted largest GPU count at which threads keep up (GIL-bound; N_max ~= device "
                      "ms/step / host ms/step):"] + predictions(rows)))
     return 0 if all(r["status"] == "ok" for r in rows) else 1

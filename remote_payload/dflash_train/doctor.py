@@ -652,7 +652,9 @@ def launcher_verdict(gpus: int) -> str:
     picks = []
     for i, (width, _) in enumerate(THREADS_KEEP_UP):
         which = launcher_decision("auto", devices, width)[0]
-        picks.append(f"{which} for target hidden {'>= ' + str(width) if i == 0 else '< ' + str(THREADS_KEEP_UP[i - 1][0])}")
+        upper = THREADS_KEEP_UP[i - 1][0] if i else None
+        widths = f">= {width}" if upper is None else f"< {upper}" if width == 0 else f"{width}-{upper - 1}"
+        picks.append(f"{which} for target hidden {widths}")
     return f"launcher (run.launcher auto, {gpus} GPU(s)): {', '.join(picks)}"
 
 

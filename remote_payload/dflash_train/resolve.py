@@ -41,13 +41,13 @@ def auto_compile_scope(hidden_size: int, compile_mode: str) -> tuple[str, str]:
 
 
 # `run.launcher: auto`: the predicted largest GPU count at which one thread per GPU keeps up with
-# the GPU, by target hidden size (the step's GPU time grows with the width, its host time hardly
-# does). Threads share one GIL, so N threads need N x the host time of a step per GPU step:
-# N_max ~= device ms/step / host ms/step (bench/host_overhead.py prints both). Until that bench
-# has run on an H200, the entries come from the 2 x H200 tables of docs/threaded-compile.md:
-# hidden 256 (small): threads 0.63x of processes at 2 GPUs, so 1; hidden 2048 (mid): 1.01x at 2
-# GPUs, and the 8B preset's step (243 ms) is longer still, so threads from 1024 up (8: a full box).
-THREADS_KEEP_UP = ((LAYERS_SCOPE_MIN_HIDDEN, 8), (0, 1))  # (from hidden size, N_max), widest first
+# the GPU, by target hidden size. Threads share one GIL, so N threads need N x the host time of a
+# step per GPU step: N_max ~= device ms/step / host ms/step, as bench/host_overhead.py measured on
+# one H200 (2026-12-01, docs/threaded-compile.md): small (hidden 256, cudagraphs) 2.13 / 2.55 ms: 1;
+# mid (hidden 2048, cudagraphs) 24.25 / 4.07 ms: 5; the 8B preset (hidden 4096, compile default,
+# per-layer graphs: no CUDA graphs, so far more launches per step) 218 / 65 ms: 3. The host figures
+# are upper bounds (the thread's whole busy time, GIL-free calls included), so these are lower bounds.
+THREADS_KEEP_UP = ((4096, 3), (LAYERS_SCOPE_MIN_HIDDEN, 5), (0, 1))  # (from hidden size, N_max), widest first
 
 
 def threads_keep_up(hidden_size: int) -> int:
