@@ -300,7 +300,7 @@ def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) ->
         elif start:
             log(f"regen: resuming at row {start}/{total}")
         log(f"regen: {total} rows from {args.prompts} -> {args.out}, batch {batch}, {engine.workers} worker(s)")
-        progress = Progress(total, start, Path(args.metrics) if args.metrics else None, log)
+        progress = Progress(total, start, Path(args.metrics) if args.metrics else None, log, engine.workers)
         batches = read_batches(Path(args.prompts), batch, start // batch) if start < total else iter(())
         failure = regenerate(engine, batches, out, progress, stop)
         if isinstance(failure, (RegenError, ImportError)):

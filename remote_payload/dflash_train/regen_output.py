@@ -123,32 +123,49 @@ class Output:
 
 
 class Progress:
-    """Rows done/total, tokens/s and ETA: a log line at most every second, and a metrics record."""
+    """Rows done/total, tokens/s and ETA: a log line at most every second, and a metrics record.
 
-    def __init__(self, total: int, start: int, metrics: Path | None, log: Callable[[str], None]):
+    The rate is measured from the end of the first round of batches (one per worker) on: before
+    it the program was starting (imports, the target's build, compiles), which says nothing of
+    how fast the rest goes. Until then the line gives the rate since the start, marked as such."""
+
+    def __init__(self, total: int, start: int, metrics: Path | None, log: Callable[[str], None], workers: int = 1,
+                 clock: Callable[[], float] = time.monotonic):
         self.total, self.start, self.metrics, self.log = total, start, metrics, log
-        self.t0 = time.monotonic()
+        self.workers, self.clock = workers, clock
+        self.t0 = clock()
         self.tokens = 0
-        self.last = 0.0
+        self.batches = 0
+        self.round: tuple[float, int, int] | None = None  # (time, rows done, tokens) when the first round was in
+        self.last = float("-inf")
 
     def update(self, done: int, failed: int, new_tokens: int, final: bool = False) -> None:
-        """Count a written batch; log when due (or final)."""
+        """Count a written batch (new_tokens 0 and final: the run's end); log when due (or final)."""
         self.tokens += new_tokens
-        now = time.monotonic()
+        now = self.clock()
+        if not final:
+            self.batches += 1
+            if self.batches == self.workers:
+                self.round = (now, done, self.tokens)
         if not final and now - self.last < LOG_EVERY_S:
             return
         self.last = now
-        elapsed = max(now - self.t0, 1e-9)
-        rate = (done - self.start) / elapsed
+        since, rows0, tokens0 = self.t0, self.start, 0
+        if self.round is not None and now > self.round[0]:
+            since, rows0, tokens0 = self.round
+        elapsed = max(now - since, 1e-9)
+        rate = (done - rows0) / elapsed
         eta = (self.total - done) / rate if rate > 0 else None
-        tok_s = self.tokens / elapsed
+        tok_s = (self.tokens - tokens0) / elapsed
         share = 100 * done / self.total if self.total else 100.0
-        self.log(f"regen: {done}/{self.total} rows ({share:.0f}%), {failed} failed, {tok_s:,.0f} tok/s, "
+        label = "tok/s" if since != self.t0 else "tok/s incl. start-up"
+        self.log(f"regen: {done}/{self.total} rows ({share:.0f}%), {failed} failed, {tok_s:,.0f} {label}, "
                  f"ETA {duration(eta)}")
         if self.metrics is not None:
             record = {"rows_done": done, "rows_total": self.total, "rows_failed": failed,
-                      "tokens_per_s": round(tok_s, 1), "eta_s": None if eta is None else round(eta, 1),
-                      "time": time.time()}
+                      "tokens_per_s": round(tok_s, 1), "rate_includes_start_up": since == self.t0,
+                      "tokens_per_s_since_start": round(self.tokens / max(now - self.t0, 1e-9), 1),
+                      "eta_s": None if eta is None else round(eta, 1), "time": time.time()}
             with self.metrics.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
 

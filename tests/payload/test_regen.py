@@ -251,3 +251,23 @@ def test_openai_engine_runs_on_the_standard_library_alone(tmp_path, standin):
     assert subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode != 0
     (row,) = read_jsonl(tmp_path / "o.jsonl")
     assert row["messages"][-1]["role"] == "assistant" and row["finish_reason"] in ("stop", "length")
+
+
+def test_progress_measures_the_rate_after_the_first_round_of_batches(tmp_path):
+    """Start-up (imports, the target's build, compiles) is not counted into the rate or the ETA:
+    a simulated clock, two workers, 64-row batches of 4096 tokens every 2 s after a 20 s start."""
+    from dflash_train.regen_output import Progress
+
+    now, lines = [0.0], []
+    metrics = tmp_path / "metrics.jsonl"
+    progress = Progress(640, 0, metrics, lines.append, workers=2, clock=lambda: now[0])
+    for batch, at in enumerate([20.0, 20.5, 22.5, 24.5, 26.5]):
+        now[0] = at
+        progress.update(64 * (batch + 1), 0, 4096)
+    progress.update(320, 0, 0, final=True)
+    assert lines[0] == "regen: 64/640 rows (10%), 0 failed, 205 tok/s incl. start-up, ETA 3:00"
+    # From the second batch written (the round's end at 20.5 s): 3 batches in 6 s.
+    assert lines[-1] == "regen: 320/640 rows (50%), 0 failed, 2,048 tok/s, ETA 0:10"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[0]["rate_includes_start_up"] and not records[-1]["rate_includes_start_up"]
+    assert records[-1]["tokens_per_s_since_start"] == round(5 * 4096 / 26.5, 1)
