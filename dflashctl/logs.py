@@ -327,7 +327,8 @@ def progress_text(m: dict[str, Any]) -> Text:
         done, total = m["rows_done"], m.get("rows_total") or 0
         share = f" ({100 * done / total:.0f}%)" if total else ""
         eta = m.get("eta_s")
-        return Text(f"rows {done}/{total}{share}  {m.get('rows_failed', 0)} failed  {m.get('tokens_per_s') or 0:,.0f} tok/s"
+        rate = "tok/s incl. start-up" if m.get("rate_includes_start_up") else "tok/s"
+        return Text(f"rows {done}/{total}{share}  {m.get('rows_failed', 0)} failed  {m.get('tokens_per_s') or 0:,.0f} {rate}"
                     f"  ETA {fmt_duration(eta) if isinstance(eta, (int, float)) else '-'}", style="bold cyan")
     step, total = m.get("step"), m.get("total_steps")
     parts = [f"step {step}/{total} ({100 * step / total:.0f}%)" if step is not None and total else f"step {step}"]

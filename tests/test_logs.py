@@ -212,3 +212,6 @@ def test_backoff_grows_across_drops_that_bring_no_log_bytes(shim_host):
 def test_progress_text_of_a_data_run_shows_rows():
     text = progress_text({"rows_done": 30, "rows_total": 120, "rows_failed": 2, "tokens_per_s": 1234.4, "eta_s": 75})
     assert text.plain == "rows 30/120 (25%)  2 failed  1,234 tok/s  ETA 1:15"
+    early = progress_text({"rows_done": 8, "rows_total": 120, "rows_failed": 0, "tokens_per_s": 99.6, "eta_s": 900,
+                           "rate_includes_start_up": True})
+    assert early.plain == "rows 8/120 (7%)  0 failed  100 tok/s incl. start-up  ETA 15:00"
