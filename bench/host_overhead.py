@@ -41,9 +41,7 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -103,7 +101,7 @@ def child(args) -> dict:
     shown = warnings.showwarning
 
     def count_syncs(message, category, *rest, **kw):
-        if "started" in started and "called a synchronizing" in str(message):
+        if "t" in started and "called a synchronizing" in str(message):
             # Where: the innermost caller outside this file and the warnings machinery.
             frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith(("warnings.py", __file__))]
             syncs.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1]))
@@ -117,7 +115,7 @@ def child(args) -> dict:
     def data(step, rank, world):
         if step < host_steps:
             sync()  # the GPU is idle: nothing below waits for it
-            started["t"] = started["started"] = time.perf_counter()
+            started["t"] = time.perf_counter()
             if debug:
                 torch.cuda.set_sync_debug_mode("warn")
         return batches(step, rank, world)
@@ -125,10 +123,10 @@ def child(args) -> dict:
     def optimizer_step(replica):
         out = ops.optimizer_step(replica)
         if "t" in started:
-            host_ms.append((time.perf_counter() - started.pop("t")) * 1e3)
+            host_ms.append((time.perf_counter() - started["t"]) * 1e3)
             if debug:
                 torch.cuda.set_sync_debug_mode("default")
-            started.pop("started")
+            del started["t"]  # the window closes: syncs after this are not counted
         return out
 
     windows = []
@@ -167,18 +165,11 @@ def run_row(config: str, variant: str, args, log) -> dict:
     argv += ["--dry-run"] if args.dry_run else []
     timeout = ROWS[config][2]
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        status = f"timed out after {timeout} s"
-    log.write(f"$ {' '.join(argv[2:])}\n{out}\n")
-    log.flush()
-    found = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    from threads_vs_procs import launch
+
+    status, lines = launch(argv, timeout, log, dict(os.environ, PYTHONUNBUFFERED="1"))
+    status = f"timed out after {timeout} s" if status.startswith("HANG") else status
+    found = [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")]
     row = found[0] if found else {"config": config, "variant": variant}
     row.update(status=status if found or status != "ok" else "no result", wall_s=round(time.monotonic() - t0, 1))
     return row

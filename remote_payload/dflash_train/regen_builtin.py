@@ -28,11 +28,10 @@ from .regen_rows import (Done, Options, RegenError, Row, RowError, SharedTokeniz
                          token_ids, token_row)
 from .replica import DTYPES
 from .target import build_random_target, load_hf_target, read_hf_config, resolve_mask_token_id
-from .workers import SerialLock, Stopped, bind_device
+from .workers import SerialLock, Stopped, ThreadedOptions, bind_device
 
 ALLOWED_SETS = ("target.", "run.dtype=", "run.cpu_threads=")
 CAPACITY_STEP = 1024  # cache positions are allocated in steps of this: fewer decoder shapes, each warmed up once
-WARMUP_TIMEOUT_S = 1800.0  # a worker waiting this long for another's warm-up fails (as the trainer's compile_timeout_s)
 
 
 def resolve_target(preset: str | None, overrides: list[str], gpus: str) -> tuple[Config, list[str]]:
@@ -85,7 +84,8 @@ class BuiltinEngine:
         self.workers = len(devices)
         self.targets: list = [None] * len(devices)
         self.decoders: list = [None] * len(devices)  # per worker: ((rows, capacity), Decoder)
-        self.serial = SerialLock(options.stop, WARMUP_TIMEOUT_S)
+        # A worker waiting longer than the trainer's compile bound for another's warm-up fails.
+        self.serial = SerialLock(options.stop, ThreadedOptions.compile_timeout_s)
         self.tokenizer = SharedTokenizer(tokenizer_dir, "chat and prompt rows need a tokenizer: --tokenizer DIR or "
                                                         "target.path")
         self.eos_ids = self._generation_eos()

@@ -150,20 +150,19 @@ class Progress:
         if not final and now - self.last < LOG_EVERY_S:
             return
         self.last = now
-        since, rows0, tokens0 = self.t0, self.start, 0
-        if self.round is not None and now > self.round[0]:
-            since, rows0, tokens0 = self.round
+        steady = self.round is not None and now > self.round[0]
+        since, rows0, tokens0 = self.round if steady else (self.t0, self.start, 0)
         elapsed = max(now - since, 1e-9)
         rate = (done - rows0) / elapsed
         eta = (self.total - done) / rate if rate > 0 else None
         tok_s = (self.tokens - tokens0) / elapsed
         share = 100 * done / self.total if self.total else 100.0
-        label = "tok/s" if since != self.t0 else "tok/s incl. start-up"
+        label = "tok/s" if steady else "tok/s incl. start-up"
         self.log(f"regen: {done}/{self.total} rows ({share:.0f}%), {failed} failed, {tok_s:,.0f} {label}, "
                  f"ETA {duration(eta)}")
         if self.metrics is not None:
             record = {"rows_done": done, "rows_total": self.total, "rows_failed": failed,
-                      "tokens_per_s": round(tok_s, 1), "rate_includes_start_up": since == self.t0,
+                      "tokens_per_s": round(tok_s, 1), "rate_includes_start_up": not steady,
                       "tokens_per_s_since_start": round(self.tokens / max(now - self.t0, 1e-9), 1),
                       "eta_s": None if eta is None else round(eta, 1), "time": time.time()}
             with self.metrics.open("a") as fh:
