@@ -44,10 +44,10 @@ def auto_compile_scope(hidden_size: int, compile_mode: str) -> tuple[str, str]:
 # the GPU, by target hidden size. Threads share one GIL, so N threads need N x the host time of a
 # step per GPU step: N_max ~= device ms/step / host ms/step, as bench/host_overhead.py measured on
 # one H200 (2026-12-01, docs/threaded-compile.md): small (hidden 256, cudagraphs) 2.13 / 2.55 ms: 1;
-# mid (hidden 2048, cudagraphs) 24.25 / 4.07 ms: 5; the 8B preset (hidden 4096, compile default,
-# per-layer graphs: no CUDA graphs, so far more launches per step) 218 / 65 ms: 3. The host figures
-# are upper bounds (the thread's whole busy time, GIL-free calls included), so these are lower bounds.
-THREADS_KEEP_UP = ((4096, 3), (LAYERS_SCOPE_MIN_HIDDEN, 5), (0, 1))  # (from hidden size, N_max), widest first
+# mid (hidden 2048, cudagraphs) 23.8-24.3 ms over 4.1-6.2 ms in three runs: 3 to 5, so 3; the 8B
+# preset (hidden 4096, per-layer graphs without CUDA graphs) 218 / 65 ms: 3. The host figures are
+# upper bounds (the thread's whole busy time, GIL-free calls included), so these are lower bounds.
+THREADS_KEEP_UP = ((LAYERS_SCOPE_MIN_HIDDEN, 3), (0, 1))  # (from hidden size, N_max), widest first
 
 
 def threads_keep_up(hidden_size: int) -> int:

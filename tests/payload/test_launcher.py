@@ -26,7 +26,8 @@ GPUS = [f"cuda:{i}" for i in range(9)]
     ("auto", 2, 256, "processes", "2 GPUs > 1"),
     ("auto", 3, 4096, "threads", "3 GPUs <= 3"),
     ("auto", 4, 4096, "processes", "4 GPUs > 3"),
-    ("auto", 5, 2048, "threads", "5 GPUs <= 5"),
+    ("auto", 3, 2048, "threads", "3 GPUs <= 3"),
+    ("auto", 4, 1024, "processes", "4 GPUs > 3"),
     ("auto", 1, 256, "threads", "one device"),
     ("threads", 8, 256, "threads", "run.launcher threads"),
     ("processes", 2, 4096, "processes", "run.launcher processes"),
@@ -37,7 +38,7 @@ def test_the_decision_follows_the_predicted_gpu_count(setting, gpus, hidden, exp
 
 
 def test_the_table_and_multi_host_runs():
-    assert [threads_keep_up(h) for h in (64, 1023, 1024, 4095, 4096, 8192)] == [1, 1, 5, 5, 3, 3]
+    assert [threads_keep_up(h) for h in (64, 1023, 1024, 4095, 4096, 8192)] == [1, 1, 3, 3, 3, 3]
     assert THREADS_KEEP_UP[-1][0] == 0  # every width has an entry
     assert launcher_decision("auto", GPUS[:4], 256, multi_host=True)[0] == "threads"
     with pytest.raises(ConfigError, match="multi-host run already runs one process per host"):
