@@ -545,7 +545,7 @@ def runs_stop(
     run: Optional[str] = typer.Argument(None, **_RUN),
     grace: float = typer.Option(60.0, "--grace", help="Seconds between SIGTERM (trainer checkpoints) and SIGKILL."),
 ) -> None:
-    """Stop a run: SIGTERM to its process group, SIGKILL after the grace period; state `stopped`."""
+    """Stop a run: SIGTERM to its trainer, SIGKILL to the trainer's process group after the grace period; state `stopped`."""
     from .multihost import stop_group
     from .runs import check_grace, show_run, state_text
 

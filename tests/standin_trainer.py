@@ -11,6 +11,9 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
   standin.fail_once      true: fail at standin.fail_at only the first time (a marker file in run.output_dir)
   standin.checkpoint_every  write a fake checkpoint every N steps (default: only on SIGTERM)
   standin.preflight_error  --preflight answers this config error (exit 2), as the trainer does
+  standin.helper        true: start a helper process in the trainer's process group (as the compiler
+                        runs ptxas) that logs any SIGTERM it gets; after its own SIGTERM the stand-in
+                        then waits 0.5 s before it checkpoints, as a trainer does while a compile ends
 --preflight prints the trainer's one-line JSON answer ({"ok": true, "devices": [...], "gpus": [...]},
 the GPUs from run.gpus or run.device=cuda:N as the trainer resolves them);
 --resume starts after the newest fake checkpoint.
@@ -19,8 +22,18 @@ the GPUs from run.gpus or run.device=cuda:N as the trainer resolves them);
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
+
+# The helper: logs a SIGTERM (which the real compiler's ptxas would die of, mid-compile) and exits.
+HELPER = ("import os, signal, time\n"
+          "def term(*_):\n"
+          "    print('standin helper: got SIGTERM while the trainer was still running', flush=True)\n"
+          "    os._exit(1)\n"
+          "signal.signal(signal.SIGTERM, term)\n"
+          "print('standin: helper pid %d' % os.getpid(), flush=True)\n"
+          "time.sleep(3600)\n")
 
 
 def parse(argv):
@@ -70,12 +83,17 @@ def main():
 
     signal.signal(signal.SIGTERM, on_term)
     print("standin: pid %d, %d steps, output %s" % (os.getpid(), steps, out), flush=True)
+    helper = opts.get("standin.helper", "false").lower() in ("1", "true", "yes")
+    if helper:
+        subprocess.Popen([sys.executable, "-c", HELPER])  # inherits the process group and the log
     first = 1 + (latest_checkpoint(out) if "--resume" in sys.argv else 0)
     if first > 1:
         print("standin: resuming after step %d" % (first - 1), flush=True)
     with open(os.path.join(out, "metrics.jsonl"), "a") as metrics:
         for step in range(first, steps + 1):
             if state["term"]:
+                if helper:
+                    time.sleep(0.5)
                 return checkpoint(out, state["step"])
             time.sleep(step_time)
             state["step"] = step

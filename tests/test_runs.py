@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -195,6 +196,32 @@ def test_stop_kills_a_trainer_that_ignores_sigterm(shim):
     info = stop_run(session.target("shim"), None, grace=0.5)  # None: the latest run
     assert info["run_id"] == run.run_id and info["state"] == "stopped" and info["exit_code"] == 137
     assert b"ignoring SIGTERM" in (run_dir(workdir, run.run_id) / "train.log").read_bytes()
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie nobody reaped yet counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("supervisor", ["alive", "killed"])
+def test_stop_sigterms_the_trainer_alone_then_kills_its_group(shim, supervisor):
+    """The trainer's helpers (the compiler's ptxas) keep running while it checkpoints, and die
+    with its process group once it is gone; the same when `runs stop` finds the supervisor dead."""
+    _, session, workdir = shim
+    run = start_run(session.target("shim"), gpus=["0"], overrides=[*LONG, "standin.helper=true"])
+    log = run_dir(workdir, run.run_id) / "train.log"
+    started = wait_until(lambda: b"step 1/" in log.read_bytes() and re.search(rb"helper pid (\d+)", log.read_bytes()),
+                         what="the helper and steps")
+    helper = int(started.group(1))
+    if supervisor == "killed":
+        os.kill(meta(workdir, run.run_id)["supervisor"]["pid"], signal.SIGKILL)
+    info = stop_run(session.target("shim"), run.run_id, grace=30)
+    assert info["state"] == "stopped" and info["exit_code"] == 143
+    assert b"checkpoint saved" in log.read_bytes() and b"helper: got SIGTERM" not in log.read_bytes()
+    wait_until(lambda: gone(helper), what="the helper to die with the trainer's group")
 
 
 def test_gpu_conflict_is_atomic_and_names_the_holder(shim):

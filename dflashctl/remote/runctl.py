@@ -643,7 +643,10 @@ def sleep_unless_stopped(run_dir, seconds, stop_flag):
 
 
 def wait_trainer(run_dir, child, stop_flag):
-    """Wait for the trainer; on a stop request SIGTERM its group, then SIGKILL after the grace."""
+    """Wait for the trainer; on a stop request SIGTERM the trainer, then SIGKILL its group after the
+    grace. Only the trainer gets SIGTERM: its helpers (the compiler's ptxas and workers, warm-up or
+    rank processes it stops itself) must not die under it while it winds down, or it logs their
+    failure (a whole PTX dump for a ptxas killed mid-compile)."""
     kill_at = None
     while True:
         try:
@@ -655,12 +658,12 @@ def wait_trainer(run_dir, child, stop_flag):
             request_stop(run_dir, 60.0, "signal to supervisor")
         req = read_json(os.path.join(run_dir, STOP))
         if req is not None and kill_at is None:
-            signal_group(child.pid, signal.SIGTERM)
+            signal_process(child.pid, signal.SIGTERM)
             kill_at = time.time() + float(req.get("grace", 60))
         elif kill_at is not None and time.time() >= kill_at:
             signal_group(child.pid, signal.SIGKILL)
             kill_at = float("inf")
-    # Leftovers of the trainer's group (data loader workers...) must not hold the GPUs.
+    # Leftovers of the trainer's group (compiler workers...) must not hold the GPUs.
     signal_group(child.pid, signal.SIGKILL)
     return rc if rc >= 0 else 128 - rc
 
@@ -669,6 +672,14 @@ def signal_group(pgid, sig):
     """Signal a process group, ignoring one that is already gone."""
     try:
         os.killpg(pgid, sig)
+    except OSError:
+        pass
+
+
+def signal_process(pid, sig):
+    """Signal one process, ignoring one that is already gone."""
+    try:
+        os.kill(pid, sig)
     except OSError:
         pass
 
@@ -763,14 +774,12 @@ def cmd_stop(workdir, selector, grace):
 def stop_orphan_trainer(run_dir, meta, grace):
     """The supervisor is gone but the trainer lives: do its job (the exit code is unknowable)."""
     trainer = meta.get("trainer")
-    signal_group(meta.get("pgid") or trainer["pid"], signal.SIGTERM)
+    signal_process(trainer["pid"], signal.SIGTERM)  # the trainer only, as wait_trainer does
     deadline = time.time() + grace
     while alive(trainer) and time.time() < deadline:
         time.sleep(0.1)
-    code = 128 + signal.SIGTERM
-    if alive(trainer):
-        signal_group(meta.get("pgid") or trainer["pid"], signal.SIGKILL)
-        code = 128 + signal.SIGKILL
+    code = 128 + signal.SIGKILL if alive(trainer) else 128 + signal.SIGTERM
+    signal_group(meta.get("pgid") or trainer["pid"], signal.SIGKILL)  # and whatever is left of its group
     write_atomic(os.path.join(run_dir, EXIT), "%d\n" % code)
 
 

@@ -13,7 +13,8 @@ rank i > 0 uses `<output_dir>/ranks/<i>/` and writes its output to `train.log` t
 
 This process stays as the launcher: it passes a stop request (SIGTERM/SIGINT) to every child
 once, waits for all of them, and exits with rank 0's code (or, if rank 0 succeeded, the first
-other non-zero one). When `runctl` signals the process group, the children get it directly.
+other non-zero one). `runs stop` signals this process alone (docs/runs.md), so this is how the
+children hear of it.
 """
 
 from __future__ import annotations
