@@ -121,6 +121,9 @@ class RunConfig:
     capture_optimizer: str = "auto"  # auto: where the step runs under CUDA graphs (run.compile
     # cudagraphs), gradient clipping, AdamW (capturable, lr a device tensor) and zeroing the
     # gradients replay as one captured CUDA graph per step | off: eager fused AdamW as before
+    capture_target: str = "auto"  # on: the frozen target's feature forward replays as one CUDA
+    # graph per step (target_graph.py) | off: launched layer by layer | auto: on with CUDA, compile
+    # default and compile scope layers or drafter (under cudagraphs it is in the step's graph)
     warmup_timeout_s: float = 900.0  # a warm-up process still running after this is killed (the
     # threads then compile without it)
     gpus: list[int] = field(default_factory=list)  # one worker thread per listed GPU; empty: run.device
@@ -172,6 +175,7 @@ CHOICES = {
     "run.compile_scope": ("auto", "step", "drafter", "layers"),
     "run.parallel_warmup": ("auto", "on", "off"),
     "run.capture_optimizer": ("auto", "off"),
+    "run.capture_target": ("auto", "on", "off"),
     "run.launcher": ("auto", "threads", "processes"),
 }
 

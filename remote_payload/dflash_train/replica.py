@@ -20,6 +20,7 @@ from .loss import LossOutput, dflash_loss
 from .model import DFlashDrafter, block_input_ids, block_mask
 from .resolve import drafter_spec
 from .target import Qwen3Target, build_random_target, build_tiny_target, load_hf_target
+from .target_graph import GraphedFeatures
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -76,6 +77,9 @@ class Replica:
     capture_step: bool = False
     step_graph: torch.cuda.CUDAGraph | None = None
     graph_norm: torch.Tensor | None = None
+    # run.capture_target on: the target's feature forward as one CUDA graph, captured at warm-up
+    # (`capture_target_forward`); the training step's loss then reads the features from it.
+    target_graph: GraphedFeatures | None = None
 
 
 def build_replica(cfg: Config, device: torch.device | str, seed: int,
@@ -138,22 +142,25 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int,
         train_flex = flex_attention if run_drafter is not drafter else flex_fn
 
         def train_loss(input_ids, loss_mask, anchors, anchor_valid):
-            out = _loss(replica, input_ids, loss_mask, anchors, anchor_valid, run_drafter, train_flex)
+            out = _loss(replica, input_ids, loss_mask, anchors, anchor_valid, run_drafter, train_flex,
+                        replica.target_graph)
             return out.loss, out.acceptance_length
         replica.train_loss = train_loss
     return replica
 
 
 def _loss(replica: Replica, input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
-          anchor_valid: torch.Tensor, drafter: Callable, flex_fn: Callable) -> LossOutput:
+          anchor_valid: torch.Tensor, drafter: Callable, flex_fn: Callable,
+          features: Callable | None = None) -> LossOutput:
     """Target features -> drafter over all blocks -> decayed CE and acceptance length (tensors on
-    the replica's device; traceable as a whole by torch.compile)."""
+    the replica's device; traceable as a whole by torch.compile). `features`: what computes the
+    target's features (default `target.features`; the captured graph in training steps)."""
     cfg, dev = replica.cfg, replica.device
     spec = replica.drafter.spec
     bs = spec.block_size
     n, s = input_ids.shape
     a = anchors.shape[1]
-    feats = replica.target.features(input_ids, spec.target_layer_ids)                    # [N, S, L*H]
+    feats = (features or replica.target.features)(input_ids, spec.target_layer_ids)      # [N, S, L*H]
     block_ids = block_input_ids(input_ids, anchors, bs, spec.mask_token_id)              # [N, A*B]
     embeds = replica.target.embed_tokens(block_ids)                                       # [N, A*B, H]
     mask = block_mask(anchors, s, bs, cfg.drafter.attention)                              # once per batch
@@ -286,11 +293,32 @@ def undo_in_place(tensors: list[torch.Tensor], before: dict[int, torch.Tensor]) 
             t.zero_()
 
 
+def capture_target_forward(replica: Replica) -> None:
+    """Capture the target's feature forward for the training batch shape (run.capture_target on;
+    a no-op otherwise). Called by the worker under the warm-up lock, after the compiling forward."""
+    cfg = replica.cfg
+    if cfg.run.capture_target != "on":
+        return
+    shape = (cfg.data.batch_size, cfg.data.max_length)  # collate pads every batch to this
+    try:
+        replica.target_graph = GraphedFeatures(replica.target, replica.drafter.spec.target_layer_ids, shape,
+                                               replica.device)
+    except RuntimeError as exc:
+        raise RuntimeError(f"capturing the target's forward as a CUDA graph failed ({exc}); "
+                           f"set run.capture_target=off to launch it layer by layer") from exc
+
+
+def capture_graphs(replica: Replica) -> None:
+    """The warm-up's captures: the target's feature forward, then the optimizer step."""
+    capture_target_forward(replica)
+    capture_optimizer_step(replica)
+
+
 def drafter_ops(cfg: Config) -> workers.ReplicaOps:
     """The drafter as the workers' ReplicaOps (build, step, parameters, warm-up progress) for a resolved config."""
     return workers.ReplicaOps(lambda device, seed, policy: build_replica(cfg, device, seed, policy), forward_backward,
                               optimizer_step, lambda replica: list(replica.drafter.parameters()), warmup_progress,
-                              capture_optimizer_step)
+                              capture_graphs)
 
 
 def warmup_progress(replica: Replica) -> str:

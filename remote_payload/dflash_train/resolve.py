@@ -76,6 +76,29 @@ def launcher_decision(setting: str, devices: list[str], hidden_size: int, multi_
                        f"target hidden size {hidden_size}: one thread per GPU")
 
 
+def capture_target_decision(setting: str, on_cuda: bool, compile_mode: str, scope: str) -> tuple[str, str]:
+    """(on | off, reason) for `run.capture_target`: the target's feature forward as one CUDA graph
+    per step where it otherwise launches layer by layer from Python."""
+    why_not = None
+    if not on_cuda:
+        why_not = "CUDA graphs need CUDA"
+    elif compile_mode == "off":
+        why_not = "run.compile off: the plain eager path"
+    elif compile_mode == "cudagraphs":
+        why_not = "run.compile cudagraphs: the whole step, target included, is one graph already"
+    elif scope == "step":
+        why_not = "compile scope step: the target is traced into the step's compiled graph"
+    if setting == "off":
+        return "off", "run.capture_target off"
+    if why_not is not None:
+        if setting == "on":
+            raise ConfigError(f"run.capture_target on cannot be used here: {why_not}")
+        return "off", why_not
+    return "on", (f"{'run.capture_target on' if setting == 'on' else f'compile scope {scope}'}: replayed in "
+                  f"one launch per step instead of layer by layer from Python; run.capture_target off "
+                  f"launches it layer by layer")
+
+
 def parallel_warmup_decision(setting: str, devices: list[str], compile_mode: str) -> tuple[str, str]:
     """(on | off, reason) for `run.parallel_warmup` given the worker devices and `run.compile`.
 
@@ -174,6 +197,9 @@ def resolve_config(cfg: Config, notes: list[str] | None = None, multi_host: bool
             notes.append(f"compile scope: {run.compile_scope} ({why})")
     if run.compile == "cudagraphs" and run.compile_scope == "layers":
         raise ConfigError("run.compile_scope layers cannot use run.compile cudagraphs (use step)")
+    run.capture_target, why = capture_target_decision(run.capture_target, on_cuda, run.compile, run.compile_scope)
+    if on_cuda and run.compile != "off":
+        notes.append(f"target forward: {'one CUDA graph' if run.capture_target == 'on' else 'layer by layer'} ({why})")
     devices = worker_devices(cfg)
     run.launcher, why = launcher_decision(run.launcher, devices, cfg.target.hidden_size, multi_host)
     if run.launcher == "processes" and on_cuda and len(set(devices)) != len(devices):

@@ -9,6 +9,9 @@ tiny   the tiny run on CUDA (bf16, FlexAttention, compile default): time and acc
 graphstep  run.capture_optimizer auto (clip + AdamW + zero grads replayed as one CUDA graph) vs
        off under run.compile cudagraphs: 30 steps on every GPU (one thread each), losses and
        parameters side by side
+graphtarget  run.capture_target on (the target's feature forward replayed as one CUDA graph) vs
+       off, compile default, per-layer scope: the graph's features against eager ones on fresh
+       inputs, then 30 steps on every GPU (one thread each): losses and checksums must be equal
 """
 
 import json
@@ -137,8 +140,43 @@ def check_graphstep() -> None:
     print(f"graphstep: max |param auto - off| = {diff:.3g} (lr 2e-3 per step at most)", flush=True)
 
 
+def check_graphtarget() -> None:
+    """The captured target forward gives the eager features bit for bit, and training with it the
+    same losses and parameters as without it."""
+    from dflash_train import workers
+    from dflash_train.replica import capture_target_forward, drafter_ops
+
+    gpus = list(range(torch.cuda.device_count()))
+    over = ["data.source=random", "data.batch_size=2", "data.num_train=64", "run.steps=30",
+            "run.compile=default", "run.compile_scope=layers"]
+    cfg = resolve_config(load_config(overrides=over + ["run.device=cuda:0"]))
+    replica = build_replica(cfg, "cuda:0", 0)
+    capture_target_forward(replica)
+    layer_ids = replica.drafter.spec.target_layer_ids
+    same = []
+    for seed in range(3):  # fresh inputs into the static buffer each time
+        ids = torch.randint(0, cfg.target.vocab_size, (2, cfg.data.max_length), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(seed))
+        eager = replica.target.features(ids, layer_ids)
+        same.append(torch.equal(replica.target_graph(ids, layer_ids), eager))
+    print(f"graphtarget: graph features equal to eager on 3 inputs: {same}", flush=True)
+    results = {}
+    for capture in ("on", "off"):
+        cfg = resolve_config(load_config(overrides=over + [f"run.capture_target={capture}", f"run.gpus={gpus}"]))
+        train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
+        sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, 0)
+        opts = workers.ThreadedOptions(compile="default", seed=0, warmup_steps=1, sync_every=10)
+        res = workers.run_threaded(drafter_ops(cfg), [f"cuda:{g}" for g in gpus], workers.sharded(sampler.batch),
+                                   30, opts)
+        results[capture] = (res.losses, res.checksums)
+        print(f"graphtarget capture_target={capture}: graph {res.replicas[0].target_graph is not None}, final "
+              f"losses {res.losses}, checksums {res.checksums}, {max(res.step_ms):.2f} ms/step", flush=True)
+    print(f"graphtarget: {'PASS' if all(same) and results['on'] == results['off'] else 'FAIL'}", flush=True)
+
+
 if __name__ == "__main__":
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}", flush=True)
-    checks = {"hf": check_hf, "paths": check_paths, "tiny": check_tiny, "8b": check_8b, "graphstep": check_graphstep}
+    checks = {"hf": check_hf, "paths": check_paths, "tiny": check_tiny, "8b": check_8b, "graphstep": check_graphstep,
+              "graphtarget": check_graphtarget}
     for name in sys.argv[1:] or list(checks):
         checks[name]()

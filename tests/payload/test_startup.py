@@ -88,6 +88,26 @@ def test_compile_scope_auto_follows_the_model_width(gpus):
     assert resolved("run.compile_scope=layers", "target.hidden_size=4096")[0].run.compile_scope == "layers"
 
 
+def test_capture_target_is_on_where_the_target_launches_layer_by_layer(gpus):
+    gpus(1)
+    wide = ("target.hidden_size=4096", "target.num_heads=32", "target.head_dim=128")
+    big, notes = resolved(*wide)
+    assert big.run.capture_target == "on"  # compile default, per-layer scope: the 8B preset's case
+    assert any(n.startswith("target forward: one CUDA graph (compile scope layers") for n in notes)
+    assert resolved(*wide, "run.compile_scope=drafter")[0].run.capture_target == "on"
+    for why, over in [("compile scope step", ()), ("run.compile cudagraphs", ("run.compile=cudagraphs",)),
+                      ("run.compile off", ("run.compile=off",)), ("run.capture_target off", ("run.capture_target=off",))]:
+        cfg, notes = resolved(*over)  # the tiny default compiles one whole-step graph
+        assert cfg.run.capture_target == "off", why
+        assert why == "run.compile off" or any(n.startswith("target forward: layer by layer (" + why) for n in notes)
+    with pytest.raises(ConfigError, match="run.capture_target on cannot be used here: compile scope step"):
+        resolved("run.capture_target=on")
+    gpus(0)
+    assert resolved(*wide)[0].run.capture_target == "off"
+    with pytest.raises(ConfigError, match="CUDA graphs need CUDA"):
+        resolved(*wide, "run.capture_target=on")
+
+
 # --- one compiled graph per replica under CUDA graphs ------------------------------------------
 
 
