@@ -143,7 +143,8 @@ class ReplicaOps:
     parameters: Callable[[Any], Sequence[torch.Tensor]]  # trainable params, same order on every replica
     progress: Callable[[Any], str] | None = None  # (replica) -> where its warm-up is, for progress lines
     # (replica) -> None, under the warm-up lock after the forward/backward calls, gradients zeroed
-    # and attached: compile or capture the optimizer step, leaving parameters and state as they were.
+    # and attached: compile or capture what replays later (the optimizer step, parts of the forward),
+    # leaving parameters and state as they were.
     warm_up_step: Callable[[Any], None] | None = None
 
 
