@@ -18,7 +18,7 @@ from .config import Config, ConfigError
 from .data import Batch
 from .loss import LossOutput, dflash_loss
 from .model import DFlashDrafter, block_input_ids, block_mask
-from .resolve import drafter_spec
+from .resolve import capture_target_decision, drafter_spec
 from .target import Qwen3Target, build_random_target, build_tiny_target, load_hf_target
 from .target_graph import GraphedFeatures
 
@@ -297,7 +297,8 @@ def capture_target_forward(replica: Replica) -> None:
     """Capture the target's feature forward for the training batch shape (run.capture_target on;
     a no-op otherwise). Called by the worker under the warm-up lock, after the compiling forward."""
     cfg = replica.cfg
-    if cfg.run.capture_target != "on":
+    if capture_target_decision(cfg.run.capture_target, replica.device.type == "cuda", cfg.run.compile,
+                               cfg.run.compile_scope)[0] != "on":
         return
     shape = (cfg.data.batch_size, cfg.data.max_length)  # collate pads every batch to this
     try:

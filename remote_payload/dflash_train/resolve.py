@@ -45,8 +45,10 @@ def auto_compile_scope(hidden_size: int, compile_mode: str) -> tuple[str, str]:
 # step per GPU step: N_max ~= device ms/step / host ms/step, as bench/host_overhead.py measured on
 # one H200 (2026-12-01, docs/threaded-compile.md): small (hidden 256, cudagraphs) 2.13 / 2.55 ms: 1;
 # mid (hidden 2048, cudagraphs) 23.8-24.3 ms over 4.1-6.2 ms in three runs: 3 to 5, so 3; the 8B
-# preset (hidden 4096, per-layer graphs without CUDA graphs) 218 / 65 ms: 3. The host figures are
-# upper bounds (the thread's whole busy time, GIL-free calls included), so these are lower bounds.
+# preset (hidden 4096, per-layer graphs) 218 / 65 ms: 3, and 212 / 60-61 ms with its target forward
+# as one CUDA graph (run.capture_target): still 3, as the launch queue fills behind the graph. The host
+# figures are upper bounds (the thread's whole busy time, waits in full launch queues and GIL-free
+# calls included), so these are lower bounds.
 THREADS_KEEP_UP = ((LAYERS_SCOPE_MIN_HIDDEN, 3), (0, 1))  # (from hidden size, N_max), widest first
 
 
@@ -197,9 +199,11 @@ def resolve_config(cfg: Config, notes: list[str] | None = None, multi_host: bool
             notes.append(f"compile scope: {run.compile_scope} ({why})")
     if run.compile == "cudagraphs" and run.compile_scope == "layers":
         raise ConfigError("run.compile_scope layers cannot use run.compile cudagraphs (use step)")
-    run.capture_target, why = capture_target_decision(run.capture_target, on_cuda, run.compile, run.compile_scope)
+    # Checked and told here, decided again where the replica is built (`auto` stays `auto` in the
+    # resolved config, so an eval or resume on another device or compile mode resolves it afresh).
+    capture, why = capture_target_decision(run.capture_target, on_cuda, run.compile, run.compile_scope)
     if on_cuda and run.compile != "off":
-        notes.append(f"target forward: {'one CUDA graph' if run.capture_target == 'on' else 'layer by layer'} ({why})")
+        notes.append(f"target forward: {'one CUDA graph' if capture == 'on' else 'layer by layer'} ({why})")
     devices = worker_devices(cfg)
     run.launcher, why = launcher_decision(run.launcher, devices, cfg.target.hidden_size, multi_host)
     if run.launcher == "processes" and on_cuda and len(set(devices)) != len(devices):
