@@ -69,10 +69,10 @@ def main():
     step_time = float(opts["standin.step_time"])
     fail_at = int(opts.get("standin.fail_at", -1))
     marker = os.path.join(out, "standin-failed-once")
-    if opts.get("standin.fail_once", "false").lower() in ("1", "true", "yes") and os.path.exists(marker):
+    if flag(opts, "standin.fail_once") and os.path.exists(marker):
         fail_at = -1
     every = int(opts.get("standin.checkpoint_every", 0))
-    ignore = opts.get("standin.ignore_sigterm", "false").lower() in ("1", "true", "yes")
+    ignore = flag(opts, "standin.ignore_sigterm")
     state = {"step": 0, "term": False}
 
     def on_term(signum, frame):
@@ -83,7 +83,7 @@ def main():
 
     signal.signal(signal.SIGTERM, on_term)
     print("standin: pid %d, %d steps, output %s" % (os.getpid(), steps, out), flush=True)
-    helper = opts.get("standin.helper", "false").lower() in ("1", "true", "yes")
+    helper = flag(opts, "standin.helper")
     if helper:
         subprocess.Popen([sys.executable, "-c", HELPER])  # inherits the process group and the log
     first = 1 + (latest_checkpoint(out) if "--resume" in sys.argv else 0)
@@ -112,6 +112,11 @@ def main():
                 return int(opts["standin.fail_code"])
     print("standin: done", flush=True)
     return 0
+
+
+def flag(opts, key):
+    """A true/false option (1, true or yes is true; unset is false)."""
+    return opts.get(key, "false").lower() in ("1", "true", "yes")
 
 
 def preflight_gpus(opts):

@@ -248,8 +248,8 @@ def capture_optimizer_step(replica: Replica) -> None:
 
     Eager calls on a side stream first create the optimizer state and any lazy handles
     (PyTorch's recipe for capturing a capturable optimizer), then are undone in place
-    (`rehearse_optimizer_step`); capture itself runs no kernel. capture_error_mode thread_local: the other workers are idle at the warm-up
-    lock or the ready barrier, as for inductor's own capture (docs/threaded-compile.md)."""
+    (`rehearse_optimizer_step`); capture itself runs no kernel (`workers.capture_graph`: safe for
+    the same reason as inductor's own capture, docs/threaded-compile.md)."""
     if not replica.capture_step:
         return
     for group in replica.optimizer.param_groups:
@@ -258,17 +258,8 @@ def capture_optimizer_step(replica: Replica) -> None:
         if not isinstance(group["lr"], torch.Tensor):
             group["lr"] = torch.tensor(group["lr"], device=replica.device)
         group["capturable"] = True
-    side = torch.cuda.Stream(replica.device)
-    side.wait_stream(torch.cuda.current_stream(replica.device))
-    with torch.cuda.stream(side):
-        rehearse_optimizer_step(replica)
-    torch.cuda.current_stream(replica.device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # A stream of this device: torch.cuda.graph's default capture stream is one per process,
-    # made on whichever device first asked (another worker's GPU).
-    with torch.cuda.graph(graph, stream=torch.cuda.Stream(replica.device), capture_error_mode="thread_local"):
-        norm = clip_step_zero(replica)
-    replica.step_graph, replica.graph_norm = graph, norm
+    replica.step_graph, replica.graph_norm = workers.capture_graph(
+        replica.device, lambda: rehearse_optimizer_step(replica), lambda: clip_step_zero(replica))
 
 
 def rehearse_optimizer_step(replica: Replica) -> None:

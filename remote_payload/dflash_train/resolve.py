@@ -96,9 +96,9 @@ def capture_target_decision(setting: str, on_cuda: bool, compile_mode: str, scop
         if setting == "on":
             raise ConfigError(f"run.capture_target on cannot be used here: {why_not}")
         return "off", why_not
-    return "on", (f"{'run.capture_target on' if setting == 'on' else f'compile scope {scope}'}: replayed in "
-                  f"one launch per step instead of layer by layer from Python; run.capture_target off "
-                  f"launches it layer by layer")
+    because = "run.capture_target on" if setting == "on" else f"compile scope {scope}"
+    return "on", (f"{because}: replayed in one launch per step instead of layer by layer from Python; "
+                  f"run.capture_target off launches it layer by layer")
 
 
 def parallel_warmup_decision(setting: str, devices: list[str], compile_mode: str) -> tuple[str, str]:

@@ -5,7 +5,7 @@ Python: about half of the thread's host work per step (63-66 ms without the grap
 it, on one H200 with a launch queue deep enough for a step), time that all worker threads share
 through one GIL (docs/threaded-compile.md). The target has no gradients, fixed weights and, with
 padded batches, one input shape, so its forward is captured once and replayed in one launch.
-Nothing here knows of threads: the worker captures under its warm-up lock.
+The worker captures it under its warm-up lock (`workers.capture_graph`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .target import Qwen3Target
+from .workers import capture_graph
 
 
 class GraphedFeatures:
@@ -23,18 +24,12 @@ class GraphedFeatures:
                  device: torch.device):
         self.target, self.layer_ids = target, tuple(layer_ids)
         self.static_ids = torch.zeros(shape, dtype=torch.long, device=device)  # [N, S], copied into per step
-        # One eager call on a side stream first: lazy one-off work (cuBLAS/cuDNN handles and plans,
-        # compiled layers' first-call set-up) must not land in the capture. PyTorch's capture recipe.
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            target.features(self.static_ids, self.layer_ids)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # A stream of this device (torch.cuda.graph's default one is made on whichever device asked
-        # first); thread_local: the other workers are idle at the warm-up lock or the ready barrier.
-        with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
-            self.static_feats = target.features(self.static_ids, self.layer_ids)  # [N, S, L*H]
+
+        def forward() -> torch.Tensor:
+            return target.features(self.static_ids, self.layer_ids)         # [N, S, L*H]
+
+        # One eager call first (cuBLAS/cuDNN handles and plans, the compiled layers' first-call set-up).
+        self.graph, self.static_feats = capture_graph(device, forward, forward)
 
     def __call__(self, input_ids: torch.Tensor, layer_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
         """The features of `input_ids` [N, S] -> [N, S, L*H]. Replayed, the result is the graph's

@@ -355,6 +355,24 @@ class SerialLock:
             self._lock.release()
 
 
+def capture_graph(device: torch.device, rehearse: Callable[[], object], body: Callable[[], Any]) -> tuple[Any, Any]:
+    """(CUDA graph, body's output) for `body()` captured on `device` from a worker thread. `rehearse()`
+    runs first on a side stream: lazy one-off work (optimizer state, library handles, a compiled
+    function's first-call set-up) must not land in the capture (PyTorch's capture recipe). The
+    capture runs on a stream of `device` (torch.cuda.graph's default capture stream is one per
+    process, made on whichever device asked first) with capture_error_mode thread_local: call it
+    under the warm-up lock, while the other workers wait there or at the ready barrier."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        rehearse()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
+        out = body()
+    return graph, out
+
+
 def bind_device(device: torch.device) -> None:
     """Make `device` the current CUDA device of the calling thread (first in a worker: every CUDA
     call after it targets that GPU); nothing on CPU."""
