@@ -39,8 +39,13 @@ class StopFlag:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
+    def request(self, signum: int) -> None:
+        """Record a stop, as the signal handler does (the first signal's number is kept)."""
+        if self.signum is None:
+            self.signum = signum
+
     def _handle(self, signum, _frame) -> None:
-        self.signum = signum
+        self.request(signum)
 
 
 def _encode_state(state: torch.Tensor) -> str:

@@ -151,6 +151,7 @@ class DebugConfig:
 
     fail_at: str | None = None  # build | compile | step:K (K from 1): raise InjectedFault there
     hang_at: str | None = None  # same places: block forever there (a stalled worker)
+    stop_at: str | None = None  # same places: request a stop there, as a SIGTERM at that moment would
     fail_rank: int = 0  # which worker fails or hangs
 
 
@@ -286,7 +287,7 @@ def validate(cfg: Config) -> None:
     if cfg.dist.lost_after_s <= cfg.dist.heartbeat_s:
         raise ConfigError(f"dist.lost_after_s {cfg.dist.lost_after_s:g} must exceed dist.heartbeat_s "
                           f"{cfg.dist.heartbeat_s:g}")
-    for name in ("fail_at", "hang_at"):
+    for name in ("fail_at", "hang_at", "stop_at"):
         spec = getattr(cfg.debug, name)
         if spec is not None and parse_fault_site(spec) is None:
             raise ConfigError(f"debug.{name} must be build, compile or step:K (K >= 1), got {spec!r}")

@@ -69,7 +69,7 @@ def child_overrides(cfg: Config, r: Rank) -> list[str]:
     if r.rank == cfg.debug.fail_rank:
         over.append("debug.fail_rank=0")
     else:
-        over += ["debug.fail_at=null", "debug.hang_at=null", "debug.fail_rank=0"]
+        over += ["debug.fail_at=null", "debug.hang_at=null", "debug.stop_at=null", "debug.fail_rank=0"]
     return over
 
 

@@ -322,6 +322,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         sync_every=math.gcd(run.log_every, run.eval_every, run.checkpoint_every),
         barrier_timeout_s=run.barrier_timeout_s, compile_timeout_s=run.compile_timeout_s, start_step=start,
         fail_at=cfg.debug.fail_at, hang_at=cfg.debug.hang_at, fail_rank=cfg.debug.fail_rank,
+        stop_at=cfg.debug.stop_at, request_stop=lambda: stop.request(signal.SIGTERM),
         should_stop=should_stop, stop_before_start=lambda: stop.requested, on_start=on_start,
         on_progress=log,
         cross_reduce=group.cross_reduce if group else None, cross_check=group.cross_check if group else None)

@@ -166,6 +166,10 @@ class ThreadedOptions:
     fail_at: str | None = None  # build | compile | step:K (K from 1): raise InjectedFault there
     hang_at: str | None = None  # same places: block forever there (tests the stall paths)
     fail_rank: int = 0  # the worker that fails or hangs
+    # Same places: worker fail_rank calls request_stop() there, as if SIGTERM came at that moment
+    # (a stop at a defined point, for tests of the stop rule; run_threaded's docstring states it).
+    stop_at: str | None = None
+    request_stop: Callable[[], None] | None = None
     # Polled once per step in the gradient barrier's action; True makes this step a sync point and
     # the last one (SIGTERM -> checkpoint -> exit). Must be cheap: a flag read.
     should_stop: Callable[[], bool] | None = None
@@ -400,6 +404,7 @@ class Coordinator:
             raise ValueError(f"workers need one device shared by all or distinct GPUs: {self.devices}")
         self.fault = _parse_fault(options.fail_at, "fail_at")
         self.hang = _parse_fault(options.hang_at, "hang_at")
+        self.stop_site = _parse_fault(options.stop_at, "stop_at")
         if options.sync_every < 1 or steps < 1:
             raise ValueError("steps and sync_every must be positive")
         if not 0 <= options.start_step <= steps:
@@ -413,7 +418,8 @@ class Coordinator:
         self.reduced = threading.Barrier(self.world, action=self._reduce_action)
         self.synced = threading.Barrier(self.world, action=self._sync_action)
         self.resumed = threading.Barrier(self.world)
-        self.barriers = (self.ready, self.reduced, self.synced, self.resumed)
+        self.started = threading.Barrier(self.world, action=self._start_action)
+        self.barriers = (self.ready, self.reduced, self.synced, self.resumed, self.started)
         self.replicas: list[Any] = [None] * self.world
         self.buckets: list[GradBuckets | None] = [None] * self.world
         # Gradients need a reduction unless one replica trains alone with no cross-host hook.
@@ -431,7 +437,8 @@ class Coordinator:
         self.last_sync_step = options.start_step
         self.last_sync_time = 0.0
         self.point: SyncPoint | None = None
-        self.stepping = threading.Event()  # set when rank 0 starts step 1: stops then go through the steps
+        self.stepping = threading.Event()  # set when step 1 starts: stops then go through the steps
+        self.start_lock = threading.Lock()  # stepping is set, or a stop before step 1 seen, under it
 
     # -- coordinator side -------------------------------------------------------------------
 
@@ -464,8 +471,18 @@ class Coordinator:
                               self.warmup_s, self.step_ms, self.replicas)
 
     def _stopped_before_start(self) -> bool:
-        return (not self.stepping.is_set() and self.opt.stop_before_start is not None
-                and self.opt.stop_before_start())
+        with self.start_lock:
+            return (not self.stepping.is_set() and self.opt.stop_before_start is not None
+                    and self.opt.stop_before_start())
+
+    def _start_action(self) -> None:
+        """Runs in the last worker to reach step 1: the one point where a run starts stepping.
+        A stop requested before it ends the run untrained; one after it goes through the steps."""
+        with self.start_lock:
+            if self.opt.stop_before_start is not None and self.opt.stop_before_start():
+                self.stop.set()  # the coordinator abandons the run; the workers end below
+            else:
+                self.stepping.set()
 
     def _abandon(self) -> ThreadedResult:
         """End a run stopped before step 1 at once. Workers may be deep in a compile that cannot be
@@ -580,14 +597,13 @@ class Coordinator:
         self._warm_up(rank, replica)
         self.loss_sum[rank] = torch.zeros((), device=device)
         self._wait(rank, self.ready, "ready", self.opt.compile_timeout_s)
-        if self.opt.on_start is not None:
-            if rank == 0:
-                self.phase[rank] = "on_start"
-                self.opt.on_start(SyncPoint(self.opt.start_step, [], 0.0, self.replicas,
-                                            warmup_s=list(self.warmup_s)))
-            self._wait(rank, self.resumed, "start", self.opt.compile_timeout_s)
+        if self.opt.on_start is not None and rank == 0:
+            self.phase[rank] = "on_start"
+            self.opt.on_start(SyncPoint(self.opt.start_step, [], 0.0, self.replicas, warmup_s=list(self.warmup_s)))
+        self._wait(rank, self.started, "start", self.opt.compile_timeout_s)
+        if not self.stepping.is_set():  # _start_action saw a stop: nothing trained, nothing to save
+            raise Stopped()
         self.last_sync_time = t0 = time.monotonic()
-        self.stepping.set()
         step = self.opt.start_step
         while step < self.finish_after:
             step += 1
@@ -654,6 +670,8 @@ class Coordinator:
     def _maybe_fail(self, rank: int, where: str) -> None:
         if rank != self.opt.fail_rank:
             return
+        if self.stop_site == where and self.opt.request_stop is not None:
+            self.opt.request_stop()
         if self.hang == where:
             hang_forever()
         if self.fault == where:
@@ -689,6 +707,11 @@ def run_threaded(ops: ReplicaOps, devices: Sequence[torch.device | str], data: C
     rank 0's thread every `options.sync_every` steps, at the last step and at a requested stop,
     while all other workers wait; it may return True to end the run there. A single device is
     the same loop with one thread (world 1: no gradient reduction).
+
+    The stop rule: step 1 starts at one point (the last worker reaching it, after warm-up and
+    `on_start`). A stop (`stop_before_start`) requested before that point ends the run there with
+    nothing trained (`stopped_before_start`); one requested later (`should_stop`, polled when
+    every worker has finished a step's backward) ends the run after that step, as a sync point.
     """
     coordinator = Coordinator(ops, [torch.device(d) for d in devices], data, steps,
                               options or ThreadedOptions(), on_sync)

@@ -82,23 +82,48 @@ def test_metrics_records(tiny_run):
     assert (Path(out) / "config.resolved.yaml").exists()
 
 
+def copy_to_step_60(out: Path, resumed: Path) -> None:
+    """A run directory as the tiny run left it at its step-60 checkpoint."""
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step_00000060", resumed / "checkpoints" / "step_00000060")
+    shutil.copy(out / "metrics.jsonl", resumed / "metrics.jsonl")
+
+
+def resume_config(resumed: Path, *sets: str):
+    return load_config(overrides=[f"run.output_dir={resumed}", f"run.steps={STEPS}", "run.log_every=1",
+                                  "run.eval_every=60", "run.checkpoint_every=60", *THREADED, *sets])
+
+
 def test_resume_reproduces_the_uninterrupted_loss(tiny_run, tmp_path):
     out, _ = tiny_run
     resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(Path(out) / "checkpoints" / "step_00000060", resumed / "checkpoints" / "step_00000060")
-    shutil.copy(Path(out) / "metrics.jsonl", resumed / "metrics.jsonl")
-    cfg = load_config(overrides=[f"run.output_dir={resumed}", f"run.steps={STEPS}", "run.log_every=1",
-                                 "run.eval_every=60", "run.checkpoint_every=60", *THREADED])
+    copy_to_step_60(Path(out), resumed)
+    # A stop requested at the start of step 61 (debug.stop_at: as a SIGTERM at that moment).
     stop = StopFlag()
-    stop.signum = signal.SIGTERM  # as if SIGTERM came during the first resumed step
+    cfg = resume_config(resumed, "debug.stop_at=step:61")
     assert run_training(cfg, resume=True, stop=stop, log=lambda _: None) == 143
+    assert stop.signum == signal.SIGTERM
     expected = next(r for r in read_metrics(out) if r["event"] == "train" and r["step"] == 61)
     got = [r for r in read_metrics(resumed) if r["event"] == "train"]
     assert got[-1]["step"] == 61 and len(got) == 61  # records after the checkpoint were dropped
     assert got[-1]["loss"] == expected["loss"]
     assert got[-1]["grad_norm"] == expected["grad_norm"]
     assert latest_checkpoint(resumed).name == "step_00000061"
+
+
+def test_a_stop_requested_before_the_first_step_trains_nothing(tiny_run, tmp_path):
+    """The stop rule (issue 29): a stop that came before step 1 starts always ends the run there,
+    however fast the workers reach it; nothing is trained or saved."""
+    out, _ = tiny_run
+    resumed = tmp_path / "resumed"
+    copy_to_step_60(Path(out), resumed)
+    stop = StopFlag()
+    stop.request(signal.SIGTERM)
+    logs = []
+    assert run_training(resume_config(resumed), resume=True, stop=stop, log=logs.append) == 143
+    assert logs[-1] == "stopped by signal 15 before step 61: nothing to save"
+    assert latest_checkpoint(resumed).name == "step_00000060"
+    assert max(r["step"] for r in read_metrics(resumed)) == 60  # no step trained or logged
 
 
 def test_export_round_trip(tiny_run):
