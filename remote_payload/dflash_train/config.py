@@ -41,7 +41,7 @@ class TargetConfig:
 class DrafterConfig:
     """The DFlash drafter: width comes from the target, depth and block from here."""
 
-    num_layers: int = 1
+    num_layers: int | None = 1  # None: from the target's size (recipe.py; the real-target preset)
     block_size: int = 8
     target_layer_ids: list[int] | None = None  # None: `num_target_features` spread evenly (see target.py)
     num_target_features: int = 5
@@ -61,9 +61,9 @@ class DataConfig:
     eval_path: str | None = None  # held-out jsonl; None holds out `eval_fraction` of train
     eval_fraction: float = 0.05
     tokenizer_path: str | None = None  # for chat rows; None uses target.path
-    max_length: int = 64
-    anchors_per_seq: int = 8
-    batch_size: int = 8
+    max_length: int | None = 64  # None (real-target preset): from the target's size (recipe.py)
+    anchors_per_seq: int | None = 8  # likewise
+    batch_size: int | None = 8  # likewise
     num_train: int = 256  # demo/random: number of training sequences
     num_eval: int = 32  # demo/random: number of held-out sequences
     prompt_length: int = 8  # demo: random prompt tokens before the greedy continuation
@@ -89,7 +89,7 @@ class OptimConfig:
 class RunConfig:
     """Length, cadence, placement and output of one training run."""
 
-    steps: int = 300
+    steps: int | None = 300  # None (real-target preset): recipe.DEFAULT_EPOCHS epochs of the data
     epochs: int = 0  # > 0 overrides steps with epochs * batches per epoch
     log_every: int = 10
     eval_every: int = 100
@@ -166,6 +166,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    preset: str = "tiny"  # the preset this config was built on (load_config chooses it)
 
 
 CHOICES = {
@@ -180,9 +181,17 @@ CHOICES = {
     "run.launcher": ("auto", "threads", "processes"),
 }
 
-# Presets are override dicts on top of the dataclass defaults (which are the tiny run).
+# Presets are override dicts on top of the dataclass defaults (which are the tiny run). Without
+# --preset (or a config file's `preset:`), a run with target.path gets `real-target`, else `tiny`.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"optim": {"lr": 2e-3}},  # the tiny drafter learns faster than the paper's 6e-4 allows
+    # A user's own checkpoint: block 16 as z-lab's published drafters; depth, sequence shapes and
+    # run length (None) follow the target's size and the data (recipe.py, resolve_config).
+    "real-target": {
+        "drafter": {"num_layers": None, "block_size": 16},
+        "data": {"max_length": None, "anchors_per_seq": None, "batch_size": None},
+        "run": {"steps": None},
+    },
     "qwen3-8b": {
         "target": {
             "num_layers": 36, "hidden_size": 4096, "intermediate_size": 12288, "num_heads": 32,
@@ -209,11 +218,20 @@ def load_config(path: str | None = None, preset: str | None = None,
             raise ConfigError(f"cannot read config {path}: {str(exc).splitlines()[0]}") from None
         if not isinstance(file_data, dict):
             raise ConfigError(f"config {path} must be a mapping at top level")
-    preset = preset or file_data.pop("preset", None) or "tiny"
+    explicit = preset or file_data.pop("preset", None)
     file_data.pop("preset", None)
+    cfg = _build(explicit or "tiny", file_data, overrides)
+    if explicit is None and cfg.target.path is not None:  # the recipe follows the target
+        cfg = _build("real-target", file_data, overrides)
+    validate(cfg)
+    return cfg
+
+
+def _build(preset: str, file_data: dict[str, Any], overrides: list[str]) -> Config:
+    """The preset, then the file's keys, then the overrides."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
-    cfg = Config()
+    cfg = Config(preset=preset)
     _apply_dict(cfg, PRESETS[preset], "")
     _apply_dict(cfg, file_data, "")
     for item in overrides:
@@ -221,7 +239,6 @@ def load_config(path: str | None = None, preset: str | None = None,
         if not sep:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         set_key(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
-    validate(cfg)
     return cfg
 
 
@@ -259,12 +276,14 @@ def validate(cfg: Config) -> None:
     d, data = cfg.drafter, cfg.data
     if d.block_size < 2:
         raise ConfigError("drafter.block_size must be at least 2")
-    if data.max_length < d.block_size + 1:
+    if data.max_length is not None and data.max_length < d.block_size + 1:
         raise ConfigError("data.max_length must exceed drafter.block_size")
     positive = [("run", "steps"), ("run", "log_every"), ("run", "eval_every"), ("run", "eval_batches"),
-                ("run", "checkpoint_every"), ("data", "batch_size"), ("data", "anchors_per_seq")]
+                ("run", "checkpoint_every"), ("data", "batch_size"), ("data", "anchors_per_seq"),
+                ("drafter", "num_layers")]
     for section, name in positive:
-        if getattr(getattr(cfg, section), name) < 1:
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and value < 1:  # None: decided from the target (recipe.py)
             raise ConfigError(f"{section}.{name} must be positive")
     if data.source == "jsonl" and not data.train_path:
         raise ConfigError("data.source jsonl needs data.train_path")

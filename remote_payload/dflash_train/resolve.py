@@ -12,6 +12,7 @@ import torch
 from .config import Config, ConfigError
 from .loss import default_gamma
 from .model import DrafterSpec
+from .recipe import recipe_for_target
 from .target import default_target_layer_ids, read_hf_config, resolve_mask_token_id, shape_of
 
 # `run.compile_scope: auto` compiles per layer from this target width up (Qwen3-0.6B's): there the
@@ -193,6 +194,7 @@ def resolve_config(cfg: Config, notes: list[str] | None = None, multi_host: bool
             raise ConfigError(f"target.path: {exc}") from None
         loaded.seed, loaded.init_std = cfg.target.seed, cfg.target.init_std
         cfg.target = loaded
+    _fill_recipe(cfg, notes)
     if run.compile_scope == "auto":
         run.compile_scope, why = auto_compile_scope(cfg.target.hidden_size, run.compile)
         if run.compile != "off":
@@ -238,6 +240,29 @@ def resolve_config(cfg: Config, notes: list[str] | None = None, multi_host: bool
     return cfg
 
 
+def _fill_recipe(cfg: Config, notes: list[str]) -> None:
+    """Fill the recipe fields left None (the real-target preset) from the target's size."""
+    recipe = recipe_for_target(cfg.target.hidden_size)
+    filled = []
+    for section, name in (("drafter", "num_layers"), ("data", "max_length"), ("data", "anchors_per_seq"),
+                          ("data", "batch_size")):
+        if getattr(getattr(cfg, section), name) is None:
+            setattr(getattr(cfg, section), name, getattr(recipe, name))
+            filled.append(f"{section}.{name} {getattr(recipe, name)}")
+    if filled:
+        notes.append(f"recipe: {', '.join(filled)} ({recipe.reason})")
+        if cfg.data.max_length < cfg.drafter.block_size + 1:
+            raise ConfigError("data.max_length must exceed drafter.block_size")
+
+
+PRESET_MEANING = {
+    "tiny": "a random tiny target on its own greedy text: a first run and the tests (seconds on a CPU)",
+    "real-target": "the recipe for a real checkpoint: target.path set, no --preset",
+    "qwen3-8b": ("random weights on random tokens at Qwen3-8B's shape: measures speed and memory, never quality "
+                 "(tau is 1.0 by construction); train on your checkpoint with --set target.path=DIR"),
+}
+
+
 def drafter_spec(cfg: Config) -> DrafterSpec:
     """The drafter's architecture from a resolved config."""
     d = cfg.drafter
@@ -269,7 +294,11 @@ def summary(cfg: Config, notes: list[str], n_params: int | None = None) -> list[
     target = t.path or f"random Qwen3 shape ({t.num_layers} layers, hidden {t.hidden_size}, vocab {t.vocab_size})"
     source = data.train_path if data.source == "jsonl" else f"{data.source} ({data.num_train} sequences)"
     params = "" if n_params is None else f", {n_params / 1e6:.2f}M trainable parameters"
+    meaning = PRESET_MEANING.get(cfg.preset, "")
+    if cfg.preset != "real-target" and t.path is not None:
+        meaning = f"the {cfg.preset} preset's recipe on a real target (without --preset it gets real-target's)"
     lines = [
+        f"preset: {cfg.preset}{f' ({meaning})' if meaning else ''}",
         f"target: {target}",
         f"drafter: {d.num_layers} layer(s), block {d.block_size}{params}, "
         f"features from target layers {d.target_layer_ids}, MASK id {d.mask_token_id}",

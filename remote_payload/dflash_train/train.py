@@ -24,6 +24,7 @@ from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import Batch, BlockSampler, DataError, build_datasets
 from .export import export_drafter
 from .model import DFlashDrafter
+from .recipe import DEFAULT_EPOCHS
 from .replica import DTYPES, Replica, drafter_ops, evaluate, stop_progress_probes
 from .resolve import drafter_spec, resolve_config, summary, worker_devices
 from .speculate import held_out_prompts, speculative_eval
@@ -187,6 +188,10 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
     sampler, eval_batches, spec_prompts = load_data(cfg, group.total_replicas if group else world)
     if cfg.run.epochs > 0:
         cfg.run.steps = cfg.run.epochs * sampler.steps_per_epoch
+    elif cfg.run.steps is None:  # the real-target preset: the run's length follows the data
+        cfg.run.steps = DEFAULT_EPOCHS * sampler.steps_per_epoch
+        log(f"run length: {cfg.run.steps} steps = {DEFAULT_EPOCHS} epochs of {sampler.steps_per_epoch} batches "
+            f"(run.steps unset; set run.steps or run.epochs to choose)")
 
     (out / "config.resolved.yaml").write_text(dump_yaml(cfg))
     with torch.device("meta"):

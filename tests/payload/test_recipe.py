@@ -1,0 +1,102 @@
+"""The recipe follows the target (issue 26): a run with target.path and no --preset gets the
+real-target preset, whose depth and sequence shapes come from the target's size; anything the user
+sets explicitly wins; the random-weight presets say what they are."""
+
+import json
+
+import pytest
+
+from dflash_train.config import ConfigError, load_config
+from dflash_train.recipe import recipe_for_target
+from dflash_train.resolve import resolve_config, summary
+
+
+def hf_dir(tmp_path, hidden: int, layers: int = 4):
+    """A config.json of a Qwen3 of this width (resolution reads nothing else)."""
+    path = tmp_path / f"qwen3-{hidden}"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": 3 * hidden,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": hidden // 8, "vocab_size": 1000}))
+    return path
+
+
+def resolved(*sets, preset=None):
+    notes: list[str] = []
+    if any(s.startswith("target.path=") for s in sets):  # the config.json has no tokenizer beside it
+        sets = ["drafter.mask_token_id=999", *sets]
+    sets = ["run.device=cpu", *sets]
+    return resolve_config(load_config(preset=preset, overrides=sets), notes), notes
+
+
+def test_a_real_target_without_a_preset_gets_the_recipe_for_its_size(tmp_path):
+    cfg, notes = resolved(f"target.path={hf_dir(tmp_path, 768)}")
+    small = recipe_for_target(768)
+    assert cfg.preset == "real-target" and cfg.drafter.block_size == 16
+    assert (cfg.drafter.num_layers, cfg.data.max_length, cfg.data.anchors_per_seq, cfg.data.batch_size) == \
+        (small.num_layers, small.max_length, small.anchors_per_seq, small.batch_size) == (3, 512, 64, 16)
+    assert cfg.run.steps is None  # decided from the data's size when the run loads it
+    recipe = next(n for n in notes if n.startswith("recipe: "))
+    assert "drafter.num_layers 3" in recipe and "hidden size 768 < 2048" in recipe
+    assert summary(cfg, [])[0].startswith("preset: real-target (the recipe for a real checkpoint")
+
+
+def test_a_large_target_gets_the_published_drafter_shapes(tmp_path):
+    cfg, _ = resolved(f"target.path={hf_dir(tmp_path, 4096)}")
+    assert (cfg.drafter.num_layers, cfg.data.max_length, cfg.data.anchors_per_seq, cfg.data.batch_size) == (5, 3072, 512, 1)
+
+
+def test_what_the_user_sets_wins_over_the_recipe(tmp_path):
+    cfg, notes = resolved(f"target.path={hf_dir(tmp_path, 768)}", "drafter.num_layers=2",
+                          "data.max_length=256", "run.steps=40")
+    assert (cfg.drafter.num_layers, cfg.data.max_length, cfg.run.steps) == (2, 256, 40)
+    assert cfg.data.anchors_per_seq == 64  # still the recipe's
+    assert "drafter.num_layers" not in next(n for n in notes if n.startswith("recipe: "))
+
+
+def test_an_explicit_preset_keeps_its_recipe_and_says_so(tmp_path):
+    cfg, _ = resolved(f"target.path={hf_dir(tmp_path, 768)}", preset="tiny")
+    assert cfg.preset == "tiny" and (cfg.drafter.num_layers, cfg.drafter.block_size, cfg.run.steps) == (1, 8, 300)
+    assert "the tiny preset's recipe on a real target" in summary(cfg, [])[0]
+
+
+def test_without_a_target_path_the_tiny_preset_and_the_random_presets_say_what_they_are():
+    cfg, _ = resolved()
+    assert cfg.preset == "tiny" and summary(cfg, [])[0].startswith("preset: tiny (a random tiny target")
+    cfg, _ = resolved(preset="qwen3-8b")
+    assert "random weights on random tokens" in summary(cfg, [])[0] and "never quality" in summary(cfg, [])[0]
+
+
+def test_the_resolved_config_reloads_to_the_same_run(tmp_path):
+    from dflash_train.config import dump_yaml, to_dict
+    cfg, _ = resolved(f"target.path={hf_dir(tmp_path, 768)}", "run.steps=50")
+    (tmp_path / "resolved.yaml").write_text(dump_yaml(cfg))
+    assert to_dict(load_config(str(tmp_path / "resolved.yaml"))) == to_dict(cfg)
+
+
+def test_a_recipe_field_set_to_zero_is_refused():
+    with pytest.raises(ConfigError, match="drafter.num_layers must be positive"):
+        load_config(overrides=["drafter.num_layers=0"])
+
+
+def test_without_run_steps_a_real_target_trains_the_recipes_epochs_of_its_data(tmp_path):
+    import torch
+    from dflash_train.config import TargetConfig
+    from dflash_train.recipe import DEFAULT_EPOCHS
+    from dflash_train.target import build_tiny_target
+    from dflash_train.train import run_training
+    from test_target import write_hf_checkpoint
+
+    write_hf_checkpoint(build_tiny_target(TargetConfig(), seed=0), tmp_path / "target", tie=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 511, (40,), generator=gen).tolist()} for _ in range(34)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(overrides=[f"target.path={tmp_path / 'target'}", "drafter.mask_token_id=511",
+                                 "data.source=jsonl", f"data.train_path={tmp_path / 'train.jsonl'}",
+                                 "data.eval_fraction=0.06", "data.max_length=48", "data.anchors_per_seq=4", "run.spec_prompts=0",
+                                 f"run.output_dir={tmp_path / 'run'}"])
+    logs: list[str] = []
+    assert run_training(cfg, log=logs.append) == 0
+    # 32 training rows in batches of the recipe's 16: 2 steps an epoch.
+    assert f"run length: {DEFAULT_EPOCHS * 2} steps = {DEFAULT_EPOCHS} epochs of 2 batches" in "\n".join(logs)
+    assert any(line.startswith("preset: real-target") for line in logs)
