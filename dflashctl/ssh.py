@@ -398,8 +398,9 @@ class SshTransport(Transport):
         if self._depth >= MAX_JUMPS:
             raise UsageError(f"{self.name}: ProxyJump chain is longer than {MAX_JUMPS} hops (a loop in ~/.ssh/config?)")
         *earlier, last = [h.strip() for h in (ep.proxy_jump or "").split(",")]
-        hop = SshTransport(_hop_spec(last, ",".join(earlier) or None), self.options, self._depth + 1)
-        self._hops.append(hop)
+        if not self._hops:  # overflow connections go through the same hop connection as the main one
+            self._hops.append(SshTransport(_hop_spec(last, ",".join(earlier) or None), self.options, self._depth + 1))
+        hop = self._hops[0]
         try:
             return hop.connection().open_channel(
                 "direct-tcpip", (ep.hostname, ep.port), ("127.0.0.1", 0), timeout=self.options.connect_timeout

@@ -127,6 +127,17 @@ def test_commands_beyond_max_sessions_open_overflow_connections(few_sessions_hos
         assert session.target("bare").run(["echo", "main"]).text() == "main\n"
 
 
+def test_overflow_connections_go_through_the_one_jump_host_connection(few_sessions_host, tmp_path):
+    host = few_sessions_host
+    jump = host.host_entry(None, proxy_jump=f"{host.user}@{host.address}:{host.port}")
+    inventory = host.write_inventory(tmp_path / "hosts.yaml", {"jumped": jump})
+    (tmp_path / "meeting").mkdir()
+    with host.session(inventory=inventory) as session:
+        results = run_together(session.target("jumped"), 8, tmp_path / "meeting")
+        assert [(r.exit_code, r.text()) for r in results] == [(0, f"{i}\n") for i in range(8)]
+        assert len(session.transport(session.host("jumped"))._hops) == 1
+
+
 def test_timeout_raises_remote_error(shim_host):
     with shim_host.session() as session:  # a sleep that ended by itself would not raise
         with pytest.raises(RemoteError, match="timed out"):
