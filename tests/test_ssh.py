@@ -128,6 +128,7 @@ def test_commands_beyond_max_sessions_open_overflow_connections(few_sessions_hos
 
 
 def test_overflow_connections_go_through_the_one_jump_host_connection(few_sessions_host, tmp_path):
+    """Through a ProxyJump (the same sshd), 8 commands at once need 3 connections but one hop."""
     host = few_sessions_host
     jump = host.host_entry(None, proxy_jump=f"{host.user}@{host.address}:{host.port}")
     inventory = host.write_inventory(tmp_path / "hosts.yaml", {"jumped": jump})
