@@ -379,7 +379,6 @@ class MuxTransport(Transport):
         self.options = options
         self._direct: Transport | None = None
         self._lock = threading.Lock()
-        self._spawned = False
 
     def start(self, argv: Sequence[str], env: dict[str, str] | None = None) -> Process:
         """Start argv on the host via the mux (or directly when the mux cannot be used)."""
@@ -427,16 +426,24 @@ class MuxTransport(Transport):
             pass
         except OSError as exc:
             raise MuxUnavailable(f"{path}: {exc}") from None
+        # Threads of one call start one mux: the first spawns it and waits for its socket, the
+        # others find it up once they get the lock.
         with self._lock:
-            _spawn(self.host, self.options, path)
-        deadline = time.monotonic() + SPAWN_WAIT_S
-        while time.monotonic() < deadline:
             try:
                 return _connect(path)
             except (FileNotFoundError, ConnectionRefusedError):
-                time.sleep(0.01)
+                pass
             except OSError as exc:
                 raise MuxUnavailable(f"{path}: {exc}") from None
+            _spawn(self.host, self.options, path)
+            deadline = time.monotonic() + SPAWN_WAIT_S
+            while time.monotonic() < deadline:
+                try:
+                    return _connect(path)
+                except (FileNotFoundError, ConnectionRefusedError):
+                    time.sleep(0.01)
+                except OSError as exc:
+                    raise MuxUnavailable(f"{path}: {exc}") from None
         raise MuxUnavailable(f"the mux did not come up at {path}")
 
     def close(self) -> None:
@@ -466,7 +473,7 @@ def _ask(path: Path, kind: bytes) -> dict | None:
 
 
 def mux_stats(host: HostSpec, options: "SshOptions | None" = None) -> dict | None:
-    """The running mux's {pid, host, connects, channels, active}, or None when none runs."""
+    """The running mux's {pid, host, connects, channels, active, overflow, persist}, or None when none runs."""
     return _ask(socket_path(host, options), STATS)
 
 
@@ -547,10 +554,11 @@ class _Server:
 
         class _Counting(SshTransport):
             def _connect_once(self):  # type: ignore[no-untyped-def]
-                if server.connects:
-                    raise _Dying()  # never reconnect: a new mux takes over
+                if server.connects and self._client is None:
+                    raise _Dying()  # never reconnect the main connection: a new mux takes over
                 client = super()._connect_once()
-                server.connects += 1
+                with server.lock:  # overflow connections are made beside the main one
+                    server.connects += 1
                 return client
 
         self.host = host
@@ -578,6 +586,7 @@ class _Server:
             try:
                 conn, _ = listener.accept()
             except socket.timeout:
+                self.transport.trim()  # overflow connections live only as long as their commands
                 with self.lock:
                     idle = self.active == 0 and time.monotonic() - self.last > self.host.persist
                 if idle or not self.alive():
@@ -611,10 +620,12 @@ class _Server:
             t.join(2)
 
     def stats(self) -> bytes:
-        """The mux's pid, host, connect and channel counts, other clients active, and persist, as JSON."""
+        """The mux's pid, host, connect and channel counts, other clients active, overflow connections
+        open and persist, as JSON."""
+        overflow = self.transport.trim()
         with self.lock:
-            data = {"pid": os.getpid(), "host": self.host.name, "connects": self.connects,
-                    "channels": self.channels, "active": self.active - 1, "persist": self.host.persist}  # fmt: skip
+            data = {"pid": os.getpid(), "host": self.host.name, "connects": self.connects, "channels": self.channels,
+                    "active": self.active - 1, "overflow": overflow, "persist": self.host.persist}  # fmt: skip
         return json.dumps(data).encode()
 
     def handle(self, conn: socket.socket) -> None:

@@ -198,8 +198,23 @@ class _Transient(Exception):
     """A failure worth retrying (refused, reset, no banner): wraps the one-line message."""
 
 
+class _Overflow:
+    """An extra connection opened because the others refused a session, and the channels it carries."""
+
+    def __init__(self, client: paramiko.SSHClient):
+        self.client = client
+        self.channels: list[paramiko.Channel] = []
+
+    def idle(self) -> bool:
+        """True when every channel it carried has closed (or the connection is dead)."""
+        self.channels = [ch for ch in self.channels if not ch.closed]
+        transport = self.client.get_transport()
+        return not self.channels or transport is None or not transport.is_active()
+
+
 class SshTransport(Transport):
-    """Runs argv on one host over a single lazily opened paramiko connection."""
+    """Runs argv on one host over a lazily opened paramiko connection, plus overflow connections
+    while the server refuses more sessions on it (OpenSSH's MaxSessions, default 10)."""
 
     def __init__(self, host: HostSpec, options: SshOptions | None = None, _depth: int = 0):
         self.host = host
@@ -209,6 +224,8 @@ class SshTransport(Transport):
         self._lock = threading.Lock()
         self._client: paramiko.SSHClient | None = None
         self._hops: list[SshTransport] = []
+        self._overflow_lock = threading.Lock()
+        self._overflow: list[_Overflow] = []
 
     @property
     def endpoint(self) -> Endpoint:
@@ -236,18 +253,63 @@ class SshTransport(Transport):
         for attempt in range(2):
             transport = self.connection()
             try:
-                channel = transport.open_session(
-                    window_size=WINDOW_SIZE, max_packet_size=MAX_PACKET, timeout=self.options.connect_timeout
-                )
-                return transport, channel
-            except paramiko.ChannelException as exc:
-                # OpenSSH refuses channels beyond its MaxSessions (default 10) per connection.
-                raise ConnectError(f"{self.name}: the server refused a new session: {exc.text}") from None
+                return transport, self._session(transport)
+            except paramiko.ChannelException:
+                # OpenSSH refuses sessions beyond its MaxSessions (default 10) per connection.
+                return self._overflow_channel()
             except (paramiko.SSHException, EOFError, OSError) as exc:
+                if isinstance(exc, paramiko.SSHException) and transport.is_active():
+                    # A refusal too: paramiko hands it to only one of the threads opening at once,
+                    # the others get "Unable to open channel." on the live connection.
+                    return self._overflow_channel()
                 if attempt == 0 and self._wait_dead(transport):
                     continue
                 raise ConnectError(f"{self.name}: cannot open a session: {exc}") from None
         raise self._lost()
+
+    def _session(self, transport: paramiko.Transport) -> paramiko.Channel:
+        return transport.open_session(window_size=WINDOW_SIZE, max_packet_size=MAX_PACKET, timeout=self.options.connect_timeout)
+
+    def _overflow_channel(self) -> tuple[paramiko.Transport, paramiko.Channel]:
+        """A session on an overflow connection with room, or on a new one (as OpenSSH's ControlMaster
+        falls back to a connection of its own); one at a time, so a burst opens only the connections it needs."""
+        with self._overflow_lock:
+            self._trim_locked()
+            for extra in self._overflow:
+                transport = extra.client.get_transport()
+                try:
+                    channel = self._session(transport)
+                except (paramiko.SSHException, EOFError, OSError):  # full (ChannelException) or dying
+                    continue
+                extra.channels.append(channel)
+                return transport, channel
+            extra = _Overflow(_retrying(self.options, self._connect_once))
+            self._overflow.append(extra)  # before its first session, so close() covers it
+            transport = extra.client.get_transport()
+            transport.set_keepalive(self.options.keepalive_s)
+            try:
+                channel = self._session(transport)
+            except paramiko.ChannelException as exc:  # refused on a fresh connection: not a matter of load
+                raise ConnectError(f"{self.name}: the server refused a new session: {exc.text}") from None
+            except (paramiko.SSHException, EOFError, OSError) as exc:
+                raise ConnectError(f"{self.name}: cannot open a session: {exc}") from None
+            extra.channels.append(channel)
+            return transport, channel
+
+    def trim(self) -> int:
+        """Close overflow connections whose commands have all ended; returns how many stay open."""
+        with self._overflow_lock:
+            self._trim_locked()
+            return len(self._overflow)
+
+    def _trim_locked(self) -> None:
+        keep = []
+        for extra in self._overflow:
+            if extra.idle():
+                extra.client.close()
+            else:
+                keep.append(extra)
+        self._overflow = keep
 
     @staticmethod
     def _wait_dead(transport: paramiko.Transport, patience: float = 1.0) -> bool:
@@ -272,7 +334,11 @@ class SshTransport(Transport):
             return transport
 
     def close(self) -> None:
-        """Close the connection and any jump hosts behind it."""
+        """Close the connection, its overflow connections and any jump hosts behind them."""
+        with self._overflow_lock:
+            for extra in self._overflow:
+                extra.client.close()
+            self._overflow = []
         with self._lock:
             self._close_locked()
 
@@ -332,8 +398,9 @@ class SshTransport(Transport):
         if self._depth >= MAX_JUMPS:
             raise UsageError(f"{self.name}: ProxyJump chain is longer than {MAX_JUMPS} hops (a loop in ~/.ssh/config?)")
         *earlier, last = [h.strip() for h in (ep.proxy_jump or "").split(",")]
-        hop = SshTransport(_hop_spec(last, ",".join(earlier) or None), self.options, self._depth + 1)
-        self._hops.append(hop)
+        if not self._hops:  # overflow connections go through the same hop connection as the main one
+            self._hops.append(SshTransport(_hop_spec(last, ",".join(earlier) or None), self.options, self._depth + 1))
+        hop = self._hops[0]
         try:
             return hop.connection().open_channel(
                 "direct-tcpip", (ep.hostname, ep.port), ("127.0.0.1", 0), timeout=self.options.connect_timeout

@@ -5,17 +5,24 @@ existing SSH connection (the `persist:` one when there is one), through `pct exe
 exec`, which connects to 127.0.0.1:PORT in the container's own network namespace: the container
 needs no address the laptop can reach. Bytes flow both ways until either side closes. Ctrl-C
 closes the listener and every relay (docs/cli.md).
+
+What the local client sends goes to the relay in frames (see relay.py), so that the client's
+half-close (an empty frame) and the end of the relay's stdin (the tunnel let go: the relay exits
+whatever the server does) differ.
 """
 
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 from typing import Callable
 
 from .containers import Target, remote_script
 from .errors import UsageError
 from .transport import CHUNK, Process
+
+_FRAME = struct.Struct("!I")  # the length before each chunk sent to the relay
 
 
 def parse_ports(spec: str) -> tuple[int, int]:
@@ -46,6 +53,7 @@ class Tunnel:
         self.local_port = self.listener.getsockname()[1]
         self.relays: set[Process] = set()
         self.lock = threading.Lock()
+        self.closed = False
 
     def serve(self) -> None:
         """Accept connections until the listener is closed (each relayed on its own threads)."""
@@ -65,7 +73,12 @@ class Tunnel:
             conn.close()
             return
         with self.lock:
-            self.relays.add(proc)
+            if not self.closed:  # else a relay started as the tunnel closed: end it at once
+                self.relays.add(proc)
+        if self.closed:
+            proc.kill()
+            _hang_up(conn)
+            return
         threading.Thread(target=self._to_remote, args=(conn, proc), daemon=True).start()
         threading.Thread(target=self._errors, args=(proc,), daemon=True).start()
         try:
@@ -74,7 +87,7 @@ class Tunnel:
         except Exception:  # noqa: BLE001 - either side went away: close both
             pass
         finally:
-            conn.close()
+            _hang_up(conn)
             proc.kill()
             with self.lock:
                 self.relays.discard(proc)
@@ -82,13 +95,11 @@ class Tunnel:
     def _to_remote(self, conn: socket.socket, proc: Process) -> None:
         try:
             while data := conn.recv(CHUNK):
-                proc.stdin.write(data)
+                proc.stdin.write(_FRAME.pack(len(data)) + data)
                 proc.stdin.flush()
+            proc.stdin.write(_FRAME.pack(0))  # the client has finished sending; stdin stays open
+            proc.stdin.flush()
         except Exception:  # noqa: BLE001 - the local client or the relay went away
-            pass
-        try:
-            proc.stdin.close()
-        except Exception:  # noqa: BLE001
             pass
 
     def _errors(self, proc: Process) -> None:
@@ -103,6 +114,17 @@ class Tunnel:
         """Stop listening and end every relay."""
         self.listener.close()
         with self.lock:
+            self.closed = True
             relays, self.relays = list(self.relays), set()
         for proc in relays:
             proc.kill()
+
+
+def _hang_up(conn: socket.socket) -> None:
+    """Close a local connection so that its client sees it now: close() alone sends nothing while
+    another thread still waits in recv() on it."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.close()

@@ -38,6 +38,8 @@ Methods:
 `shim_host` (function scope): `sshd_host` after reset(); use it when a test touches containers.
 `shim_container` (function scope): reset, then the `shim` host's container directory (vmid 200).
 `second_sshd_host` (session scope): the same on 127.0.0.2 (its own keys, HOME and inventory).
+`few_sessions_host` (session scope): the same on 127.0.0.3 with `MaxSessions 3` (the others allow
+  64), so that a few concurrent commands exceed what one connection may carry.
   Multi-host: `sshd_host.link(second_sshd_host)`, then
   `sshd_host.write_inventory(path, {"gpu2": second_sshd_host.host_entry(200)})` and use
   `sshd_host.session(inventory=path)` or `run_cli(..., env={"DFLASHCTL_INVENTORY": str(path)})`.
@@ -59,9 +61,9 @@ def _require_sshd() -> None:
         pytest.skip("openssh-server is not installed (apt-get install openssh-server)")
 
 
-def _sshd(tmp_path_factory: pytest.TempPathFactory, address: str) -> Iterator[SshdHost]:
+def _sshd(tmp_path_factory: pytest.TempPathFactory, address: str, max_sessions: int = 64) -> Iterator[SshdHost]:
     _require_sshd()
-    host = SshdHost(tmp_path_factory.mktemp(f"sshd-{address}"), address).start()
+    host = SshdHost(tmp_path_factory.mktemp(f"sshd-{address}"), address, max_sessions).start()
     try:
         yield host
     finally:
@@ -78,6 +80,12 @@ def sshd_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdHost]:
 def second_sshd_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdHost]:
     """A second, independent sshd on 127.0.0.2, for multi-host tests."""
     yield from _sshd(tmp_path_factory, "127.0.0.2")
+
+
+@pytest.fixture(scope="session")
+def few_sessions_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdHost]:
+    """A real sshd on 127.0.0.3 that allows only 3 sessions per connection."""
+    yield from _sshd(tmp_path_factory, "127.0.0.3", max_sessions=3)
 
 
 @pytest.fixture

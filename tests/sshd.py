@@ -47,6 +47,19 @@ def run_concurrently(target, count: int = 8) -> list:  # type: ignore[no-untyped
         return list(pool.map(lambda i: target.run(["sh", "-c", f"sleep 0.3; echo {i}; exit {i}"]), range(count)))
 
 
+def run_together(target, count: int, meeting: Path) -> list:  # type: ignore[no-untyped-def]
+    """Run `count` commands on one Target from threads that are all running at the same moment:
+    command i leaves a mark in the (local, empty) directory `meeting`, waits until all `count`
+    marks are there (at most ~120 s, else exit 99), echoes i and exits 0. Returns their Completed
+    results in order. Unlike run_concurrently, overlap does not depend on timing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    wait = (f'touch "$1/$2"; n=0; while [ "$(ls "$1" | wc -l)" -lt {count} ]; do '
+            'n=$((n+1)); [ $n -gt 2400 ] && exit 99; sleep 0.05; done; echo "$2"')  # fmt: skip
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(lambda i: target.run(["sh", "-c", wait, "sh", str(meeting), str(i)]), range(count)))
+
+
 def keygen(path: Path, comment: str) -> str:
     """Create an ed25519 key pair at path (no passphrase); return the public key line."""
     subprocess.run(
@@ -89,9 +102,10 @@ def _comm(pid: int) -> str:
 class SshdHost:
     """One sshd listening on address:port, a client HOME trusting it, pct shim containers, a hosts.yaml."""
 
-    def __init__(self, base: Path, address: str):
+    def __init__(self, base: Path, address: str, max_sessions: int = 64):
         self.base = base
         self.address = address
+        self.max_sessions = max_sessions  # sessions sshd allows on one connection (OpenSSH's default: 10)
         self.port = 0
         self.user = getpass.getuser()
         self.home = base / "home"
@@ -157,7 +171,7 @@ class SshdHost:
                 "UsePAM no",
                 "StrictModes no",
                 "AllowTcpForwarding yes",
-                "MaxSessions 64",
+                f"MaxSessions {self.max_sessions}",
                 "MaxStartups 64",
                 "LogLevel VERBOSE",
                 # Debian's bash sources ~/.bashrc for every ssh command; a login HOME of our own

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from dflashctl.errors import ContainerError, UsageError
 from dflashctl.inventory import DEFAULT_PERSIST_S, parse_inventory
 from dflashctl.mux import MuxUnavailable, mux_stats, socket_path, stop_all_muxes
-from sshd import CLI, ECHO_BOTH, MB, run_concurrently
+from runs_helpers import wait_until
+from sshd import CLI, ECHO_BOTH, MB, run_concurrently, run_together
 
 from test_quoting import PRINT_ARGS, arguments
 
@@ -84,6 +85,17 @@ class Mux:
 @pytest.fixture
 def mux(shim_host, tmp_path, monkeypatch):
     """Persist hosts + a short private XDG_RUNTIME_DIR; stops every mux after and checks none is left."""
+    yield from _muxes(shim_host, tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def few_mux(few_sessions_host, tmp_path, monkeypatch):
+    """The same on the sshd that allows only 3 sessions per connection."""
+    few_sessions_host.reset()
+    yield from _muxes(few_sessions_host, tmp_path, monkeypatch)
+
+
+def _muxes(shim_host, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     runtime = Path(tempfile.mkdtemp(prefix="mx", dir="/tmp"))
     runtime.chmod(0o700)
     # in-process helpers compute the same socket names as the CLI subprocesses
@@ -169,6 +181,21 @@ def test_20mb_both_ways_and_concurrent_channels(mux):
         assert result.stdout == payload and result.stderr == payload
         results = run_concurrently(target)
     assert [(r.exit_code, r.text()) for r in results] == [(i, f"{i}\n") for i in range(8)]
+
+
+def test_commands_beyond_max_sessions_overflow_to_more_connections(few_mux, tmp_path):
+    """That sshd allows 3 sessions per connection: 8 commands at once through one mux all succeed
+    (before, 5 failed with `the server refused a new session`) on extra connections that the mux
+    closes when their commands have ended."""
+    with few_mux.session() as session:
+        results = run_together(session.target("pbare"), 8, tmp_path)
+        assert [(r.exit_code, r.text()) for r in results] == [(0, f"{i}\n") for i in range(8)]
+        stats = lambda: mux_stats(few_mux.hosts["pbare"], session.ssh_options)  # noqa: E731
+        first = stats()
+        assert first["connects"] >= 3  # 8 sessions at 3 per connection
+        wait_until(lambda: stats()["overflow"] == 0, 30, "the overflow connections to close")
+        assert session.target("pbare").run(["echo", "again"]).text() == "again\n"
+        assert stats()["pid"] == first["pid"]
 
 
 def test_concurrent_cli_calls_start_one_mux(mux):

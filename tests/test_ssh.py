@@ -6,7 +6,8 @@ import sys
 import threading
 
 import pytest
-from sshd import ECHO_BOTH, MB, run_concurrently
+from runs_helpers import wait_until
+from sshd import ECHO_BOTH, MB, run_concurrently, run_together
 
 from dflashctl.containers import Target
 from dflashctl.errors import ConnectError, RemoteError
@@ -113,6 +114,29 @@ def test_concurrent_commands_share_one_connection(shim_host):
     with shim_host.session() as session:
         results = run_concurrently(session.target("bare"))
     assert [(r.exit_code, r.text()) for r in results] == [(i, f"{i}\n") for i in range(8)]
+
+
+def test_commands_beyond_max_sessions_open_overflow_connections(few_sessions_host, tmp_path):
+    """That sshd allows 3 sessions per connection: 8 commands running at once all succeed (before,
+    5 failed with `the server refused a new session`), and the extra connections close after."""
+    with few_sessions_host.session() as session:
+        results = run_together(session.target("bare"), 8, tmp_path)
+        assert [(r.exit_code, r.text()) for r in results] == [(0, f"{i}\n") for i in range(8)]
+        transport = session.transport(session.host("bare"))
+        wait_until(lambda: transport.trim() == 0, 30, "the overflow connections to close")
+        assert session.target("bare").run(["echo", "main"]).text() == "main\n"
+
+
+def test_overflow_connections_go_through_the_one_jump_host_connection(few_sessions_host, tmp_path):
+    """Through a ProxyJump (the same sshd), 8 commands at once need 3 connections but one hop."""
+    host = few_sessions_host
+    jump = host.host_entry(None, proxy_jump=f"{host.user}@{host.address}:{host.port}")
+    inventory = host.write_inventory(tmp_path / "hosts.yaml", {"jumped": jump})
+    (tmp_path / "meeting").mkdir()
+    with host.session(inventory=inventory) as session:
+        results = run_together(session.target("jumped"), 8, tmp_path / "meeting")
+        assert [(r.exit_code, r.text()) for r in results] == [(0, f"{i}\n") for i in range(8)]
+        assert len(session.transport(session.host("jumped"))._hops) == 1
 
 
 def test_timeout_raises_remote_error(shim_host):

@@ -6,28 +6,51 @@ process's stdin and stdout (which the SSH channel carries). Stdlib only.
 Connects to 127.0.0.1:PORT inside the container's network namespace (a pct or docker container
 needs no address of its own that the laptop can reach), then copies stdin to the socket and the
 socket to stdout until either side closes. A refused connection is one line on stderr, exit 3.
+
+stdin carries frames, `length (4 bytes, big endian) | bytes`: a frame of length 0 means the local
+client has finished sending (the server's end is half-closed, as the client's was), while the end
+of stdin itself means the tunnel dropped this connection (Ctrl-C, a lost link): the relay exits at
+once, whatever the server does with its end.
 """
 
 import os
 import socket
+import struct
 import sys
 import threading
 
 
+def read_exact(n):
+    """n bytes of stdin, or None at its end."""
+    buf = b""
+    while len(buf) < n:
+        part = os.read(0, n - len(buf))
+        if not part:
+            return None
+        buf += part
+    return buf
+
+
 def pump_in(sock):
-    """stdin -> socket, then half-close so the server sees the end of the request."""
-    try:
-        while True:
-            data = os.read(0, 65536)
-            if not data:
-                break
-            sock.sendall(data)
-    except OSError:
-        pass
-    try:
-        sock.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
+    """stdin frames -> socket; exits the process when stdin ends."""
+    broken = False
+    while True:
+        head = read_exact(4)
+        if head is None:
+            os._exit(0)  # the tunnel let go of this connection: so does the relay (the socket closes)
+        size = struct.unpack("!I", head)[0]
+        data = read_exact(size) if size else b""
+        if data is None:
+            os._exit(0)
+        if broken:
+            continue  # the server stopped reading; what it still sends goes on to the client
+        try:
+            if data:
+                sock.sendall(data)
+            else:
+                sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            broken = True
 
 
 def main(argv):
