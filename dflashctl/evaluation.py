@@ -115,7 +115,7 @@ def baseline_lines(report: dict[str, Any]) -> list[str]:
     verdict = "yes" if free["identical"] else "no, at numerical ties only" if free["differences_are_ties"] else "NO"
     ratio = report["drafter_vs_baseline"]
     return [
-        f"prompt lookup (the free baseline: up to {free['num_tokens']} tokens copied from where the last "
+        f"prompt lookup (the free baseline: {free['num_tokens']} tokens copied from where the last "
         f"{free['max_ngram']}..1 tokens last occurred): tau {free['tau_prompt_mean']:.3f} mean per prompt, "
         f"{free['tau']:.3f} pooled; {free['ms_per_token']:.2f} ms/token, speedup {free['speedup']:.2f}x; "
         f"output identical: {verdict} ({same}/{len(free['per_prompt'])} prompts)",

@@ -67,10 +67,10 @@ def prompt_lookup(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list
 def lookup_decode(target: Qwen3Target, prompt: list[int], max_new_tokens: int, num_tokens: int,
                   max_ngram: int = MAX_NGRAM, eos_id: int | None = None, decoder: Decoder | None = None) -> Decoded:
     """Greedy prompt-lookup speculative decoding of one prompt: each verify step checks the
-    `num_tokens` proposed tokens (if any) in one target forward and keeps those the target agrees with plus
-    its next token, so the output is the target's greedy text. `decoder`: a batch-1 Decoder with
-    room for the prompt, the new tokens and one block of num_tokens + 1, to reuse (with its
-    CUDA graphs) across prompts and with the drafter's loop."""
+    `num_tokens` proposed tokens (if any) in one target forward and keeps those the target
+    agrees with plus its next token, so the output is the target's greedy text. `decoder`: a
+    batch-1 Decoder with room for the prompt, the new tokens and one block of num_tokens + 1, to
+    reuse (with its CUDA graphs) across prompts and with the drafter's loop."""
     device = target.embed_tokens.weight.device
     decoder = decoder or Decoder(target, 1, len(prompt) + max_new_tokens + num_tokens + 1)
     logits, _ = decoder.prefill([prompt])
@@ -83,9 +83,9 @@ def lookup_decode(target: Qwen3Target, prompt: list[int], max_new_tokens: int, n
         # drafter's verify step when num_tokens = its block - 1, or, with nothing found, a plain
         # decode step.
         proposed = index.propose(num_tokens)
-        p_logits, _ = decoder.step(torch.tensor([[out.tokens[-1]] + proposed], device=device))
-        drafts = torch.tensor(proposed, dtype=torch.long, device=device)
-        k, following = accept(drafts, None, p_logits[0, :len(proposed) + 1], 0.0, None)
+        block = torch.tensor([[out.tokens[-1]] + proposed], device=device)
+        p_logits, _ = decoder.step(block)
+        k, following = accept(block[0, 1:], None, p_logits[0], 0.0, None)
         out.accepted.append(k)
         out.anchors.append(anchor)
         new = proposed[:k] + [following]
