@@ -816,6 +816,8 @@ def eval_cmd(
     gpus: Optional[str] = typer.Option(None, "--gpus", help="The one GPU to decode on, e.g. 3, or cpu "
                                                             "(default: the run's first device)."),
     json_out: bool = typer.Option(False, "--json", help="Print the report (eval.json) as JSON."),
+    baseline: bool = typer.Option(True, "--baseline/--no-baseline",
+                                  help="Also decode by prompt lookup, the free baseline (greedy only)."),
 ) -> None:
     """Measure a finished run's real acceptance length (tau) and speedup by speculative decoding."""
     from .evaluation import render, run_eval
@@ -825,14 +827,16 @@ def eval_cmd(
     err = Console(stderr=True)
     with _word_is_host_or_run(session, host, run):
         report = run_eval(target, run, prompts.expanduser() if prompts else None, max_new_tokens, count, temperature,
-                          progress=lambda line: err.print(Text(line, style="dim"), soft_wrap=True), gpus=gpus)
+                          progress=lambda line: err.print(Text(line, style="dim"), soft_wrap=True), gpus=gpus,
+                          baseline=baseline)
     if json_out:
         typer.echo(json.dumps(report, indent=2))
     else:
         render(report, Console())
-    if report["identical"] is False and not report.get("differences_are_ties"):
-        raise RemoteError(f"run {report['run_id']}: the speculative output differs from the target's greedy "
-                          f"decode (a bug: please report it with eval.json)")
+    for what, figures in (("speculative", report), ("prompt-lookup", report.get("baseline") or {})):
+        if figures.get("identical") is False and not figures.get("differences_are_ties"):
+            raise RemoteError(f"run {report['run_id']}: the {what} output differs from the target's greedy "
+                              f"decode (a bug: please report it with eval.json)")
 
 
 # --- doctor ------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def eval_device(gpus: str | None, target: Target) -> str | None:
 
 def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new_tokens: int, count: int,
              temperature: float = 0.0, progress: Callable[[str], None] | None = None,
-             gpus: str | None = None) -> dict[str, Any]:
+             gpus: str | None = None, baseline: bool = True) -> dict[str, Any]:
     """Evaluate the run (latest when selector is empty) on its host; the report (eval.json's content)."""
     from .payload import push
 
@@ -57,7 +57,8 @@ def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new
     payload_dir = push(target).remote_dir
     argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, info["run_dir"],
             "--max-new-tokens", str(max_new_tokens), "--count", str(count), "--temperature", repr(temperature),
-            *(["--prompts", "-"] if stdin else []), *(["--device", device] if device else [])]
+            *(["--prompts", "-"] if stdin else []), *(["--device", device] if device else []),
+            *([] if baseline else ["--no-baseline"])]
     lines = LineSplitter(progress, PROGRESS_PREFIX)
     result = target.run(argv, stdin=stdin, timeout=TIME_LIMIT_S, on_stderr=lines.feed)
     if result.exit_code == 2 and lines.last.startswith(USAGE_PREFIX):
@@ -81,7 +82,9 @@ def render(report: dict[str, Any], console: Console) -> None:
     lines = [
         f"run {report['run_id']}: {report['prompts']} prompts x up to {report['max_new_tokens']} new tokens, "
         f"{how}, on {report['device']}",
-        f"speculative tau: {report['tau']:.3f} tokens per verify step (block {report['block_size']}, bonus token included)",
+        f"speculative tau: {report['tau_prompt_mean']:.3f} mean of per-prompt tau (z-lab's benchmark.py), "
+        f"{report['tau']:.3f} pooled over all verify steps (SpecForge): tokens per verify step "
+        f"(block {report['block_size']}, bonus token included)",
         f"acceptance by draft position: {by_position}",
         f"target alone {report['target_ms_per_token']:.2f} ms/token, speculative {report['spec_ms_per_token']:.2f} "
         f"ms/token: speedup {report['speedup']:.2f}x",
@@ -98,5 +101,24 @@ def render(report: dict[str, Any], console: Console) -> None:
         if known:
             why = " (ties: a block and a one-token forward round differently)" if verdict != "NO" else ""
             lines.insert(-1, f"where they part, the target's two candidates are at most {max(known):.3g} logits apart{why}")
+    lines[-1:-1] = baseline_lines(report)
     for line in lines:
         console.print(Text(line), soft_wrap=True, highlight=False)
+
+
+def baseline_lines(report: dict[str, Any]) -> list[str]:
+    """The prompt-lookup baseline's figures and the drafter's ratios to them (none if it was off)."""
+    free = report.get("baseline")
+    if free is None:
+        return ["prompt lookup baseline: measured greedy only (--temperature 0)"] if report["temperature"] else []
+    same = sum(r["identical"] for r in free["per_prompt"])
+    verdict = "yes" if free["identical"] else "no, at numerical ties only" if free["differences_are_ties"] else "NO"
+    ratio = report["drafter_vs_baseline"]
+    return [
+        f"prompt lookup (the free baseline: {free['num_tokens']} tokens copied from where the last "
+        f"{free['max_ngram']}..1 tokens last occurred): tau {free['tau_prompt_mean']:.3f} mean per prompt, "
+        f"{free['tau']:.3f} pooled; {free['ms_per_token']:.2f} ms/token, speedup {free['speedup']:.2f}x; "
+        f"output identical: {verdict} ({same}/{len(free['per_prompt'])} prompts)",
+        f"drafter / prompt lookup: tau {ratio['tau_prompt_mean']:.2f}x (mean per prompt), {ratio['tau']:.2f}x "
+        f"(pooled), speedup {ratio['speedup']:.2f}x",
+    ]

@@ -35,6 +35,10 @@ def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, tmp_path, where)
     report = json.loads(res.stdout)
     assert report["identical"] and report["prompts"] == 6 and 1.0 <= report["tau"] <= 8
     assert len(report["acceptance_by_position"]) == 7 and report["speedup"] > 0
+    assert 1.0 <= report["tau_prompt_mean"] <= 8
+    free = report["baseline"]  # issue 26: prompt lookup, on by default, lossless
+    assert free["identical"] and free["num_tokens"] == 7 and 1.0 <= free["tau"] <= 8 and free["speedup"] > 0
+    assert report["drafter_vs_baseline"]["tau"] == report["tau"] / free["tau"]
     assert "prompt 6/6: tau" in res.stderr  # progress, streamed
     saved = json.loads(Path(report["run_dir"], "eval.json").read_text())
     assert saved["tau"] == report["tau"]
@@ -45,10 +49,17 @@ def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, tmp_path, where)
     assert f"speculative tau {report['tau']:.3f}" in shown.stdout and "identical: yes" in shown.stdout
     text = shim_host.run_cli("eval", where, "ev", "--count", "2", "--max-new-tokens", "8", env=env, timeout=300)
     assert text.returncode == 0 and "output identical to the target's own greedy decode: yes (2/2 prompts)" in text.stdout
+    assert "mean of per-prompt tau (z-lab's benchmark.py)" in text.stdout and "pooled over all verify steps" in text.stdout
+    assert "prompt lookup (the free baseline: 7 tokens" in text.stdout and "identical: yes (2/2 prompts)" in text.stdout
+    assert "drafter / prompt lookup: tau" in text.stdout
+    off = shim_host.run_cli("eval", where, "ev", "--count", "1", "--max-new-tokens", "4", "--no-baseline", "--json",
+                            env=env, timeout=300)
+    assert off.returncode == 0 and json.loads(off.stdout)["baseline"] is None, off.stderr
     sampled = shim_host.run_cli("eval", where, "ev", "--count", "2", "--temperature", "0.8", "--json", env=env, timeout=300)
     assert sampled.returncode == 0, sampled.stderr
     report = json.loads(sampled.stdout)
     assert report["temperature"] == 0.8 and report["identical"] is None and 1.0 <= report["tau"] <= 8
+    assert report["baseline"] is None  # prompt lookup is measured greedy only
     bad = shim_host.run_cli("eval", where, "ev", "--temperature", "-1", env=env)
     assert bad.returncode == 2 and one_line(bad) == "error: --temperature must be 0 (greedy) or positive, got -1"
 

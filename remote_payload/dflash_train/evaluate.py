@@ -1,12 +1,15 @@
 """`python -m dflash_train.evaluate RUN_DIR [--prompts FILE|-] [--max-new-tokens N] [--count K]
-[--temperature T] [--seed S]`: a finished run's exported drafter against its target, by real
-speculative decoding (greedy by default).
+[--temperature T] [--seed S] [--no-baseline]`: a finished run's exported drafter against its
+target, by real speculative decoding (greedy by default), beside the free baseline.
 
 For each prompt it times the target alone (KV-cached greedy decode) and the speculative loop,
 checks (greedy) that both produced the same tokens (or, where they part, that the target's two
 candidates there are a numerical tie: `first_difference`), and reports tau (tokens per verify step, the bonus
-included), acceptance per draft position, ms per output token of each and the speedup, and
-the cost of one verify step (draft + verify + accept) in target decode steps. The
+included; pooled over all steps and the mean of per-prompt tau), acceptance per draft position,
+ms per output token of each and the speedup, and the cost of one verify step (draft + verify +
+accept) in target decode steps. Greedy, unless --no-baseline, each prompt is also decoded by
+prompt lookup (lookup.py: proposals copied from the text itself, verified on the same path),
+checked the same way, with its tau and speedup and the drafter's ratios to them. The
 report goes to RUN_DIR/eval.json and, as one JSON line, to stdout; progress lines go to stderr.
 Exit codes: 0 done (also when the outputs differed: the report says so), 2 bad input (no
 export yet, no or empty prompts, a prompt too long for the target's context), 4 torch missing.
@@ -105,10 +108,12 @@ def first_difference(target, prompt: list[int], reference: list[int], tokens: li
 
 
 def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int, count: int,
-                 device: str | None, temperature: float = 0.0, seed: int = 0, progress=lambda line: None) -> dict:
-    """Decode each prompt with the target alone and speculatively; the report (see the module doc).
-    At temperature 0 the two outputs must be identical; sampled, they are not compared (the
-    speculative-sampling rule keeps the target's distribution, tested statistically)."""
+                 device: str | None, temperature: float = 0.0, seed: int = 0, progress=lambda line: None,
+                 baseline: bool = True) -> dict:
+    """Decode each prompt with the target alone and speculatively (and, greedy with `baseline`, by
+    prompt lookup); the report (see the module doc). At temperature 0 the outputs must be
+    identical; sampled, they are not compared (the speculative-sampling rule keeps the target's
+    distribution, tested statistically)."""
     import torch
 
     from .config import load_config
@@ -116,7 +121,8 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
     from .replica import build_target
     from .resolve import resolve_config
     from .decode import Decoder, greedy
-    from .speculate import DraftDecoder, acceptance_by_position, speculate
+    from .lookup import lookup_decode
+    from .speculate import DraftDecoder, acceptance_by_position, speculate, tau_figures
     from .train import load_data
 
     export = run_dir / "export"
@@ -138,6 +144,8 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
                             f"the target's context of {limit}")
         if max(prompt) >= cfg.target.vocab_size:
             raise EvalError(f"prompt {i + 1} has a token id beyond the target's vocabulary ({cfg.target.vocab_size})")
+    if cfg.run.cpu_threads > 0:  # the run's own setting, as its trainer applied it (config.py says why)
+        torch.set_num_threads(cfg.run.cpu_threads)
     dev = torch.device(cfg.run.device)
     target = build_target(cfg, dev).eval()
     drafter, _ = load_exported(export, dev)
@@ -153,7 +161,11 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
     progress("warm-up decode (compiles the decode steps and captures their CUDA graphs on a GPU)")
     greedy(target, prompts[0], max_new_tokens, decoder=decoder)
     speculate(target, drafter, prompts[0], max_new_tokens, verifier=decoder, drafting=drafting)
-    rows, results = [], []
+    # The baseline proposes as many tokens as the drafter drafts: its verify step is the drafter's.
+    lookup_tokens = cfg.drafter.block_size - 1 if baseline and temperature == 0 else 0
+    if lookup_tokens:
+        lookup_decode(target, prompts[0], max_new_tokens, lookup_tokens, decoder=decoder)
+    rows, results, lookups, lookup_rows = [], [], [], []
     for i, prompt in enumerate(prompts):
         sync()
         t0 = time.perf_counter()
@@ -164,6 +176,15 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
                          verifier=decoder, drafting=drafting)
         sync()
         t2 = time.perf_counter()
+        if lookup_tokens:
+            lookup = lookup_decode(target, prompt, max_new_tokens, lookup_tokens, decoder=decoder)
+            sync()
+            lookup_ms = 1e3 * (time.perf_counter() - t2) / len(lookup.tokens)
+            differs = first_difference(target, prompt, reference, lookup.tokens)
+            lookups.append(lookup)
+            lookup_rows.append({"tau": lookup.tau, "identical": differs is None, "first_difference": differs,
+                                "ms_per_token": lookup_ms, "new_tokens": len(lookup.tokens),
+                                "verify_steps": len(lookup.accepted)})
         results.append(spec)
         differs = first_difference(target, prompt, reference, spec.tokens) if temperature == 0 else None
         rows.append({"prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
@@ -172,23 +193,45 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
                      "spec_ms_per_token": 1e3 * (t2 - t1) / len(spec.tokens),
                      "verify_steps": len(spec.accepted)})
         same = "" if temperature else f", identical {rows[-1]['identical']}"
-        progress(f"prompt {i + 1}/{len(prompts)}: tau {spec.tau:.2f}{same}")
+        versus = f", prompt lookup tau {lookups[-1].tau:.2f}" if lookups else ""
+        progress(f"prompt {i + 1}/{len(prompts)}: tau {spec.tau:.2f}{same}{versus}")
     steps = sum(len(r.accepted) for r in results)
+    tau, tau_prompt_mean = tau_figures(results)
     target_ms = sum(r["target_ms_per_token"] * r["new_tokens"] for r in rows) / sum(r["new_tokens"] for r in rows)
     spec_ms = sum(r["spec_ms_per_token"] * r["new_tokens"] for r in rows) / sum(r["new_tokens"] for r in rows)
     # A verify step's whole cost (draft, verify, accept) in target decode steps: speedup = tau / this.
     step_ms = sum(r["spec_ms_per_token"] * r["new_tokens"] for r in rows) / max(steps, 1)
-    return {
+    report = {
         "schema": "dflashctl.eval/1", "run_dir": str(run_dir), "device": str(dev), "prompts": len(rows),
         "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "block_size": cfg.drafter.block_size,
-        "tau": sum(k + 1 for r in results for k in r.accepted) / max(steps, 1),
+        "tau": tau, "tau_prompt_mean": tau_prompt_mean,
         "acceptance_by_position": acceptance_by_position(results, cfg.drafter.block_size),
         "target_ms_per_token": target_ms, "spec_ms_per_token": spec_ms, "speedup": target_ms / spec_ms,
         "spec_ms_per_step": step_ms, "step_cost": step_ms / target_ms,
         "identical": all(r["identical"] for r in rows) if temperature == 0 else None,
         "differences_are_ties": all(r["first_difference"]["tie"] for r in rows if r["first_difference"])
         if temperature == 0 else None, "per_prompt": rows,
+        "baseline": baseline_report(lookups, lookup_rows, lookup_tokens, target_ms) if lookups else None,
     }
+    if lookups:  # above 1: the drafter beats what costs nothing
+        free = report["baseline"]
+        report["drafter_vs_baseline"] = {key: report[key] / free[key] for key in ("tau", "tau_prompt_mean", "speedup")}
+    return report
+
+
+def baseline_report(lookups: list, rows: list[dict], num_tokens: int, target_ms: float) -> dict:
+    """eval.json's `baseline`: prompt lookup's figures over the prompts (its decodes and per-prompt
+    rows), counted as the drafter's."""
+    from .lookup import MAX_NGRAM
+    from .speculate import tau_figures
+
+    tau, tau_prompt_mean = tau_figures(lookups)
+    ms = sum(r["ms_per_token"] * r["new_tokens"] for r in rows) / sum(r["new_tokens"] for r in rows)
+    return {"method": "prompt lookup", "num_tokens": num_tokens, "max_ngram": MAX_NGRAM,
+            "tau": tau, "tau_prompt_mean": tau_prompt_mean, "ms_per_token": ms, "speedup": target_ms / ms,
+            "identical": all(r["identical"] for r in rows),
+            "differences_are_ties": all(r["first_difference"]["tie"] for r in rows if r["first_difference"]),
+            "per_prompt": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", help="cpu, cuda:N (default: the run's device, else auto)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (lossless check); > 0: sampled")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false",
+                    help="skip the prompt-lookup baseline (measured greedy only)")
     args = ap.parse_args(argv)
 
     def progress(line: str) -> None:
@@ -217,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             report = evaluate_run(run_dir, prompts, args.max_new_tokens, args.count, args.device,
-                                  args.temperature, args.seed, progress)
+                                  args.temperature, args.seed, progress, args.baseline)
         except ConfigError as exc:
             raise EvalError(str(exc)) from None
     except EvalError as exc:

@@ -12,8 +12,10 @@ sampled (the speculative-sampling rule: the output is distributed as the target'
       crop    the cache to the verified prefix, keep the accepted positions' features
     until EOS or max_new_tokens
 
-tau = mean tokens emitted per verify step (accepted drafts + the bonus token), as z-lab's
-benchmark and SpecForge report it.
+tau = tokens emitted per verify step (accepted drafts + the bonus token, the last step's cut at
+max_new_tokens or EOS as the output is), in two published forms (`tau_figures`): pooled over all
+verify steps of all prompts (SpecForge's benchmarks), and the mean over prompts of each prompt's
+tau (z-lab's benchmark.py).
 """
 
 from __future__ import annotations
@@ -36,9 +38,15 @@ class Decoded:
     anchors: list[int] = field(default_factory=list)  # the anchor's position per verify step
 
     @property
+    def emitted(self) -> int:
+        """Tokens the verify steps emitted: all but the prefill's own (accepted drafts + bonuses,
+        cut at max_new_tokens or EOS)."""
+        return max(len(self.tokens) - 1, 0)
+
+    @property
     def tau(self) -> float:
-        """Mean tokens per verify step, the bonus token included."""
-        return sum(k + 1 for k in self.accepted) / max(len(self.accepted), 1)
+        """This prompt's tokens per verify step, the bonus token included (0 without a step)."""
+        return self.emitted / max(len(self.accepted), 1)
 
 
 class DraftDecoder:
@@ -184,6 +192,15 @@ def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], ma
     return out
 
 
+def tau_figures(results: list[Decoded]) -> tuple[float, float]:
+    """(pooled, per-prompt mean) tau: all emitted tokens over all verify steps of all prompts;
+    the mean over prompts (with a verify step) of each prompt's own tau, as z-lab's benchmark.py
+    prints it. Long, easy prompts weigh more in the pooled figure, so the two differ."""
+    steps = sum(len(r.accepted) for r in results)
+    decoded = [r.tau for r in results if r.accepted]
+    return sum(r.emitted for r in results) / max(steps, 1), sum(decoded) / max(len(decoded), 1)
+
+
 def acceptance_by_position(results: list[Decoded], block_size: int) -> list[float]:
     """For draft positions 1..B-1: the fraction of verify steps whose accepted run reached it."""
     steps = [k for r in results for k in r.accepted]
@@ -206,7 +223,8 @@ def held_out_prompts(seqs: list[tuple[torch.Tensor, torch.Tensor]], count: int, 
 
 def speculative_eval(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[list[int]],
                      new_tokens: int) -> dict:
-    """tau and acceptance per draft position over prompts, decoded greedily. The drafter's
+    """tau (pooled `spec_tau`, per-prompt mean `spec_tau_prompt_mean`) and acceptance per draft
+    position over prompts, decoded greedily. The drafter's
     compiled layers run eagerly here (its shapes change every step: no recompiles), and the
     target's decode steps are not compiled (no compile in the middle of training)."""
     room = max(map(len, prompts)) + new_tokens + 2 * drafter.spec.block_size
@@ -215,6 +233,7 @@ def speculative_eval(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[
     with torch.compiler.set_stance("force_eager"):
         results = [speculate(target, drafter, p, new_tokens, verifier=verifier, drafting=drafting) for p in prompts]
     steps = sum(len(r.accepted) for r in results)
-    return {"spec_tau": sum(k + 1 for r in results for k in r.accepted) / max(steps, 1),
+    pooled, per_prompt = tau_figures(results)
+    return {"spec_tau": pooled, "spec_tau_prompt_mean": per_prompt,
             "spec_by_position": acceptance_by_position(results, drafter.spec.block_size),
             "spec_prompts": len(prompts), "spec_steps": steps}

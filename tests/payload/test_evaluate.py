@@ -31,3 +31,33 @@ def test_chat_and_text_prompts_go_through_the_runs_tokenizer(tmp_path, capsys):
     prompts.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
     assert evaluate([str(out), "--prompts", str(prompts)]) == 2
     assert capsys.readouterr().err.strip().endswith("eval error: prompts line 1: messages has no user turn to answer")
+
+
+def test_the_report_carries_the_prompt_lookup_baseline_unless_turned_off(tmp_path, capsys):
+    """Issue 26: prompt lookup decoded beside the drafter on the same path, lossless, both tau
+    figures and the drafter's ratios in eval.json; --no-baseline leaves it out. Issue 29: eval
+    applies the run's run.cpu_threads, as its trainer did."""
+    import torch
+
+    out = tmp_path / "run"
+    cfg = load_config(overrides=[f"run.output_dir={out}", "run.steps=10", "run.eval_every=10",
+                                 "run.checkpoint_every=10", "run.cpu_threads=1"])
+    assert run_training(cfg, log=lambda line: None) == 0
+    torch.set_num_threads(2)  # as a shell's default would leave it
+    try:
+        assert evaluate([str(out), "--count", "3", "--max-new-tokens", "24"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(1)
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert json.loads((out / "eval.json").read_text()) == report
+    free = report["baseline"]
+    assert free["method"] == "prompt lookup" and free["num_tokens"] == report["block_size"] - 1
+    assert free["identical"] and all(r["identical"] for r in free["per_prompt"]) and len(free["per_prompt"]) == 3
+    for figures in (report, free):
+        per_prompt = [r["tau"] for r in figures["per_prompt"]]
+        assert figures["tau_prompt_mean"] == sum(per_prompt) / 3 and 1.0 <= figures["tau"] <= report["block_size"]
+    assert report["drafter_vs_baseline"] == {key: report[key] / free[key] for key in ("tau", "tau_prompt_mean", "speedup")}
+    assert evaluate([str(out), "--count", "2", "--max-new-tokens", "8", "--no-baseline"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert report["baseline"] is None and "drafter_vs_baseline" not in report and report["identical"]
