@@ -190,7 +190,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "real-target": {
         "drafter": {"num_layers": None, "block_size": 16},
         "data": {"max_length": None, "anchors_per_seq": None, "batch_size": None},
-        "run": {"steps": None},
+        # In-training tau on as many prompts and tokens as `dflashctl eval`'s defaults, so the two agree.
+        "run": {"steps": None, "spec_prompts": 16, "spec_new_tokens": 64},
     },
     "qwen3-8b": {
         "target": {

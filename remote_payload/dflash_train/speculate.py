@@ -20,6 +20,8 @@ tau (z-lab's benchmark.py).
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -234,6 +236,9 @@ def speculative_eval(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[
         results = [speculate(target, drafter, p, new_tokens, verifier=verifier, drafting=drafting) for p in prompts]
     steps = sum(len(r.accepted) for r in results)
     pooled, per_prompt = tau_figures(results)
-    return {"spec_tau": pooled, "spec_tau_prompt_mean": per_prompt,
+    taus = [r.tau for r in results if r.accepted]
+    # The spread of the per-prompt mean: its standard error over prompts (0 with one prompt).
+    se = statistics.stdev(taus) / math.sqrt(len(taus)) if len(taus) > 1 else 0.0
+    return {"spec_tau": pooled, "spec_tau_prompt_mean": per_prompt, "spec_tau_prompt_se": se,
             "spec_by_position": acceptance_by_position(results, drafter.spec.block_size),
             "spec_prompts": len(prompts), "spec_steps": steps}

@@ -243,11 +243,15 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         result = evaluate(replica, eval_batches)
         spec = ""
         if spec_prompts and step > 0:  # the untrained drafter's real tau is not worth its decode
+            t0 = time.monotonic()
             result.update(speculative_eval(replica.target, replica.drafter, spec_prompts, cfg.run.spec_new_tokens))
-            spec = (f", speculative tau {result['spec_tau']:.3f} ({len(spec_prompts)} held-out prompts x "
-                    f"{cfg.run.spec_new_tokens} tokens, greedy)")
+            result["spec_eval_s"] = time.monotonic() - t0
+            spec = (f", speculative tau {result['spec_tau_prompt_mean']:.3f} +- {result['spec_tau_prompt_se']:.3f} "
+                    f"(mean of per-prompt tau +- its standard error; pooled {result['spec_tau']:.3f}; "
+                    f"{len(spec_prompts)} held-out prompts x {cfg.run.spec_new_tokens} tokens, greedy, "
+                    f"{result['spec_eval_s']:.1f} s)")
         metrics.write({"event": event, "step": step, "total_steps": total, **result})
-        state["spec_tau"] = result.get("spec_tau")
+        state["spec_tau"] = result.get("spec_tau_prompt_mean")
         log(f"eval step {step}: held-out loss {result['loss']:.4f}, "
             f"teacher-forced acceptance length {result['acceptance_length']:.3f}{spec}")
         return result["acceptance_length"]
@@ -313,7 +317,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
                 export_dir = export_drafter(replica.drafter, cfg.target, cfg.run.export_dir, DTYPES[cfg.run.dtype])
                 log(f"exported drafter to {export_dir}")
             before = f" (untrained: {state['untrained']:.3f})" if state["untrained"] is not None else ""
-            real = (f"; speculative tau {state['spec_tau']:.3f} (real draft-and-verify decoding, greedy)"
+            real = (f"; speculative tau {state['spec_tau']:.3f} (mean of per-prompt tau: real draft-and-verify decoding, greedy)"
                     if state["spec_tau"] is not None else
                     " (a proxy: real speculative decoding accepts fewer tokens per step)")
             log(f"final held-out teacher-forced acceptance length: {final:.3f}{before}{real}")

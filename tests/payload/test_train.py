@@ -66,6 +66,7 @@ def test_evaluations_report_the_real_speculative_tau_beside_the_proxy(tiny_run):
     for record in evals[1:]:
         assert 1.0 <= record["spec_tau"] <= 8 and record["spec_prompts"] == 4 and record["spec_steps"] > 0
         assert 1.0 <= record["spec_tau_prompt_mean"] <= 8  # issue 26: the per-prompt mean beside the pooled
+        assert record["spec_tau_prompt_se"] > 0 and record["spec_eval_s"] > 0  # its spread over 4 prompts, its cost
         assert len(record["spec_by_position"]) == 7 and record["spec_by_position"] == sorted(record["spec_by_position"], reverse=True)
     assert any("teacher-forced acceptance length" in line and "speculative tau" in line for line in logs)
     assert "speculative tau" in logs[-1] and "teacher-forced" in logs[-1]
