@@ -28,6 +28,7 @@ STOP = "stop_request"
 META = "run.json"
 EVAL = "eval.json"  # `dflashctl eval`'s report
 LOST_EVENT = ".lost_event"  # exists once the `lost` event was fired
+SUPERVISED = ".supervisor_done"  # the supervisor wrote its last byte (after the final hook): a follow may end
 REASON = "reason"  # why the run failed, in words, when the trainer knows (a lost node, ...)
 LOCK = ".lock"
 STARTING_GRACE_S = 60.0  # a run.json without pids is "starting" this long, then "lost"
@@ -434,7 +435,7 @@ def cmd_resume(workdir, selector):
         busy = [] if spec.get("force") else conflicts(root, meta.get("gpus") or [])
         if busy:
             raise RunError("conflict", "GPUs busy", runs=busy)
-        for name in (EXIT, STOP, REASON):
+        for name in (EXIT, STOP, REASON, SUPERVISED):
             try:
                 os.remove(os.path.join(run_dir, name))
             except OSError:
@@ -501,6 +502,10 @@ def spawn_supervisor(run_dir, meta, env, lock_fd):
         code = supervise(run_dir, meta, env)
     except BaseException:  # the supervisor must never fall back into the starter's code
         code = 1
+    try:
+        write_atomic(os.path.join(run_dir, SUPERVISED), "%d\n" % os.getpid())
+    except BaseException:
+        pass
     os._exit(code)
 
 
@@ -529,7 +534,7 @@ def supervise(run_dir, meta, env):
         if not wait_in_queue(run_dir, meta, stop_flag):
             print("dflashctl: the queued run was cancelled before it started", flush=True)
             write_atomic(os.path.join(run_dir, EXIT), "%d\n" % (128 + signal.SIGTERM))
-            fire(run_dir, meta, "stopped", "stopped", 128 + signal.SIGTERM)
+            wait_hook(fire(run_dir, meta, "stopped", "stopped", 128 + signal.SIGTERM))
             return 0
     while True:
         attempt += 1
@@ -574,13 +579,18 @@ def supervise(run_dir, meta, env):
               flush=True)
     write_atomic(os.path.join(run_dir, EXIT), "%d\n" % code)
     state = state_of(run_dir, read_json(os.path.join(run_dir, META)) or meta)[0]
-    hook = fire(run_dir, meta, state, state, code)
+    wait_hook(fire(run_dir, meta, state, state, code))
+    return 0
+
+
+def wait_hook(hook):
+    """The last event: give its hook HOOK_WAIT_S to report before the supervisor goes (and a
+    follow ends: it waits for SUPERVISED)."""
     if hook is not None:
-        try:  # the last event: give its hook time to report before the supervisor goes
+        try:
             hook.wait(timeout=HOOK_WAIT_S)
         except subprocess.TimeoutExpired:
             pass
-    return 0
 
 
 def fire(run_dir, meta, event, state, code=None, log=None):
@@ -896,7 +906,7 @@ def stream_log(run_dir, meta, fh, ino, follow, metrics):
                 continue
         if metrics:
             metrics_size = send_metrics(run_dir, metrics_size)
-        if not follow or state_of(run_dir, meta)[0] not in ("running", "queued"):
+        if not follow or (state_of(run_dir, meta)[0] not in ("running", "queued") and supervised(run_dir)):
             if fh is not None and fh.read(1):  # the last lines arrived after our read: drain first
                 fh.seek(-1, os.SEEK_CUR)
                 continue
@@ -909,6 +919,14 @@ def stream_log(run_dir, meta, fh, ino, follow, metrics):
             frame(b"H")
             last_write = time.time()
         time.sleep(POLL_S)
+
+
+def supervised(run_dir):
+    """True once nothing more will be written to the run's log by its supervisor: it said it is
+    done (after the final event hook), or it is gone (killed, or a run from before SUPERVISED)."""
+    if os.path.exists(os.path.join(run_dir, SUPERVISED)):
+        return True
+    return not alive((read_json(os.path.join(run_dir, META)) or {}).get("supervisor"))
 
 
 def follow_rotation(fh, ino, log_path):
