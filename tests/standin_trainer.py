@@ -11,6 +11,8 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
   standin.fail_once      true: fail at standin.fail_at only the first time (a marker file in run.output_dir)
   standin.checkpoint_every  write a fake checkpoint every N steps (default: only on SIGTERM)
   standin.preflight_error  --preflight answers this config error (exit 2), as the trainer does
+  standin.preflight_signal  --preflight sends this signal (INT, TERM) to its parent, runctl start, as a
+                        Ctrl-C during a slow pre-flight would, then hangs until it is killed
   standin.helper        true: start a helper process in the trainer's process group (as the compiler
                         runs ptxas) that logs any SIGTERM it gets; after its own SIGTERM the stand-in
                         then waits 0.5 s before it checkpoints, as a trainer does while a compile ends
@@ -60,6 +62,9 @@ def main():
         if opts.get("standin.preflight_error"):
             print(json.dumps({"ok": False, "error": "config", "message": opts["standin.preflight_error"]}), flush=True)
             return 2
+        if opts.get("standin.preflight_signal"):
+            os.kill(os.getppid(), getattr(signal, "SIG" + opts["standin.preflight_signal"]))
+            time.sleep(3600)
         gpus = preflight_gpus(opts)
         devices = ["cuda:%d" % g for g in gpus] or ["cpu"]
         print(json.dumps({"ok": True, "devices": devices, "gpus": gpus, "summary": ["standin"]}), flush=True)

@@ -148,8 +148,11 @@ def state_of(run_dir, meta):
     code = read_exit_code(run_dir)
     if code is None:
         if meta.get("supervisor") is None:
-            young = time.time() - meta.get("started_ts", 0) < STARTING_GRACE_S
-            return ("running" if young else "lost"), None
+            # Starting: its starter (runctl start) forks the supervisor. A starter killed before
+            # that (kill -9, a client that went away) leaves a run that is lost at once.
+            starting = alive(meta["starter"]) if meta.get("starter") else \
+                time.time() - meta.get("started_ts", 0) < STARTING_GRACE_S
+            return ("running" if starting else "lost"), None
         if alive(meta.get("supervisor")) or alive(meta.get("trainer")):
             # A queued run's supervisor waits for its GPUs; run.json says when it stopped waiting.
             return ("queued" if meta.get("queued") else "running"), None
@@ -296,17 +299,47 @@ def conflicts(root, gpus):
     return found
 
 
+def interruptible():
+    """Record SIGINT, SIGTERM and SIGHUP instead of dying of them, so that a start decides at one
+    point (`check_interrupt`) whether it goes ahead; returns the list that collects them."""
+    seen = []
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: seen.append(signum))
+    return seen
+
+
+def check_interrupt(interrupts):
+    """Before a start commits: an interrupt so far means nothing is started (RunError)."""
+    if interrupts:
+        raise RunError("interrupted", "the start was interrupted (signal %d) before the run was created: "
+                                      "nothing was started" % interrupts[0])
+
+
+def remove_unborn(root):
+    """Run directories without run.json are what a start killed mid-way (kill -9) left: under the
+    start lock no other start is making one, so they go."""
+    import shutil
+
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if RUN_ID_RE.match(name) and os.path.isdir(path) and not os.path.exists(os.path.join(path, META)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def cmd_start(workdir):
     """Pre-flight the trainer, check GPUs and start a run under one lock, so concurrent starts
-    cannot both win; a failed pre-flight or a conflict leaves no run behind."""
+    cannot both win; a failed or interrupted pre-flight or a conflict leaves no run behind, and
+    once run.json is written the start completes whatever signal comes."""
     import fcntl
     import shutil
 
+    interrupts = interruptible()
     spec = json.load(sys.stdin)
     root = runs_root(workdir)
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, LOCK), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        remove_unborn(root)
         run_id = spec.get("run_id") or new_run_id(root)
         if not RUN_ID_RE.match(run_id):
             raise RunError("bad_request", "bad run id %r" % run_id)
@@ -325,7 +358,7 @@ def cmd_start(workdir):
                 write_atomic(os.path.join(run_dir, spec["config_name"]), spec["config_text"])
             gpus = spec["gpus"]
             if spec.get("preflight"):
-                found = preflight(argv, cwd, env)
+                found = preflight(argv, cwd, env, interrupts)
                 if "holds" in found:
                     # A program that says what it holds (data regen: maybe nothing) and how to pin it.
                     gpus = [str(g) for g in found["holds"]]
@@ -338,6 +371,7 @@ def cmd_start(workdir):
             busy = [] if spec.get("force") else conflicts(root, gpus) + queued_ahead(root, gpus, run_id)
             if busy and not spec.get("queue"):
                 raise RunError("conflict", "GPUs busy", runs=busy)
+            check_interrupt(interrupts)  # the last point where a start is undone
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
@@ -357,6 +391,7 @@ def cmd_start(workdir):
             "started_at": utc_iso(now),
             "started_ts": now,
             "run_dir": run_dir,
+            "starter": marker(os.getpid()),  # until the supervisor is recorded: see state_of
         }
         if spec.get("group"):
             # One run across several hosts: nodes (host names by rank), this node's rank, rendezvous.
@@ -410,6 +445,7 @@ def cmd_resume(workdir, selector):
     """Start an ended run again with `--resume` (its newest checkpoint), in its own directory."""
     import fcntl
 
+    interrupts = interruptible()
     spec = json.load(sys.stdin)
     root = runs_root(workdir)
     with open(os.path.join(root, LOCK), "a") as lock:
@@ -431,10 +467,11 @@ def cmd_resume(workdir, selector):
         cwd = os.path.realpath(os.path.expanduser(spec["cwd"])) if spec.get("cwd") else meta["cwd"]
         env = spec.get("env") or meta.get("env") or {}
         if spec.get("preflight"):
-            preflight(argv, cwd, env)
+            preflight(argv, cwd, env, interrupts)
         busy = [] if spec.get("force") else conflicts(root, meta.get("gpus") or [])
         if busy:
             raise RunError("conflict", "GPUs busy", runs=busy)
+        check_interrupt(interrupts)
         for name in (EXIT, STOP, REASON, SUPERVISED):
             try:
                 os.remove(os.path.join(run_dir, name))
@@ -443,6 +480,7 @@ def cmd_resume(workdir, selector):
         now = time.time()
         for key in ("supervisor", "trainer", "pgid"):
             meta.pop(key, None)
+        meta["starter"] = marker(os.getpid())
         meta.update(argv=argv, cwd=cwd, env=env, payload_hash=spec.get("payload_hash") or meta.get("payload_hash"),
                     resumes=meta.get("resumes", 0) + 1, resumed_at=utc_iso(now), started_ts=now)
         write_atomic(os.path.join(run_dir, META), json.dumps(meta, indent=2))
@@ -451,9 +489,10 @@ def cmd_resume(workdir, selector):
     emit({"run_id": run_id, "run_dir": run_dir, "pid": (meta.get("trainer") or {}).get("pid"), "gpus": meta.get("gpus")})
 
 
-def preflight(argv, cwd, env):
+def preflight(argv, cwd, env, interrupts):
     """Run the trainer's `--preflight` (config and devices resolved, nothing built); its answer,
-    or RunError (config, missing_module, preflight) carrying the trainer's one line."""
+    or RunError (config, missing_module, preflight, interrupted) carrying the trainer's one line.
+    An interrupt (see interruptible) ends it at once."""
     if not os.path.isdir(cwd):
         raise RunError("preflight", "no trainer in %s: push it first (dflashctl push), or train without --no-push" % cwd)
     child_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
@@ -462,13 +501,18 @@ def preflight(argv, cwd, env):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     except OSError as exc:
         raise RunError("preflight", "cannot start the trainer: %s" % exc)
-    try:
-        out, err = proc.communicate(timeout=PREFLIGHT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        signal_group(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise RunError("preflight", "the trainer's pre-flight did not answer within %ds (a hung GPU driver?)"
-                       % PREFLIGHT_TIMEOUT_S)
+    deadline = time.time() + PREFLIGHT_TIMEOUT_S
+    while True:
+        try:
+            out, err = proc.communicate(timeout=SUPERVISOR_POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            if interrupts or time.time() > deadline:
+                signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+                check_interrupt(interrupts)
+                raise RunError("preflight", "the trainer's pre-flight did not answer within %ds (a hung GPU "
+                                            "driver?)" % PREFLIGHT_TIMEOUT_S)
     lines = out.decode("utf-8", "replace").strip().splitlines()
     try:
         answer = json.loads(lines[-1])
