@@ -6,6 +6,7 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
   run.steps             number of steps (default 20)
   standin.step_time     seconds per step (default 0.05)
   standin.fail_at       exit with standin.fail_code (default 3) at that step
+  standin.fail_error    at standin.fail_at, also print `error: <this>` to stderr, as the trainer does
   standin.ignore_sigterm  true: print that SIGTERM was ignored and keep going
   standin.lines         log lines per step (default 1)
   standin.fail_once      true: fail at standin.fail_at only the first time (a marker file in run.output_dir)
@@ -114,6 +115,8 @@ def main():
             if step == fail_at:
                 open(marker, "w").close()
                 print("standin: failing at step %d" % step, file=sys.stderr, flush=True)
+                if opts.get("standin.fail_error"):
+                    print("error: %s" % opts["standin.fail_error"], file=sys.stderr, flush=True)
                 return int(opts["standin.fail_code"])
     print("standin: done", flush=True)
     return 0

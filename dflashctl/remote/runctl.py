@@ -582,6 +582,7 @@ def supervise(run_dir, meta, env):
             return 0
     while True:
         attempt += 1
+        log_from = os.fstat(1).st_size  # where this attempt's output starts (stdout is the log)
         try:
             child = subprocess.Popen(argv, cwd=meta["cwd"], env=child_env, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -621,10 +622,34 @@ def supervise(run_dir, meta, env):
         command = shlex.join(["dflashctl", "train", meta["host"], "--resume", meta["run_id"]])
         print("dflashctl: the trainer exited with %d; continue from its newest checkpoint: %s" % (code, command),
               flush=True)
+    if code != 0 and read_reason(run_dir) is None and not os.path.exists(os.path.join(run_dir, STOP)):
+        line = error_line(os.path.join(run_dir, LOG), log_from)
+        if line:  # `runs show` says why it failed without a look into the log
+            write_atomic(os.path.join(run_dir, REASON), line + "\n")
     write_atomic(os.path.join(run_dir, EXIT), "%d\n" % code)
     state = state_of(run_dir, read_json(os.path.join(run_dir, META)) or meta)[0]
     wait_hook(fire(run_dir, meta, state, state, code))
     return 0
+
+
+def error_line(log_path, start):
+    """The trainer's last `error: ...` line in the log from byte `start` on (its last 64 kB), else
+    the last line of a Python traceback there; None if neither."""
+    try:
+        with open(log_path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(start if start <= size else 0, size - 65536))
+            lines = [ln.decode("utf-8", "replace").strip() for ln in fh.read().splitlines()]
+    except OSError:
+        return None
+    lines = [ln for ln in lines if ln]
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    if errors:
+        return errors[-1][len("error: "):][:2000]
+    if any(ln.startswith("Traceback (most recent call last)") for ln in lines):
+        last = [ln for ln in lines if not ln.startswith("dflashctl: ")]
+        return last[-1][:2000] if last else None
+    return None
 
 
 def wait_hook(hook):
