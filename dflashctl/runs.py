@@ -449,7 +449,11 @@ def metrics_summary(records: Sequence[dict[str, Any]], count: int) -> list[tuple
                 ("tokens/s", f"{last.get('tokens_per_s') or 0:.0f}")]
     losses = series(records, "loss")[1]
     accs = series(records, "acceptance_length")[1]
-    out = [("metrics", f"{count} records"), ("step", f"{last.get('step')}/{last.get('total_steps', '?')}")]
+    # The step as `runs list` has it: of the latest training record (a resumed run's last record
+    # may be its `start` event, which has no total_steps).
+    trained = [r for r in records if r.get("event", "train") == "train"] or records
+    step = trained[-1]
+    out = [("metrics", f"{count} records"), ("step", f"{step.get('step')}/{step.get('total_steps', '?')}")]
     if losses:
         out.append(("loss", f"{losses[-1]:.4f} (best {min(losses):.4f})"))
     if accs:

@@ -180,8 +180,9 @@ def tail_lines(path, limit=65536):
 
 def last_metrics(run_dir):
     """The latest training record, with the latest acceptance length of any record merged in
-    (the trainer logs acceptance on its eval records, whose loss is the held-out one)."""
-    merged = {}
+    (the trainer logs acceptance on its eval records, whose loss is the held-out one); None before
+    the first training record (a progress line of the untrained drafter's eval alone has no step)."""
+    merged, trained = {}, False
     for line in tail_lines(os.path.join(run_dir, METRICS)):
         try:
             rec = json.loads(line)
@@ -190,12 +191,13 @@ def last_metrics(run_dir):
         if not isinstance(rec, dict):
             continue
         if rec.get("event", "train") == "train":
+            trained = True
             merged.update((k, v) for k, v in rec.items() if v is not None)
         else:
             for key in ("acceptance_length", "spec_tau"):  # eval records: the held-out figures
                 if rec.get(key) is not None:
                     merged[key] = rec[key]
-    return merged or None
+    return merged if trained else None
 
 
 def read_reason(run_dir):
