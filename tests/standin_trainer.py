@@ -14,6 +14,7 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
   standin.preflight_error  --preflight answers this config error (exit 2), as the trainer does
   standin.preflight_signal  --preflight sends this signal (INT, TERM) to its parent, runctl start, as a
                         Ctrl-C during a slow pre-flight would, then hangs until it is killed
+  standin.preflight_signal_client  the same, but to runctl start's parent: the client (local transport)
   standin.helper        true: start a helper process in the trainer's process group (as the compiler
                         runs ptxas) that logs any SIGTERM it gets; after its own SIGTERM the stand-in
                         then waits 0.5 s before it checkpoints, as a trainer does while a compile ends
@@ -65,6 +66,11 @@ def main():
             return 2
         if opts.get("standin.preflight_signal"):
             os.kill(os.getppid(), getattr(signal, "SIG" + opts["standin.preflight_signal"]))
+            time.sleep(3600)
+        if opts.get("standin.preflight_signal_client"):
+            with open("/proc/%d/stat" % os.getppid()) as fh:
+                client = int(fh.read().rsplit(")", 1)[1].split()[1])  # field 4: the parent's parent
+            os.kill(client, getattr(signal, "SIG" + opts["standin.preflight_signal_client"]))
             time.sleep(3600)
         gpus = preflight_gpus(opts)
         devices = ["cuda:%d" % g for g in gpus] or ["cpu"]

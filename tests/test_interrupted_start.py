@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
 from runs_helpers import install_standin, local_session
 
-from dflashctl.errors import RemoteError
+from dflashctl.errors import Interrupted, RemoteError
 from dflashctl.runs import CPU, list_runs, start_run, stop_run
 
 
@@ -65,3 +66,25 @@ def test_a_start_killed_after_run_json_is_a_lost_run_that_holds_nothing(tmp_path
             assert not unborn.exists()  # the next start cleared what the killed one left
         finally:
             assert stop_run(target, run.run_id, grace=10)["state"] == "stopped"
+
+
+def test_ctrl_c_in_the_client_during_a_local_start_leaves_nothing(tmp_path):
+    """The CLI's Ctrl-C (its handler raises Interrupted) while `runctl start` runs locally: the
+    client ends runctl with SIGTERM and its grace, so runctl undoes the start instead of being
+    killed half-way (which left an empty run directory and a pre-flight behind)."""
+    workdir = tmp_path / "work"
+    install_standin(workdir / "payload")
+    marker = "standin.preflight_signal_client=INT"
+
+    def interrupt(signum, frame):
+        raise Interrupted()
+
+    before = signal.signal(signal.SIGINT, interrupt)
+    try:
+        with local_session(workdir) as session:
+            with pytest.raises(Interrupted):
+                start_run(session.target(None), gpus=[CPU], overrides=[marker])
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert list((workdir / "runs").iterdir()) == [workdir / "runs" / ".lock"]
+    assert preflights_left(marker) == []
