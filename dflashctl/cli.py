@@ -510,7 +510,7 @@ def runs_show(
     ctx: typer.Context,
     host: Optional[str] = typer.Argument(None, **_HOST_THEN_RUN),
     run: Optional[str] = typer.Argument(None, **_RUN),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the curves to this PNG (needs the plot extra: pip install 'dflashctl[plot]')."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the curves to this PNG (needs the plot extra: pip install 'dflashctl\\[plot]')."),
     curves: bool = typer.Option(True, "--curves/--no-curves", help="Draw loss and acceptance length in the terminal."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
@@ -554,9 +554,11 @@ def runs_stop(
     target, host, run = _run_target(session, host, run)
     with _word_is_host_or_run(session, host, run):
         # Which run, before saying "stopping": an unreachable host or stopped container is one error line.
-        run_id = show_run(target, run, metrics=False)["run_id"] if run else _latest_running(target)
+        shown = show_run(target, run, metrics=False) if run else None
+        run_id = shown["run_id"] if shown else _latest_running(target)
     err = Console(stderr=True)
-    err.print(Text(f"stopping {run_id} on {target.label} (SIGKILL after {grace:g} s)...", style="dim"))
+    if shown is None or shown.get("state") in ("running", "queued"):  # an ended run: only "had already ended"
+        err.print(Text(f"stopping {run_id} on {target.label} (SIGKILL after {grace:g} s)...", style="dim"))
     info = stop_group(session, target.host.name, run_id, grace)  # a multi-host run: every node
     verb = "had already ended" if info.get("already") else "is now"
     where = f" on {info['host']}" if info.get("nodes") else ""
@@ -854,7 +856,8 @@ def doctor_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     policies: Optional[str] = typer.Option(None, "--policies", help="Smoke-test only these policies: off,default,cudagraph-trees,cudagraphs."),
     smoke_timeout: float = typer.Option(120.0, "--smoke-timeout", help="Seconds per smoke test before it counts as a hang."),
-    steps: int = typer.Option(0, "--steps", help="Timed steps per smoke test (default 30 on GPU, 3 on CPU)."),
+    steps: int = typer.Option(0, "--steps", show_default=False,  # 0: decided by the device (doctor.py)
+                              help="Timed steps per smoke test (default 30 on GPU, 3 on CPU)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", help="Smoke tests run at once (default: one per 4 CPUs of the host)."),
     inject: Optional[str] = typer.Option(None, "--inject", hidden=True, help="Test hook, see docs/doctor.md."),
 ) -> None:
@@ -919,6 +922,9 @@ def _interrupt(signum: int, frame: object) -> None:
 def _usage_line(exc: "click.UsageError") -> str:
     """`No such option: --bogus` and, on a second line, the command's usage and where help is."""
     message = exc.format_message()
+    head, *hints = message.split(" Did you mean ")
+    if len(hints) > 1 and len(set(hints)) == 1:  # click and typer each add the same suggestion
+        message = f"{head} Did you mean {hints[0]}"
     if exc.ctx is None:
         return message
     usage = exc.ctx.get_usage().replace("Usage: ", "usage: ", 1)

@@ -1,7 +1,9 @@
 """`dflashctl data push/list`: datasets in `<workdir>/data/` in the container (the remote half is
 `remote/data_sync.py`). A file is hashed here while it is read in chunks (never held in memory),
 skipped when the container already has the same bytes, else streamed into a hidden partial file
-there and renamed over the old copy only once its size and sha256 check out. docs/data.md."""
+there and renamed over the old copy only once its size and sha256 check out. Every row of a file
+to be sent is checked first (check_rows), so a malformed file is refused before any file is sent.
+docs/data.md."""
 
 from __future__ import annotations
 
@@ -37,6 +39,75 @@ def digest(path: Path) -> tuple[int, str]:
             h.update(chunk)
             size += len(chunk)
     return size, h.hexdigest()
+
+
+def check_rows(path: Path) -> None:
+    """Every row of a JSONL file, read in chunks (a malformed one is a UsageError naming its line).
+    JSON parsing bounds it: docs/data.md has the speed."""
+    rows = RowCheck(path)
+    with path.open("rb") as fh:
+        while chunk := fh.read(CHUNK):
+            rows.feed(chunk)
+    rows.close()
+
+
+class RowCheck:
+    """Checks a JSONL file's rows as its chunks go by: each non-blank line one JSON object in a row
+    format of docs/data.md (training `input_ids`/`loss_mask` or `messages`; regen `prompt`)."""
+
+    def __init__(self, path: Path):
+        self.path, self.line_no, self.partial = path, 0, b""
+
+    def feed(self, chunk: bytes) -> None:
+        """Check the complete lines this chunk ends."""
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        for line in lines:
+            self._line(line)
+
+    def close(self) -> None:
+        """Check a last line without a newline."""
+        if self.partial:
+            self._line(self.partial)
+
+    def _line(self, raw: bytes) -> None:
+        self.line_no += 1
+        problem = row_problem(raw)
+        if problem:
+            raise UsageError(f"{self.path}:{self.line_no}: {problem}; nothing was pushed (row formats: docs/data.md)")
+
+
+def row_problem(raw: bytes) -> str | None:
+    """What is wrong with one JSONL line as a dataset row, or None (a blank line is skipped)."""
+    if not raw.strip():
+        return None
+    try:
+        row = json.loads(raw)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        return f"not JSON ({getattr(exc, 'msg', None) or exc})"
+    if not isinstance(row, dict):
+        return f"a row must be a JSON object, not {type(row).__name__}"
+    if "input_ids" in row:
+        ids = row["input_ids"]
+        if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+            return "input_ids must be a non-empty flat list of integers"
+        mask = row.get("loss_mask")
+        if mask is not None and (not isinstance(mask, list) or not all(type(m) in (int, bool) for m in mask)):
+            return "loss_mask must be a flat list of 0/1"
+        if mask is not None and len(mask) != len(ids):
+            return f"loss_mask has {len(mask)} entries, input_ids {len(ids)}"
+        return None
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            return "messages must be a non-empty list"
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                    or not isinstance(m.get("content") or "", str):
+                return f"messages[{i}] must be an object with a string role and string content"
+        return None
+    if "prompt" in row:
+        return None if isinstance(row["prompt"], str) else "prompt must be a string"
+    return "the row has none of input_ids, messages or prompt"
 
 
 def chunks(path: Path, on_bytes: Callable[[int], None]) -> Iterator[bytes]:
@@ -81,10 +152,14 @@ def push_data(target: Target, files: list[Path], as_name: str | None = None,
     names = [as_name or path.name for path in files]
     for name in names:
         check_name(name)
+    digests = [digest(path) for path in files]
     known = {d["name"]: d for d in list_data(target)}
+    for path, name, (size, sha) in zip(files, names, digests):
+        have = known.get(name)
+        if not (have and have["size"] == size and have["sha256"] == sha):
+            check_rows(path)  # every file to be sent, before any is
     done = []
-    for path, name in zip(files, names):
-        size, sha = digest(path)
+    for path, name, (size, sha) in zip(files, names, digests):
         have = known.get(name)
         if have and have["size"] == size and have["sha256"] == sha:
             done.append(Pushed(name, size, have["rows"], sha, sent=False))

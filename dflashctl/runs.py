@@ -344,10 +344,12 @@ def print_runs(console: Console, runs: Sequence[dict[str, Any]], host: str, seve
     a run across several hosts (docs/multihost.md); it is there when several hosts were listed or
     such a run is."""
     multi = several_hosts or any(run.get("nodes") for run in runs)
-    columns = [Column("run"), Column("name", text=True), Column("kind"), Column("state"), Column("GPUs"), Column("started"),
-               Column("duration", "right"), Column("step", "right"), Column("loss", "right"), Column("tau", "right")]
+    # A narrow terminal keeps run, name and state (never cut) and drops from `started` down (tables.py).
+    columns = [Column("run"), Column("name", text=True), Column("kind", drop=7), Column("state"), Column("GPUs", drop=5),
+               Column("started", drop=8), Column("duration", "right", drop=6), Column("step", "right", drop=1),
+               Column("loss", "right", drop=2), Column("tau", "right", drop=3)]
     if multi:
-        columns.insert(4, Column("hosts"))
+        columns.insert(4, Column("hosts", drop=4))
     rows = []
     for run in runs:
         last = run.get("last") or {}
@@ -447,7 +449,11 @@ def metrics_summary(records: Sequence[dict[str, Any]], count: int) -> list[tuple
                 ("tokens/s", f"{last.get('tokens_per_s') or 0:.0f}")]
     losses = series(records, "loss")[1]
     accs = series(records, "acceptance_length")[1]
-    out = [("metrics", f"{count} records"), ("step", f"{last.get('step')}/{last.get('total_steps', '?')}")]
+    # The step as `runs list` has it: of the latest training record (a resumed run's last record
+    # may be its `start` event, which has no total_steps).
+    trained = [r for r in records if r.get("event", "train") == "train"] or records
+    step = trained[-1]
+    out = [("metrics", f"{count} records"), ("step", f"{step.get('step')}/{step.get('total_steps', '?')}")]
     if losses:
         out.append(("loss", f"{losses[-1]:.4f} (best {min(losses):.4f})"))
     if accs:

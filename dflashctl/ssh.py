@@ -490,6 +490,10 @@ def _describe(ep: Endpoint, options: SshOptions, exc: BaseException) -> str | _T
             f"known_hosts has {fingerprint(exc.expected_key)}); refusing to connect. If the host was reinstalled: "
             f"ssh-keygen -R '{ep.known_name}' -f {options.known_hosts()}, then dflashctl hosts trust {ep.name}"
         )
+    if isinstance(exc, paramiko.PasswordRequiredException):  # a subclass of the next: test it first
+        keys = ", ".join(str(p) for p in ep.identity_files) or "the key"
+        return (f"{ep.name}: {keys} is protected by a passphrase, which dflashctl does not ask for; load it into "
+                f"ssh-agent (ssh-add {keys.split(', ')[0]}) or use a key without a passphrase")
     if isinstance(exc, paramiko.AuthenticationException):
         tried = ", ".join([*(str(p) for p in ep.identity_files), *(["agent"] if options.agent else [])]) or "no keys"
         return f"{ep.name}: authentication failed for {ep.user}@{where} (tried {tried}); set identity_file or load the key into ssh-agent"
@@ -624,14 +628,14 @@ def trust_host(host: HostSpec, confirm: Callable[[str], bool] | None, options: S
             f"refusing to replace a recorded key (remove it with: ssh-keygen -R '{ep.known_name}' -f {options.known_hosts()})"
         )
     if recorded is not None:
-        out.print(f"{host.name}: {ep.known_name} {key.get_name()} {fingerprint(key)} is already trusted")
+        out.print(f"{host.name}: {ep.known_name} {key.get_name()} {fingerprint(key)} is already trusted", soft_wrap=True)
         return
-    out.print(f"{host.name}: {ep.known_name} offers {key.get_name()} key {fingerprint(key)}")
+    out.print(f"{host.name}: {ep.known_name} offers {key.get_name()} key {fingerprint(key)}", soft_wrap=True)  # one line
     if confirm is not None and not confirm("Trust this key and record it in known_hosts?"):
         raise DflashError(f"{host.name}: not trusted; nothing recorded")
     path = options.known_hosts()
     _append_known_host(path, f"{ep.known_name} {key.get_name()} {key.get_base64()}")
-    out.print(f"recorded in {path}")
+    out.print(f"recorded in {path}", soft_wrap=True)
 
 
 RSA_TYPES = ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")

@@ -1,9 +1,11 @@
 """Tables for people and for pipes.
 
-On a terminal: a rich table whose ids, names and states never wrap (a cut id cannot be copied
-into the next command) and whose free-text columns wrap only between words. Anywhere else (a
-pipe, a file): plain columns aligned with spaces at any width, as kubectl prints them, so that
-`dflashctl runs list | grep succeeded` finds whole words. Long explanations (evidence, hints,
+On a terminal: a rich table whose ids and states never wrap or get cut (a cut id cannot be copied
+into the next command) and whose free-text columns fold; a terminal too narrow for every column
+loses the least important ones first (each column says when it may go) and a dim line below the
+table names them. Anywhere else (a pipe, a file): plain columns aligned with spaces at any width,
+as kubectl prints them, so that `dflashctl runs list | grep succeeded` finds whole words; a cell
+longer than PLAIN_ALIGN_MAX sticks out of its own row instead of widening every row. Long explanations (evidence, hints,
 refusals) do not belong in a cell: `notes` prints them below the table, one per line.
 """
 
@@ -17,15 +19,19 @@ from rich.table import Table
 from rich.text import Text
 
 Cell = "str | Text"
+PLAIN_ALIGN_MAX = 40  # in a pipe, longer cells do not widen their column (one huge name, one long line)
+TEXT_MIN = 10  # a free-text column folds, but not narrower than this (or its header)
 
 
 @dataclass(frozen=True)
 class Column:
-    """One column: its header, its alignment, and whether it is free text (may wrap between words)."""
+    """One column: its header, its alignment, whether it is free text (may fold), and when it may be
+    hidden on a narrow terminal (drop: 0 never; of the others, the highest goes first)."""
 
     name: str
     justify: str = "left"
     text: bool = False
+    drop: int = 0
 
 
 def show(console: Console, columns: Sequence[Column], rows: Sequence[Sequence["str | Text"]],
@@ -35,20 +41,44 @@ def show(console: Console, columns: Sequence[Column], rows: Sequence[Sequence["s
     if not console.is_terminal:
         _plain(console, columns, rows)
         return
+    cells = [[cell if isinstance(cell, Text) else Text(str(cell)) for cell in row] for row in rows]
+    kept = _fitting(console.width, columns, cells)
     table = Table(title=Text(title) if title else None, title_justify="left")
-    for col in columns:
+    for i in kept:
+        col = columns[i]
         table.add_column(col.name, justify=col.justify, no_wrap=not col.text, overflow="fold" if col.text else "ellipsis")
-    for i, row in enumerate(rows):
-        if i in sections:
+    for r, row in enumerate(cells):
+        if r in sections:
             table.add_section()
-        table.add_row(*(cell if isinstance(cell, Text) else Text(str(cell)) for cell in row))
+        table.add_row(*(row[i] for i in kept))
     console.print(table)
+    hidden = [col.name for i, col in enumerate(columns) if i not in kept]
+    if hidden:
+        console.print(Text(f"hidden at {console.width} columns: {', '.join(hidden)} (a wider terminal or --json "
+                           f"shows them)", style="dim"), highlight=False)
+
+
+def _fitting(width: int, columns: Sequence[Column], cells: Sequence[Sequence[Text]]) -> list[int]:
+    """Indices of the columns to draw: all that fit in width, dropping the highest `drop` first."""
+
+    def need(i: int) -> int:
+        col = columns[i]
+        natural = max([len(col.name), *(row[i].cell_len for row in cells)])
+        return min(natural, max(len(col.name), TEXT_MIN)) if col.text else natural
+
+    kept = list(range(len(columns)))
+    droppable = sorted((i for i, col in enumerate(columns) if col.drop), key=lambda i: -columns[i].drop)
+    # rich's default box: one border left, then each column's two spaces of padding and its right border.
+    while droppable and 1 + sum(need(i) + 3 for i in kept) > width:
+        kept.remove(droppable.pop(0))
+    return kept
 
 
 def _plain(console: Console, columns: Sequence[Column], rows: Sequence[Sequence["str | Text"]]) -> None:
     cells = [[(cell.plain if isinstance(cell, Text) else str(cell)).replace("\n", " ") for cell in row] for row in rows]
     header = [col.name.upper() for col in columns]
-    widths = [max(len(header[i]), *(len(r[i]) for r in cells)) if cells else len(header[i]) for i in range(len(columns))]
+    widths = [max([len(header[i]), *(len(r[i]) for r in cells if len(r[i]) <= PLAIN_ALIGN_MAX)])
+              for i in range(len(columns))]
 
     def line(values: Sequence[str]) -> str:
         padded = [v.rjust(w) if col.justify == "right" else v.ljust(w) for v, w, col in zip(values, widths, columns)]

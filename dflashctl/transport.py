@@ -22,6 +22,7 @@ Sink = Callable[[bytes], None]
 
 CHUNK = 64 * 1024
 STDERR_TAIL = 4096
+LOCAL_KILL_GRACE_S = 10.0  # a local child's time between SIGTERM and SIGKILL (_LocalProcess.kill)
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Process(abc.ABC):
 
     @abc.abstractmethod
     def kill(self) -> None:
-        """Stop the command (or drop its channel) without waiting."""
+        """Stop the command (or drop its channel); a local child gets a short grace (_LocalProcess)."""
 
 
 class Transport(abc.ABC):
@@ -219,9 +220,19 @@ class _LocalProcess(Process):
             raise TimeoutError from None
 
     def kill(self) -> None:
-        """Kill the child unless it has already exited."""
-        if self._p.poll() is None:
+        """End the child unless it has already exited: SIGTERM, then SIGKILL after LOCAL_KILL_GRACE_S.
+        The grace lets a command that must not be cut mid-way finish its step (runctl start undoes
+        or completes a start); most commands die of the SIGTERM at once."""
+        if self._p.poll() is not None:
+            return
+        self._p.terminate()
+        try:
+            self._p.wait(LOCAL_KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
             self._p.kill()
+        except BaseException:  # a second Ctrl-C: no more waiting
+            self._p.kill()
+            raise
 
 
 class LocalTransport(Transport):

@@ -6,11 +6,15 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
   run.steps             number of steps (default 20)
   standin.step_time     seconds per step (default 0.05)
   standin.fail_at       exit with standin.fail_code (default 3) at that step
+  standin.fail_error    at standin.fail_at, also print `error: <this>` to stderr, as the trainer does
   standin.ignore_sigterm  true: print that SIGTERM was ignored and keep going
   standin.lines         log lines per step (default 1)
   standin.fail_once      true: fail at standin.fail_at only the first time (a marker file in run.output_dir)
   standin.checkpoint_every  write a fake checkpoint every N steps (default: only on SIGTERM)
   standin.preflight_error  --preflight answers this config error (exit 2), as the trainer does
+  standin.preflight_signal  --preflight sends this signal (INT, TERM) to its parent, runctl start, as a
+                        Ctrl-C during a slow pre-flight would, then hangs until it is killed
+  standin.preflight_signal_client  the same, but to runctl start's parent: the client (local transport)
   standin.helper        true: start a helper process in the trainer's process group (as the compiler
                         runs ptxas) that logs any SIGTERM it gets; after its own SIGTERM the stand-in
                         then waits 0.5 s before it checkpoints, as a trainer does while a compile ends
@@ -60,6 +64,14 @@ def main():
         if opts.get("standin.preflight_error"):
             print(json.dumps({"ok": False, "error": "config", "message": opts["standin.preflight_error"]}), flush=True)
             return 2
+        if opts.get("standin.preflight_signal"):
+            os.kill(os.getppid(), getattr(signal, "SIG" + opts["standin.preflight_signal"]))
+            time.sleep(3600)
+        if opts.get("standin.preflight_signal_client"):
+            with open("/proc/%d/stat" % os.getppid()) as fh:
+                client = int(fh.read().rsplit(")", 1)[1].split()[1])  # field 4: the parent's parent
+            os.kill(client, getattr(signal, "SIG" + opts["standin.preflight_signal_client"]))
+            time.sleep(3600)
         gpus = preflight_gpus(opts)
         devices = ["cuda:%d" % g for g in gpus] or ["cpu"]
         print(json.dumps({"ok": True, "devices": devices, "gpus": gpus, "summary": ["standin"]}), flush=True)
@@ -109,6 +121,8 @@ def main():
             if step == fail_at:
                 open(marker, "w").close()
                 print("standin: failing at step %d" % step, file=sys.stderr, flush=True)
+                if opts.get("standin.fail_error"):
+                    print("error: %s" % opts["standin.fail_error"], file=sys.stderr, flush=True)
                 return int(opts["standin.fail_code"])
     print("standin: done", flush=True)
     return 0

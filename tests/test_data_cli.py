@@ -46,8 +46,8 @@ def test_a_killed_push_leaves_the_old_copy_and_no_partial(shim_host, tmp_path):
     big.write_text(rows(10))
     assert shim_host.run_cli("data", "push", "shim", str(big)).returncode == 0
     old = big.read_bytes()
-    with big.open("wb") as fh:  # 300 MB: the transfer is still going when it is killed
-        fh.write(os.urandom(1 << 20) * 300)
+    with big.open("w") as fh:  # 300 MB of rows: the transfer is still going when it is killed
+        fh.write((json.dumps({"prompt": "x" * (1 << 20)}) + "\n") * 300)  # long rows: quick to check
     proc = subprocess.Popen([*CLI, "data", "push", "shim", str(big)], env=shim_host.env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_until(lambda: any(p.name.startswith(".big.jsonl.partial.") and p.stat().st_size > (1 << 20)
@@ -71,3 +71,24 @@ def test_a_run_trains_on_a_pushed_dataset(shim_host, tmp_path):
     missing = shim_host.run_cli("train", "shim", "--set", "data.source=jsonl", "--set", "data.train_path=data:nope",
                                 "--detach", timeout=300)
     assert missing.returncode == 2 and "data.train_path: no such file" in missing.stderr
+
+
+def test_a_malformed_row_is_refused_before_anything_is_sent(shim_host, tmp_path):
+    data = shim_host.container_dir(SHIM_VMID) / "work" / "data"
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(rows(3))
+    cases = [('{"input_ids": [1, 2, 3]\n', "not JSON (Expecting ',' delimiter)"),
+             ('{"input_ids": [1, 2], "loss_mask": [1]}\n', "loss_mask has 1 entries, input_ids 2"),
+             ('{"text": "no known field"}\n', "the row has none of input_ids, messages or prompt"),
+             ('[1, 2]\n', "a row must be a JSON object, not list")]
+    for row, why in cases:
+        bad.write_text(rows(2) + "\n" + row + rows(1))  # line 4: after two rows and a blank line
+        res = shim_host.run_cli("data", "push", "shim", str(good), str(bad))
+        assert res.returncode == 2 and res.stdout == "", res.stderr
+        assert res.stderr.splitlines() == [f"error: {bad}:4: {why}; nothing was pushed (row formats: docs/data.md)"]
+        assert not (data / "good.jsonl").exists() and not (data / "bad.jsonl").exists()
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                    + json.dumps({"prompt": "Once upon"}) + "\n")
+    ok = shim_host.run_cli("data", "push", "shim", str(chat))
+    assert ok.returncode == 0 and "chat.jsonl: sent" in ok.stdout and "2 rows" in ok.stdout

@@ -125,3 +125,21 @@ def test_a_lost_run_fires_the_lost_event_once_at_the_next_contact(shim_host, tmp
     wait_until(lambda: events.exists() and "lost" in events.read_text(), 60, "the lost event")
     kinds = [json.loads(line)["DFLASHCTL_EVENT"] for line in events.read_text().splitlines()]
     assert kinds == ["started", "lost"]
+
+
+def test_a_follow_ends_only_after_the_final_hook_has_written_to_the_log(shim_host):
+    """The final event's hook writes after the run has ended (here a full second later); the
+    follow waits for the supervisor's done marker, so the hook's line is always in its output."""
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    install_standin(workdir / "payload")
+    late = ("import os, sys, time\n"
+            "if os.environ['DFLASHCTL_EVENT'] == 'succeeded':\n"
+            "    time.sleep(1)\n"
+            "    print('hook: the last word', flush=True)\n")
+    command = f"{shim_host.host_entry(SHIM_VMID)['python']} -c {shlex.quote(late)}"
+    res, run_id = start(shim_host, "--set", "run.steps=3", "--on-event", command)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.rstrip("\n").endswith("hook: the last word")
+    assert (run_dir(workdir, run_id) / ".supervisor_done").exists()
+    tail = shim_host.run_cli("logs", "tail", "shim", run_id, "-f", "-n", "1")
+    assert tail.returncode == 0 and tail.stdout == "hook: the last word\n"

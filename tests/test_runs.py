@@ -144,6 +144,20 @@ def test_failed_run_exit_codes_and_tail(shim):
     assert tail.returncode == 0 and tail.stdout == "standin: failing at step 2\n"
 
 
+def test_a_failed_run_shows_the_trainers_error_line(shim):
+    host, _, workdir = shim
+    why = "data.train_path /data/bad.jsonl:3 is not JSON (Expecting value)"
+    res = host.run_cli("train", "--no-push", "--detach", "--set", "run.steps=5", "--set", "standin.fail_at=2",
+                       "--set", f"standin.fail_error={why}")
+    run_id = res.stdout.strip()
+    wait_until((run_dir(workdir, run_id) / "exit_code").exists, what="the run to fail")
+    shown = host.run_cli("runs", "show", "shim", run_id, "--no-curves")
+    assert shown.returncode == 0 and re.search(r"^reason +" + re.escape(why) + r" *$", shown.stdout, re.M), shown.stdout
+    quiet = host.run_cli("train", "--no-push", "--detach", "--set", "run.steps=5", "--set", "standin.fail_at=2")
+    wait_until((run_dir(workdir, quiet.stdout.strip()) / "exit_code").exists, what="the second run to fail")
+    assert "reason" not in host.run_cli("runs", "show", "shim", quiet.stdout.strip()).stdout  # no error line: none
+
+
 def follow_then(shim, signum: int):
     """Start `train --follow` (30 short steps), send signum to the client after a few steps, then
     check that the run still succeeds and leaves no reader behind. Returns (exit code, stderr)."""

@@ -28,6 +28,7 @@ STOP = "stop_request"
 META = "run.json"
 EVAL = "eval.json"  # `dflashctl eval`'s report
 LOST_EVENT = ".lost_event"  # exists once the `lost` event was fired
+SUPERVISED = ".supervisor_done"  # the supervisor wrote its last byte (after the final hook): a follow may end
 REASON = "reason"  # why the run failed, in words, when the trainer knows (a lost node, ...)
 LOCK = ".lock"
 STARTING_GRACE_S = 60.0  # a run.json without pids is "starting" this long, then "lost"
@@ -147,8 +148,11 @@ def state_of(run_dir, meta):
     code = read_exit_code(run_dir)
     if code is None:
         if meta.get("supervisor") is None:
-            young = time.time() - meta.get("started_ts", 0) < STARTING_GRACE_S
-            return ("running" if young else "lost"), None
+            # Starting: its starter (runctl start) forks the supervisor. A starter killed before
+            # that (kill -9, a client that went away) leaves a run that is lost at once.
+            starting = alive(meta["starter"]) if meta.get("starter") else \
+                time.time() - meta.get("started_ts", 0) < STARTING_GRACE_S
+            return ("running" if starting else "lost"), None
         if alive(meta.get("supervisor")) or alive(meta.get("trainer")):
             # A queued run's supervisor waits for its GPUs; run.json says when it stopped waiting.
             return ("queued" if meta.get("queued") else "running"), None
@@ -176,8 +180,9 @@ def tail_lines(path, limit=65536):
 
 def last_metrics(run_dir):
     """The latest training record, with the latest acceptance length of any record merged in
-    (the trainer logs acceptance on its eval records, whose loss is the held-out one)."""
-    merged = {}
+    (the trainer logs acceptance on its eval records, whose loss is the held-out one); None before
+    the first training record (a progress line of the untrained drafter's eval alone has no step)."""
+    merged, trained = {}, False
     for line in tail_lines(os.path.join(run_dir, METRICS)):
         try:
             rec = json.loads(line)
@@ -186,12 +191,13 @@ def last_metrics(run_dir):
         if not isinstance(rec, dict):
             continue
         if rec.get("event", "train") == "train":
+            trained = True
             merged.update((k, v) for k, v in rec.items() if v is not None)
         else:
             for key in ("acceptance_length", "spec_tau"):  # eval records: the held-out figures
                 if rec.get(key) is not None:
                     merged[key] = rec[key]
-    return merged or None
+    return merged if trained else None
 
 
 def read_reason(run_dir):
@@ -295,17 +301,47 @@ def conflicts(root, gpus):
     return found
 
 
+def interruptible():
+    """Record SIGINT, SIGTERM and SIGHUP instead of dying of them, so that a start decides at one
+    point (`check_interrupt`) whether it goes ahead; returns the list that collects them."""
+    seen = []
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: seen.append(signum))
+    return seen
+
+
+def check_interrupt(interrupts):
+    """Before a start commits: an interrupt so far means nothing is started (RunError)."""
+    if interrupts:
+        raise RunError("interrupted", "the start was interrupted (signal %d) before the run was created: "
+                                      "nothing was started" % interrupts[0])
+
+
+def remove_unborn(root):
+    """Run directories without run.json are what a start killed mid-way (kill -9) left: under the
+    start lock no other start is making one, so they go."""
+    import shutil
+
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if RUN_ID_RE.match(name) and os.path.isdir(path) and not os.path.exists(os.path.join(path, META)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def cmd_start(workdir):
     """Pre-flight the trainer, check GPUs and start a run under one lock, so concurrent starts
-    cannot both win; a failed pre-flight or a conflict leaves no run behind."""
+    cannot both win; a failed or interrupted pre-flight or a conflict leaves no run behind, and
+    once run.json is written the start completes whatever signal comes."""
     import fcntl
     import shutil
 
+    interrupts = interruptible()
     spec = json.load(sys.stdin)
     root = runs_root(workdir)
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, LOCK), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        remove_unborn(root)
         run_id = spec.get("run_id") or new_run_id(root)
         if not RUN_ID_RE.match(run_id):
             raise RunError("bad_request", "bad run id %r" % run_id)
@@ -324,7 +360,7 @@ def cmd_start(workdir):
                 write_atomic(os.path.join(run_dir, spec["config_name"]), spec["config_text"])
             gpus = spec["gpus"]
             if spec.get("preflight"):
-                found = preflight(argv, cwd, env)
+                found = preflight(argv, cwd, env, interrupts)
                 if "holds" in found:
                     # A program that says what it holds (data regen: maybe nothing) and how to pin it.
                     gpus = [str(g) for g in found["holds"]]
@@ -337,6 +373,7 @@ def cmd_start(workdir):
             busy = [] if spec.get("force") else conflicts(root, gpus) + queued_ahead(root, gpus, run_id)
             if busy and not spec.get("queue"):
                 raise RunError("conflict", "GPUs busy", runs=busy)
+            check_interrupt(interrupts)  # the last point where a start is undone
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
@@ -356,6 +393,7 @@ def cmd_start(workdir):
             "started_at": utc_iso(now),
             "started_ts": now,
             "run_dir": run_dir,
+            "starter": marker(os.getpid()),  # until the supervisor is recorded: see state_of
         }
         if spec.get("group"):
             # One run across several hosts: nodes (host names by rank), this node's rank, rendezvous.
@@ -409,6 +447,7 @@ def cmd_resume(workdir, selector):
     """Start an ended run again with `--resume` (its newest checkpoint), in its own directory."""
     import fcntl
 
+    interrupts = interruptible()
     spec = json.load(sys.stdin)
     root = runs_root(workdir)
     with open(os.path.join(root, LOCK), "a") as lock:
@@ -430,11 +469,12 @@ def cmd_resume(workdir, selector):
         cwd = os.path.realpath(os.path.expanduser(spec["cwd"])) if spec.get("cwd") else meta["cwd"]
         env = spec.get("env") or meta.get("env") or {}
         if spec.get("preflight"):
-            preflight(argv, cwd, env)
+            preflight(argv, cwd, env, interrupts)
         busy = [] if spec.get("force") else conflicts(root, meta.get("gpus") or [])
         if busy:
             raise RunError("conflict", "GPUs busy", runs=busy)
-        for name in (EXIT, STOP, REASON):
+        check_interrupt(interrupts)
+        for name in (EXIT, STOP, REASON, SUPERVISED):
             try:
                 os.remove(os.path.join(run_dir, name))
             except OSError:
@@ -442,6 +482,7 @@ def cmd_resume(workdir, selector):
         now = time.time()
         for key in ("supervisor", "trainer", "pgid"):
             meta.pop(key, None)
+        meta["starter"] = marker(os.getpid())
         meta.update(argv=argv, cwd=cwd, env=env, payload_hash=spec.get("payload_hash") or meta.get("payload_hash"),
                     resumes=meta.get("resumes", 0) + 1, resumed_at=utc_iso(now), started_ts=now)
         write_atomic(os.path.join(run_dir, META), json.dumps(meta, indent=2))
@@ -450,9 +491,10 @@ def cmd_resume(workdir, selector):
     emit({"run_id": run_id, "run_dir": run_dir, "pid": (meta.get("trainer") or {}).get("pid"), "gpus": meta.get("gpus")})
 
 
-def preflight(argv, cwd, env):
+def preflight(argv, cwd, env, interrupts):
     """Run the trainer's `--preflight` (config and devices resolved, nothing built); its answer,
-    or RunError (config, missing_module, preflight) carrying the trainer's one line."""
+    or RunError (config, missing_module, preflight, interrupted) carrying the trainer's one line.
+    An interrupt (see interruptible) ends it at once."""
     if not os.path.isdir(cwd):
         raise RunError("preflight", "no trainer in %s: push it first (dflashctl push), or train without --no-push" % cwd)
     child_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
@@ -461,13 +503,18 @@ def preflight(argv, cwd, env):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     except OSError as exc:
         raise RunError("preflight", "cannot start the trainer: %s" % exc)
-    try:
-        out, err = proc.communicate(timeout=PREFLIGHT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        signal_group(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise RunError("preflight", "the trainer's pre-flight did not answer within %ds (a hung GPU driver?)"
-                       % PREFLIGHT_TIMEOUT_S)
+    deadline = time.time() + PREFLIGHT_TIMEOUT_S
+    while True:
+        try:
+            out, err = proc.communicate(timeout=SUPERVISOR_POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            if interrupts or time.time() > deadline:
+                signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+                check_interrupt(interrupts)
+                raise RunError("preflight", "the trainer's pre-flight did not answer within %ds (a hung GPU "
+                                            "driver?)" % PREFLIGHT_TIMEOUT_S)
     lines = out.decode("utf-8", "replace").strip().splitlines()
     try:
         answer = json.loads(lines[-1])
@@ -501,6 +548,10 @@ def spawn_supervisor(run_dir, meta, env, lock_fd):
         code = supervise(run_dir, meta, env)
     except BaseException:  # the supervisor must never fall back into the starter's code
         code = 1
+    try:
+        write_atomic(os.path.join(run_dir, SUPERVISED), "%d\n" % os.getpid())
+    except BaseException:
+        pass
     os._exit(code)
 
 
@@ -529,10 +580,11 @@ def supervise(run_dir, meta, env):
         if not wait_in_queue(run_dir, meta, stop_flag):
             print("dflashctl: the queued run was cancelled before it started", flush=True)
             write_atomic(os.path.join(run_dir, EXIT), "%d\n" % (128 + signal.SIGTERM))
-            fire(run_dir, meta, "stopped", "stopped", 128 + signal.SIGTERM)
+            wait_hook(fire(run_dir, meta, "stopped", "stopped", 128 + signal.SIGTERM))
             return 0
     while True:
         attempt += 1
+        log_from = os.fstat(1).st_size  # where this attempt's output starts (stdout is the log)
         try:
             child = subprocess.Popen(argv, cwd=meta["cwd"], env=child_env, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -572,15 +624,44 @@ def supervise(run_dir, meta, env):
         command = shlex.join(["dflashctl", "train", meta["host"], "--resume", meta["run_id"]])
         print("dflashctl: the trainer exited with %d; continue from its newest checkpoint: %s" % (code, command),
               flush=True)
+    if code != 0 and read_reason(run_dir) is None and not os.path.exists(os.path.join(run_dir, STOP)):
+        line = error_line(os.path.join(run_dir, LOG), log_from)
+        if line:  # `runs show` says why it failed without a look into the log
+            write_atomic(os.path.join(run_dir, REASON), line + "\n")
     write_atomic(os.path.join(run_dir, EXIT), "%d\n" % code)
     state = state_of(run_dir, read_json(os.path.join(run_dir, META)) or meta)[0]
-    hook = fire(run_dir, meta, state, state, code)
+    wait_hook(fire(run_dir, meta, state, state, code))
+    return 0
+
+
+def error_line(log_path, start):
+    """The trainer's last `error: ...` line in the log from byte `start` on (its last 64 kB), else
+    the last line of a Python traceback there; None if neither."""
+    try:
+        with open(log_path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(start if start <= size else 0, size - 65536))
+            lines = [ln.decode("utf-8", "replace").strip() for ln in fh.read().splitlines()]
+    except OSError:
+        return None
+    lines = [ln for ln in lines if ln]
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    if errors:
+        return errors[-1][len("error: "):][:2000]
+    if any(ln.startswith("Traceback (most recent call last)") for ln in lines):
+        last = [ln for ln in lines if not ln.startswith("dflashctl: ")]
+        return last[-1][:2000] if last else None
+    return None
+
+
+def wait_hook(hook):
+    """The last event: give its hook HOOK_WAIT_S to report before the supervisor goes (and a
+    follow ends: it waits for SUPERVISED)."""
     if hook is not None:
-        try:  # the last event: give its hook time to report before the supervisor goes
+        try:
             hook.wait(timeout=HOOK_WAIT_S)
         except subprocess.TimeoutExpired:
             pass
-    return 0
 
 
 def fire(run_dir, meta, event, state, code=None, log=None):
@@ -896,7 +977,7 @@ def stream_log(run_dir, meta, fh, ino, follow, metrics):
                 continue
         if metrics:
             metrics_size = send_metrics(run_dir, metrics_size)
-        if not follow or state_of(run_dir, meta)[0] not in ("running", "queued"):
+        if not follow or (state_of(run_dir, meta)[0] not in ("running", "queued") and supervised(run_dir)):
             if fh is not None and fh.read(1):  # the last lines arrived after our read: drain first
                 fh.seek(-1, os.SEEK_CUR)
                 continue
@@ -909,6 +990,14 @@ def stream_log(run_dir, meta, fh, ino, follow, metrics):
             frame(b"H")
             last_write = time.time()
         time.sleep(POLL_S)
+
+
+def supervised(run_dir):
+    """True once nothing more will be written to the run's log by its supervisor: it said it is
+    done (after the final event hook), or it is gone (killed, or a run from before SUPERVISED)."""
+    if os.path.exists(os.path.join(run_dir, SUPERVISED)):
+        return True
+    return not alive((read_json(os.path.join(run_dir, META)) or {}).get("supervisor"))
 
 
 def follow_rotation(fh, ino, log_path):
