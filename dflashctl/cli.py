@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,6 @@ from rich.text import Text
 
 from . import __version__
 from .errors import DflashError, Interrupted, NotFoundError, OutputClosed, RemoteError, UsageError
-from .passthrough import run_passthrough
 from .inventory import completions, load_inventory
 from .session import Session
 
@@ -208,6 +206,8 @@ def exec_cmd(
     command: List[str] = typer.Argument(..., help="Command and arguments (put them after --)."),
 ) -> None:
     """Run a command inside the host's container; its exit code is passed through."""
+    from .passthrough import run_passthrough
+
     if command and command[0] == "--":
         command = command[1:]
     if not command:
@@ -946,6 +946,8 @@ def _report(state: AppState, exc: BaseException | None, code: int, message: str 
     err = Console(stderr=True)
     try:
         if state.debug and exc is not None:
+            import traceback
+
             err.print(Text("".join(traceback.format_exception(exc)), style="dim"))
         err.print(Text("error: ", style="bold red") + Text(message or str(exc)), soft_wrap=True)
     except OSError:  # stderr itself is gone: the exit code is all that is left

@@ -12,24 +12,25 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, NoReturn, Protocol
+from typing import TYPE_CHECKING, Iterator, NoReturn, Protocol
 
 import pathspec
 from rich.console import Console
 from rich.filesize import decimal
-from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
 
 import dflashctl
 
 from .containers import Dialogue, Target, remote_script
 from .errors import ConflictError, ConnectError, ContainerError, RemoteError, UsageError
 from .remote import payload_sync as wire
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 SCRIPT = "payload_sync"
 IGNORE_FILE = ".dflashignore"
@@ -105,6 +106,9 @@ class BarProgress:
     """A rich progress bar over bytes that also counts files; use as a context manager."""
 
     def __init__(self, console: Console):
+        # Imported here: only a push to a terminal draws the bar, and start-up is most of a small push.
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
         self._progress = Progress(
             TextColumn("pushing"),
             BarColumn(),
@@ -247,7 +251,7 @@ def _check_space(target: Target, plan: PushPlan, free: int) -> None:
 
 def _apply(remote: "_RemoteSync", source: Path, plan: PushPlan, digest: str, progress: ProgressSink | None) -> None:
     """Stream the header and new content to the remote and check the manifest hash it reports."""
-    vid = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + secrets.token_hex(4)
+    vid = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + os.urandom(4).hex()
     files = [dict(e.wire(), src="stream") for e in plan.send] + [dict(e.wire(), src="base") for e in plan.keep]
     files.sort(key=lambda f: f["p"])
     header = {"format": wire.FORMAT, "vid": vid, "hash": digest, "files": files}
