@@ -9,6 +9,7 @@ and swaps a symlink with rename(2). Design and failure modes: docs/push.md.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -19,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, NoReturn, Protocol
 
-import pathspec
 from rich.console import Console
 from rich.filesize import decimal
 
@@ -30,11 +30,12 @@ from .errors import ConflictError, ConnectError, ContainerError, RemoteError, Us
 from .remote import payload_sync as wire
 
 if TYPE_CHECKING:
+    import pathspec
     from rich.progress import TaskID
 
 SCRIPT = "payload_sync"
 IGNORE_FILE = ".dflashignore"
-DEFAULT_IGNORES = ("__pycache__/", "*.pyc", ".git/", "build/", "dist/", "*.egg-info/")
+DEFAULT_IGNORES = ("__pycache__/", "*.pyc", ".git/", "build/", "dist/", "*.egg-info/")  # names, no inner "/"
 READ_CHUNK = 1024 * 1024
 
 
@@ -148,12 +149,29 @@ def default_source() -> Path:
     return shipped if shipped.is_dir() else package.parent / "remote_payload"
 
 
-def load_ignores(source: Path) -> pathspec.GitIgnoreSpec:
+class DefaultIgnores:
+    """DEFAULT_IGNORES alone, matched as gitignore matches a pattern without an inner slash: on
+    any name in the path, a trailing `/` for directories only. Used when the source has no
+    `.dflashignore`: importing pathspec costs more CPU than a small push."""
+
+    def match_file(self, rel: str) -> bool:
+        """Whether rel (a directory ends in `/`) is ignored."""
+        names = rel.rstrip("/").split("/")
+        return any(self._match(name, is_dir=i < len(names) - 1 or rel.endswith("/")) for i, name in enumerate(names))
+
+    @staticmethod
+    def _match(name: str, is_dir: bool) -> bool:
+        return any(fnmatch.fnmatchcase(name, p.rstrip("/")) for p in DEFAULT_IGNORES if is_dir or not p.endswith("/"))
+
+
+def load_ignores(source: Path) -> "pathspec.GitIgnoreSpec | DefaultIgnores":
     """The defaults plus the source's `.dflashignore` (gitignore syntax)."""
-    lines = list(DEFAULT_IGNORES)
     ignore_file = source / IGNORE_FILE
-    if ignore_file.is_file():
-        lines += ignore_file.read_text(encoding="utf-8").splitlines()
+    if not ignore_file.is_file():
+        return DefaultIgnores()
+    import pathspec
+
+    lines = [*DEFAULT_IGNORES, *ignore_file.read_text(encoding="utf-8").splitlines()]
     return pathspec.GitIgnoreSpec.from_lines(lines)
 
 
@@ -174,7 +192,7 @@ def scan_local(source: Path) -> dict[str, FileEntry]:
         return dict(zip(paths, pool.map(lambda rel: _entry(source / rel, rel), paths)))
 
 
-def _skip_dir(source: Path, rel: str, spec: pathspec.GitIgnoreSpec) -> bool:
+def _skip_dir(source: Path, rel: str, spec: "pathspec.GitIgnoreSpec | DefaultIgnores") -> bool:
     if spec.match_file(rel + "/"):
         return True
     if (source / rel).is_symlink():
