@@ -17,7 +17,8 @@ the breakdown column. The CLI runs twice: with hosts.yaml's defaults (connection
 Beside the median wall times it prints the median client CPU time of each tool (user + system
 of the process and the children it waited for: rsync's ssh, not sshd nor the background mux)
 and the machine's load average over each case (os.getloadavg), so that ratios measured on a busy
-machine say how busy. Before timing, dflashctl's modules are byte-compiled (as pip does when it
+machine say how busy. `python -c pass` (the same interpreter and environment) is the floor of any
+Python CLI, timed in the same rounds. Before timing, dflashctl's modules are byte-compiled (as pip does when it
 installs), so that an environment with PYTHONDONTWRITEBYTECODE does not make every call compile.
 """
 
@@ -130,7 +131,9 @@ def run(repeats: int, files: int, total_mb: int, persist: int) -> None:
         bench.env.update(DFLASHCTL_INVENTORY=str(inventory), XDG_RUNTIME_DIR=str(runtime))
         tools: dict[str, Callable[[], None]] = {
             f"dflashctl push (default: persist {DEFAULT_PERSIST_S})": lambda: bench.push_cli("d"),
-            "rsync": bench.rsync, "dflashctl push, persist 0": bench.push_cli, "in-process": bench.push}
+            "rsync": bench.rsync, "dflashctl push, persist 0": bench.push_cli, "in-process": bench.push,
+            # The floor of any Python CLI: the same interpreter and environment starting and exiting.
+            "python -c pass": lambda: subprocess.run([sys.executable, "-c", "pass"], env=bench.env, check=True)}
         if persist:
             tools[f"push, persist {persist}"] = lambda: bench.push_cli("p")
         muxed = {name: fn for name, fn in tools.items() if "default" in name or name.startswith("push, persist")}
@@ -145,7 +148,7 @@ def run(repeats: int, files: int, total_mb: int, persist: int) -> None:
                 if case == "one file":
                     paths[i % len(paths)].write_bytes(os.urandom(paths[0].stat().st_size))
                 for tool in order:
-                    if case == "first":
+                    if case == "first" and tool != "python -c pass":
                         if i == 0 and tool in muxed:
                             muxed[tool]()  # start the mux, untimed (its first call pays the SSH connect)
                         bench.clear(tool)
