@@ -79,7 +79,8 @@ def cli_argv(spec: str) -> list[str]:
     return [str(script), "inspect", "compile_fx", "--lines", spec]
 
 
-def timed(argv: list[str], env: dict[str, str], before=None) -> tuple[float, float, str]:  # type: ignore[no-untyped-def]
+def timed(argv: list[str], env: dict[str, str],  # type: ignore[no-untyped-def]
+          before=None) -> tuple[float, float, str]:
     """Wall time, client CPU time and stdout of one run (before() runs first, untimed)."""
     if before:
         before()
