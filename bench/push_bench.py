@@ -13,13 +13,22 @@ in-process `payload.push` with a fresh Session (its own SSH connect, no interpre
 the breakdown column. The CLI runs twice: with hosts.yaml's defaults (connection reuse on,
 `persist: 60`: the background mux kept between calls, started by an untimed first call) and with
 `persist: 0` (a full SSH handshake per call). `--persist N` adds a `persist: N` host.
+
+Beside the median wall times it prints the median client CPU time of each tool (user + system
+of the process and the children it waited for: rsync's ssh, not sshd nor the background mux)
+and the machine's load average over each case (os.getloadavg), so that ratios measured on a busy
+machine say how busy. `python -c pass` (the same interpreter and environment) is the floor of any
+Python CLI, timed in the same rounds. Before timing, dflashctl's modules are byte-compiled (as pip does when it
+installs), so that an environment with PYTHONDONTWRITEBYTECODE does not make every call compile.
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -50,11 +59,19 @@ def make_payload(root: Path, files: int, total_mb: int) -> list[Path]:
     return paths
 
 
-def timed(action: Callable[[], object]) -> float:
-    """Wall-clock seconds one call of action takes."""
+def timed(action: Callable[[], object]) -> tuple[float, float]:
+    """(wall-clock seconds, CPU seconds) of one call of action: this process's CPU and that of
+    the children it waited for (the in-process push's threads; a CLI process; rsync and its ssh)."""
+    before = _cpu()
     started = time.perf_counter()
     action()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, _cpu() - before
+
+
+def _cpu() -> float:
+    """User + system seconds of this process and its waited-for children so far."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 class Bench:
@@ -114,25 +131,32 @@ def run(repeats: int, files: int, total_mb: int, persist: int) -> None:
         bench.env.update(DFLASHCTL_INVENTORY=str(inventory), XDG_RUNTIME_DIR=str(runtime))
         tools: dict[str, Callable[[], None]] = {
             f"dflashctl push (default: persist {DEFAULT_PERSIST_S})": lambda: bench.push_cli("d"),
-            "rsync": bench.rsync, "dflashctl push, persist 0": bench.push_cli, "in-process": bench.push}
+            "rsync": bench.rsync, "dflashctl push, persist 0": bench.push_cli, "in-process": bench.push,
+            # The floor of any Python CLI: the same interpreter and environment starting and exiting.
+            "python -c pass": lambda: subprocess.run([sys.executable, "-c", "pass"], env=bench.env, check=True)}
         if persist:
             tools[f"push, persist {persist}"] = lambda: bench.push_cli("p")
         muxed = {name: fn for name, fn in tools.items() if "default" in name or name.startswith("push, persist")}
         times = {c: {t: [] for t in tools} for c in ("first", "no-op", "one file")}
+        cpu = {c: {t: [] for t in tools} for c in times}
+        load: dict[str, list[float]] = {c: [] for c in times}
         names = list(tools)
         for i in range(repeats):
             order = names[i % len(names):] + names[:i % len(names)]  # none always goes first
             for case in times:
+                load[case].append(os.getloadavg()[0])
                 if case == "one file":
                     paths[i % len(paths)].write_bytes(os.urandom(paths[0].stat().st_size))
                 for tool in order:
-                    if case == "first":
+                    if case == "first" and tool != "python -c pass":
                         if i == 0 and tool in muxed:
                             muxed[tool]()  # start the mux, untimed (its first call pays the SSH connect)
                         bench.clear(tool)
                     os.sync()  # start each timing with no dirty pages left by the previous one
-                    times[case][tool].append(timed(tools[tool]))
-        report(times, repeats, files, total_mb)
+                    wall, used = timed(tools[tool])
+                    times[case][tool].append(wall)
+                    cpu[case][tool].append(used)
+        report(times, cpu, load, repeats, files, total_mb)
     finally:
         subprocess.run([*CLI, "hosts", "disconnect", "--all"], env=bench.env, capture_output=True)
         host.stop()
@@ -140,19 +164,32 @@ def run(repeats: int, files: int, total_mb: int, persist: int) -> None:
         shutil.rmtree(runtime, ignore_errors=True)
 
 
-def report(times: dict, repeats: int, files: int, total_mb: int) -> None:
-    """Print the median times per case as a markdown table, each tool against rsync."""
-    print(f"push vs rsync -a over ssh: {files} files, {total_mb} MB, median of {repeats}")
-    print(f"{os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()} {platform.release()}")
+def report(times: dict, cpu: dict, load: dict, repeats: int, files: int, total_mb: int) -> None:
+    """Print the median times per case as markdown tables, each tool against rsync, with the load."""
+    print(f"push vs rsync -a over ssh: {files} files, {total_mb} MB, median of {repeats} (paired: each round "
+          f"runs every tool, in rotating order)")
+    print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+          f"{platform.system()} {platform.release()}, load average (1 min) at the end "
+          f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min)")
     print()
     tools = list(next(iter(times.values())))
-    print("| case | " + " | ".join(f"{t} (s)" for t in tools) + " | "
-          + " | ".join(f"{t} / rsync" for t in tools if t != "rsync") + " |")
-    print("|---" * (1 + len(tools) + len(tools) - 1) + "|")
+    others = [t for t in tools if t != "rsync"]
+    print("| case | load (1 min) | " + " | ".join(f"{t} (s)" for t in tools) + " | "
+          + " | ".join(f"{t} / rsync" for t in others) + " |")
+    print("|---" * (2 + len(tools) + len(others)) + "|")
     for case, by_tool in times.items():
         med = {t: statistics.median(v) for t, v in by_tool.items()}
+        print(f"| {case} | {statistics.median(load[case]):.1f} | " + " | ".join(f"{med[t]:.3f}" for t in tools)
+              + " | " + " | ".join(f"{med[t] / med['rsync']:.2f}" for t in others) + " |")
+    print()
+    print("client CPU time, user + system (median, s):")
+    print()
+    print("| case | " + " | ".join(f"{t}" for t in tools) + " | " + " | ".join(f"{t} / rsync" for t in others) + " |")
+    print("|---" * (1 + len(tools) + len(others)) + "|")
+    for case, by_tool in cpu.items():
+        med = {t: statistics.median(v) for t, v in by_tool.items()}
         print(f"| {case} | " + " | ".join(f"{med[t]:.3f}" for t in tools) + " | "
-              + " | ".join(f"{med[t] / med['rsync']:.2f}" for t in tools if t != "rsync") + " |")
+              + " | ".join(f"{med[t] / med['rsync']:.2f}" for t in others) + " |")
 
 
 def main() -> None:
@@ -163,6 +200,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=20)
     parser.add_argument("--persist", type=int, default=0, help="also time a persist: N host (0: not)")
     args = parser.parse_args()
+    compileall.compile_dir(str(REPO / "dflashctl"), quiet=1)
     run(args.repeats, args.files, args.mb, args.persist)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,6 @@ from rich.text import Text
 
 from . import __version__
 from .errors import DflashError, Interrupted, NotFoundError, OutputClosed, RemoteError, UsageError
-from .passthrough import run_passthrough
 from .inventory import completions, load_inventory
 from .session import Session
 
@@ -208,6 +206,8 @@ def exec_cmd(
     command: List[str] = typer.Argument(..., help="Command and arguments (put them after --)."),
 ) -> None:
     """Run a command inside the host's container; its exit code is passed through."""
+    from .passthrough import run_passthrough
+
     if command and command[0] == "--":
         command = command[1:]
     if not command:
@@ -373,7 +373,7 @@ def train_cmd(
     """Push the payload if it changed, pre-flight the config and devices, start the trainer
     detached, and (optionally) follow it. `--resume RUN` continues an ended run instead."""
     from .logs import attach
-    from .runs import parse_gpus, push_payload, resolved_config, restart_policy, resume_run, start_run
+    from .runs import check_trainer_config, parse_gpus, push_payload, restart_policy, resume_run, start_run
 
     session = _state(ctx).session()
     env = _parse_env(env_items)
@@ -386,7 +386,6 @@ def train_cmd(
                                           ("--name", name), ("--gpus", gpus), ("--max-restarts", max_restarts)) if value]
         if given:
             raise UsageError(f"--resume continues a run with its own config and GPUs: drop {', '.join(given)}")
-    resolved_config(config, overrides)  # a bad --set or config file fails before anything is pushed
     hosts = session.inventory.resolve_many(host)
     if len(hosts) > 1:
         if resume is not None or restart or queue:
@@ -398,14 +397,19 @@ def train_cmd(
     target = session.target(hosts[0].name)
     err = Console(stderr=True)
     gpu_list = parse_gpus(gpus, target.host)
-    payload_hash = None if no_push else push_payload(target, source.expanduser() if source else None, err)
+    payload_dir = source.expanduser() if source else None
+    # A bad --preset, --config or --set fails here, before anything is pushed (--no-push: the
+    # payload in the container is not here to ask; its pre-flight decides).
+    checked = None if no_push or resume is not None else check_trainer_config(payload_dir, config, preset,
+                                                                             overrides, gpu_list)
+    payload_hash = None if no_push else push_payload(target, payload_dir, err)
     if resume is not None:
         run = resume_run(target, resume, payload_hash=payload_hash, force=force, env=env)
         verb = "resumed"
     else:
         run = start_run(target, gpus=gpu_list, config_file=config, overrides=overrides, name=name, force=force,
                         payload_hash=payload_hash, env=env, preset=preset, restart=restart, on_event=hook,
-                        queue=queue)
+                        queue=queue, config=checked)
         verb = "started"
         if run.queued_behind is not None:
             verb = "queued"
@@ -451,14 +455,19 @@ def _train_group(session: Session, hosts: list, *, gpus: Optional[str], config: 
 
     from .logs import attach
     from .multihost import check_hosts, final_state, push_all, start_group
-    from .runs import parse_gpus
+    from .runs import check_trainer_config, parse_gpus
 
     check_hosts(hosts)
     err = Console(stderr=True)
     gpu_lists = {h.name: parse_gpus(gpus, h) for h in hosts}
-    hashes = {} if no_push else push_all(session, hosts, source.expanduser() if source else None, err)
+    payload_dir = source.expanduser() if source else None
+    # Before anything is pushed, as for one host.
+    configs = {} if no_push else {h.name: check_trainer_config(payload_dir, config, preset, overrides,
+                                                               gpu_lists[h.name]) for h in hosts}
+    hashes = {} if no_push else push_all(session, hosts, payload_dir, err)
     group = start_group(session, hosts, gpus=gpu_lists, config_file=config, overrides=overrides, name=name,
-                        force=force, payload_hashes=hashes, rdzv_port=rdzv_port, env=env, preset=preset)
+                        force=force, payload_hashes=hashes, rdzv_port=rdzv_port, env=env, preset=preset,
+                        configs=configs)
     names = ", ".join(f"{h.name} (rank {i})" for i, h in enumerate(hosts))
     first = hosts[0].name
     if not (sys.stdout.isatty() if follow is None else follow):
@@ -947,6 +956,8 @@ def _report(state: AppState, exc: BaseException | None, code: int, message: str 
     err = Console(stderr=True)
     try:
         if state.debug and exc is not None:
+            import traceback
+
             err.print(Text("".join(traceback.format_exception(exc)), style="dim"))
         err.print(Text("error: ", style="bold red") + Text(message or str(exc)), soft_wrap=True)
     except OSError:  # stderr itself is gone: the exit code is all that is left

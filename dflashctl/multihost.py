@@ -124,8 +124,10 @@ def start_group(
     rdzv_port: int,
     env: dict[str, str] | None = None,
     preset: str | None = None,
+    configs: dict[str, dict[str, Any] | None] | None = None,
 ) -> GroupStart:
-    """Start one trainer per host under one run id; if any node cannot start, stop the others."""
+    """Start one trainer per host under one run id; if any node cannot start, stop the others.
+    configs: each host's config as checked before the push (runs.check_trainer_config), for run.json."""
     check_hosts(hosts)
     if len(hosts) < 2:
         raise UsageError("a multi-host run needs at least two hosts")
@@ -142,7 +144,7 @@ def start_group(
         return start_run(session.target(host.name), gpus=gpus[host.name], config_file=config_file,
                          overrides=overrides, name=name, force=force, payload_hash=payload_hashes.get(host.name),
                          env=node_env(hosts, rank, run_id, addr, rdzv_port, env or {}), run_id=run_id, group=group,
-                         preset=preset)
+                         preset=preset, config=(configs or {}).get(host.name))
 
     results = parallel(start, list(range(len(hosts))))
     failed = [(h, r) for h, r in zip(hosts, results) if isinstance(r, BaseException)]

@@ -9,21 +9,19 @@ and swaps a symlink with rename(2). Design and failure modes: docs/push.md.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
-import secrets
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, NoReturn, Protocol
+from typing import TYPE_CHECKING, Iterator, NoReturn, Protocol
 
-import pathspec
 from rich.console import Console
 from rich.filesize import decimal
-from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
 
 import dflashctl
 
@@ -31,9 +29,13 @@ from .containers import Dialogue, Target, remote_script
 from .errors import ConflictError, ConnectError, ContainerError, RemoteError, UsageError
 from .remote import payload_sync as wire
 
+if TYPE_CHECKING:
+    import pathspec
+    from rich.progress import TaskID
+
 SCRIPT = "payload_sync"
 IGNORE_FILE = ".dflashignore"
-DEFAULT_IGNORES = ("__pycache__/", "*.pyc", ".git/", "build/", "dist/", "*.egg-info/")
+DEFAULT_IGNORES = ("__pycache__/", "*.pyc", ".git/", "build/", "dist/", "*.egg-info/")  # names, no inner "/"
 READ_CHUNK = 1024 * 1024
 
 
@@ -105,6 +107,9 @@ class BarProgress:
     """A rich progress bar over bytes that also counts files; use as a context manager."""
 
     def __init__(self, console: Console):
+        # Imported here: only a push to a terminal draws the bar, and start-up is most of a small push.
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
         self._progress = Progress(
             TextColumn("pushing"),
             BarColumn(),
@@ -144,12 +149,29 @@ def default_source() -> Path:
     return shipped if shipped.is_dir() else package.parent / "remote_payload"
 
 
-def load_ignores(source: Path) -> pathspec.GitIgnoreSpec:
+class DefaultIgnores:
+    """DEFAULT_IGNORES alone, matched as gitignore matches a pattern without an inner slash: on
+    any name in the path, a trailing `/` for directories only. Used when the source has no
+    `.dflashignore`: importing pathspec costs more CPU than a small push."""
+
+    def match_file(self, rel: str) -> bool:
+        """Whether rel (a directory ends in `/`) is ignored."""
+        names = rel.rstrip("/").split("/")
+        return any(self._match(name, is_dir=i < len(names) - 1 or rel.endswith("/")) for i, name in enumerate(names))
+
+    @staticmethod
+    def _match(name: str, is_dir: bool) -> bool:
+        return any(fnmatch.fnmatchcase(name, p.rstrip("/")) for p in DEFAULT_IGNORES if is_dir or not p.endswith("/"))
+
+
+def load_ignores(source: Path) -> "pathspec.GitIgnoreSpec | DefaultIgnores":
     """The defaults plus the source's `.dflashignore` (gitignore syntax)."""
-    lines = list(DEFAULT_IGNORES)
     ignore_file = source / IGNORE_FILE
-    if ignore_file.is_file():
-        lines += ignore_file.read_text(encoding="utf-8").splitlines()
+    if not ignore_file.is_file():
+        return DefaultIgnores()
+    import pathspec
+
+    lines = [*DEFAULT_IGNORES, *ignore_file.read_text(encoding="utf-8").splitlines()]
     return pathspec.GitIgnoreSpec.from_lines(lines)
 
 
@@ -170,7 +192,7 @@ def scan_local(source: Path) -> dict[str, FileEntry]:
         return dict(zip(paths, pool.map(lambda rel: _entry(source / rel, rel), paths)))
 
 
-def _skip_dir(source: Path, rel: str, spec: pathspec.GitIgnoreSpec) -> bool:
+def _skip_dir(source: Path, rel: str, spec: "pathspec.GitIgnoreSpec | DefaultIgnores") -> bool:
     if spec.match_file(rel + "/"):
         return True
     if (source / rel).is_symlink():
@@ -247,7 +269,7 @@ def _check_space(target: Target, plan: PushPlan, free: int) -> None:
 
 def _apply(remote: "_RemoteSync", source: Path, plan: PushPlan, digest: str, progress: ProgressSink | None) -> None:
     """Stream the header and new content to the remote and check the manifest hash it reports."""
-    vid = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + secrets.token_hex(4)
+    vid = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + os.urandom(4).hex()
     files = [dict(e.wire(), src="stream") for e in plan.send] + [dict(e.wire(), src="base") for e in plan.keep]
     files.sort(key=lambda f: f["p"])
     header = {"format": wire.FORMAT, "vid": vid, "hash": digest, "files": files}

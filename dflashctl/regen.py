@@ -10,7 +10,9 @@ from typing import Any
 from .containers import Target
 from .data import check_name, list_data
 from .errors import UsageError
+from .payload import default_source
 from .runs import CPU, RUN_DIR_TOKEN, WORKDIR_TOKEN, StartedRun, launch
+from .trainer_config import check_config
 
 REGEN_MODULE = "dflash_train.regen"
 ENGINES = ("builtin", "openai")
@@ -71,9 +73,8 @@ def check_request(req: RegenRequest) -> None:
             raise UsageError(f"{', '.join(given)}: for the builtin engine (the server holds the model)")
     elif req.endpoint or req.model:
         raise UsageError("--endpoint and --model are for --engine openai")
-    for item in req.overrides:
-        if "=" not in item:
-            raise UsageError(f"--set {item!r} is not of the form key=value")
+    else:  # --preset and --set, by the trainer's own config code in the payload about to be pushed
+        check_config(default_source(), None, req.preset, req.overrides)
     if req.gpus is not None and req.gpus.strip().lower() != CPU:
         items = [t.strip() for t in req.gpus.split(",")]
         if not all(t.isdigit() for t in items) or len(set(items)) != len(items):

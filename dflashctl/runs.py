@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -59,15 +58,21 @@ def trainer_argv(
         argv += ["--preset", preset]
     if config_path:
         argv += ["--config", config_path]
+    for item in trainer_sets(run_dir, gpus, overrides):
+        argv += ["--set", item]
+    return argv
+
+
+def trainer_sets(run_dir: str, gpus: Sequence[str], overrides: Sequence[str]) -> list[str]:
+    """The trainer's `--set` items: dflashctl's own (run directory, caches, devices), then the
+    user's overrides, which come last and so win."""
     sets = [f"run.output_dir={run_dir}", f"run.compile_cache_dir={COMPILE_CACHE}", f"data.dir={WORKDIR_TOKEN}/data"]
     numeric = [g for g in gpus if g != CPU]
     if len(numeric) == 1:
         sets.append(f"run.device=cuda:{numeric[0]}")
     elif numeric:
         sets.append(f"run.gpus=[{','.join(numeric)}]")
-    for item in [*sets, *overrides]:  # the user's overrides come last, so they win
-        argv += ["--set", item]
-    return argv
+    return [*sets, *overrides]
 
 
 def restart_policy(max_restarts: int, restart_on: str | None, delay_s: float) -> dict[str, Any] | None:
@@ -101,32 +106,16 @@ def parse_gpus(text: str | None, host: HostSpec) -> list[str]:
     return [str(int(t)) for t in items]
 
 
-def resolved_config(config_file: Path | None, overrides: Sequence[str]) -> dict[str, Any]:
-    """The config as dflashctl sees it (file + `--set a.b=c`), recorded in run.json."""
-    data: dict[str, Any] = {}
-    if config_file is not None:
-        try:
-            data = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise UsageError(f"cannot read config {config_file}: {str(exc).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise UsageError(f"config {config_file} must be a mapping at top level")
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"--set {item!r} is not of the form key=value")
-        node = data
-        *parents, leaf = key.strip().split(".")
-        for part in parents:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        try:
-            node[leaf] = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as exc:
-            why = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise UsageError(f"--set {item!r}: the value is not valid YAML ({why})") from None
-    return data
+def check_trainer_config(source: Path | None, config_file: Path | None, preset: str | None,
+                         overrides: Sequence[str], gpus: Sequence[str]) -> dict[str, Any] | None:
+    """The run's config as the trainer's own code in the payload about to be pushed (`source`,
+    else the shipped one) resolves it, with `{run_dir}` and `{workdir}` still unfilled; a bad
+    --preset, --config or --set is a UsageError here, before anything is pushed. None: that
+    payload has no config code to ask (its pre-flight in the container decides)."""
+    from .payload import default_source
+    from .trainer_config import check_config
+
+    return check_config(source or default_source(), config_file, preset, trainer_sets(RUN_DIR_TOKEN, gpus, overrides))
 
 
 def start_run(
@@ -145,13 +134,15 @@ def start_run(
     restart: dict[str, Any] | None = None,
     on_event: Sequence[str] = (),
     queue: bool = False,
+    config: dict[str, Any] | None = None,
 ) -> StartedRun:
     """Start the trainer detached on target. The trainer's pre-flight (config and devices, nothing
     built), the GPU check and the start happen under one remote lock; a bad config is a
     UsageError and a missing module a ContainerError, and neither leaves a run behind.
 
     run_id: use this id instead of a fresh one (a multi-host run has one id on every node);
-    group: the multi-host membership recorded in run.json (multihost.py)."""
+    group: the multi-host membership recorded in run.json (multihost.py); config: what
+    check_trainer_config resolved before the push, recorded in run.json."""
     host = target.host
     config_path = f"{RUN_DIR_TOKEN}/{CONFIG_NAME}" if config_file else None
     spec = {
@@ -160,7 +151,7 @@ def start_run(
         "cwd": f"{host.workdir}/payload",
         "name": name,
         "host": host.name,
-        "config": resolved_config(config_file, overrides),
+        "config": config,
         "config_name": CONFIG_NAME,
         "config_text": config_file.read_text(encoding="utf-8") if config_file else None,
         "overrides": list(overrides),

@@ -6,6 +6,7 @@ carries runs for real: sshd, the pct shim, the remote script, the filesystem.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ from sshd import CLI, SHIM_VMID, SshdHost
 from dflashctl.containers import Target
 from dflashctl.errors import ConnectError, RemoteError
 from dflashctl.inventory import HostSpec
-from dflashctl.payload import push
+from dflashctl.payload import DEFAULT_IGNORES, DefaultIgnores, push
 from dflashctl.transport import LocalTransport, Process, Transport
 
 SUMMARY = re.compile(r"^pushed \d+ files? \([^)]+\), deleted \d+, unchanged \d+ in \d+\.\d s$")
@@ -427,3 +428,20 @@ def test_version_in_use_by_a_process_survives_later_pushes(source: Path, tmp_pat
     push(target, source)  # nothing to send, but the cleanup runs
     assert not version.exists()
     assert len(list((Path(target.host.workdir) / ".payload" / "v").iterdir())) == 2  # live + previous
+
+
+def test_default_ignores_match_as_pathspec_does():
+    """Without a .dflashignore push skips importing pathspec; its own matcher must agree with it."""
+    import pathspec
+
+    reference, ours = pathspec.GitIgnoreSpec.from_lines(list(DEFAULT_IGNORES)), DefaultIgnores()
+    names = ["__pycache__", "a.pyc", ".git", "build", "dist", "x.egg-info", "build.py", "mybuild", "a.pyco",
+             ".gitignore", "egg-info", "Build", "a.PYC", "x.pyc.txt", "[b]", "a b", "ü.pyc", ".pyc"]
+    checked = 0
+    for depth in range(3):
+        for parents in itertools.product(["pkg", "build", "a.pyc", "x.egg-info"], repeat=depth):
+            for name, slash in itertools.product(names, ("", "/")):
+                rel = "/".join([*parents, name]) + slash
+                assert ours.match_file(rel) == reference.match_file(rel), rel
+                checked += 1
+    assert checked == 2 * len(names) * (1 + 4 + 16)

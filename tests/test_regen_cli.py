@@ -160,6 +160,16 @@ def test_openai_engine_through_the_standin_with_retries(shim_work, tmp_path):
     assert (run["kind"], run["state"], run["gpus"]) == ("data", "succeeded", [])
 
 
+def test_a_typo_in_set_or_preset_is_refused_before_the_push(shim_work, tmp_path):
+    host, workdir = shim_work
+    push(host, tmp_path, "p.jsonl", token_rows(2))
+    for args, message in ((["--set", "target.nmu_layers=2"], "trainer config: unknown config key 'target.nmu_layers'"),
+                          (["--preset", "huge"], "trainer config: unknown preset 'huge'")):
+        res = host.run_cli("data", "regen", "shim", "--prompts", "p", "--out", "x", *args, "--detach", timeout=120)
+        assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), res.stderr
+    assert not (workdir / "payload").exists()
+
+
 def test_bad_input_is_one_line_before_anything_starts(shim_work, tmp_path):
     host, workdir = shim_work
     push(host, tmp_path, "p.jsonl", token_rows(2))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -26,14 +27,15 @@ from dflashctl.runs import (
     RUN_DIR_TOKEN,
     list_runs,
     resume_run,
+    check_trainer_config,
     parse_gpus,
-    resolved_config,
     show_run,
     start_run,
     stop_run,
     trainer_argv,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 LONG = ["run.steps=100000", "standin.step_time=0.05"]
 
 
@@ -79,7 +81,7 @@ def test_trainer_argv_places_gpus_and_output_dir_before_user_overrides():
     assert not any("device" in a or "gpus" in a for a in trainer_argv(host, RUN_DIR_TOKEN, None, [], [CPU]))
 
 
-def test_parse_gpus_and_resolved_config(tmp_path):
+def test_parse_gpus(tmp_path):
     host = HostSpec(name="h", gpus=(0, 1))
     assert parse_gpus(None, host) == ["0", "1"]
     assert parse_gpus(None, HostSpec(name="l", transport="local")) == [CPU]
@@ -87,23 +89,38 @@ def test_parse_gpus_and_resolved_config(tmp_path):
     for bad in ("0,0", "a", "1,"):
         with pytest.raises(UsageError):
             parse_gpus(bad, host)
+
+
+def test_the_trainers_own_config_code_checks_the_options(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("run: {steps: 5}\nname: x\n")
-    assert resolved_config(cfg, ["run.steps=7", "optim.lr=0.001", "name.sub=1"]) == {
-        "run": {"steps": 7}, "optim": {"lr": 1e-3}, "name": {"sub": 1}}
-    with pytest.raises(UsageError):
-        resolved_config(None, ["novalue"])
-    with pytest.raises(UsageError, match=r"^--set 'run.steps=\[': the value is not valid YAML \(expected the node content"):
-        resolved_config(None, ["run.steps=["])
+    cfg.write_text("run: {steps: 5}\n")
+    checked = check_trainer_config(None, cfg, "tiny", ["optim.lr=0.001", "run.export_dir={run_dir}/export"], ["1"])
+    assert checked is not None and checked["run"]["steps"] == 5 and checked["optim"]["lr"] == 1e-3
+    assert (checked["run"]["export_dir"], checked["run"]["output_dir"]) == ("{run_dir}/export", RUN_DIR_TOKEN)
+    assert checked["run"]["device"] == "cuda:1"  # dflashctl's own --set items are checked with the user's
+    for bad, message in (("novalue", "not of the form key=value"), ("run.steps=[", "run.steps: the value '['"),
+                         ("run.stpes=3", "unknown config key 'run.stpes'")):
+        with pytest.raises(UsageError, match=rf"^trainer config: .*{re.escape(message)}"):
+            check_trainer_config(None, None, None, [bad], [CPU])
+    with pytest.raises(UsageError, match="^trainer config: unknown preset 'huge'"):
+        check_trainer_config(None, None, "huge", [], [CPU])
+    # A payload without the trainer's config code (another trainer): its pre-flight decides.
+    assert check_trainer_config(install_standin(tmp_path / "standin"), None, None, ["standin.x=1"], [CPU]) is None
 
 
-def test_bad_override_fails_before_anything_is_pushed(shim_host, tmp_path):
-    source = install_standin(tmp_path / "payload_src")
-    res = shim_host.run_cli("train", "shim", "--source", str(source), "--detach", "--set", "run.steps=[")
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines() == [
-        "error: --set 'run.steps=[': the value is not valid YAML (expected the node content, but found '<stream end>')"]
-    assert not (shim_host.container_dir(SHIM_VMID) / "work" / "payload").exists()
+def test_a_typo_in_set_fails_before_the_push_and_the_host_keeps_its_payload(shim_host, tmp_path):
+    source = tmp_path / "payload_src"
+    shutil.copytree(REPO / "remote_payload", source, ignore=shutil.ignore_patterns("__pycache__"))
+    assert shim_host.run_cli("push", "shim", "--source", str(source)).returncode == 0
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    live, versions = os.readlink(workdir / "payload"), sorted(os.listdir(workdir / ".payload" / "v"))
+    (source / "changed.txt").write_text("a change the next push would carry\n")
+    res = shim_host.run_cli("train", "shim", "--source", str(source), "--detach", "--set", "run.stpes=3")
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("error: trainer config: unknown config key 'run.stpes' (keys in run: steps, ")
+    assert os.readlink(workdir / "payload") == live and sorted(os.listdir(workdir / ".payload" / "v")) == versions
+    assert not (workdir / "runs").exists() or not any((workdir / "runs").iterdir())
 
 
 # --- end to end through sshd + pct shim ----------------------------------------------------------
@@ -126,7 +143,7 @@ def test_train_follow_pushes_runs_and_stores_hostile_name_literally(shim, tmp_pa
     assert f"run {run_id} succeeded".encode() in res.stderr
     info = meta(workdir, run_id)
     assert info["name"] == name and info["payload_hash"] and info["gpus"] == [CPU]
-    assert info["config"] == {"standin.lines": 2, "run": {"steps": 5}}
+    assert info["config"] is None  # the stand-in payload has no config code to check it before the push
     table = host.run_cli("runs", "list", "shim")
     assert "$(touch" in table.stdout and "[bold]x[/]" in table.stdout
     assert not marker.exists()

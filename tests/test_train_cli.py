@@ -15,6 +15,7 @@ import venv
 from pathlib import Path
 
 import pytest
+import yaml
 from runs_helpers import install_standin, meta, run_dir, wait_until
 from sshd import SHIM_VMID
 
@@ -34,11 +35,31 @@ def shim_workdir(shim_host):
 
 def test_bad_set_value_is_the_trainers_one_line_and_no_run(shim_workdir):
     host, workdir = shim_workdir
+    # Checked here by the trainer's config code before the push: the one line, nothing pushed.
     res = host.run_cli("train", "shim", "--set", "run.steps=abc", "--detach", timeout=180)
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.strip().splitlines() == ["error: trainer config: run.steps must be int, got 'abc'"]
+    assert not (workdir / "payload").exists()
+    # --no-push: the payload in the container decides, in its pre-flight; no run is left either.
+    assert host.run_cli("push", "shim").returncode == 0
+    res = host.run_cli("train", "shim", "--no-push", "--set", "run.steps=abc", "--detach", timeout=180)
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines()[-1] == "error: shim (pct 200): trainer config: run.steps must be int, got 'abc'"
     assert "started run" not in res.stderr and res.stdout == ""
     assert runs_in(workdir) == []
+
+
+def test_run_dir_unquoted_in_set_reaches_the_resolved_config(shim_workdir):
+    host, workdir = shim_workdir
+    res = host.run_cli("train", "shim", "--set", "run.export_dir={run_dir}/export", "--set", "run.steps=1",
+                       "--set", "run.spec_prompts=0", "--follow", timeout=300)
+    assert res.returncode == 0, res.stderr
+    (run_id,) = runs_in(workdir)
+    run = workdir / "runs" / run_id
+    resolved = yaml.safe_load((run / "config.resolved.yaml").read_text())
+    assert resolved["run"]["export_dir"] == f"{run}/export" and (run / "export").is_dir()
+    # run.json keeps what the trainer's config code resolved before the push, the token unfilled.
+    assert meta(workdir, run_id)["config"]["run"]["export_dir"] == "{run_dir}/export"
 
 
 def test_gpus_on_a_machine_without_cuda_is_refused_before_a_run_exists(shim_workdir):

@@ -236,15 +236,36 @@ def _build(preset: str, file_data: dict[str, Any], overrides: list[str]) -> Conf
     _apply_dict(cfg, PRESETS[preset], "")
     _apply_dict(cfg, file_data, "")
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        set_key(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        set_override(cfg, item)
     return cfg
 
 
-def set_key(cfg: Config, dotted: str, value: Any) -> None:
-    """Set one dotted key (e.g. `run.steps`) with type coercion."""
+def set_override(cfg: Config, item: str) -> None:
+    """Apply one `a.b=value` override. The value is YAML (`run.gpus=[0,1]`, `target.path=null`),
+    except that a string field takes text YAML cannot read or reads as a mapping, list or number
+    as the plain string it is (`run.export_dir={run_dir}/export` needs no quotes)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    dotted = key.strip()
+    section, name, hint = _field(cfg, dotted)
+    if not raw.strip():
+        value = None
+    else:
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            if not _takes_str(hint):
+                why = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+                raise ConfigError(f"{dotted}: the value {raw!r} is not valid YAML ({why})") from None
+            value = raw.strip()
+        if _takes_str(hint) and isinstance(value, (dict, list, int, float)) and not isinstance(value, bool):
+            value = raw.strip()
+    setattr(section, name, _coerce(value, hint, dotted))
+
+
+def _field(cfg: Config, dotted: str) -> tuple[Any, str, Any]:
+    """(section, field name, type hint) of a dotted key; ConfigError naming the known keys if none."""
     section_name, _, name = dotted.partition(".")
     section = getattr(cfg, section_name, None) if section_name in _field_names(cfg) else None
     if section is None or not name:
@@ -252,8 +273,12 @@ def set_key(cfg: Config, dotted: str, value: Any) -> None:
     if name not in _field_names(section):
         raise ConfigError(f"unknown config key {dotted!r} (keys in {section_name}: "
                           f"{', '.join(_field_names(section))})")
-    hint = typing.get_type_hints(type(section))[name]
-    setattr(section, name, _coerce(value, hint, dotted))
+    return section, name, typing.get_type_hints(type(section))[name]
+
+
+def _takes_str(hint: Any) -> bool:
+    """Whether a field's type is str or str | None."""
+    return hint is str or (typing.get_origin(hint) in (typing.Union, types.UnionType) and str in typing.get_args(hint))
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -73,6 +73,22 @@ def test_bare_off_is_a_string_not_false(tmp_path):
     assert load_config(overrides=["run.compile=off"]).run.compile == "off"
 
 
+def test_plain_strings_stay_strings_without_quotes():
+    cfg = load_config(overrides=["run.export_dir={run_dir}/export", "run.output_dir={run_dir}",
+                                 "data.train_path=a: b", "target.path=12", "run.device='cuda:0'"])
+    assert (cfg.run.export_dir, cfg.run.output_dir) == ("{run_dir}/export", "{run_dir}")
+    assert (cfg.data.train_path, cfg.target.path, cfg.run.device) == ("a: b", "12", "cuda:0")
+    assert load_config(overrides=["target.path=null"]).target.path is None  # YAML still speaks for null
+
+
+@pytest.mark.parametrize("override", ["run.steps=[", "run.gpus=[0,", "optim.lr={x}"])
+def test_a_value_yaml_cannot_read_names_its_key(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}") as err:
+        load_config(overrides=[override])
+    assert "\n" not in str(err.value)
+
+
 def test_unknown_yaml_key_and_preset(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("data:\n  maxlen: 3\n")
