@@ -191,6 +191,10 @@ def save_tokenizer(tok, out: Path) -> dict[str, int]:
                                    additional_special_tokens=[IM_START, MASK])
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
+    # transformers 5 keeps the template in chat_template.jinja; 4.x reads it from here.
+    config_file = out / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": CHAT_TEMPLATE},
+                                      indent=2) + "\n")
     return {name: tok.token_to_id(name) for name in SPECIALS}
 
 
@@ -266,9 +270,9 @@ def train_model(config, stream, opts: BuildOptions, device, deadline: float, log
         optim.zero_grad(set_to_none=True)
         step += 1
         if step % 100 == 0 or step == 1:
-            loss_value = float(loss)
+            loss_value = loss.detach().item()
             log(f"build: step {step} loss {loss_value:.3f} ({time.monotonic() - t0:.0f} s)")
-    loss_value = float(loss) if step else loss_value
+    loss_value = loss.detach().item() if step else loss_value
     return model.eval(), step, loss_value
 
 
