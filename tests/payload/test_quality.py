@@ -5,9 +5,10 @@ from packages the target never saw: the drafter must have learned (tau well abov
 beat the free baseline, n-gram prompt lookup, by a stated margin. A change that breaks learning
 fails here.
 
-What the tiny target is: 0.2M parameters trained for 250 steps (loss ~3.3 nats/token), so its
-greedy text is mostly blank lines, comment markers and short identifiers; real in origin, but no
-quality figure for users (that is bench/quality.py on a GPU, docs/quality.md).
+What the tiny target is: 0.2M parameters trained for 120 steps (loss ~4.5 nats/token), so its
+greedy text is mostly runs of blank lines and short repeated fragments (`self.assertEqual(self):`);
+real in origin, learnable, but no quality figure for users (that is bench/quality.py on a GPU,
+docs/quality.md).
 """
 
 import json
@@ -31,16 +32,18 @@ pytest.importorskip("transformers")
 
 BLOCK = 8  # drafter block: 7 drafted tokens per verify step, for the drafter and for prompt lookup alike
 NEW_TOKENS = 48  # per prompt, in the training rows and in the evaluation
-DRAFTER_STEPS = 150
-# Measured on the 2-core CPU box (torch 2.13, Python 3.11's stdlib), 2026-12-02; docs/quality.md.
-MIN_TAU = 1.5
-MIN_RATIO_OVER_LOOKUP = 1.05
+DRAFTER_STEPS = 300
+DRAFTER_LR = 5e-3
+# Measured on the 2-core CPU box (torch 2.13, Python 3.11's stdlib), 2026-12-02, build seeds 0-2
+# (run.seed the same): tau 4.23 / 3.65 / 8.00, 1.28 / 1.23 / 2.05x prompt lookup; docs/quality.md.
+MIN_TAU = 2.5
+MIN_RATIO_OVER_LOOKUP = 1.1
 
 
 def tiny_options(out: Path, seed: int = 0) -> "build_target.BuildOptions":
     """The CI target: fixed steps and seeds, one torch thread, a 1 MB slice of the stdlib."""
     return build_target.BuildOptions(
-        out=out, size="tiny", steps=250, seq_len=128, batch_size=16, lr=3e-3, seed=seed, device="cpu",
+        out=out, size="tiny", steps=120, seq_len=128, batch_size=16, lr=3e-3, seed=seed, device="cpu",
         max_corpus_mb=1.0, tokenizer_mb=1.0, train_prompts=192, eval_prompts=16, prompt_chars=160,
         cpu_threads=1)
 
@@ -55,13 +58,14 @@ def tiny_real_target(tmp_path_factory) -> Path:
 
 
 def lookup_tau(prompt: list[int], reference: list[int], k: int, limit: int | None = None,
-               max_ngram: int = 3) -> tuple[int, int]:
+               max_ngram: int = 2) -> tuple[int, int]:
     """Prompt lookup against a greedy reference, stepped as speculate.speculate steps (the first
-    token is the prefill's own; steps go on while fewer than `limit` tokens are out): the longest
-    suffix n-gram (n <= max_ngram) of prompt + text so far, the k tokens after its latest earlier
-    occurrence drafted, accepted while they match the reference (greedy: lossless), plus the
-    target's bonus token. (tokens produced, verify steps); the reference must reach past `limit`
-    by k + 1 tokens for the last step to count in full."""
+    token is the prefill's own; steps go on while fewer than `limit` tokens are out). The rule of
+    transformers' prompt-lookup decoding: the last n tokens (n = max_ngram down to 1) are looked
+    up in prompt + text so far, earliest occurrence first; the first one followed by any token
+    gives the draft, up to k tokens after it. Drafts count while they match the reference
+    (greedy: lossless), plus the target's bonus token. (tokens produced, verify steps); the
+    reference must reach k + 1 tokens past `limit` for the last step to count in full."""
     limit = len(reference) if limit is None else limit
     produced = steps = 0
     pos = 1
@@ -70,7 +74,7 @@ def lookup_tau(prompt: list[int], reference: list[int], k: int, limit: int | Non
         draft: list[int] = []
         for n in range(min(max_ngram, len(context) - 1), 0, -1):
             tail = context[-n:]
-            at = next((j for j in range(len(context) - n - 1, -1, -1) if context[j:j + n] == tail), None)
+            at = next((j for j in range(len(context) - n) if context[j:j + n] == tail), None)
             if at is not None:
                 draft = context[at + n:at + n + k]
                 break
@@ -107,6 +111,7 @@ def drafter_against_lookup(target_dir: Path, work: Path, seed: int = 0) -> dict:
         f"target.path={target_dir}", "data.source=jsonl", f"data.train_path={rows}", f"data.max_length={longest}",
         f"drafter.block_size={BLOCK}", f"run.steps={DRAFTER_STEPS}", f"run.eval_every={DRAFTER_STEPS}",
         f"run.checkpoint_every={DRAFTER_STEPS}", f"run.log_every={DRAFTER_STEPS}", "run.spec_prompts=0",
+        f"optim.lr={DRAFTER_LR}",
         f"run.seed={seed}", f"run.output_dir={run_dir}"])
     assert run_training(cfg, log=lambda line: None) == 0
     held_out = read_prompts(str(target_dir / "heldout-prompts.jsonl"))
@@ -155,5 +160,6 @@ def test_the_built_target_loads_in_the_trainer_as_in_transformers(tiny_real_targ
 def test_a_short_drafter_run_beats_prompt_lookup_on_held_out_prompts(tiny_real_target, tmp_path):
     figures = drafter_against_lookup(tiny_real_target, tmp_path)
     assert figures["identical"] and figures["prompts"] == 16
+    print(f"quality check: {figures}")
     assert figures["tau"] >= MIN_TAU, figures
     assert figures["tau"] >= MIN_RATIO_OVER_LOOKUP * figures["lookup_tau"], figures
