@@ -205,12 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     plan = DRY if args.dry_run else GPU
     if args.reuse and args.work is None:
         raise SystemExit("--reuse needs --work: the workdir of the earlier call")
+    try:
+        minutes = [float(m) for m in (args.minutes or plan.minutes).split(",") if m.strip()]
+    except ValueError:
+        raise SystemExit(f"--minutes {args.minutes!r}: expected numbers separated by commas, e.g. 1,2,4") from None
+    if not minutes or min(minutes) <= 0:
+        raise SystemExit(f"--minutes {args.minutes!r}: expected positive numbers, e.g. 1,2,4")
+    recipes = [(name, sets + args.sets) for name, sets in parse_recipes(args.recipe, DRY_RECIPE if args.dry_run
+                                                                         else DEFAULT_RECIPE)]
     # A fresh directory by default: two benches on one machine must not wipe each other's.
     out, work = Path(args.out), args.work or Path(tempfile.mkdtemp(prefix="dflash-quality-"))
     out.mkdir(parents=True, exist_ok=True)
-    minutes = [float(m) for m in (args.minutes or plan.minutes).split(",") if m.strip()]
-    recipes = [(name, sets + args.sets) for name, sets in parse_recipes(args.recipe, DRY_RECIPE if args.dry_run
-                                                                         else DEFAULT_RECIPE)]
     bench = Bench(out, work, plan, args.budget_min, args.reuse)
     result: dict = {"minutes": minutes, "recipes": dict(recipes), "plan": plan.__dict__, "rows": []}
 

@@ -155,6 +155,8 @@ def test_the_built_target_loads_in_the_trainer_as_in_transformers(tiny_real_targ
     ids_, mask = tokenize_chat([{"role": "user", "content": "def f():"},
                                 {"role": "assistant", "content": "return 1"}], tok)
     assert tok.decode(ids_[mask]) == "return 1<|im_end|>"
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # what eval and regen continue
 
 
 def test_a_short_drafter_run_beats_prompt_lookup_on_held_out_prompts(tiny_real_target, tmp_path):
