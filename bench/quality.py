@@ -8,8 +8,9 @@
 The whole GPU bench (4-minute build, regeneration of 16,384 prompts x 256 tokens, a calibration
 compile, the points and their evaluations) outgrows one 10-minute device call: split it, e.g.
 `python3 bench/build_target.py --out /tmp/qwen3-py` in one call, then `bench/quality.py --target
-/tmp/qwen3-py --minutes 1,2` and `--reuse --minutes 4` (same --work: the regenerated data and
-the compile cache stay) in the next ones, on the same warm machine.
+/tmp/qwen3-py --work /tmp/qb --minutes 1,2` and `--target /tmp/qwen3-py --work /tmp/qb --reuse
+--minutes 4` (the regenerated data and the compile cache stay) in the next ones, on the same
+warm machine. Without --work each call gets a fresh directory under the temp dir.
 
 Steps, each a `dflashctl` process against an inventory with the `local` host (no SSH):
   build      bench/build_target.py: a Qwen3 target trained on the standard library's Python source
@@ -38,6 +39,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     """Build, push, regenerate, train and evaluate; print the table; 1 if a step failed."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "quality_out")
-    ap.add_argument("--work", default="/tmp/dflash-quality-bench", help="scratch workdir (wiped first)")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="scratch workdir, wiped first (default: a new directory under the temp dir)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep --work from an earlier call: its target, regenerated data and compile cache")
     ap.add_argument("--rows", type=int, default=None, help="regenerate only the first N training prompts")
@@ -200,11 +203,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script itself")
     args = ap.parse_args(argv)
     plan = DRY if args.dry_run else GPU
-    out, work = Path(args.out), Path(args.work)
-    out.mkdir(parents=True, exist_ok=True)
-    minutes = [float(m) for m in (args.minutes or plan.minutes).split(",") if m.strip()]
+    if args.reuse and args.work is None:
+        raise SystemExit("--reuse needs --work: the workdir of the earlier call")
+    try:
+        minutes = [float(m) for m in (args.minutes or plan.minutes).split(",") if m.strip()]
+    except ValueError:
+        raise SystemExit(f"--minutes {args.minutes!r}: expected numbers separated by commas, e.g. 1,2,4") from None
+    if not minutes or min(minutes) <= 0:
+        raise SystemExit(f"--minutes {args.minutes!r}: expected positive numbers, e.g. 1,2,4")
     recipes = [(name, sets + args.sets) for name, sets in parse_recipes(args.recipe, DRY_RECIPE if args.dry_run
                                                                          else DEFAULT_RECIPE)]
+    # A fresh directory by default: two benches on one machine must not wipe each other's.
+    out, work = Path(args.out), args.work or Path(tempfile.mkdtemp(prefix="dflash-quality-"))
+    out.mkdir(parents=True, exist_ok=True)
     bench = Bench(out, work, plan, args.budget_min, args.reuse)
     result: dict = {"minutes": minutes, "recipes": dict(recipes), "plan": plan.__dict__, "rows": []}
 

@@ -34,8 +34,9 @@ BLOCK = 8  # drafter block: 7 drafted tokens per verify step, for the drafter an
 NEW_TOKENS = 48  # per prompt, in the training rows and in the evaluation
 DRAFTER_STEPS = 300
 DRAFTER_LR = 5e-3
-# Measured on the 2-core CPU box (torch 2.13, Python 3.11's stdlib), 2026-12-02, build seeds 0-2
-# (run.seed the same): tau 4.23 / 3.65 / 8.00, 1.28 / 1.23 / 2.05x prompt lookup; docs/quality.md.
+# Measured on the 2-core CPU box (torch 2.13, Python 3.11's stdlib), 2026-12-02, build seeds 0-3
+# (run.seed the same): tau 4.23 / 3.65 / 8.00 / 8.00, 1.28 / 1.23 / 2.05 / 1.65x prompt lookup;
+# seed 0 on Python 3.12's and 3.13's stdlib 1.66x and 2.05x. docs/quality.md.
 MIN_TAU = 2.5
 MIN_RATIO_OVER_LOOKUP = 1.1
 
@@ -53,7 +54,6 @@ def tiny_real_target(tmp_path_factory) -> Path:
     """The tiny target directory, built once per session."""
     out = tmp_path_factory.mktemp("real-target") / "target"
     build_target.build(tiny_options(out), log=lambda line: None)
-    torch.set_num_threads(1)  # the builder may have changed it; the payload tests run on one thread
     return out
 
 
@@ -155,6 +155,8 @@ def test_the_built_target_loads_in_the_trainer_as_in_transformers(tiny_real_targ
     ids_, mask = tokenize_chat([{"role": "user", "content": "def f():"},
                                 {"role": "assistant", "content": "return 1"}], tok)
     assert tok.decode(ids_[mask]) == "return 1<|im_end|>"
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # what eval and regen continue
 
 
 def test_a_short_drafter_run_beats_prompt_lookup_on_held_out_prompts(tiny_real_target, tmp_path):
