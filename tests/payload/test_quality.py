@@ -32,13 +32,13 @@ pytest.importorskip("transformers")
 
 BLOCK = 8  # drafter block: 7 drafted tokens per verify step, for the drafter and for prompt lookup alike
 NEW_TOKENS = 48  # per prompt, in the training rows and in the evaluation
-DRAFTER_STEPS = 300
+DRAFTER_STEPS = 900
 DRAFTER_LR = 5e-3
-# Measured on the 2-core CPU box (torch 2.13, Python 3.11's stdlib), 2026-12-02, build seeds 0-3
-# (run.seed the same): tau 4.23 / 3.65 / 8.00 / 8.00, 1.28 / 1.23 / 2.05 / 1.65x prompt lookup;
-# seed 0 on Python 3.12's and 3.13's stdlib 1.66x and 2.05x. docs/quality.md.
+# Measured on the 2-core CPU box (torch 2.13, Python 3.11's stdlib), 2026-12-02, against the eval's
+# own prompt lookup (3-gram, 7 tokens, tau 4.35 pooled on these prompts): drafter tau 4.18 after
+# 300 steps (0.96x: lost), 5.15 after 600 (1.19x), 5.49 after 900 (1.26x). docs/quality.md.
 MIN_TAU = 2.5
-MIN_RATIO_OVER_LOOKUP = 1.1
+MIN_RATIO_OVER_LOOKUP = 1.15
 
 
 def tiny_options(out: Path, seed: int = 0) -> "build_target.BuildOptions":
@@ -55,37 +55,6 @@ def tiny_real_target(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("real-target") / "target"
     build_target.build(tiny_options(out), log=lambda line: None)
     return out
-
-
-def lookup_tau(prompt: list[int], reference: list[int], k: int, limit: int | None = None,
-               max_ngram: int = 2) -> tuple[int, int]:
-    """Prompt lookup against a greedy reference, stepped as speculate.speculate steps (the first
-    token is the prefill's own; steps go on while fewer than `limit` tokens are out). The rule of
-    transformers' prompt-lookup decoding: the last n tokens (n = max_ngram down to 1) are looked
-    up in prompt + text so far, earliest occurrence first; the first one followed by any token
-    gives the draft, up to k tokens after it. Drafts count while they match the reference
-    (greedy: lossless), plus the target's bonus token. (tokens produced, verify steps); the
-    reference must reach k + 1 tokens past `limit` for the last step to count in full."""
-    limit = len(reference) if limit is None else limit
-    produced = steps = 0
-    pos = 1
-    while pos < limit:
-        context = prompt + reference[:pos]
-        draft: list[int] = []
-        for n in range(min(max_ngram, len(context) - 1), 0, -1):
-            tail = context[-n:]
-            at = next((j for j in range(len(context) - n) if context[j:j + n] == tail), None)
-            if at is not None:
-                draft = context[at + n:at + n + k]
-                break
-        accepted = 0
-        while (accepted < len(draft) and pos + accepted + 1 < len(reference)
-               and draft[accepted] == reference[pos + accepted]):
-            accepted += 1
-        steps += 1
-        produced += accepted + 1
-        pos += accepted + 1
-    return produced, steps
 
 
 def greedy_rows(target_dir: Path, prompts_file: Path, out: Path) -> int:
@@ -111,27 +80,14 @@ def drafter_against_lookup(target_dir: Path, work: Path, seed: int = 0) -> dict:
         f"target.path={target_dir}", "data.source=jsonl", f"data.train_path={rows}", f"data.max_length={longest}",
         f"drafter.block_size={BLOCK}", f"run.steps={DRAFTER_STEPS}", f"run.eval_every={DRAFTER_STEPS}",
         f"run.checkpoint_every={DRAFTER_STEPS}", f"run.log_every={DRAFTER_STEPS}", "run.spec_prompts=0",
-        f"optim.lr={DRAFTER_LR}",
+        f"optim.lr={DRAFTER_LR}", "drafter.num_layers=1", "data.anchors_per_seq=8", "data.batch_size=8",
         f"run.seed={seed}", f"run.output_dir={run_dir}"])
     assert run_training(cfg, log=lambda line: None) == 0
     held_out = read_prompts(str(target_dir / "heldout-prompts.jsonl"))
+    # As `dflashctl eval` reports it: the drafter and, on the same decode path, prompt lookup.
     report = evaluate_run(run_dir, held_out, NEW_TOKENS, len(held_out), "cpu")
-    target = load_hf_target(target_dir, [], "cpu", torch.float32, whole=True)
-    prompts = encode_prompts(held_out, str(target_dir), target.cfg.vocab_size)
-    produced = steps = 0
-    for prompt, reference in zip(prompts, generate(target, prompts, NEW_TOKENS + BLOCK)):
-        p, s = lookup_tau(prompt, reference, BLOCK - 1, NEW_TOKENS)
-        produced, steps = produced + p, steps + s
-    return {"tau": report["tau"], "identical": report["identical"], "lookup_tau": produced / steps,
-            "prompts": len(prompts)}
-
-
-def test_lookup_tau_counts_accepted_drafts_and_the_bonus():
-    # "1 2 3 1 2 3 ...": once "1 2 3" is in the context, the lookup drafts the repeat in full.
-    produced, steps = lookup_tau([1, 2, 3], [1, 2, 3, 1, 2, 3, 1, 2, 3], k=3)
-    assert (produced, steps) == (8, 2)  # after the prefill's token: 3 drafts + the bonus, twice
-    produced, steps = lookup_tau([5, 6], [7, 8, 9], k=3)  # nothing to copy: one token per step
-    assert (produced, steps) == (2, 2)
+    return {"tau": report["tau"], "identical": report["identical"], "lookup_tau": report["baseline"]["tau"],
+            "lookup_identical": report["baseline"]["identical"], "prompts": report["prompts"]}
 
 
 def test_the_built_target_loads_in_the_trainer_as_in_transformers(tiny_real_target):
