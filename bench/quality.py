@@ -46,8 +46,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REGEN_NAME = "quality-regen"
-# The issue's measured recipe (12,000 steps of it reached tau 5.21 on the GPU target).
-DEFAULT_RECIPE = "issue26 drafter.num_layers=3 drafter.block_size=16 data.max_length=512 data.anchors_per_seq=64 data.batch_size=16"
+# The product's own defaults for this target (the real-target preset: no overrides).
+DEFAULT_RECIPE = "default"
+# What a run with target.path trained before the recipe followed the target (the tiny preset).
+OLD_DEFAULTS = ("old-defaults drafter.num_layers=1 drafter.block_size=8 data.max_length=64 data.anchors_per_seq=8 "
+                "data.batch_size=8 optim.lr=2e-3 run.spec_prompts=16 run.spec_new_tokens=64")
 DRY_RECIPE = "tiny drafter.num_layers=1 drafter.block_size=8 data.max_length=160 data.anchors_per_seq=16 data.batch_size=8"
 
 
@@ -141,11 +144,13 @@ class Bench:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-    def train(self, target: Path, recipe: list[str], steps: int, name: str) -> tuple[str | None, list[dict], float]:
-        """One `train local ... --follow` of `steps` steps: (run id or None, its records, CLI seconds)."""
+    def train(self, target: Path, recipe: list[str], steps: int, name: str,
+              evals: int = 1) -> tuple[str | None, list[dict], float]:
+        """One `train local ... --follow` of `steps` steps, evaluated `evals` times in training:
+        (run id or None, its records, CLI seconds)."""
         every = max(1, steps // 20)
         sets = [f"target.path={target}", "data.source=jsonl", f"data.train_path=data:{REGEN_NAME}.jsonl", *recipe,
-                f"run.steps={steps}", f"run.log_every={every}", f"run.eval_every={steps}",
+                f"run.steps={steps}", f"run.log_every={every}", f"run.eval_every={max(1, steps // evals)}",
                 f"run.checkpoint_every={steps}"]
         code, out, err, secs = self.cli("train", "local", *self.plan.gpus, *[a for s in sets for a in ("--set", s)],
                                         "--name", name, "--follow", what=f"train {name}", timeout=self.left(1800))
@@ -171,10 +176,10 @@ def steady_step_s(records: list[dict]) -> float | None:
     return statistics.median(times) if times else None
 
 
-def parse_recipes(given: list[str], default: str) -> list[tuple[str, list[str]]]:
+def parse_recipes(given: list[str]) -> list[tuple[str, list[str]]]:
     """`--recipe 'NAME key=v key=v'` values as (name, overrides)."""
     recipes = []
-    for text in given or [default]:
+    for text in given:
         name, *sets = text.split()
         bad = [s for s in sets if "=" not in s]
         if bad or not name or "=" in name:
@@ -195,9 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=Path, default=None,
                     help="the target directory: reused when it holds a build, else built there (default: in --work)")
     ap.add_argument("--minutes", default=None, help="training minutes per point, e.g. 2,5,10 (default 1,2,4)")
+    ap.add_argument("--steps", default=None,
+                    help="training steps per point instead of --minutes (no calibration run), e.g. 2500,6000")
+    ap.add_argument("--evals", type=int, default=1,
+                    help="in-training evaluations per run (held-out split, the trainer's own decode)")
+    ap.add_argument("--agreement", action="store_true",
+                    help="at each recipe's last point, also `eval` the run's held-out split as the trainer did "
+                         "(its spec_prompts x spec_new_tokens): in-training tau against eval's")
     ap.add_argument("--recipe", action="append", default=[],
                     help="'NAME key=value ...' trainer overrides of one recipe (repeatable: each is trained at "
                          "every point)")
+    ap.add_argument("--old-defaults", action="store_true",
+                    help="also train what target.path got before the recipe followed the target (the tiny recipe)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="key=value for every recipe's runs")
     ap.add_argument("--budget-min", type=float, default=60.0, help="stop starting steps after this many minutes")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script itself")
@@ -211,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--minutes {args.minutes!r}: expected numbers separated by commas, e.g. 1,2,4") from None
     if not minutes or min(minutes) <= 0:
         raise SystemExit(f"--minutes {args.minutes!r}: expected positive numbers, e.g. 1,2,4")
-    recipes = [(name, sets + args.sets) for name, sets in parse_recipes(args.recipe, DRY_RECIPE if args.dry_run
-                                                                         else DEFAULT_RECIPE)]
+    given = args.recipe or [DRY_RECIPE if args.dry_run else DEFAULT_RECIPE]
+    recipes = [(name, sets + args.sets) for name, sets in parse_recipes(given + [OLD_DEFAULTS] * args.old_defaults)]
     # A fresh directory by default: two benches on one machine must not wipe each other's.
     out, work = Path(args.out), args.work or Path(tempfile.mkdtemp(prefix="dflash-quality-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -249,17 +263,21 @@ def main(argv: list[str] | None = None) -> int:
             return finish(1)
 
     failed = False
+    fixed_steps = [int(s) for s in args.steps.split(",")] if args.steps else None
     for name, recipe in recipes:
-        run_id, records, _ = bench.train(target, recipe, plan.calibrate_steps, f"calibrate-{name}")
-        step_s = steady_step_s(records)
-        if step_s is None:
-            bench.log(f"calibration of {name} failed: no step times")
-            failed = True
-            continue
-        bench.log(f"{name}: {step_s * 1e3:.2f} ms/step")
-        for point in minutes:
-            steps = max(2, round(point * 60 / step_s))
-            run_id, records, cli_s = bench.train(target, recipe, steps, f"{name}-{point:g}min")
+        if fixed_steps:
+            points = [(None, steps) for steps in fixed_steps]
+        else:
+            run_id, records, _ = bench.train(target, recipe, plan.calibrate_steps, f"calibrate-{name}")
+            step_s = steady_step_s(records)
+            if step_s is None:
+                bench.log(f"calibration of {name} failed: no step times")
+                failed = True
+                continue
+            bench.log(f"{name}: {step_s * 1e3:.2f} ms/step")
+            points = [(point, max(2, round(point * 60 / step_s))) for point in minutes]
+        for i, (point, steps) in enumerate(points):
+            run_id, records, cli_s = bench.train(target, recipe, steps, f"{name}-{steps}", args.evals)
             row = {"recipe": name, "minutes": point, "steps": steps, "run": run_id, "cli_s": round(cli_s, 1)}
             final = next((r for r in records if r.get("event") == "final"), None)
             if run_id is None or final is None:
@@ -268,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
                 result["rows"].append(row)
                 continue
             row.update(train_min=round(train_seconds(records) / 60, 2), held_out_loss=final.get("loss"),
-                       teacher_forced=final.get("acceptance_length"), in_training_tau=final.get("spec_tau"))
+                       teacher_forced=final.get("acceptance_length"), in_training_tau=final.get("spec_tau"),
+                       in_training_tau_mean=final.get("spec_tau_prompt_mean"),
+                       in_training_tau_se=final.get("spec_tau_prompt_se"), spec_eval_s=final.get("spec_eval_s"),
+                       in_training=[{k: r.get(k) for k in ("step", "loss", "spec_tau_prompt_mean", "spec_tau")}
+                                    for r in records if r.get("event") in ("eval", "final") and r.get("step")])
             code, text, _, _ = bench.cli("eval", "local", run_id, "--prompts", str(target / "heldout-prompts.jsonl"),
                                          "--max-new-tokens", str(plan.eval_new_tokens), "--count",
                                          str(plan.eval_count), *plan.gpus, "--json", what=f"eval {run_id}",
@@ -278,6 +300,21 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 report, failed = {}, True
             base_tau, base_speedup = baseline_figures(report)
+            if args.agreement and i == len(points) - 1:
+                cfg = (bench.work / "dflashctl" / "runs" / run_id / "config.resolved.yaml").read_text()
+                spec = {k: int(re.search(rf"^  {k}: (\d+)$", cfg, re.M).group(1))
+                        for k in ("spec_prompts", "spec_new_tokens")}
+                code, text, _, _ = bench.cli("eval", "local", run_id, "--max-new-tokens", str(spec["spec_new_tokens"]),
+                                             "--count", str(spec["spec_prompts"]), "--no-baseline", *plan.gpus,
+                                             "--json", what=f"eval {run_id} (the trainer's held-out split)",
+                                             timeout=bench.left(600))
+                try:
+                    same = json.loads(text)
+                    row.update(agreement_eval_tau_mean=same.get("tau_prompt_mean"), agreement_eval_tau=same.get("tau"))
+                except ValueError:
+                    failed = True
+            row.update(tau_mean=report.get("tau_prompt_mean"), lookup_tau_mean=(report.get("baseline") or {}).get(
+                "tau_prompt_mean"))
             row.update(tau=report.get("tau"), speedup=report.get("speedup"), step_cost=report.get("step_cost"),
                        identical=report.get("identical"), lookup_tau=base_tau, lookup_speedup=base_speedup,
                        tau_over_lookup=(report["tau"] / base_tau) if base_tau and report.get("tau") else None,
@@ -286,15 +323,18 @@ def main(argv: list[str] | None = None) -> int:
             bench.log("ROW " + json.dumps(row))
             result["rows"].append(row)
 
-    head = ("recipe", "min asked", "steps", "train min", "tau", "speedup", "lookup tau", "lookup speedup",
-            "tau/lookup", "held-out loss", "tf accept")
+    head = ("recipe", "steps", "train min", "tau mean/pooled", "speedup", "lookup tau mean/pooled", "lookup speedup",
+            "tau/lookup", "held-out loss", "tf accept", "in-training tau mean +- se", "eval on that split")
     bench.log("")
     bench.log(" | ".join(head))
     for r in result["rows"]:
-        bench.log(" | ".join([r["recipe"], f"{r['minutes']:g}", str(r["steps"]), fmt(r.get("train_min")),
-                              fmt(r.get("tau"), ".3f"), fmt(r.get("speedup")), fmt(r.get("lookup_tau"), ".3f"),
+        bench.log(" | ".join([r["recipe"], str(r["steps"]), fmt(r.get("train_min")),
+                              f"{fmt(r.get('tau_mean'))}/{fmt(r.get('tau'))}", fmt(r.get("speedup")),
+                              f"{fmt(r.get('lookup_tau_mean'))}/{fmt(r.get('lookup_tau'))}",
                               fmt(r.get("lookup_speedup")), fmt(r.get("tau_over_lookup")),
-                              fmt(r.get("held_out_loss"), ".3f"), fmt(r.get("teacher_forced"), ".2f")]))
+                              fmt(r.get("held_out_loss"), ".3f"), fmt(r.get("teacher_forced"), ".2f"),
+                              f"{fmt(r.get('in_training_tau_mean'))} +- {fmt(r.get('in_training_tau_se'))}",
+                              fmt(r.get("agreement_eval_tau_mean"))]))
     return finish(1 if failed else 0)
 
 
