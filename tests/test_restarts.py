@@ -115,7 +115,14 @@ def test_the_event_hook_runs_once_per_event_with_hostile_names_passed_literally(
                         "--on-event", command)
     assert res.returncode == 0, res.stderr
     wait_until(lambda: events.exists() and len(events.read_text().splitlines()) == 3, 60, "three events")
-    seen = [json.loads(line) for line in events.read_text().splitlines()]
+    wait_until(lambda: not hooks_running(events), 60, "the event hooks to end")
+    # Hooks run detached, so a slow one may write after the next: the order is the log's (fired
+    # in order); the hooks' file shows each ran once.
+    log = (run_dir(workdir, run_id) / "train.log").read_text()
+    assert [line.split()[-1] for line in log.splitlines() if line.startswith("dflashctl: event ")] == [
+        "started", "restarted", "succeeded"]
+    seen = sorted((json.loads(line) for line in events.read_text().splitlines()),
+                  key=lambda e: ["started", "restarted", "succeeded"].index(e["DFLASHCTL_EVENT"]))
     assert [e["DFLASHCTL_EVENT"] for e in seen] == ["started", "restarted", "succeeded"]
     assert all(e["DFLASHCTL_RUN_ID"] == run_id and e["DFLASHCTL_RUN_NAME"] == name for e in seen)
     assert seen[-1]["DFLASHCTL_STATE"] == "succeeded" and seen[-1]["DFLASHCTL_EXIT_CODE"] == "0"
