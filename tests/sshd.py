@@ -188,7 +188,7 @@ class SshdHost:
         self._proc = subprocess.Popen(
             [SSHD, "-D", "-e", "-f", str(config)], stdout=log, stderr=log, stdin=subprocess.DEVNULL
         )
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a bound: sshd starts in well under 1 s when idle
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 return False

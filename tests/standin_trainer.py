@@ -15,6 +15,8 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
   standin.preflight_signal  --preflight sends this signal (INT, TERM) to its parent, runctl start, as a
                         Ctrl-C during a slow pre-flight would, then hangs until it is killed
   standin.preflight_signal_client  the same, but to runctl start's parent: the client (local transport)
+  standin.hold_at       after that step, wait until run.output_dir/standin-release exists (or SIGTERM
+                        comes): a test acts on a running run, however slow the machine, then releases it
   standin.helper        true: start a helper process in the trainer's process group (as the compiler
                         runs ptxas) that logs any SIGTERM it gets; after its own SIGTERM the stand-in
                         then waits 0.5 s before it checkpoints, as a trainer does while a compile ends
@@ -84,6 +86,7 @@ def main():
     if flag(opts, "standin.fail_once") and os.path.exists(marker):
         fail_at = -1
     every = int(opts.get("standin.checkpoint_every", 0))
+    hold_at = int(opts.get("standin.hold_at", -1))
     ignore = flag(opts, "standin.ignore_sigterm")
     state = {"step": 0, "term": False}
 
@@ -118,6 +121,10 @@ def main():
             metrics.flush()
             if every and step % every == 0:
                 save(out, step)
+            if step == hold_at:
+                print("standin: holding after step %d" % step, flush=True)
+                while not os.path.exists(os.path.join(out, "standin-release")) and not state["term"]:
+                    time.sleep(0.05)
             if step == fail_at:
                 open(marker, "w").close()
                 print("standin: failing at step %d" % step, file=sys.stderr, flush=True)

@@ -89,7 +89,7 @@ def test_hang_is_killed_with_its_process_group_and_located(tmp_path: Path) -> No
     assert result["outcome"] == "hang" and result["error"].startswith("no result within 3 s")
     assert result["where"] == f"{tmp_path}/child.py:8 in stuck"
     grandchild = int(pid_file.read_text())
-    deadline = time.monotonic() + 5  # the kernel reaps the killed sleep asynchronously
+    deadline = time.monotonic() + 30  # a bound: the kernel reaps the killed sleep asynchronously
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(grandchild), "the hung child's process group outlived the timeout"

@@ -86,6 +86,19 @@ HOOK = ("import json, os, sys; keys = ('DFLASHCTL_EVENT', 'DFLASHCTL_RUN_ID', 'D
         "open(sys.argv[1], 'a').write(json.dumps({k: os.environ[k] for k in keys}) + '\\n')")
 
 
+def hooks_running(events) -> list[int]:  # type: ignore[no-untyped-def]
+    """Pids of event hooks (from hook_command) still writing to `events`."""
+    found = []
+    for entry in os.scandir("/proc"):
+        try:
+            args = open(os.path.join(entry.path, "cmdline"), "rb").read().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if os.fsencode(str(events)) in args:
+            found.append(int(entry.name))
+    return found
+
+
 def hook_command(host, events) -> str:  # type: ignore[no-untyped-def]
     """A --on-event command line that appends each event's environment to `events`."""
     return f"{host.host_entry(SHIM_VMID)['python']} -c {shlex.quote(HOOK)} {events}"
@@ -102,7 +115,14 @@ def test_the_event_hook_runs_once_per_event_with_hostile_names_passed_literally(
                         "--on-event", command)
     assert res.returncode == 0, res.stderr
     wait_until(lambda: events.exists() and len(events.read_text().splitlines()) == 3, 60, "three events")
-    seen = [json.loads(line) for line in events.read_text().splitlines()]
+    wait_until(lambda: not hooks_running(events), 60, "the event hooks to end")
+    # Hooks run detached, so a slow one may write after the next: the order is the log's (fired
+    # in order); the hooks' file shows each ran once.
+    log = (run_dir(workdir, run_id) / "train.log").read_text()
+    assert [line.split()[-1] for line in log.splitlines() if line.startswith("dflashctl: event ")] == [
+        "started", "restarted", "succeeded"]
+    seen = sorted((json.loads(line) for line in events.read_text().splitlines()),
+                  key=lambda e: ["started", "restarted", "succeeded"].index(e["DFLASHCTL_EVENT"]))
     assert [e["DFLASHCTL_EVENT"] for e in seen] == ["started", "restarted", "succeeded"]
     assert all(e["DFLASHCTL_RUN_ID"] == run_id and e["DFLASHCTL_RUN_NAME"] == name for e in seen)
     assert seen[-1]["DFLASHCTL_STATE"] == "succeeded" and seen[-1]["DFLASHCTL_EXIT_CODE"] == "0"
@@ -116,6 +136,9 @@ def test_a_lost_run_fires_the_lost_event_once_at_the_next_contact(shim_host, tmp
     res = shim_host.run_cli("train", "shim", "--no-push", "--set", "run.steps=100000", "--detach",
                             "--on-event", hook_command(shim_host, events))
     run_id = res.stdout.strip()
+    # `--detach` returns once the pids are recorded, a moment before the supervisor fires `started`:
+    # killed in between (a busy machine), the run would have no started event.
+    wait_until(lambda: events.exists() and "started" in events.read_text(), 60, "the started event")
     info = meta(workdir, run_id)
     os.kill(info["supervisor"]["pid"], signal.SIGKILL)
     os.killpg(info["pgid"], signal.SIGKILL)
@@ -123,6 +146,8 @@ def test_a_lost_run_fires_the_lost_event_once_at_the_next_contact(shim_host, tmp
         listed = shim_host.run_cli("runs", "list", "shim", "--json")
         assert listed.returncode == 0 and json.loads(listed.stdout)[0]["state"] == "lost"
     wait_until(lambda: events.exists() and "lost" in events.read_text(), 60, "the lost event")
+    # Hooks run detached: only once none is left can a second `lost` no longer come.
+    wait_until(lambda: not hooks_running(events), 60, "the event hooks to end")
     kinds = [json.loads(line)["DFLASHCTL_EVENT"] for line in events.read_text().splitlines()]
     assert kinds == ["started", "lost"]
 

@@ -177,18 +177,20 @@ def test_a_failed_run_shows_the_trainers_error_line(shim):
 
 def follow_then(shim, signum: int):
     """Start `train --follow` (30 short steps), send signum to the client after a few steps, then
-    check that the run still succeeds and leaves no reader behind. Returns (exit code, stderr)."""
+    check that the run still succeeds and leaves no reader behind. Returns (exit code, stderr).
+    The run holds after step 2 until the client has ended: it cannot finish first on a busy machine."""
     host, session, workdir = shim
     client = subprocess.Popen([*CLI, "train", "--no-push", "--follow", "--set", "run.steps=30",
-                               "--set", "standin.step_time=0.05"], env=host.env,
+                               "--set", "standin.step_time=0.05", "--set", "standin.hold_at=2"], env=host.env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         log = wait_until(lambda: next((workdir / "runs").glob("*/train.log"), None), what="the run's log")
-        wait_until(lambda: b"step 2/" in log.read_bytes(), what="a few steps")
+        wait_until(lambda: b"standin: holding after step 2" in log.read_bytes(), what="a few steps")
         client.send_signal(signum)
         _, err = client.communicate(timeout=30)
     finally:
         client.kill()
+    (log.parent / "standin-release").touch()
     done = log.parent / "exit_code"
     wait_until(done.exists, what="the run to finish without its client")
     assert done.read_text().strip() == "0" and b"standin: done" in log.read_bytes()

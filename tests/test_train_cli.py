@@ -93,9 +93,10 @@ def test_resume_continues_a_stopped_run_in_its_directory(shim_host):
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
     started = shim_host.run_cli("train", "shim", "--no-push", "--name", "r", "--set", "run.steps=60",
-                                "--set", "standin.step_time=0.05", "--detach")
+                                "--set", "standin.step_time=0.05", "--set", "standin.hold_at=5", "--detach")
     run_id = started.stdout.strip()
-    wait_until(lambda: "step 5/60" in (run_dir(workdir, run_id) / "train.log").read_text(), 60, "step 5")
+    # Held after step 5 until the stop: a slow `runs stop` cannot find the run already ended.
+    wait_until(lambda: "holding after step 5" in (run_dir(workdir, run_id) / "train.log").read_text(), 60, "step 5")
     stopped = shim_host.run_cli("runs", "stop", "shim", run_id)
     assert stopped.returncode == 0 and "stopped (143)" in stopped.stdout
     log = (run_dir(workdir, run_id) / "train.log").read_text()

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -53,24 +52,29 @@ def job(tmp_path: Path, name: str, code: str) -> WU.Job:
 
 
 def test_ok_failed_and_hung_children_each_end_with_their_reason(tmp_path):
-    jobs = [job(tmp_path, "good", "print('compiled')"),
-            job(tmp_path, "bad", "import sys; print('RuntimeError: no kernel image'); sys.exit(3)"),
-            job(tmp_path, "stuck", "import time; time.sleep(600)")]
-    results = WU.run_jobs(jobs, timeout_s=2.0, should_stop=lambda: False)
+    # Two calls, so no outcome depends on speed: the first one's timeout only bounds a hang (it ends
+    # once both children have), the second one's child can never finish before its 1 s.
+    done = WU.run_jobs([job(tmp_path, "good", "print('compiled')"),
+                        job(tmp_path, "bad", "import sys; print('RuntimeError: no kernel image'); sys.exit(3)")],
+                       timeout_s=120, should_stop=lambda: False)
+    hung = WU.run_jobs([job(tmp_path, "stuck", "import time; time.sleep(600)")], timeout_s=1.0,
+                       should_stop=lambda: False)
+    results = done + hung
     assert [r.status for r in results] == ["ok", "failed", "timed out"]
     assert results[1].reason.startswith("exit 3: RuntimeError: no kernel image (log: ")
-    assert "still running after 2 s, killed (run.warmup_timeout_s" in results[2].reason
+    assert "still running after 1 s, killed (run.warmup_timeout_s" in results[2].reason
     assert results[2].line().startswith("parallel warm-up: stuck timed out after ")
     assert (tmp_path / "good.log").read_text() == "compiled\n"
 
 
 def test_a_stop_kills_every_child_at_once(tmp_path):
     pid_file = tmp_path / "pid"
-    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
-    stop = threading.Event()
-    threading.Timer(1.0, stop.set).start()
+    # The pid appears at once (a rename), so the stop comes once child a runs: not after a fixed
+    # time, before which a busy machine may not have started it yet.
+    code = (f"import os, time; open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid())); "
+            f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(600)")
     results = WU.run_jobs([job(tmp_path, "a", code), job(tmp_path, "b", "import time; time.sleep(600)")],
-                          timeout_s=600, should_stop=stop.is_set)
+                          timeout_s=600, should_stop=pid_file.exists)
     assert [r.status for r in results] == ["stopped", "stopped"]
     with pytest.raises(ProcessLookupError):  # killed and reaped: no orphan keeps compiling
         os.kill(int(pid_file.read_text()), 0)

@@ -52,6 +52,38 @@ def worker_threads_alive() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("dflash-worker-")]
 
 
+def wait_for_workers_to_end(hung_before: set[threading.Thread]) -> None:
+    """Every worker thread but those hung on purpose by earlier tests ends (bounded wait)."""
+    def alive() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("dflash-worker-") and t not in hung_before]
+
+    deadline = time.monotonic() + 30  # a hang guard, not a timing assertion
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alive() == []
+
+
+def two_number_ops() -> W.ReplicaOps:
+    """A replica of two numbers: building and stepping it take microseconds, so in the tests of
+    1-2 s timeouts only the injected hang or stall can trip one (the tiny drafter's build or step
+    takes 0.1-5 s on a busy 2-core machine: a worker's own work would trip them)."""
+
+    def build(device, seed, policy):
+        return torch.nn.Parameter(torch.zeros(2, device=device))
+
+    def forward_backward(replica, batch):
+        loss = (replica * 1.0).sum()
+        loss.backward()
+        return loss
+
+    def optimizer_step(replica):
+        with torch.no_grad():
+            replica -= 0.1 * replica.grad
+        replica.grad.zero_()
+
+    return W.ReplicaOps(build, forward_backward, optimizer_step, lambda replica: [replica])
+
+
 def test_replicas_stay_identical_and_match_one_replica_on_the_global_batch(setup):
     cfg, sampler = setup
     syncs, first_grads = [], {}
@@ -102,35 +134,37 @@ def test_replicas_stay_identical_and_match_one_replica_on_the_global_batch(setup
                                            ("step:4", "step 4 forward/backward")])
 def test_a_failing_worker_stops_everyone_with_its_traceback(setup, fail_at, phase):
     cfg, sampler = setup
+    hung_before = set(threading.enumerate())
     with pytest.raises(W.WorkerError) as err:
         run(cfg, sampler, fail_at=fail_at, fail_rank=1)
     assert (err.value.rank, err.value.phase) == (1, phase)
     text = str(err.value)
     assert "InjectedFault" in text and "Traceback" in text and "_maybe_fail" in text
-    deadline = time.monotonic() + 10  # a hang guard, not a timing assertion
-    while worker_threads_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert worker_threads_alive() == []
+    wait_for_workers_to_end(hung_before)
 
 
 def test_a_stalled_worker_is_an_error_not_a_hang(setup):
+    # Worker 0 stalls in step 1 until the run has failed (not for a fixed 3 s, which worker 1's own
+    # step could outlast on a busy machine): the other's barrier wait must give up, and the stalled
+    # worker, once it comes back, ends by itself.
     cfg, sampler = setup
     base = drafter_ops(cfg)
-    stall = threading.Event()
+    released = threading.Event()
 
-    def slow_forward_backward(replica, batch):
-        if replica.device.type == "cpu" and stall.is_set() and threading.current_thread().name.endswith("-0"):
-            time.sleep(3)  # longer than the barrier timeout below
+    def stalled_forward_backward(replica, batch):
+        if threading.current_thread().name.endswith("-0"):
+            released.wait(60)
         return base.forward_backward(replica, batch)
 
-    def build(device, seed, policy):
-        replica = base.build(device, seed, policy)
-        stall.set()  # warm-up is not stalled: only training steps
-        return replica
-
-    ops = dataclasses.replace(base, build=build, forward_backward=slow_forward_backward)
-    with pytest.raises(W.WorkerError, match="barrier timed out"):
-        run(cfg, sampler, world=2, steps=2, ops=ops, barrier_timeout_s=1.0, warmup_steps=0)
+    ops = dataclasses.replace(base, forward_backward=stalled_forward_backward)
+    hung_before = set(threading.enumerate())
+    try:
+        with pytest.raises(W.WorkerError, match="barrier timed out after 1s") as err:
+            run(cfg, sampler, world=2, steps=2, ops=ops, barrier_timeout_s=1.0, warmup_steps=0, grace_s=0.5)
+    finally:
+        released.set()
+    assert err.value.rank == 1 and "phases: ['step 1 forward/backward', 'step 1 gradient all-reduce']" in str(err.value)
+    wait_for_workers_to_end(hung_before)
 
 
 def test_a_diverged_replica_is_an_error(setup):
@@ -165,7 +199,8 @@ def test_a_hung_worker_is_an_error_within_the_timeout(setup, hang_at, timeouts):
     # step:2: the other worker times out at the gradient barrier (barrier_timeout_s).
     cfg, sampler = setup
     with pytest.raises(W.WorkerError) as err:
-        run(cfg, sampler, world=2, steps=3, hang_at=hang_at, fail_rank=1, warmup_steps=0, grace_s=0.5, **timeouts)
+        run(cfg, sampler, world=2, steps=3, ops=two_number_ops(), hang_at=hang_at, fail_rank=1, warmup_steps=0,
+            grace_s=0.5, **timeouts)
     message = str(err.value)
     assert err.value.rank == 0 and "phases:" in message
     assert "waited 1s for the build/compile lock" in message or "barrier timed out after 1s" in message
@@ -175,7 +210,7 @@ def test_a_slow_build_is_waited_for_past_the_step_barrier_timeout(setup):
     # CI regression: worker 0 building slowly on a loaded machine must not trip the (tight) step
     # timeout of the worker waiting for the lock or at the ready barrier.
     cfg, sampler = setup
-    base = drafter_ops(cfg)
+    base = two_number_ops()  # steps in microseconds: only the build is slow
     built = []
 
     def slow_build(device, seed, policy):
