@@ -80,6 +80,7 @@ class BuildOptions:
     seq_len: int = 512
     batch_size: int = 32
     lr: float = 8e-4
+    warmup: float = 0.1  # fraction of training spent warming up to lr (3% to 1.5e-3 diverged at 95M on a GPU)
     seed: int = 0
     device: str = "auto"  # auto: cuda when there is one, else cpu
     source: Path | None = None  # None: the running interpreter's standard library
@@ -232,12 +233,11 @@ def windows(stream, batch: int, seq_len: int, gen):
     return torch.stack([stream[s:s + seq_len] for s in starts.tolist()])
 
 
-def lr_at(progress: float, peak: float) -> float:
-    """Linear warm-up over the first 10%, then cosine to a tenth of the peak. (A 3% warm-up to
-    1.5e-3 diverged to NaN at step ~150 of the 95M GPU build on an H200, 2026-12-02.)"""
-    if progress < 0.1:
-        return peak * max(progress / 0.1, 0.01)
-    frac = min(1.0, (progress - 0.1) / 0.9)
+def lr_at(progress: float, peak: float, warmup: float) -> float:
+    """Linear warm-up over the first `warmup` of training, then cosine to a tenth of the peak."""
+    if progress < warmup:
+        return peak * max(progress / warmup, 0.01)
+    frac = min(1.0, (progress - warmup) / (1 - warmup))
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
@@ -261,7 +261,7 @@ def train_model(config, stream, opts: BuildOptions, device, deadline: float, log
         if progress >= 1.0:
             break
         for group in optim.param_groups:
-            group["lr"] = lr_at(progress, opts.lr)
+            group["lr"] = lr_at(progress, opts.lr, opts.warmup)
         x = windows(stream, opts.batch_size, opts.seq_len, gen).to(device, non_blocking=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             loss = model(input_ids=x, labels=x).loss
