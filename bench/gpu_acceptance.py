@@ -31,66 +31,27 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from userpath import ROOT, LocalHostBench
+
 SMALL = ["target.hidden_size=256", "target.intermediate_size=768", "target.num_heads=4", "target.num_kv_heads=2",
          "target.head_dim=64", "target.num_layers=6", "target.vocab_size=4096", "drafter.num_layers=2",
          "drafter.block_size=16", "data.max_length=256", "data.anchors_per_seq=16", "data.source=random",
          "run.steps=50", "run.log_every=10", "run.eval_every=50", "run.checkpoint_every=50"]
 
 
-class Acceptance:
+class Acceptance(LocalHostBench):
     """Runs the stages against one scratch workdir and collects their rows."""
 
     def __init__(self, out: Path, work: Path, dry: bool, budget_s: float):
-        self.out, self.work, self.dry = out, work, dry
-        self.deadline = time.monotonic() + budget_s
+        super().__init__(out, work, "acceptance.log", budget_s)
+        self.dry = dry
         self.rows: list[dict] = []
-        self.logfile = (out / "acceptance.log").open("w")
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        self.inventory = work / "hosts.yaml"
-        # The local host with no `gpus`: what a new user's inventory looks like.
-        self.inventory.write_text(f"default: local\nhosts:\n  local:\n    transport: local\n"
-                                  f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n")
         self.preset = "tiny" if dry else "qwen3-8b"
         self.cold_run: str | None = None  # the cold stage's finished run, evaluated next
 
-    # -- helpers ---------------------------------------------------------------------------
-
-    def log(self, text: str) -> None:
-        """Print and keep a line."""
-        print(text, flush=True)
-        self.logfile.write(text + "\n")
-        self.logfile.flush()
-
-    def left(self, cap: float) -> float:
-        """Seconds a stage may take: its cap, or what is left of the budget."""
-        return max(5.0, min(cap, self.deadline - time.monotonic()))
-
-    def env(self) -> dict[str, str]:
-        env = dict(os.environ, DFLASHCTL_INVENTORY=str(self.inventory), PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        return env
-
     def cli(self, *args: str, timeout: float) -> tuple[int, str, str, float]:
         """`dflashctl ARGS` as a whole process: (exit code, stdout, stderr, seconds)."""
-        t0 = time.monotonic()
-        try:
-            proc = subprocess.run([sys.executable, "-m", "dflashctl", *args], capture_output=True, text=True,
-                                  timeout=timeout, env=self.env(), cwd=self.work)
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            return 124, out, f"timed out after {timeout:.0f} s", time.monotonic() - t0
-        return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0
-
-    def run_dir(self, run_id: str) -> Path:
-        return self.work / "dflashctl" / "runs" / run_id
-
-    def records(self, run_id: str) -> list[dict]:
-        path = self.run_dir(run_id) / "metrics.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return self.process([sys.executable, "-m", "dflashctl", *args], timeout)
 
     def log_text(self, run_id: str) -> str:
         path = self.run_dir(run_id) / "train.log"

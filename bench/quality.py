@@ -35,16 +35,14 @@ import argparse
 import json
 import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from userpath import ROOT, LocalHostBench
+
 REGEN_NAME = "quality-regen"
 # The product's own defaults for this target (the real-target preset: no overrides).
 DEFAULT_RECIPE = "default"
@@ -93,42 +91,16 @@ def fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-class Bench:
+class Bench(LocalHostBench):
     """One scratch workdir, its inventory, and the CLI as whole processes."""
 
     def __init__(self, out: Path, work: Path, plan: Plan, budget_min: float, reuse: bool):
-        self.out, self.work, self.plan = out, work, plan
-        self.deadline = time.monotonic() + budget_min * 60
-        self.logfile = (out / "quality.log").open("w")
-        if not reuse:
-            shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True, exist_ok=True)
-        self.inventory = work / "hosts.yaml"
-        self.inventory.write_text(f"default: local\nhosts:\n  local:\n    transport: local\n"
-                                  f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n")
-
-    def log(self, text: str) -> None:
-        """Print and keep a line."""
-        print(text, flush=True)
-        self.logfile.write(text + "\n")
-        self.logfile.flush()
-
-    def left(self, cap: float) -> float:
-        """Seconds a step may take: its cap, or what is left of the budget."""
-        return max(5.0, min(cap, self.deadline - time.monotonic()))
+        super().__init__(out, work, "quality.log", budget_min * 60, keep=reuse)
+        self.plan = plan
 
     def run(self, argv: list[str], what: str, timeout: float) -> tuple[int, str, str, float]:
         """A whole process: (exit code, stdout, stderr, seconds); its output goes to the log."""
-        env = dict(os.environ, DFLASHCTL_INVENTORY=str(self.inventory), PYTHONUNBUFFERED="1", NO_COLOR="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        t0 = time.monotonic()
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=self.work)
-            code, out, err = proc.returncode, proc.stdout, proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            code, err = 124, f"timed out after {timeout:.0f} s"
-        secs = time.monotonic() - t0
+        code, out, err, secs = self.process(argv, timeout)
         self.log(f"--- {what}: exit {code} in {secs:.1f} s ---")
         self.log((out + err).rstrip()[-6000:])
         return code, out, err, secs
@@ -136,13 +108,6 @@ class Bench:
     def cli(self, *args: str, what: str, timeout: float) -> tuple[int, str, str, float]:
         """`python -m dflashctl ARGS`."""
         return self.run([sys.executable, "-m", "dflashctl", *args], what, timeout)
-
-    def records(self, run_id: str) -> list[dict]:
-        """The run's metrics.jsonl records."""
-        path = self.work / "dflashctl" / "runs" / run_id / "metrics.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def train(self, target: Path, recipe: list[str], steps: int, name: str,
               evals: int = 1) -> tuple[str | None, list[dict], float]:

@@ -1,0 +1,66 @@
+"""The user's path as whole processes, for the benches that time it (gpu_acceptance.py,
+quality.py): a scratch workdir with an inventory of the `local` host (no `gpus`, as a new user's),
+`python -m dflashctl` run against it, a log file beside the printed lines, a time budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class LocalHostBench:
+    """One scratch workdir (wiped first unless `keep`), its inventory, the CLI and a budget."""
+
+    def __init__(self, out: Path, work: Path, logname: str, budget_s: float, keep: bool = False):
+        self.out, self.work = out, work
+        self.deadline = time.monotonic() + budget_s
+        self.logfile = (out / logname).open("w")
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True, exist_ok=True)
+        self.inventory = work / "hosts.yaml"
+        self.inventory.write_text(f"default: local\nhosts:\n  local:\n    transport: local\n"
+                                  f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n")
+
+    def log(self, text: str) -> None:
+        """Print and keep a line."""
+        print(text, flush=True)
+        self.logfile.write(text + "\n")
+        self.logfile.flush()
+
+    def left(self, cap: float) -> float:
+        """Seconds a step may take: its cap, or what is left of the budget."""
+        return max(5.0, min(cap, self.deadline - time.monotonic()))
+
+    def env(self) -> dict[str, str]:
+        """This process's environment with the inventory, the checkout and unbuffered output."""
+        env = dict(os.environ, DFLASHCTL_INVENTORY=str(self.inventory), PYTHONUNBUFFERED="1", NO_COLOR="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        return env
+
+    def process(self, argv: list[str], timeout: float) -> tuple[int, str, str, float]:
+        """A whole process in the workdir: (exit code, stdout, stderr, seconds); 124 on timeout."""
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env(), cwd=self.work)
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            return 124, out, f"timed out after {timeout:.0f} s", time.monotonic() - t0
+        return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0
+
+    def run_dir(self, run_id: str) -> Path:
+        """A run's directory in the workdir."""
+        return self.work / "dflashctl" / "runs" / run_id
+
+    def records(self, run_id: str) -> list[dict]:
+        """The run's metrics.jsonl records (none before it writes any)."""
+        path = self.run_dir(run_id) / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
