@@ -864,7 +864,7 @@ def doctor_cmd(
     quick: bool = typer.Option(False, "--quick", help="Skip the threaded compile smoke tests."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     policies: Optional[str] = typer.Option(None, "--policies", help="Smoke-test only these policies: off,default,cudagraph-trees,cudagraphs."),
-    smoke_timeout: float = typer.Option(120.0, "--smoke-timeout", help="Seconds per smoke test before it counts as a hang."),
+    smoke_timeout: float = typer.Option(120.0, "--smoke-timeout", help="Seconds per smoke test, after its imports, before it counts as a hang."),
     steps: int = typer.Option(0, "--steps", show_default=False,  # 0: decided by the device (doctor.py)
                               help="Timed steps per smoke test (default 30 on GPU, 3 on CPU)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", help="Smoke tests run at once (default: one per 4 CPUs of the host)."),

@@ -103,6 +103,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_the_smoke_clock_starts_once_the_child_has_imported(tmp_path: Path) -> None:
+    """Issue 29: a smoke child's imports (10-20 s of torch on a busy host) are not its test time."""
+    started = tmp_path / "started"
+    script = tmp_path / "child.py"
+    script.write_text(f"import pathlib, time\ntime.sleep(4)  # slow imports\npathlib.Path({str(started)!r}).touch()\n")
+    run = D.run_child([sys.executable, str(script)], 3, started=started)  # 4 s of imports > the 3 s limit
+    assert not run.timed_out and run.returncode == 0 and run.started
+
+
+def test_a_child_stuck_before_it_started_is_a_hang_in_its_imports(tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text("import threading\nthreading.Event().wait()\n")
+    run = D.run_child([sys.executable, "-X", "faulthandler", str(script)], 30, started=tmp_path / "started",
+                      start_bound=1)
+    assert run.timed_out and not run.started
+    assert D.classify(run)["error"] == "not started (importing torch) within 1 s; process group killed"
+
+
 def test_a_printed_result_wins(tmp_path: Path) -> None:
     run = child(tmp_path, """
         import json

@@ -48,6 +48,9 @@ GIB = 1024**3
 LOSS_RTOL = 2e-2  # bf16 replicas on identical data agree to ~1%; a broken replica is off by x10
 STDERR_TAIL_LINES = 60
 HANG_DUMP_GRACE_S = 1.0  # faulthandler writes from its signal handler: a second is plenty
+# A smoke child's --smoke-timeout counts from the end of its imports (torch and the compiler take
+# 3-20 s, more on a busy host, and are not what is tested); the imports themselves get this long.
+START_BOUND_S = 600.0
 
 
 class ArgumentError(ValueError):
@@ -256,26 +259,39 @@ class ChildRun:
     stderr: str
     timed_out: bool
     seconds: float
-    timeout: float
+    timeout: float  # the limit that ran out: the run's, or (not started) the bound on the imports
+    started: bool = True  # the child got past its imports (run_child's `started` file appeared)
 
 
-def run_child(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> ChildRun:
-    """Run argv in a new process group; on timeout ask it for its thread stacks, then kill the group."""
+def run_child(argv: list[str], timeout: float, env: dict[str, str] | None = None,
+              started: Path | None = None, start_bound: float = START_BOUND_S) -> ChildRun:
+    """Run argv in a new process group; on timeout ask it for its thread stacks, then kill the group.
+    With `started`, `timeout` counts from when the child creates that file (after its imports),
+    which it must do within `start_bound` seconds."""
     start = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return ChildRun(proc.returncode, out, err, False, time.monotonic() - start, timeout)
-    except subprocess.TimeoutExpired:
-        # SIGUSR1 makes faulthandler (registered by the smoke child) print where every thread is.
-        _signal_group(proc.pid, signal.SIGUSR1)
+    is_started = started is None
+    deadline = start + (timeout if is_started else start_bound)
+    while True:
         try:
-            out, err = proc.communicate(timeout=HANG_DUMP_GRACE_S)
+            # Short waits until the child has started, so the clock starts when it does.
+            wait = deadline - time.monotonic() if is_started else min(0.2, deadline - time.monotonic())
+            out, err = proc.communicate(timeout=max(wait, 0.0))
+            return ChildRun(proc.returncode, out, err, False, time.monotonic() - start, timeout)
         except subprocess.TimeoutExpired:
-            _signal_group(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        return ChildRun(None, out, err, True, time.monotonic() - start, timeout)
+            if not is_started and started.exists():
+                is_started, deadline = True, time.monotonic() + timeout
+            elif time.monotonic() >= deadline:
+                break
+    # SIGUSR1 makes faulthandler (registered by the smoke child) print where every thread is.
+    _signal_group(proc.pid, signal.SIGUSR1)
+    try:
+        out, err = proc.communicate(timeout=HANG_DUMP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    return ChildRun(None, out, err, True, time.monotonic() - start, timeout if is_started else start_bound, is_started)
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -372,7 +388,9 @@ def classify(run: ChildRun) -> dict:
             result["after"] = f"then died of {signal.Signals(-run.returncode).name} while exiting"
         return {**base, **result}
     if run.timed_out:
-        return {**base, "outcome": "hang", "error": f"no result within {run.timeout:g} s; process group killed",
+        waited = (f"no result within {run.timeout:g} s of its start" if run.started else
+                  f"not started (importing torch) within {run.timeout:g} s")
+        return {**base, "outcome": "hang", "error": f"{waited}; process group killed",
                 "where": hang_location(run.stderr)}
     if run.returncode is not None and run.returncode < 0:
         name = signal.Signals(-run.returncode).name
@@ -497,6 +515,11 @@ def smoke_main(args: argparse.Namespace) -> int:
     """Child entry: one smoke test; prints one JSON line (its result, or the exception's record)."""
     faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    import torch  # noqa: F401 - imported before the started file: the parent's clock starts after it
+    from . import replica, workers  # noqa: F401
+
+    if args.started_file:
+        Path(args.started_file).touch()
     try:
         record = threaded_smoke(args.policy, args.devices.split(","), args.steps, args.inject)
     except Exception as exc:  # noqa: BLE001 - any failure is the finding
@@ -588,7 +611,9 @@ def run_smoke(policy: str, devices: list[str], steps: int, timeout: float, injec
             "--policy", policy, "--devices", ",".join(devices), "--steps", str(steps)]
     if inject:
         argv += ["--inject", inject]
-    run = run_child(argv, timeout, child_env())
+    with tempfile.TemporaryDirectory(prefix="dflash-smoke-") as tmp:
+        started = Path(tmp) / "started"
+        run = run_child(argv + ["--started-file", str(started)], timeout, child_env(), started)
     record = {"policy": policy, "devices": devices, "injected": inject, **classify(run)}
     if record["outcome"] != "ok" or "after" in record:
         # The whole stack (tracebacks, faulthandler dumps) for --json readers and bug reports.
@@ -840,6 +865,7 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--devices", required=True, help="comma list, e.g. cuda:0,cuda:1 or cpu,cpu")
     smoke.add_argument("--steps", type=int, default=3)
     smoke.add_argument("--inject", choices=INJECTIONS)
+    smoke.add_argument("--started-file", help="created once the imports are done (the parent's clock starts then)")
     return parser
 
 
