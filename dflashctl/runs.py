@@ -371,12 +371,20 @@ def progress_of(run: dict[str, Any]) -> tuple[int | None, int | None]:
     return last.get("step"), last.get("total_steps")
 
 
+def headline_tau(figures: dict[str, Any], mean_key: str, pooled_key: str) -> float | None:
+    """The mean of per-prompt tau (the figure z-lab's benchmark prints), else the pooled one
+    (records and reports written before the mean existed)."""
+    value = figures.get(mean_key)
+    return value if value is not None else figures.get(pooled_key)
+
+
 def tau_cell(run: dict[str, Any]) -> str:
     """The run's real acceptance length: `dflashctl eval`'s, else the training log's latest
-    speculative tau (marked `~`: a few held-out prompts), else `-`."""
-    if (run.get("eval") or {}).get("tau") is not None:
-        return f"{run['eval']['tau']:.2f}"
-    spec = (run.get("last") or {}).get("spec_tau")
+    speculative tau (marked `~`: the trainer's held-out prompts), else `-`."""
+    tau = headline_tau(run.get("eval") or {}, "tau_prompt_mean", "tau")
+    if tau is not None:
+        return f"{tau:.2f}"
+    spec = headline_tau(run.get("last") or {}, "spec_tau_prompt_mean", "spec_tau")
     return f"~{spec:.2f}" if spec is not None else "-"
 
 
@@ -407,8 +415,16 @@ def details_table(run: dict[str, Any]) -> Table:
         ev = run["eval"]
         how = ("greedy, identical: " + ("yes" if ev["identical"] else "NO")) if ev.get("identical") is not None \
             else f"sampled at temperature {ev.get('temperature')}"
-        extra.append(("eval", Text(f"speculative tau {ev['tau']:.3f}, speedup {ev['speedup']:.2f}x on {ev['device']} "
+        mean = ev.get("tau_prompt_mean")
+        tau = (f"speculative tau {mean:.3f} (mean of per-prompt tau; pooled {ev['tau']:.3f})" if mean is not None
+               else f"speculative tau {ev['tau']:.3f}")
+        extra.append(("eval", Text(f"{tau}, speedup {ev['speedup']:.2f}x on {ev['device']} "
                                    f"({ev['prompts']} prompts x {ev['max_new_tokens']} tokens, {how})")))
+        free = ev.get("baseline")
+        if free and free.get("tau") is not None:
+            extra.append(("baseline", Text(f"{free.get('method') or 'prompt lookup'}: tau "
+                                           f"{headline_tau(free, 'tau_prompt_mean', 'tau'):.3f}, speedup "
+                                           f"{free['speedup']:.2f}x (no drafter: what costs nothing)")))
     if run.get("nodes"):
         extra.append(("nodes", node_states(run["nodes"])))
         extra.append(("rendezvous", Text(str((run.get("group") or {}).get("rendezvous", "-")))))
@@ -449,9 +465,10 @@ def metrics_summary(records: Sequence[dict[str, Any]], count: int) -> list[tuple
         out.append(("loss", f"{losses[-1]:.4f} (best {min(losses):.4f})"))
     if accs:
         out.append(("acceptance", f"teacher-forced {accs[-1]:.3f} (best {max(accs):.3f}; a proxy)"))
-    taus = series(records, "spec_tau")[1]
+    taus = series(records, "spec_tau_prompt_mean")[1] or series(records, "spec_tau")[1]
     if taus:
-        out.append(("speculative tau", f"{taus[-1]:.3f} (best {max(taus):.3f}; real draft-and-verify, greedy)"))
+        out.append(("speculative tau", f"{taus[-1]:.3f} (best {max(taus):.3f}; real draft-and-verify, greedy, "
+                                       f"held-out prompts)"))
     speed = series(records, "tokens_per_s")[1]
     if speed:
         out.append(("tokens/s", f"{speed[-1]:.0f}"))

@@ -44,9 +44,12 @@ def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, tmp_path, where)
     assert saved["tau"] == report["tau"]
     listed = shim_host.run_cli("runs", "list", where, env=env)
     header, row = listed.stdout.splitlines()[:2]
-    assert header.split()[-1] == "TAU" and row.split()[-1] == f"{report['tau']:.2f}"
+    assert header.split()[-1] == "TAU" and row.split()[-1] == f"{report['tau_prompt_mean']:.2f}"
     shown = shim_host.run_cli("runs", "show", where, "ev", "--no-curves", env=env)
-    assert f"speculative tau {report['tau']:.3f}" in shown.stdout and "identical: yes" in shown.stdout
+    assert (f"speculative tau {report['tau_prompt_mean']:.3f} (mean of per-prompt tau; pooled {report['tau']:.3f})"
+            in shown.stdout and "identical: yes" in shown.stdout)
+    lookup_mean = free["tau_prompt_mean"]
+    assert f"prompt lookup: tau {lookup_mean:.3f}, speedup {free['speedup']:.2f}x" in shown.stdout
     text = shim_host.run_cli("eval", where, "ev", "--count", "2", "--max-new-tokens", "8", env=env, timeout=300)
     assert text.returncode == 0 and "output identical to the target's own greedy decode: yes (2/2 prompts)" in text.stdout
     assert "mean of per-prompt tau (z-lab's benchmark.py)" in text.stdout and "pooled over all verify steps" in text.stdout

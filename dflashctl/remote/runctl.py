@@ -194,7 +194,7 @@ def last_metrics(run_dir):
             trained = True
             merged.update((k, v) for k, v in rec.items() if v is not None)
         else:
-            for key in ("acceptance_length", "spec_tau"):  # eval records: the held-out figures
+            for key in ("acceptance_length", "spec_tau", "spec_tau_prompt_mean"):  # eval records: held-out figures
                 if rec.get(key) is not None:
                     merged[key] = rec[key]
     return merged if trained else None
@@ -242,8 +242,12 @@ def eval_figures(run_dir):
     report = read_json(os.path.join(run_dir, EVAL))
     if not isinstance(report, dict):
         return None
-    keys = ("tau", "speedup", "identical", "prompts", "max_new_tokens", "device", "temperature")
-    return {k: report.get(k) for k in keys}
+    keys = ("tau", "tau_prompt_mean", "speedup", "identical", "prompts", "max_new_tokens", "device", "temperature")
+    figures = {k: report.get(k) for k in keys}
+    baseline = report.get("baseline")
+    if isinstance(baseline, dict):  # prompt lookup on the same decode path (eval's default)
+        figures["baseline"] = {k: baseline.get(k) for k in ("method", "tau", "tau_prompt_mean", "speedup")}
+    return figures
 
 
 def all_runs(root):
