@@ -41,6 +41,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from userpath import ROOT, LocalHostBench
 
 REGEN_NAME = "quality-regen"
@@ -266,9 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 report, failed = {}, True
             base_tau, base_speedup = baseline_figures(report)
             if args.agreement and i == len(points) - 1:
-                cfg = (bench.work / "dflashctl" / "runs" / run_id / "config.resolved.yaml").read_text()
-                spec = {k: int(re.search(rf"^  {k}: (\d+)$", cfg, re.M).group(1))
-                        for k in ("spec_prompts", "spec_new_tokens")}
+                spec = yaml.safe_load((bench.run_dir(run_id) / "config.resolved.yaml").read_text())["run"]
                 code, text, _, _ = bench.cli("eval", "local", run_id, "--max-new-tokens", str(spec["spec_new_tokens"]),
                                              "--count", str(spec["spec_prompts"]), "--no-baseline", *plan.gpus,
                                              "--json", what=f"eval {run_id} (the trainer's held-out split)",

@@ -124,6 +124,7 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
     from .lookup import lookup_decode
     from .speculate import DraftDecoder, acceptance_by_position, speculate, tau_figures
     from .train import load_data
+    from .workers import use_cpu_threads
 
     export = run_dir / "export"
     if not (export / "model.safetensors").is_file():
@@ -144,8 +145,7 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
                             f"the target's context of {limit}")
         if max(prompt) >= cfg.target.vocab_size:
             raise EvalError(f"prompt {i + 1} has a token id beyond the target's vocabulary ({cfg.target.vocab_size})")
-    if cfg.run.cpu_threads > 0:  # the run's own setting, as its trainer applied it (config.py says why)
-        torch.set_num_threads(cfg.run.cpu_threads)
+    use_cpu_threads(cfg.run.cpu_threads)  # the run's own setting, as its trainer applied it
     dev = torch.device(cfg.run.device)
     target = build_target(cfg, dev).eval()
     drafter, _ = load_exported(export, dev)

@@ -28,7 +28,7 @@ from .regen_rows import (Done, Options, RegenError, Row, RowError, SharedTokeniz
                          token_ids, token_row)
 from .replica import DTYPES
 from .target import build_random_target, load_hf_target, read_hf_config, resolve_mask_token_id
-from .workers import SerialLock, Stopped, ThreadedOptions, bind_device
+from .workers import SerialLock, Stopped, ThreadedOptions, bind_device, use_cpu_threads
 
 ALLOWED_SETS = ("target.", "run.dtype=", "run.cpu_threads=")
 CAPACITY_STEP = 1024  # cache positions are allocated in steps of this: fewer decoder shapes, each warmed up once
@@ -107,8 +107,8 @@ class BuiltinEngine:
         """Build this worker's replica of the target on its device."""
         device, t = self.devices[worker], self.cfg.target
         bind_device(torch.device(device))
-        if device == "cpu" and self.cfg.run.cpu_threads > 0:
-            torch.set_num_threads(self.cfg.run.cpu_threads)
+        if device == "cpu":
+            use_cpu_threads(self.cfg.run.cpu_threads)
         dtype = DTYPES[self.cfg.run.dtype]
         if t.path is not None:
             target = load_hf_target(t.path, [], device, dtype, whole=True)

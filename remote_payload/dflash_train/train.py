@@ -182,8 +182,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
     if not resume and latest_checkpoint(out) is not None and not overwrite:
         raise ConfigError(f"{out} already has checkpoints: pass --resume to continue or --overwrite")
     torch.manual_seed(cfg.run.seed)
-    if cfg.run.cpu_threads > 0:
-        torch.set_num_threads(cfg.run.cpu_threads)
+    workers.use_cpu_threads(cfg.run.cpu_threads)
 
     sampler, eval_batches, spec_prompts = load_data(cfg, group.total_replicas if group else world)
     if cfg.run.epochs > 0:

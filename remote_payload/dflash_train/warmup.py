@@ -201,8 +201,7 @@ def child_main(argv: list[str] | None = None) -> int:
     fail_rank, cfg.debug.fail_rank = cfg.debug.fail_rank, 0  # this process has one worker: args.rank
     cfg = resolve_config(cfg)
     device = torch.device(args.device)
-    if cfg.run.cpu_threads > 0:
-        torch.set_num_threads(cfg.run.cpu_threads)  # as the trainer: CPU kernels are built for it
+    workers.use_cpu_threads(cfg.run.cpu_threads)  # as the trainer: CPU kernels are built for it
     if device.type == "cuda":
         torch.cuda.set_device(device)
     policy = workers.choose_compile_policy(cfg.run.compile, device.type)

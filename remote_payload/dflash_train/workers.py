@@ -693,6 +693,12 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def use_cpu_threads(threads: int) -> None:
+    """Apply `run.cpu_threads` (config.py says why one is the default); 0 keeps torch's default."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
 def live_workers() -> list[str]:
     """Names of worker threads still running (stuck in a compile, or hung on purpose)."""
     return [t.name for t in threading.enumerate() if t.name.startswith("dflash-worker-") and t.is_alive()]
