@@ -4,9 +4,12 @@
     python3 bench/build_target.py --out /tmp/qwen3-py --size small    # CPU: a few minutes
     python3 bench/build_target.py --out /tmp/qwen3-py --size tiny --steps 300   # CPU, deterministic
 
-The corpus is the running interpreter's standard library (`sysconfig.get_paths()['stdlib']`, its
-site-packages left out), minus a few packages held out for evaluation prompts (`--held-out`,
-their tests included). The directory written is what a user's own checkpoint looks like to the
+The corpus is Python source of the running interpreter: `--corpus python` (the GPU default) reads
+its standard library and its site-packages (hundreds of MB on a machine with torch, so a 95M
+model sees each file about once and cannot memorise it), `--corpus stdlib` the standard library
+alone (the CPU sizes). A few standard-library packages are held out for evaluation prompts
+(`--held-out`, their tests included); files of the same name anywhere else, and known copies of
+them (`simplejson` is the stdlib `json`'s origin), are left out of training. The directory written is what a user's own checkpoint looks like to the
 trainer and to transformers: `config.json` + `model.safetensors` (a `transformers`
 Qwen3ForCausalLM, untied head, no attention bias), `generation_config.json`, and a byte-level BPE
 `tokenizer.json` (trained here with `tokenizers`, with `<|MASK|>` and ChatML specials) with
@@ -46,7 +49,10 @@ CHAT_TEMPLATE = (
 )
 # Packages whose code (and tests) the target never sees: present in every CPython 3.10-3.13.
 HELD_OUT = ("email", "json", "http", "xml")
+# Third-party copies of held-out packages: never trained on either (they would leak the prompts).
+COPIES_OF_HELD_OUT = ("simplejson",)
 SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+CORPORA = ("stdlib", "python")
 
 
 @dataclass(frozen=True)
@@ -83,9 +89,10 @@ class BuildOptions:
     warmup: float = 0.1  # fraction of training spent warming up to lr (3% to 1.5e-3 diverged at 95M on a GPU)
     seed: int = 0
     device: str = "auto"  # auto: cuda when there is one, else cpu
-    source: Path | None = None  # None: the running interpreter's standard library
+    source: Path | None = None  # None: the running interpreter's Python source, as `corpus` says
+    corpus: str = "python"  # python: stdlib + site-packages; stdlib: the standard library alone
     held_out: tuple[str, ...] = HELD_OUT
-    max_corpus_mb: float | None = None  # read at most this much training text (CI: a slice)
+    max_corpus_mb: float | None = 160.0  # train on at most this much text (~1 epoch in 4 minutes on an H200)
     tokenizer_mb: float = 8.0  # of which the BPE trainer reads at most this much
     train_prompts: int = 16384
     eval_prompts: int = 64
@@ -105,23 +112,44 @@ def is_held_out(rel: Path, held_out: tuple[str, ...]) -> bool:
     return False
 
 
-def python_files(root: Path, held_out: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """(training texts, held-out texts) of the .py files under root, in sorted path order;
-    files that are not UTF-8 (the tokenizer tests' bad-coding samples) are skipped."""
+def read_python(root: Path) -> list[tuple[Path, str]]:
+    """(path relative to root, text) of the .py files under root in sorted path order, site-packages
+    pruned; files that are not UTF-8 (the tokenizer tests' bad-coding samples) are skipped."""
     paths = []
     for top, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS]  # pruned: site-packages can be gigabytes
+        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS]
         paths += [Path(top, f) for f in files if f.endswith(".py")]
-    train, held = [], []
+    found = []
     for path in sorted(paths):
-        rel = path.relative_to(root)
         try:
             text = path.read_bytes().decode("utf-8")
         except (OSError, UnicodeDecodeError):
             continue
         if text.strip():
-            (held if is_held_out(rel, held_out) else train).append(text)
+            found.append((path.relative_to(root), text))
+    return found
+
+
+def python_files(root: Path, held_out: tuple[str, ...],
+                 extra: tuple[Path, ...] = ()) -> tuple[list[str], list[str]]:
+    """(training texts, held-out texts): root's files split by `is_held_out`, then the training
+    files of the `extra` trees (site-packages), whose held-out namesakes and copies are dropped."""
+    train, held = [], []
+    for rel, text in read_python(root):
+        (held if is_held_out(rel, held_out) else train).append(text)
+    for tree in extra:
+        train += [text for rel, text in read_python(tree) if not is_held_out(rel, held_out + COPIES_OF_HELD_OUT)]
     return train, held
+
+
+def corpus_roots(opts: "BuildOptions") -> tuple[Path, tuple[Path, ...]]:
+    """(the tree holding the held-out packages, further training trees) for the options."""
+    if opts.source is not None:
+        return Path(opts.source), ()
+    paths = sysconfig.get_paths()
+    if opts.corpus == "stdlib":
+        return Path(paths["stdlib"]), ()
+    return Path(paths["stdlib"]), tuple(sorted({Path(paths["purelib"]), Path(paths["platlib"])}))
 
 
 def capped(texts: list[str], mb: float | None, seed: int) -> list[str]:
@@ -141,7 +169,7 @@ def capped(texts: list[str], mb: float | None, seed: int) -> list[str]:
 
 def prompt_rows(texts: list[str], count: int, chars: int, seed: int) -> list[dict]:
     """`count` distinct `{"prompt"}` rows: whole lines from a random place in the texts (drawn by
-    size), about `chars` characters, ending at a line end."""
+    size), about `chars` characters (at most 4x), ending at a line end."""
     rng, rows, seen = random.Random(seed), [], set()
     ends = list(_accumulate(len(t) for t in texts))
     for _ in range(count * 20):
@@ -154,7 +182,9 @@ def prompt_rows(texts: list[str], count: int, chars: int, seed: int) -> list[dic
         start = text.find("\n", offset) + 1 if offset else 0
         stop = text.find("\n", start + chars)
         piece = text[start:stop + 1] if stop >= 0 else ""
-        if start and len(piece.strip()) >= chars // 2 and piece not in seen:
+        # A generated file's one long line (data tables in site-packages) would make a prompt longer
+        # than the target's context: such a row only fails in `data regen`.
+        if start and chars // 2 <= len(piece.strip()) and len(piece) <= 4 * chars and piece not in seen:
             seen.add(piece)
             rows.append({"prompt": piece})
     return rows
@@ -215,14 +245,15 @@ def qwen3_config(size: ModelSize, max_positions: int, ids: dict[str, int]):
 
 
 def token_stream(tok, texts: list[str], eot: int):
-    """Every text's ids, each followed by `<|endoftext|>`, as one long tensor."""
+    """Every text's ids, each followed by `<|endoftext|>`, as one long tensor (int32 pieces joined
+    once: a Python list of tens of millions of ids would cost gigabytes)."""
+    import numpy as np
     import torch
 
-    ids: list[int] = []
+    pieces = []
     for enc in tok.encode_batch(texts, add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(eot)
-    return torch.tensor(ids, dtype=torch.long)
+        pieces += [np.asarray(enc.ids, dtype=np.int32), np.asarray([eot], dtype=np.int32)]
+    return torch.from_numpy(np.concatenate(pieces) if pieces else np.zeros(0, np.int32)).long()
 
 
 def windows(stream, batch: int, seq_len: int, gen):
@@ -316,14 +347,15 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    root = Path(opts.source or sysconfig.get_paths()["stdlib"])
-    train_texts, held_texts = python_files(root, opts.held_out)
+    root, extra = corpus_roots(opts)
+    train_texts, held_texts = python_files(root, opts.held_out, extra)
+    found_mb = sum(map(len, train_texts)) / 1e6
     train_texts = capped(train_texts, opts.max_corpus_mb, opts.seed)
     if not train_texts or not held_texts:
         raise SystemExit(f"build_target: no training or held-out .py files under {root} "
                          f"(held out: {', '.join(opts.held_out)})")
-    log(f"build: {len(train_texts)} training files ({sum(map(len, train_texts)) / 1e6:.1f} MB), "
-        f"{len(held_texts)} held-out files, from {root}")
+    log(f"build: {len(train_texts)} training files ({sum(map(len, train_texts)) / 1e6:.1f} MB of {found_mb:.1f} "
+        f"found), {len(held_texts)} held-out files, from {root}" + "".join(f" + {tree}" for tree in extra))
     tok = train_tokenizer(capped(train_texts, opts.tokenizer_mb, opts.seed + 2), size.vocab_size)
     ids = save_tokenizer(tok, out)
     stream, held_stream = token_stream(tok, train_texts, ids[EOT]), token_stream(tok, held_texts, ids[EOT])
@@ -345,7 +377,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print) -> dict:
     summary = {
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()},
         "size": dataclasses.asdict(size), "parameters": sum(p.numel() for p in model.parameters()),
-        "device": str(device), "source": str(root), "python": sys.version.split()[0],
+        "device": str(device), "source": [str(root), *map(str, extra)], "python": sys.version.split()[0],
         "torch": torch.__version__, "special_ids": ids, "training_tokens": len(stream),
         "held_out_tokens": len(held_stream), "steps": steps, "tokens_seen": steps * opts.batch_size * opts.seq_len,
         "train_loss": loss, "held_out_loss": held_loss, "train_prompts": len(train_rows),
@@ -371,18 +403,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=8e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--source", type=Path, default=None, help="a tree of .py files (default: the stdlib)")
+    ap.add_argument("--source", type=Path, default=None, help="one tree of .py files instead of --corpus")
+    ap.add_argument("--corpus", choices=CORPORA, default=None,
+                    help="python: stdlib + site-packages; stdlib: the standard library alone "
+                         "(default: python for --size gpu, stdlib for the CPU sizes)")
     ap.add_argument("--held-out", default=",".join(HELD_OUT), help="packages left out for evaluation prompts")
-    ap.add_argument("--max-corpus-mb", type=float, default=None)
+    ap.add_argument("--max-corpus-mb", type=float, default=None, help="default 160 for --corpus python, all of the stdlib")
     ap.add_argument("--tokenizer-mb", type=float, default=8.0)
     ap.add_argument("--prompt-chars", type=int, default=400)
     ap.add_argument("--train-prompts", type=int, default=16384)
     ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--cpu-threads", type=int, default=0)
     a = ap.parse_args(argv)
+    corpus = a.corpus or ("python" if a.size == "gpu" else "stdlib")
+    corpus_mb = a.max_corpus_mb if a.max_corpus_mb is not None else 160.0 if corpus == "python" else None
     build(BuildOptions(out=a.out, size=a.size, minutes=a.minutes, steps=a.steps, seq_len=a.seq_len,
                        batch_size=a.batch_size, lr=a.lr, seed=a.seed, device=a.device, source=a.source,
-                       held_out=tuple(filter(None, a.held_out.split(","))), max_corpus_mb=a.max_corpus_mb,
+                       corpus=corpus, held_out=tuple(filter(None, a.held_out.split(","))), max_corpus_mb=corpus_mb,
                        tokenizer_mb=a.tokenizer_mb, prompt_chars=a.prompt_chars, train_prompts=a.train_prompts, eval_prompts=a.eval_prompts, cpu_threads=a.cpu_threads))
     return 0
 

@@ -5,7 +5,7 @@
     python3 bench/quality.py --out $OUT --recipe 'deep drafter.num_layers=5' --recipe 'b8 drafter.block_size=8'
     python3 bench/quality.py --dry-run --out /tmp/q             # CPU, tiny sizes: checks the script
 
-The whole GPU bench (4-minute build, regeneration of 16,384 prompts x 256 tokens, a calibration
+The whole GPU bench (3.5-minute build, regeneration of 16,384 prompts x 256 tokens, a calibration
 compile, the points and their evaluations) outgrows one 10-minute device call: split it, e.g.
 `python3 bench/build_target.py --out /tmp/qwen3-py` in one call, then `bench/quality.py --target
 /tmp/qwen3-py --work /tmp/qb --minutes 1,2` and `--target /tmp/qwen3-py --work /tmp/qb --reuse
@@ -13,7 +13,7 @@ compile, the points and their evaluations) outgrows one 10-minute device call: s
 warm machine. Without --work each call gets a fresh directory under the temp dir.
 
 Steps, each a `dflashctl` process against an inventory with the `local` host (no SSH):
-  build      bench/build_target.py: a Qwen3 target trained on the standard library's Python source
+  build      bench/build_target.py: a Qwen3 target trained on the machine's Python source
              (skipped when --target names a directory that already holds one)
   push       `data push local train-prompts.jsonl` (the build's `{"prompt"}` rows)
   regen      `data regen local --prompts ... --set target.path=DIR`: the target's own continuations
@@ -21,7 +21,8 @@ Steps, each a `dflashctl` process against an inventory with the `local` host (no
              (it also warms the compile cache for the runs after it)
   points     per recipe and point, `train local --set target.path=DIR --set data.train_path=data:...
              RECIPE --set run.steps=N --follow`, then `eval local RUN --prompts heldout-prompts.jsonl
-             --json` (prompts from packages the target never saw)
+             --json` (prompts from packages the target never saw); prompt lookup is decoded by the
+             call's first eval only (`--no-baseline` after it: it does not depend on the drafter)
 A point's training minutes are the run's measured step time (its metrics' step_time_s x steps:
 compile, evaluations and checkpoints left out), one full schedule per point (warm-up, cosine
 decay), as a user training for that long would run it. Prints a table of minutes vs tau, speedup,
@@ -50,6 +51,8 @@ DEFAULT_RECIPE = "default"
 # What a run with target.path trained before the recipe followed the target (the tiny preset).
 OLD_DEFAULTS = ("old-defaults drafter.num_layers=1 drafter.block_size=8 data.max_length=64 data.anchors_per_seq=8 "
                 "data.batch_size=8 optim.lr=2e-3 run.spec_prompts=16 run.spec_new_tokens=64")
+# A point's time beside its steps: start-up and compile (a warm cache), evaluations, export, `eval`.
+POINT_OVERHEAD_S = 150.0
 DRY_RECIPE = "tiny drafter.num_layers=1 drafter.block_size=8 data.max_length=160 data.anchors_per_seq=16 data.batch_size=8"
 
 
@@ -67,7 +70,7 @@ class Plan:
     gpus: tuple[str, ...]  # --gpus for train, regen and eval
 
 
-GPU = Plan(build=("--size", "gpu", "--minutes", "4"), regen_new_tokens=256, regen_batch=64, eval_count=64,
+GPU = Plan(build=("--size", "gpu", "--minutes", "3.5"), regen_new_tokens=256, regen_batch=256, eval_count=64,
            eval_new_tokens=128, calibrate_steps=300, minutes="1,2,4", gpus=())
 DRY = Plan(build=("--size", "tiny", "--steps", "150", "--seq-len", "128", "--batch-size", "16", "--lr", "3e-3",
                   "--max-corpus-mb", "1", "--tokenizer-mb", "1", "--train-prompts", "96", "--eval-prompts", "8",
@@ -121,6 +124,8 @@ class Bench(LocalHostBench):
         code, out, err, secs = self.cli("train", "local", *self.plan.gpus, *[a for s in sets for a in ("--set", s)],
                                         "--name", name, "--follow", what=f"train {name}", timeout=self.left(1800))
         found = re.search(r"started run (\S+)", err)
+        if code == 124 and found:  # `--follow` killed, the run detached: free the GPU for the next one
+            self.cli("runs", "stop", "local", found.group(1), what=f"stop {found.group(1)}", timeout=120)
         if code != 0 or not found:
             return None, [], secs
         return found.group(1), self.records(found.group(1)), secs
@@ -194,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     given = args.recipe or [DRY_RECIPE if args.dry_run else DEFAULT_RECIPE]
     recipes = [(name, sets + args.sets) for name, sets in parse_recipes(given + [OLD_DEFAULTS] * args.old_defaults)]
     # A fresh directory by default: two benches on one machine must not wipe each other's.
-    out, work = Path(args.out), args.work or Path(tempfile.mkdtemp(prefix="dflash-quality-"))
+    # Absolute: the build and the CLI run with the workdir as their current directory.
+    out = Path(args.out).resolve()
+    work = (args.work or Path(tempfile.mkdtemp(prefix="dflash-quality-"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(out, work, plan, args.budget_min, args.reuse)
     result: dict = {"minutes": minutes, "recipes": dict(recipes), "plan": plan.__dict__, "rows": []}
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "quality.json").write_text(json.dumps(result, indent=1) + "\n")
         return code
 
-    target = args.target or work / "target"
+    target = (args.target or work / "target").resolve()
     if (target / "build.json").is_file():
         bench.log(f"reusing the target in {target}")
     else:
@@ -229,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
             return finish(1)
 
     failed = False
+    baseline: dict | None = None  # the prompt-lookup figures of the call's first eval
     fixed_steps = [int(s) for s in args.steps.split(",")] if args.steps else None
     for name, recipe in recipes:
         if fixed_steps:
-            points = [(None, steps) for steps in fixed_steps]
+            points, step_s = [(None, steps) for steps in fixed_steps], None
         else:
             run_id, records, _ = bench.train(target, recipe, plan.calibrate_steps, f"calibrate-{name}")
             step_s = steady_step_s(records)
@@ -243,7 +251,14 @@ def main(argv: list[str] | None = None) -> int:
             bench.log(f"{name}: {step_s * 1e3:.2f} ms/step")
             points = [(point, max(2, round(point * 60 / step_s))) for point in minutes]
         for i, (point, steps) in enumerate(points):
+            need = steps * step_s + POINT_OVERHEAD_S if step_s else None
+            if need and bench.left(1e9) < need:
+                bench.log(f"{name}-{steps}: skipped, about {need:.0f} s needed and {bench.left(1e9):.0f} s of "
+                          f"--budget-min left (a cut-off run leaves no row)")
+                continue
             run_id, records, cli_s = bench.train(target, recipe, steps, f"{name}-{steps}", args.evals)
+            if records:
+                step_s = steady_step_s(records) or step_s
             row = {"recipe": name, "minutes": point, "steps": steps, "run": run_id, "cli_s": round(cli_s, 1)}
             final = next((r for r in records if r.get("event") == "final"), None)
             if run_id is None or final is None:
@@ -257,15 +272,22 @@ def main(argv: list[str] | None = None) -> int:
                        in_training_tau_se=final.get("spec_tau_prompt_se"), spec_eval_s=final.get("spec_eval_s"),
                        in_training=[{k: r.get(k) for k in ("step", "loss", "spec_tau_prompt_mean", "spec_tau")}
                                     for r in records if r.get("event") in ("eval", "final") and r.get("step")])
+            # Prompt lookup needs no drafter: its figures on these prompts are the same for every run, so
+            # only the call's first eval decodes it (the later rows show that eval's, labelled so).
             code, text, _, _ = bench.cli("eval", "local", run_id, "--prompts", str(target / "heldout-prompts.jsonl"),
                                          "--max-new-tokens", str(plan.eval_new_tokens), "--count",
-                                         str(plan.eval_count), *plan.gpus, "--json", what=f"eval {run_id}",
+                                         str(plan.eval_count), *plan.gpus, "--json",
+                                         *(["--no-baseline"] if baseline else []), what=f"eval {run_id}",
                                          timeout=bench.left(900))
             try:
                 report = json.loads(text)
             except ValueError:
                 report, failed = {}, True
+            if baseline is None and isinstance(report.get("baseline"), dict):
+                baseline = {**report["baseline"], "from_run": run_id}
+            report = {**report, "baseline": baseline} if baseline else report
             base_tau, base_speedup = baseline_figures(report)
+            row["lookup_from_run"] = (baseline or {}).get("from_run")
             if args.agreement and i == len(points) - 1:
                 spec = yaml.safe_load((bench.run_dir(run_id) / "config.resolved.yaml").read_text())["run"]
                 code, text, _, _ = bench.cli("eval", "local", run_id, "--max-new-tokens", str(spec["spec_new_tokens"]),

@@ -50,8 +50,10 @@ class LocalHostBench:
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env(), cwd=self.work)
         except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            return 124, out, f"timed out after {timeout:.0f} s", time.monotonic() - t0
+            out, err = (text.decode(errors="replace") if isinstance(text, bytes) else (text or "")
+                        for text in (exc.stdout, exc.stderr))
+            # What it printed before the kill stays: a detached run's id is in it (the caller stops it).
+            return 124, out, f"{err}timed out after {timeout:.0f} s", time.monotonic() - t0
         return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0
 
     def run_dir(self, run_id: str) -> Path:

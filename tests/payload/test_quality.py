@@ -45,6 +45,7 @@ def tiny_options(out: Path, seed: int = 0) -> "build_target.BuildOptions":
     """The CI target: fixed steps and seeds, one torch thread, a 1 MB slice of the stdlib."""
     return build_target.BuildOptions(
         out=out, size="tiny", steps=120, seq_len=128, batch_size=16, lr=3e-3, warmup=0.03, seed=seed, device="cpu",
+        corpus="stdlib",
         max_corpus_mb=1.0, tokenizer_mb=1.0, train_prompts=192, eval_prompts=16, prompt_chars=160,
         cpu_threads=1)
 
