@@ -1,0 +1,119 @@
+"""Ctrl-C of `dflashctl exec` leaves nothing of the command on the host (issue 29), through the
+real sshd with the pct and docker stand-ins (direct and through the mux), a bare host, and
+`local`; whatever the command does: ignore SIGINT, SIGHUP and SIGTERM, fork a child into a process
+group of its own, keep stdout open. The tests wait for a `ready` line, never for a time, and
+bound the wait for the processes to go (no assertion on how fast)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from runs_helpers import wait_until
+from sshd import CLI
+from test_mux import mux  # noqa: F401 - persist hosts with a private mux directory, no mux left after
+from test_quoting import PRINT_ARGS, arguments
+
+from dflashctl.guard import run_guarded
+
+# Ignores every polite signal, forks a child that moves to a process group of its own and keeps
+# stdout open, then prints its pid and the child's and sleeps for good: only SIGKILL ends it.
+STUBBORN = """
+import os, signal, sys, time
+for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+    signal.signal(s, signal.SIG_IGN)
+child = os.fork()
+if child == 0:
+    os.setpgid(0, 0)
+    while True:
+        time.sleep(1)
+print("ready", os.getpid(), child, flush=True)
+while True:
+    time.sleep(1)
+"""
+# The probe of issue 29: a shell that execs sleep (which dies of SIGINT), beside a background
+# sleep (which a non-interactive shell starts with SIGINT ignored).
+POLITE = "sleep 300 & echo ready $$ $!; exec sleep 301"
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie waiting for its parent counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] != b"Z"
+
+
+def interrupt(env: dict, host: str, argv: list[str]) -> tuple[list[int], subprocess.CompletedProcess]:
+    """`dflashctl exec host -- argv`, SIGINT once it printed its `ready PID...` line: the pids and
+    the CLI's outcome."""
+    proc = subprocess.Popen([*CLI, "exec", host, "--", *argv], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        words = proc.stdout.readline().split()
+        assert words[:1] == [b"ready"], (words, proc.stderr.read1(4096) if proc.poll() is not None else b"")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return [int(w) for w in words[1:]], subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("where", ["shim", "p", "dock", "bare", "local"])
+def test_ctrl_c_ends_a_command_that_ignores_signals_and_forks(mux, where):
+    pids, res = interrupt({**mux.sshd.env, **mux.env}, where, [sys.executable, "-c", STUBBORN])
+    assert len(pids) == 2
+    assert res.returncode == 130 and res.stderr == b"error: interrupted\n" and res.stdout == b""
+    wait_until(lambda: not any(alive(p) for p in pids), 60, f"{pids} to end")
+    if where == "p":
+        wait_until(lambda: mux.stats("p")["active"] == 0, 60, "the mux's commands to end")
+
+
+@pytest.mark.parametrize("where", ["shim", "p", "local"])
+def test_ctrl_c_ends_the_probe_of_issue_29(mux, where):
+    """`sh -c 'echo ready; exec sleep 60'` ran on after Ctrl-C; a background job too."""
+    pids, res = interrupt({**mux.sshd.env, **mux.env}, where, ["sh", "-c", POLITE])
+    assert res.returncode == 130 and res.stderr == b"error: interrupted\n"
+    assert len(pids) == 2  # the shell (by now `sleep 301`) and the background `sleep 300`
+    wait_until(lambda: not any(alive(p) for p in pids), 60, f"{pids} to end")
+
+
+@pytest.mark.parametrize("where", ["shim", "local"])
+def test_a_normal_exec_is_unchanged_by_the_guard(shim_host, where):
+    """Exit code, both streams' bytes, stdin, a death by signal (255, as ssh reports it; `local`
+    exited 241 for it before, the negative code of its child)."""
+    res = shim_host.run_cli("exec", where, "--", "sh", "-c", "cat; printf 'e\\0rr' >&2; exit 7", input=b"in\xff\n")
+    assert (res.returncode, res.stdout, res.stderr) == (7, b"in\xff\n", b"e\x00rr")
+    killed = shim_host.run_cli("exec", where, "--", "sh", "-c", "kill -TERM $$")
+    assert killed.returncode == 255 and killed.stderr == ""
+
+
+def test_without_the_interpreter_exec_runs_the_command_unguarded(shim_host, tmp_path):
+    entry = shim_host.host_entry(200, python="/nonexistent/python3")
+    env = {"DFLASHCTL_INVENTORY": str(shim_host.write_inventory(tmp_path / "hosts.yaml", {"nopy": entry}))}
+    res = shim_host.run_cli("exec", "nopy", "--", "sh", "-c", "echo hi; exit 3", env=env)
+    assert (res.returncode, res.stdout, res.stderr) == (3, "hi\n", "")
+
+
+@pytest.fixture(scope="module", params=["shim", "dock"])
+def container_target(request, sshd_host):  # type: ignore[no-untyped-def]
+    sshd_host.reset()
+    with sshd_host.session() as session:
+        yield session.target(request.param)
+
+
+@given(arguments)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_hostile_arguments_survive_the_guard(container_target, args):
+    """sshd's login shell, the guard's sh prelude, `pct exec` / `docker exec`, the guard's own
+    argv handling and bash hand back exactly the bytes we sent."""
+    result = run_guarded(container_target, [*PRINT_ARGS, *args])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == b"".join(a.encode() + b"\0" for a in args)
+
