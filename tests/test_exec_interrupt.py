@@ -117,3 +117,36 @@ def test_hostile_arguments_survive_the_guard(container_target, args):
     assert result.exit_code == 0, result.stderr
     assert result.stdout == b"".join(a.encode() + b"\0" for a in args)
 
+
+
+# Prints its pid, then writes for good, through SIGPIPE and EPIPE and every polite signal.
+ENDLESS_WRITER = """
+import os, signal, sys, time
+for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+    signal.signal(s, signal.SIG_IGN)
+sys.stdout.buffer.write(b"%d\\n" % os.getpid())
+while True:
+    try:
+        sys.stdout.buffer.write(b"x" * 65536)
+        sys.stdout.flush()
+    except OSError:
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("where", ["shim", "p", "local"])
+def test_our_stdout_closing_ends_a_writer_that_survives_epipe(mux, where):
+    """`exec h -- cmd | head`: exit 255 as ssh, and the command is stopped too (before: a
+    command that shrugged off EPIPE wrote on for good)."""
+    proc = subprocess.Popen([*CLI, "exec", where, "--", sys.executable, "-c", ENDLESS_WRITER],
+                            env={**mux.sshd.env, **mux.env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        pid = int(proc.stdout.readline())
+        assert proc.stdout.read(10) == b"x" * 10
+        proc.stdout.close()  # what `head -c 10` does next
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 255 and err == b""
+    wait_until(lambda: not alive(pid), 60, f"{pid} to end")
