@@ -1,4 +1,4 @@
-"""Commands that an interrupt must end on the host too (`dflashctl exec`).
+"""Commands that an interrupt must reach on the host too (`dflashctl exec`, `runctl start`).
 
 Over SSH without a terminal, closing a channel sends the command no signal: `sleep 60` ran on
 after Ctrl-C, through pct and docker as well. So the argv runs under `remote/guard.py`, in a
@@ -6,6 +6,10 @@ session of its own, and whatever ends the call early (Ctrl-C, our stdout closing
 runs `guard.py stop TOKEN` in a second session, which signals that session (SIGINT, SIGTERM,
 then SIGKILL; see guard.py) until nothing of it is left, and only then closes the first one.
 Output that arrives once the stop has begun is dropped: the CLI prints its own one line.
+
+A command that decides itself what an interrupt means (`runctl start` undoes a start, or past its
+last point completes it) is run with `settle`: Ctrl-C sends it SIGINT (`guard.py interrupt`), its
+own answer is awaited, and InterruptedAfter carries that answer; a second Ctrl-C stops it as above.
 """
 
 from __future__ import annotations
@@ -30,19 +34,31 @@ def guarded_argv(interpreter: str, token: str, argv: Sequence[str]) -> list[str]
     return ["sh", "-c", _PRELUDE, "sh", interpreter, "-S", "-c", remote_script("guard"), "run", token, *argv]
 
 
+class InterruptedAfter(Interrupted):
+    """Ctrl-C during a settled command, which then ended by itself: result is what it answered."""
+
+    def __init__(self, result: Completed):
+        super().__init__()
+        self.result = result
+
+
 def run_guarded(
     target: Target,
     argv: Sequence[str],
     *,
     stdin: StdinSource = None,
+    timeout: float | None = None,
     on_stdout: Sink | None = None,
     on_stderr: Sink | None = None,
+    env: dict[str, str] | None = None,
+    settle: bool = False,
 ) -> Completed:
     """Target.run for a command that must not outlive an interrupted call. A Ctrl-C whose stop
-    could not be confirmed says so in its one line (Interrupted with the reason)."""
-    guarded = _GuardedTransport(target)
+    could not be confirmed says so in its one line (Interrupted with the reason); with settle, a
+    Ctrl-C is passed on as SIGINT and InterruptedAfter brings the command's own answer."""
+    guarded = _GuardedTransport(target, settle)
     try:
-        result = guarded.run(argv, stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr)
+        result = guarded.run(argv, stdin=stdin, timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr, env=env)
     except Interrupted:
         if guarded.left:
             raise Interrupted(f"{target.label}: the command may still run ({guarded.left})") from None
@@ -52,15 +68,19 @@ def run_guarded(
     named = os.fsencode(argv[0]) in result.stderr
     seen = Completed(wrap_argv(target.host.container, argv), result.exit_code, b"", result.stderr)
     target.raise_for_container(seen, argv if named else [target.host.interpreter])
+    if guarded.interrupted:
+        raise InterruptedAfter(result)
     return result
 
 
 class _GuardedTransport(Transport):
     """Starts each argv under the guard in the target's container, on the target's transport."""
 
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, settle: bool = False):
         self.target = target
         self.name = target.transport.name
+        self.settle = settle
+        self.interrupted = False  # a settled command was sent SIGINT
         self.left: str | None = None  # why a stopped command may still run
 
     def start(self, argv: Sequence[str], env: dict[str, str] | None = None) -> Process:
@@ -85,7 +105,18 @@ class _GuardedProcess(Process):
         self.stderr = _Until(self._proc.stderr, self._stopping)  # type: ignore[assignment]
 
     def wait(self, timeout: float | None = None) -> int:
-        """The command's exit code (the guard exits as it does)."""
+        """The command's exit code (the guard exits as it does). A settled command's first Ctrl-C
+        is passed on as SIGINT, and its end awaited again."""
+        try:
+            return self._proc.wait(timeout)
+        except Interrupted:
+            if not self._owner.settle or self._owner.interrupted:
+                raise
+        self._owner.interrupted = True
+        try:
+            self._guard("interrupt")
+        except DflashError as exc:  # Interrupted included: the caller's kill() then stops the command
+            raise exc if isinstance(exc, Interrupted) else Interrupted() from None
         return self._proc.wait(timeout)
 
     def kill(self) -> None:
@@ -100,10 +131,8 @@ class _GuardedProcess(Process):
             self._proc.kill()
 
     def _stop(self) -> None:
-        target = self._owner.target
-        argv = [target.host.interpreter, "-S", "-c", remote_script("guard"), "stop", self._token]
         try:
-            result = target.transport.run(wrap_argv(target.host.container, argv), timeout=STOP_TIMEOUT_S)
+            result = self._guard("stop")
         except Interrupted:
             raise  # a second Ctrl-C: stop waiting (the stop goes on by itself and skips to SIGKILL)
         except DflashError as exc:
@@ -111,6 +140,12 @@ class _GuardedProcess(Process):
             return
         if not result.ok:
             self._owner.left = f"its stop failed: {result.err_line()}"
+
+    def _guard(self, action: str) -> Completed:
+        """`guard.py ACTION TOKEN` in a second session."""
+        target = self._owner.target
+        argv = [target.host.interpreter, "-S", "-c", remote_script("guard"), action, self._token]
+        return target.transport.run(wrap_argv(target.host.container, argv), timeout=STOP_TIMEOUT_S)
 
 
 class _Until(Read1Stream):

@@ -150,3 +150,19 @@ def test_our_stdout_closing_ends_a_writer_that_survives_epipe(mux, where):
         proc.kill()
     assert proc.returncode == 255 and err == b""
     wait_until(lambda: not alive(pid), 60, f"{pid} to end")
+
+
+def test_a_command_that_could_not_be_stopped_is_reported(shim_host, tmp_path):
+    """Without the host's interpreter the command runs unguarded and its stop cannot run: the one
+    line says that it may still run, rather than implying that nothing is left."""
+    entry = shim_host.host_entry(200, python="/nonexistent/python3")
+    env = {**shim_host.env, "DFLASHCTL_INVENTORY": str(shim_host.write_inventory(tmp_path / "hosts.yaml", {"nopy": entry}))}
+    pids, res = interrupt(env, "nopy", ["sh", "-c", "echo ready $$; exec sleep 302"])
+    try:
+        assert res.returncode == 130
+        assert res.stderr.decode().startswith("error: interrupted; nopy (pct 200): the command may still run (its stop failed: ")
+        assert len(res.stderr.splitlines()) == 1
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -1,9 +1,11 @@
-"""Remote side of `dflashctl exec`: runs a command in a session of its own, so that an interrupted
-exec can end the command and everything it started through a second session (over SSH without a
-terminal, closing the channel sends the command no signal: it would run on). Stdlib only.
+"""Remote side of dflashctl's guarded commands (`exec`, `runctl start`): runs a command in a
+session of its own, so that an interrupted call can reach the command and everything it started
+through a second session (over SSH without a terminal, closing the channel sends the command no
+signal: it would run on). Stdlib only.
 
     python -S -c <this source> run TOKEN ARGV...   run ARGV; exit as it exits
     python -S -c <this source> stop TOKEN          end what `run TOKEN` started
+    python -S -c <this source> interrupt TOKEN     send it SIGINT once, as a terminal's Ctrl-C would
 
 `run` forks: the child starts a new session (its pid names it) and execs ARGV with the caller's
 stdin, stdout and stderr untouched, so every byte and the exit code are the command's own. The
@@ -92,15 +94,30 @@ def members(sessions):
     return {pid for pid, (_, sid, state) in processes().items() if sid in sessions and state != b"Z"}
 
 
+def sessions_of(token):
+    """The sessions that `run TOKEN` started (one; none once it has ended)."""
+    table = processes()
+    runs = {pid for pid in table if is_run(pid, token)}
+    return {pid for pid, (ppid, sid, _) in table.items() if ppid in runs and sid == pid}
+
+
+def interrupt(token):
+    """SIGINT to every process of the session that `run TOKEN` started; returns 0."""
+    for pid in members(sessions_of(token)):
+        try:
+            os.kill(pid, signal.SIGINT)
+        except OSError:
+            pass
+    return 0
+
+
 def stop(token):
     """Signal the session that `run TOKEN` started until none of it is left; returns the exit code."""
     hurry = []
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: hurry.append(1))
-    table = processes()
-    runs = {pid for pid in table if is_run(pid, token)}
-    sessions = {pid for pid, (ppid, sid, _) in table.items() if ppid in runs and sid == pid}
+    sessions = sessions_of(token)
     for sig, grace in ((signal.SIGINT, INT_GRACE_S), (signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, SIGKILL_WAIT_S)):
         signalled = set()
         deadline = time.monotonic() + grace
@@ -122,9 +139,9 @@ def main(argv):
     """`run TOKEN ARGV...` or `stop TOKEN`; returns the exit code."""
     if len(argv) >= 3 and argv[0] == "run":
         return run([os.fsencode(a) for a in argv[2:]])
-    if len(argv) == 2 and argv[0] == "stop":
-        return stop(os.fsencode(argv[1]))
-    sys.stderr.write("guard: usage: run TOKEN ARGV... | stop TOKEN\n")
+    if len(argv) == 2 and argv[0] in ("stop", "interrupt"):
+        return (stop if argv[0] == "stop" else interrupt)(os.fsencode(argv[1]))
+    sys.stderr.write("guard: usage: run TOKEN ARGV... | stop TOKEN | interrupt TOKEN\n")
     return 2
 
 
