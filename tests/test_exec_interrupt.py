@@ -166,3 +166,18 @@ def test_a_command_that_could_not_be_stopped_is_reported(shim_host, tmp_path):
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_stop_that_comes_before_the_command_starts_keeps_it_from_starting(shim_host):
+    """Ctrl-C a moment after the call began: the stop finds no session yet, and the command must
+    not start after it (the stop's mark is checked between the new session and the exec)."""
+    from dflashctl.containers import remote_script
+
+    guard = [sys.executable, "-S", "-c", remote_script("guard")]
+    with shim_host.session() as session:
+        target = session.target("shim")
+        assert target.run([*guard, "stop", "early1"]).exit_code == 0
+        late = target.run([*guard, "run", "early1", "sh", "-c", "echo ran"])
+        assert (late.exit_code, late.stdout) == (130, b"")
+        again = target.run([*guard, "run", "early1", "sh", "-c", "echo ran"])  # the mark was used up
+        assert (again.exit_code, again.stdout) == (0, b"ran\n")

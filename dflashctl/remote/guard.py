@@ -12,7 +12,10 @@ stdin, stdout and stderr untouched, so every byte and the exit code are the comm
 parent drops its copies of the streams, ignores the terminal's SIGINT and SIGQUIT (a `local` exec
 shares the terminal), waits, and exits with the child's code or dies of the child's signal.
 
-`stop` finds the `run TOKEN` parent in /proc and signals every process of its child's session:
+`stop` first leaves a mark (STOPPED, in /tmp) that a `run TOKEN` not started yet obeys: its child
+checks it after starting its session and before the exec, so a Ctrl-C a moment after the call
+began cannot miss a command that was about to start. Then it finds the `run TOKEN` parent in
+/proc and signals every process of its child's session:
 SIGINT, then SIGTERM after INT_GRACE_S, then SIGKILL after TERM_GRACE_S more, and returns once
 none is left (a zombie counts as gone); exit 0, or 1 when something outlived SIGKILL_WAIT_S. A
 SIGTERM or SIGHUP to `stop` itself (a second Ctrl-C) skips to SIGKILL. A process that started a
@@ -28,14 +31,17 @@ INT_GRACE_S = 2.0
 TERM_GRACE_S = 3.0
 SIGKILL_WAIT_S = 10.0
 POLL_S = 0.05
+STOPPED = "/tmp/dflashctl-guard-%s.stopped"
 
 
-def run(argv):
+def run(token, argv):
     """Run argv in a new session; returns its exit code (or dies of its signal)."""
     child = os.fork()
     if child == 0:
         try:
             os.setsid()
+            if os.path.exists(STOPPED % token):  # the stop came first (and found no session to signal)
+                os._exit(130)
             for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores these; the command must not
                 signal.signal(sig, signal.SIG_DFL)
             os.execvp(argv[0], argv)
@@ -50,6 +56,10 @@ def run(argv):
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     _, status = os.waitpid(child, 0)
+    try:
+        os.unlink(STOPPED % token)
+    except OSError:
+        pass
     if os.WIFSIGNALED(status):
         import resource
 
@@ -86,7 +96,7 @@ def is_run(pid, token):
     if b"-c" not in parts:
         return False
     at = parts.index(b"-c")
-    return parts[at + 2:at + 4] == [b"run", token]
+    return parts[at + 2:at + 4] == [b"run", os.fsencode(token)]
 
 
 def members(sessions):
@@ -117,6 +127,10 @@ def stop(token):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: hurry.append(1))
+    try:
+        open(STOPPED % token, "w").close()  # before the look in /proc (see the module's docstring)
+    except OSError:
+        pass
     sessions = sessions_of(token)
     for sig, grace in ((signal.SIGINT, INT_GRACE_S), (signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, SIGKILL_WAIT_S)):
         signalled = set()
@@ -136,11 +150,12 @@ def stop(token):
 
 
 def main(argv):
-    """`run TOKEN ARGV...` or `stop TOKEN`; returns the exit code."""
-    if len(argv) >= 3 and argv[0] == "run":
-        return run([os.fsencode(a) for a in argv[2:]])
-    if len(argv) == 2 and argv[0] in ("stop", "interrupt"):
-        return (stop if argv[0] == "stop" else interrupt)(os.fsencode(argv[1]))
+    """`run TOKEN ARGV...`, `stop TOKEN` or `interrupt TOKEN`; returns the exit code."""
+    token = argv[1] if len(argv) >= 2 and argv[1].isalnum() else None  # it names a file in /tmp
+    if token and argv[0] == "run" and len(argv) >= 3:
+        return run(token, [os.fsencode(a) for a in argv[2:]])
+    if token and argv[0] in ("stop", "interrupt") and len(argv) == 2:
+        return (stop if argv[0] == "stop" else interrupt)(token)
     sys.stderr.write("guard: usage: run TOKEN ARGV... | stop TOKEN | interrupt TOKEN\n")
     return 2
 
