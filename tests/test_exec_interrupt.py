@@ -50,6 +50,13 @@ def alive(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2:][:1] != b"Z"
 
 
+def kill_left(pids: list[int]) -> None:
+    """SIGKILL what a failed test left running (the stubborn programs here never end by themselves)."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def interrupt(env: dict, host: str, argv: list[str]) -> tuple[list[int], subprocess.CompletedProcess]:
     """`dflashctl exec host -- argv`, SIGINT once it printed its `ready PID...` line: the pids and
     the CLI's outcome."""
@@ -68,9 +75,12 @@ def interrupt(env: dict, host: str, argv: list[str]) -> tuple[list[int], subproc
 @pytest.mark.parametrize("where", ["shim", "p", "dock", "bare", "local"])
 def test_ctrl_c_ends_a_command_that_ignores_signals_and_forks(mux, where):
     pids, res = interrupt({**mux.sshd.env, **mux.env}, where, [sys.executable, "-c", STUBBORN])
-    assert len(pids) == 2
-    assert res.returncode == 130 and res.stderr == b"error: interrupted\n" and res.stdout == b""
-    wait_until(lambda: not any(alive(p) for p in pids), 60, f"{pids} to end")
+    try:
+        assert len(pids) == 2
+        assert res.returncode == 130 and res.stderr == b"error: interrupted\n" and res.stdout == b""
+        wait_until(lambda: not any(alive(p) for p in pids), 60, f"{pids} to end")
+    finally:
+        kill_left(pids)
     if where == "p":
         wait_until(lambda: mux.stats("p")["active"] == 0, 60, "the mux's commands to end")
 
@@ -79,9 +89,12 @@ def test_ctrl_c_ends_a_command_that_ignores_signals_and_forks(mux, where):
 def test_ctrl_c_ends_the_probe_of_issue_29(mux, where):
     """`sh -c 'echo ready; exec sleep 60'` ran on after Ctrl-C; a background job too."""
     pids, res = interrupt({**mux.sshd.env, **mux.env}, where, ["sh", "-c", POLITE])
-    assert res.returncode == 130 and res.stderr == b"error: interrupted\n"
-    assert len(pids) == 2  # the shell (by now `sleep 301`) and the background `sleep 300`
-    wait_until(lambda: not any(alive(p) for p in pids), 60, f"{pids} to end")
+    try:
+        assert res.returncode == 130 and res.stderr == b"error: interrupted\n"
+        assert len(pids) == 2  # the shell (by now `sleep 301`) and the background `sleep 300`
+        wait_until(lambda: not any(alive(p) for p in pids), 60, f"{pids} to end")
+    finally:
+        kill_left(pids)
 
 
 @pytest.mark.parametrize("where", ["shim", "local"])
@@ -148,8 +161,11 @@ def test_our_stdout_closing_ends_a_writer_that_survives_epipe(mux, where):
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 255 and err == b""
-    wait_until(lambda: not alive(pid), 60, f"{pid} to end")
+    try:
+        assert proc.returncode == 255 and err == b""
+        wait_until(lambda: not alive(pid), 60, f"{pid} to end")
+    finally:
+        kill_left([pid])
 
 
 def test_a_command_that_could_not_be_stopped_is_reported(shim_host, tmp_path):
@@ -163,9 +179,7 @@ def test_a_command_that_could_not_be_stopped_is_reported(shim_host, tmp_path):
         assert res.stderr.decode().startswith("error: interrupted; nopy (pct 200): the command may still run (its stop failed: ")
         assert len(res.stderr.splitlines()) == 1
     finally:
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_left(pids)
 
 
 def test_a_stop_that_comes_before_the_command_starts_keeps_it_from_starting(shim_host):
