@@ -14,7 +14,8 @@ shares the terminal), waits, and exits with the child's code or dies of the chil
 
 `stop` first leaves a mark (STOPPED, in /tmp) that a `run TOKEN` not started yet obeys: its child
 checks it after starting its session and before the exec, so a Ctrl-C a moment after the call
-began cannot miss a command that was about to start. Then it finds the `run TOKEN` parent in
+began cannot miss a command that was about to start (`run` removes the mark when it ends; a stop
+that came after its command had ended leaves it, an empty file). Then it finds the `run TOKEN` parent in
 /proc and signals every process of its child's session:
 SIGINT, then SIGTERM after INT_GRACE_S, then SIGKILL after TERM_GRACE_S more, and returns once
 none is left (a zombie counts as gone); exit 0, or 1 when something outlived SIGKILL_WAIT_S. A
