@@ -17,11 +17,12 @@ from rich.table import Table
 from rich.text import Text
 
 from .containers import Target
-from .transport import Completed
 from .errors import ConflictError, ContainerError, Interrupted, NotFoundError, RemoteError, UsageError
+from .guard import InterruptedAfter
 from .inventory import HostSpec
 from .plot import series
 from .tables import Column, show
+from .transport import Completed
 
 TRAINER_MODULE = "dflash_train"
 RUN_DIR_TOKEN = "{run_dir}"  # replaced by runctl with the run's absolute directory
@@ -250,8 +251,6 @@ def call(target: Target, command: str, args: Sequence[str], *, stdin: bytes | No
     """Run one runctl command and return its JSON answer; error answers become exceptions.
     settle (a start): Ctrl-C reaches runctl as SIGINT, which undoes the start or, past its last
     point, completes it; Interrupted then says which (guard.py)."""
-    from .guard import InterruptedAfter
-
     try:
         result = target.python_checked("runctl", [command, *args], stdin=stdin, timeout=timeout, settle=settle)
     except InterruptedAfter as exc:
