@@ -57,8 +57,15 @@ class Target:
         on_stdout: Sink | None = None,
         on_stderr: Sink | None = None,
         env: dict[str, str] | None = None,
+        settle: bool = False,
     ) -> Completed:
-        """Run argv in the container (env is set inside it); raise ContainerError when the container is unusable."""
+        """Run argv in the container (env is set inside it); raise ContainerError when the container is unusable.
+        settle: a Ctrl-C is passed on to the command as SIGINT and its answer awaited (guard.py)."""
+        if settle:
+            from .guard import run_guarded
+
+            return run_guarded(self, argv, stdin=stdin, timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr,
+                               env=env, settle=True)
         result = self.transport.run(
             wrap_argv(self.host.container, env_argv(argv, env)),
             stdin=stdin,
@@ -103,10 +110,12 @@ class Target:
         timeout: float | None = None,
         on_stdout: Sink | None = None,
         on_stderr: Sink | None = None,
+        settle: bool = False,
     ) -> Completed:
         """Run one of dflashctl's remote-side scripts (`dflashctl/remote/<script>.py`) with the host's interpreter.
 
-        flags go to the interpreter before `-c` (e.g. `-S` for scripts that need no site set-up).
+        flags go to the interpreter before `-c` (e.g. `-S` for scripts that need no site set-up);
+        settle as for run.
         """
         source = remote_script(script)
         return self.run(
@@ -115,6 +124,7 @@ class Target:
             timeout=timeout,
             on_stdout=on_stdout,
             on_stderr=on_stderr,
+            settle=settle,
         )
 
     def python_checked(self, script: str, args: Sequence[str] = (), **kw) -> Completed:  # type: ignore[no-untyped-def]

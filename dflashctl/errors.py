@@ -58,8 +58,8 @@ class Interrupted(DflashError):
 
     exit_code = 130
 
-    def __init__(self) -> None:
-        super().__init__("interrupted")
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(f"interrupted; {detail}" if detail else "interrupted")
 
 
 class OutputClosed(DflashError):

@@ -9,15 +9,18 @@ from typing import Sequence
 
 from .containers import Target
 from .errors import ContainerError, OutputClosed
+from .guard import run_guarded
 from .output import sink
 
 EXIT_OUTPUT_CLOSED = 255  # what OpenSSH exits with when its local stdout goes away mid-stream
+EXIT_SIGNALLED = 255  # and when the remote command was killed by a signal (no exit status)
 
 
 def run_passthrough(target: Target, command: Sequence[str]) -> int:
     """Run command in the target's container, streaming its output live; return its exit code.
     If our own stdout or stderr goes away (`| head -c 10`), the command is stopped and the exit
-    code is 255, as ssh's (OutputClosed carries it)."""
+    code is 255, as ssh's (OutputClosed carries it). The command runs under the guard: an
+    interrupted call leaves nothing of it on the host (guard.py)."""
     out = sink(sys.stdout.buffer)
     err = _StderrGate(sink(sys.stderr.buffer, "stderr"))
 
@@ -26,7 +29,7 @@ def run_passthrough(target: Target, command: Sequence[str]) -> int:
         out(chunk)
 
     try:
-        result = target.run(command, stdin=_forwarded_stdin(), on_stdout=on_stdout, on_stderr=err)
+        result = run_guarded(target, command, stdin=_forwarded_stdin(), on_stdout=on_stdout, on_stderr=err)
     except ContainerError:
         err.discard()  # pct's own complaint; the one-line error says it better
         raise
@@ -34,7 +37,8 @@ def run_passthrough(target: Target, command: Sequence[str]) -> int:
         exc.exit_code = EXIT_OUTPUT_CLOSED
         raise
     err.release()
-    return result.exit_code
+    # A local child killed by a signal has a negative code; ssh's 255 for it, as over SSH (docs/cli.md).
+    return result.exit_code if result.exit_code >= 0 else EXIT_SIGNALLED
 
 
 def _forwarded_stdin():  # type: ignore[no-untyped-def]

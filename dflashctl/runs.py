@@ -17,10 +17,12 @@ from rich.table import Table
 from rich.text import Text
 
 from .containers import Target
-from .errors import ConflictError, ContainerError, NotFoundError, RemoteError, UsageError
+from .errors import ConflictError, ContainerError, Interrupted, NotFoundError, RemoteError, UsageError
+from .guard import InterruptedAfter
 from .inventory import HostSpec
 from .plot import series
 from .tables import Column, show
+from .transport import Completed
 
 TRAINER_MODULE = "dflash_train"
 RUN_DIR_TOKEN = "{run_dir}"  # replaced by runctl with the run's absolute directory
@@ -177,7 +179,8 @@ def start_run(
 def launch(target: Target, spec: dict[str, Any]) -> StartedRun:
     """`runctl start` with a run's spec (argv, cwd, kind, gpus, ...; see start_run): pre-flight,
     GPU check and start under the remote lock."""
-    answer = call(target, "start", [target.host.workdir], stdin=json.dumps(spec).encode(), timeout=PREFLIGHT_TIMEOUT_S)
+    answer = call(target, "start", [target.host.workdir], stdin=json.dumps(spec).encode(), timeout=PREFLIGHT_TIMEOUT_S,
+                  settle=True)
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus", list(spec["gpus"])),
                       answer.get("queued_behind"))
 
@@ -190,7 +193,7 @@ def resume_run(target: Target, selector: str, *, payload_hash: str | None, force
     spec = {"cwd": f"{target.host.workdir}/payload", "payload_hash": payload_hash, "force": force,
             "env": env or None, "preflight": True, "kind": kind}
     answer = call(target, "resume", [target.host.workdir, selector], stdin=json.dumps(spec).encode(),
-                  timeout=PREFLIGHT_TIMEOUT_S)
+                  timeout=PREFLIGHT_TIMEOUT_S, settle=True)
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or [])
 
 
@@ -244,9 +247,14 @@ def stop_run(target: Target, selector: str | None, grace: float) -> dict[str, An
 
 
 def call(target: Target, command: str, args: Sequence[str], *, stdin: bytes | None = None,
-         timeout: float | None = 120) -> dict[str, Any]:
-    """Run one runctl command and return its JSON answer; error answers become exceptions."""
-    result = target.python_checked("runctl", [command, *args], stdin=stdin, timeout=timeout)
+         timeout: float | None = 120, settle: bool = False) -> dict[str, Any]:
+    """Run one runctl command and return its JSON answer; error answers become exceptions.
+    settle (a start): Ctrl-C reaches runctl as SIGINT, which undoes the start or, past its last
+    point, completes it; Interrupted then says which (guard.py)."""
+    try:
+        result = target.python_checked("runctl", [command, *args], stdin=stdin, timeout=timeout, settle=settle)
+    except InterruptedAfter as exc:
+        raise Interrupted(_interrupted_start(target, exc.result)) from None
     lines = result.text().strip().splitlines()
     try:
         answer = json.loads(lines[-1])
@@ -255,6 +263,18 @@ def call(target: Target, command: str, args: Sequence[str], *, stdin: bytes | No
     if "error" in answer:
         raise answer_error(target, answer)
     return answer
+
+
+def _interrupted_start(target: Target, result: Completed) -> str:
+    """What an interrupted start left, from runctl's own answer: a run that goes on, or nothing."""
+    try:
+        answer = json.loads(result.text().strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return f"{target.label}: see whether a run started with: dflashctl runs list {target.host.name}"
+    if "run_id" not in answer:
+        return "nothing was started"
+    run_id = answer["run_id"]
+    return f"run {run_id} had started and goes on; stop it with: dflashctl runs stop {target.host.name} {run_id}"
 
 
 def answer_error(target: Target, answer: dict[str, Any]) -> Exception:

@@ -14,7 +14,11 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
   standin.preflight_error  --preflight answers this config error (exit 2), as the trainer does
   standin.preflight_signal  --preflight sends this signal (INT, TERM) to its parent, runctl start, as a
                         Ctrl-C during a slow pre-flight would, then hangs until it is killed
-  standin.preflight_signal_client  the same, but to runctl start's parent: the client (local transport)
+  standin.preflight_signal_client  the same, but to the client above runctl start (local transport; the
+                        exec guard that runs runctl is passed over)
+  standin.preflight_signal_cli  the same, to the dflashctl CLI process whose command line holds this very
+                        setting (found in /proc: over SSH the client is no ancestor; the test's sshd runs here)
+  standin.start_signal_cli  the same, from the trainer's start (the run exists by then), and it trains on
   standin.hold_at       after that step, wait until run.output_dir/standin-release exists (or SIGTERM
                         comes): a test acts on a running run, however slow the machine, then releases it
   standin.helper        true: start a helper process in the trainer's process group (as the compiler
@@ -59,6 +63,30 @@ def parse(argv):
     return opts
 
 
+def parent(pid):
+    """The parent of pid (field 4 of its stat)."""
+    with open("/proc/%d/stat" % pid) as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+
+def cmdline(pid):
+    """pid's command line, NUL-separated (b'' once it is gone)."""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def signal_cli(opts, key):
+    """Send the signal named by setting `key` to the dflashctl CLI whose command line holds `key=VALUE`."""
+    setting = ("%s=%s" % (key, opts[key])).encode()
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+        words = cmdline(pid).split(b"\0")
+        if setting in words and any(b"dflashctl.cli" in w for w in words):
+            os.kill(pid, getattr(signal, "SIG" + opts[key]))
+
+
 def main():
     """Train (pretend), honouring SIGTERM like the real trainer: checkpoint and exit 143."""
     opts = parse(sys.argv[1:])
@@ -70,14 +98,20 @@ def main():
             os.kill(os.getppid(), getattr(signal, "SIG" + opts["standin.preflight_signal"]))
             time.sleep(3600)
         if opts.get("standin.preflight_signal_client"):
-            with open("/proc/%d/stat" % os.getppid()) as fh:
-                client = int(fh.read().rsplit(")", 1)[1].split()[1])  # field 4: the parent's parent
+            client = parent(os.getppid())
+            if b"<this source> run TOKEN" in cmdline(client):  # runctl runs under the guard (dflashctl/guard.py)
+                client = parent(client)
             os.kill(client, getattr(signal, "SIG" + opts["standin.preflight_signal_client"]))
+            time.sleep(3600)
+        if opts.get("standin.preflight_signal_cli"):
+            signal_cli(opts, "standin.preflight_signal_cli")
             time.sleep(3600)
         gpus = preflight_gpus(opts)
         devices = ["cuda:%d" % g for g in gpus] or ["cpu"]
         print(json.dumps({"ok": True, "devices": devices, "gpus": gpus, "summary": ["standin"]}), flush=True)
         return 0
+    if opts.get("standin.start_signal_cli"):
+        signal_cli(opts, "standin.start_signal_cli")
     out = opts.get("run.output_dir", ".")
     steps = int(opts["run.steps"])
     step_time = float(opts["standin.step_time"])

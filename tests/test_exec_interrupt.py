@@ -1,0 +1,197 @@
+"""Ctrl-C of `dflashctl exec` leaves nothing of the command on the host (issue 29), through the
+real sshd with the pct and docker stand-ins (direct and through the mux), a bare host, and
+`local`; whatever the command does: ignore SIGINT, SIGHUP and SIGTERM, fork a child into a process
+group of its own, keep stdout open. The tests wait for a `ready` line, never for a time, and
+bound the wait for the processes to go (no assertion on how fast)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from runs_helpers import wait_until
+from sshd import CLI
+from test_mux import mux  # noqa: F401 - persist hosts with a private mux directory, no mux left after
+from test_quoting import PRINT_ARGS, arguments
+
+from dflashctl.guard import run_guarded
+
+# Ignores every polite signal, forks a child that moves to a process group of its own and keeps
+# stdout open, then prints its pid and the child's and sleeps for good: only SIGKILL ends it.
+STUBBORN = """
+import os, signal, sys, time
+for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+    signal.signal(s, signal.SIG_IGN)
+child = os.fork()
+if child == 0:
+    os.setpgid(0, 0)
+    while True:
+        time.sleep(1)
+print("ready", os.getpid(), child, flush=True)
+while True:
+    time.sleep(1)
+"""
+# The probe of issue 29: a shell that execs sleep (which dies of SIGINT), beside a background
+# sleep (which a non-interactive shell starts with SIGINT ignored).
+POLITE = "sleep 300 & echo ready $$ $!; exec sleep 301"
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie waiting for its parent counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] != b"Z"
+
+
+def kill_left(pids: list[int]) -> None:
+    """SIGKILL what a failed test left running (the stubborn programs here never end by themselves)."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def interrupt(env: dict, host: str, argv: list[str]) -> tuple[list[int], subprocess.CompletedProcess]:
+    """`dflashctl exec host -- argv`, SIGINT once it printed its `ready PID...` line: the pids and
+    the CLI's outcome."""
+    proc = subprocess.Popen([*CLI, "exec", host, "--", *argv], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        words = proc.stdout.readline().split()
+        assert words[:1] == [b"ready"], (words, proc.stderr.read1(4096) if proc.poll() is not None else b"")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return [int(w) for w in words[1:]], subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("where", ["shim", "p", "dock", "bare", "local"])
+def test_ctrl_c_ends_a_command_that_ignores_signals_and_forks(mux, where):
+    pids, res = interrupt({**mux.sshd.env, **mux.env}, where, [sys.executable, "-c", STUBBORN])
+    try:
+        assert len(pids) == 2
+        assert res.returncode == 130 and res.stderr == b"error: interrupted\n" and res.stdout == b""
+        wait_until(lambda: not any(alive(p) for p in pids), 60, f"{pids} to end")
+    finally:
+        kill_left(pids)
+    if where == "p":
+        wait_until(lambda: mux.stats("p")["active"] == 0, 60, "the mux's commands to end")
+
+
+@pytest.mark.parametrize("where", ["shim", "p", "local"])
+def test_ctrl_c_ends_the_probe_of_issue_29(mux, where):
+    """`sh -c 'echo ready; exec sleep 60'` ran on after Ctrl-C; a background job too."""
+    pids, res = interrupt({**mux.sshd.env, **mux.env}, where, ["sh", "-c", POLITE])
+    try:
+        assert res.returncode == 130 and res.stderr == b"error: interrupted\n"
+        assert len(pids) == 2  # the shell (by now `sleep 301`) and the background `sleep 300`
+        wait_until(lambda: not any(alive(p) for p in pids), 60, f"{pids} to end")
+    finally:
+        kill_left(pids)
+
+
+@pytest.mark.parametrize("where", ["shim", "local"])
+def test_a_normal_exec_is_unchanged_by_the_guard(shim_host, where):
+    """Exit code, both streams' bytes, stdin, a death by signal (255, as ssh reports it; `local`
+    exited 241 for it before, the negative code of its child)."""
+    res = shim_host.run_cli("exec", where, "--", "sh", "-c", "cat; printf 'e\\0rr' >&2; exit 7", input=b"in\xff\n")
+    assert (res.returncode, res.stdout, res.stderr) == (7, b"in\xff\n", b"e\x00rr")
+    killed = shim_host.run_cli("exec", where, "--", "sh", "-c", "kill -TERM $$")
+    assert killed.returncode == 255 and killed.stderr == ""
+
+
+def test_without_the_interpreter_exec_runs_the_command_unguarded(shim_host, tmp_path):
+    entry = shim_host.host_entry(200, python="/nonexistent/python3")
+    env = {"DFLASHCTL_INVENTORY": str(shim_host.write_inventory(tmp_path / "hosts.yaml", {"nopy": entry}))}
+    res = shim_host.run_cli("exec", "nopy", "--", "sh", "-c", "echo hi; exit 3", env=env)
+    assert (res.returncode, res.stdout, res.stderr) == (3, "hi\n", "")
+
+
+@pytest.fixture(scope="module", params=["shim", "dock"])
+def container_target(request, sshd_host):  # type: ignore[no-untyped-def]
+    sshd_host.reset()
+    with sshd_host.session() as session:
+        yield session.target(request.param)
+
+
+@given(arguments)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_hostile_arguments_survive_the_guard(container_target, args):
+    """sshd's login shell, the guard's sh prelude, `pct exec` / `docker exec`, the guard's own
+    argv handling and bash hand back exactly the bytes we sent."""
+    result = run_guarded(container_target, [*PRINT_ARGS, *args])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == b"".join(a.encode() + b"\0" for a in args)
+
+
+
+# Prints its pid, then writes for good, through SIGPIPE and EPIPE and every polite signal.
+ENDLESS_WRITER = """
+import os, signal, sys, time
+for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+    signal.signal(s, signal.SIG_IGN)
+sys.stdout.buffer.write(b"%d\\n" % os.getpid())
+while True:
+    try:
+        sys.stdout.buffer.write(b"x" * 65536)
+        sys.stdout.flush()
+    except OSError:
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("where", ["shim", "p", "local"])
+def test_our_stdout_closing_ends_a_writer_that_survives_epipe(mux, where):
+    """`exec h -- cmd | head`: exit 255 as ssh, and the command is stopped too (before: a
+    command that shrugged off EPIPE wrote on for good)."""
+    proc = subprocess.Popen([*CLI, "exec", where, "--", sys.executable, "-c", ENDLESS_WRITER],
+                            env={**mux.sshd.env, **mux.env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        pid = int(proc.stdout.readline())
+        assert proc.stdout.read(10) == b"x" * 10
+        proc.stdout.close()  # what `head -c 10` does next
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    try:
+        assert proc.returncode == 255 and err == b""
+        wait_until(lambda: not alive(pid), 60, f"{pid} to end")
+    finally:
+        kill_left([pid])
+
+
+def test_a_command_that_could_not_be_stopped_is_reported(shim_host, tmp_path):
+    """Without the host's interpreter the command runs unguarded and its stop cannot run: the one
+    line says that it may still run, rather than implying that nothing is left."""
+    entry = shim_host.host_entry(200, python="/nonexistent/python3")
+    env = {**shim_host.env, "DFLASHCTL_INVENTORY": str(shim_host.write_inventory(tmp_path / "hosts.yaml", {"nopy": entry}))}
+    pids, res = interrupt(env, "nopy", ["sh", "-c", "echo ready $$; exec sleep 302"])
+    try:
+        assert res.returncode == 130
+        assert res.stderr.decode().startswith("error: interrupted; nopy (pct 200): the command may still run (its stop failed: ")
+        assert len(res.stderr.splitlines()) == 1
+    finally:
+        kill_left(pids)
+
+
+def test_a_stop_that_comes_before_the_command_starts_keeps_it_from_starting(shim_host):
+    """Ctrl-C a moment after the call began: the stop finds no session yet, and the command must
+    not start after it (the stop's mark is checked between the new session and the exec)."""
+    from dflashctl.containers import remote_script
+
+    guard = [sys.executable, "-S", "-c", remote_script("guard")]
+    with shim_host.session() as session:
+        target = session.target("shim")
+        assert target.run([*guard, "stop", "early1"]).exit_code == 0
+        late = target.run([*guard, "run", "early1", "sh", "-c", "echo ran"])
+        assert (late.exit_code, late.stdout) == (130, b"")
+        again = target.run([*guard, "run", "early1", "sh", "-c", "echo ran"])  # the mark was used up
+        assert (again.exit_code, again.stdout) == (0, b"ran\n")
