@@ -195,3 +195,23 @@ def test_a_stop_that_comes_before_the_command_starts_keeps_it_from_starting(shim
         assert (late.exit_code, late.stdout) == (130, b"")
         again = target.run([*guard, "run", "early1", "sh", "-c", "echo ran"])  # the mark was used up
         assert (again.exit_code, again.stdout) == (0, b"ran\n")
+
+
+def test_a_late_stops_mark_is_swept_by_a_later_run(tmp_path):
+    """A stop that came after its command ended leaves a mark in /tmp; the next guarded command
+    to end removes marks older than MARK_TTL_S and leaves younger ones (a stop about to be obeyed)."""
+    from dflashctl.remote import guard
+
+    tag = f"t{os.getpid()}x{tmp_path.name.replace('_', '').replace('-', '')}"
+    old, young = guard.STOPPED % (tag + "old"), guard.STOPPED % (tag + "young")
+    for path in (old, young):
+        Path(path).touch()
+    aged = Path(old).stat().st_mtime - guard.MARK_TTL_S - 60
+    os.utime(old, (aged, aged))
+    try:
+        done = subprocess.run([sys.executable, "-S", guard.__file__, "run", tag + "run", "true"], timeout=60)
+        assert done.returncode == 0
+        assert not Path(old).exists() and Path(young).exists()
+    finally:
+        for path in (old, young):
+            Path(path).unlink(missing_ok=True)

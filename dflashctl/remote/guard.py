@@ -15,7 +15,8 @@ shares the terminal), waits, and exits with the child's code or dies of the chil
 `stop` first leaves a mark (STOPPED, in /tmp) that a `run TOKEN` not started yet obeys: its child
 checks it after starting its session and before the exec, so a Ctrl-C a moment after the call
 began cannot miss a command that was about to start (`run` removes the mark when it ends; a stop
-that came after its command had ended leaves it, an empty file). Then it finds the `run TOKEN` parent in
+that came after its command had ended leaves it, an empty file, which the next `run` to end on
+that machine removes once it is MARK_TTL_S old). Then it finds the `run TOKEN` parent in
 /proc and signals every process of its child's session:
 SIGINT, then SIGTERM after INT_GRACE_S, then SIGKILL after TERM_GRACE_S more, and returns once
 none is left (a zombie counts as gone); exit 0, or 1 when something outlived SIGKILL_WAIT_S. A
@@ -33,6 +34,9 @@ TERM_GRACE_S = 3.0
 SIGKILL_WAIT_S = 10.0
 POLL_S = 0.05
 STOPPED = "/tmp/dflashctl-guard-%s.stopped"
+# A mark is read within the second of its stop; one left by a stop that came too late is removed
+# by the next `run` once it is this old.
+MARK_TTL_S = 600.0
 
 
 def run(token, argv):
@@ -61,6 +65,7 @@ def run(token, argv):
         os.unlink(STOPPED % token)
     except OSError:
         pass
+    sweep_marks()
     if os.WIFSIGNALED(status):
         import resource
 
@@ -69,6 +74,18 @@ def run(token, argv):
         signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 255
+
+
+def sweep_marks():
+    """Remove marks older than MARK_TTL_S: those of stops that came after their command had ended."""
+    import glob
+
+    for path in glob.glob(STOPPED % "*"):
+        try:
+            if time.time() - os.stat(path).st_mtime > MARK_TTL_S:
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def processes():
