@@ -569,7 +569,7 @@ def runs_stop(
     if shown is None or shown.get("state") in ("running", "queued"):  # an ended run: only "had already ended"
         err.print(Text(f"stopping {run_id} on {target.label} (SIGKILL after {grace:g} s)...", style="dim"))
     info = stop_group(session, target.host.name, run_id, grace)  # a multi-host run: every node
-    verb = "had already ended" if info.get("already") else "is now"
+    verb = "had already ended:" if info.get("already") else "is now"
     where = f" on {info['host']}" if info.get("nodes") else ""
     Console().print(Text(f"run {info['run_id']} {verb} ") + state_text(info) + Text(where), soft_wrap=True)
 

@@ -91,4 +91,4 @@ def test_stopping_an_ended_run_does_not_say_stopping(shim_host):
     run_id = done.stdout.strip()
     assert shim_host.run_cli("logs", "tail", "shim", run_id, "-f").returncode == 0  # it has ended
     res = shim_host.run_cli("runs", "stop", "shim", run_id)
-    assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith(f"run {run_id} had already ended")
+    assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith(f"run {run_id} had already ended: ")
