@@ -155,7 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--endpoint", help="openai: the server's base URL, e.g. http://127.0.0.1:8000")
     ap.add_argument("--model", help="openai: the model name the server serves")
     ap.add_argument("--concurrency", type=int, default=8, help="openai: requests at once")
-    ap.add_argument("--retries", type=int, default=8, help="openai: attempts after a 429, 5xx or connection error")
+    ap.add_argument("--retries", type=int, default=8,
+                    help="openai: attempts after a 429, 5xx, connection error or non-JSON answer")
     ap.add_argument("--metrics", help="append progress records (JSONL) here")
     ap.add_argument("--resume", action="store_true", help="continue the partial output of an interrupted run")
     ap.add_argument("--preflight", action="store_true", help="check everything, print one JSON line, generate nothing")
