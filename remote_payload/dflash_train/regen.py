@@ -5,7 +5,8 @@ learns to predict its target, so it trains on what the target itself says). docs
 Input rows, one per non-blank line; a row's index counts them from 0. The first key found wins:
   {"messages": [...]}   a chat: the next assistant turn for the conversation up to its last user
                         turn; out: {"index", "messages": that conversation + the reply,
-                        "finish_reason"}
+                        "reply_ids" (builtin: the reply's tokens as the target emitted them),
+                        "chat_template_kwargs"? (its --thinking), "finish_reason"}
   {"prompt": "..."}     plain text, continued as it is; out: {"index", "input_ids", "loss_mask",
                         "finish_reason"}, the prompt's tokens masked out
   {"input_ids": [...]}  token ids (a target without a tokenizer); out as for "prompt"

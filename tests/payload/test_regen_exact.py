@@ -62,10 +62,12 @@ def test_regenerated_chat_rows_train_on_the_targets_own_reply_tokens(tmp_path, t
         assert mask.tolist() == [False] * len(prompt) + [True] * len(new)
 
 
-def test_reply_ids_that_do_not_match_the_row_are_one_line_errors(tmp_path):
+def test_non_canonical_reply_ids_train_as_given_and_ids_that_do_not_match_the_row_are_errors(tmp_path):
     tok = save_tokenizer(tmp_path / "tok")
     convo = [{"role": "user", "content": "Say hello."}]
-    ids = tok("Hello there", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    # A reply emitted one character at a time: valid text whose merges re-encode it otherwise.
+    ids = [t for c in "Hello there" for t in tok(c, add_special_tokens=False)["input_ids"]] + [tok.eos_token_id]
+    assert tok("Hello there", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] != ids
     good = {"messages": convo + [{"role": "assistant", "content": "Hello there"}], "reply_ids": ids}
     (seq, mask), = load_jsonl(write_rows(tmp_path / "ok.jsonl", [good]), str(tmp_path / "tok"))
     assert seq[mask].tolist() == ids and not mask[: -len(ids)].any()
