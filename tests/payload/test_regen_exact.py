@@ -5,6 +5,8 @@ with a byte-level BPE gives other tokens."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_data import CHATS, save_tokenizer
@@ -30,12 +32,47 @@ def target_greedy(prompt: list[int], vocab: int, mask: int, eos: int) -> list[in
     return new
 
 
+def merge_pair(path, pair: tuple[str, str], avoid: set[int]):
+    """Rewrite the BPE at `path` so the tokens `pair` merge into one, and load it: a learned merge
+    that no text of the test uses (its id not in `avoid`, not part of another merge) gives its id
+    up, so the vocabulary keeps its size and every prompt its tokens."""
+    from transformers import AutoTokenizer
+
+    spec = json.loads((path / "tokenizer.json").read_text())
+    model = spec["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    parts = {p for m in merges for p in m}
+    slot = next(m for m in merges if "".join(m) not in parts and model["vocab"]["".join(m)] not in avoid)
+    merges.remove(slot)
+    model["vocab"]["".join(pair)] = model["vocab"].pop("".join(slot))
+    model["merges"] = [list(m) for m in merges + [pair]]
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 @pytest.mark.parametrize("thinking", [None, False])
 def test_regenerated_chat_rows_train_on_the_targets_own_reply_tokens(tmp_path, thinking):
     tok = save_tokenizer(tmp_path / "tok", chat_template=THINK_TEMPLATE)
     vocab, mask_id, eos = len(tok), tok.convert_tokens_to_ids("<|MASK|>"), tok.eos_token_id
     convos = [CHATS[0][:4], CHATS[1][:1]] + [[{"role": "user", "content": f"Where did the {w} sit?"}]
                                              for w in ("cat", "dog", "frog", "hat")]
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+
+    def render(tok) -> list[list[int]]:
+        return [tok(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **extra),
+                    add_special_tokens=False)["input_ids"] for c in convos]
+
+    prompts = render(tok)
+    emitted = [target_greedy(p, vocab, mask_id, eos) for p in prompts]
+    # A tokenizer where merges make decode -> encode differ from what the target emitted: two
+    # word pieces it emitted side by side become one token (the prompts keep their tokens, so
+    # the target emits the same).
+    pair = next((a, b) for new in emitted for a, b in zip(new, new[1:])
+                if all(tok.decode([t]).isalpha() for t in (a, b)))
+    tok = merge_pair(tmp_path / "tok", tuple(tok.convert_ids_to_tokens(list(pair))),
+                     {t for ids in prompts + emitted for t in ids})
+    assert render(tok) == prompts and len(tok) == vocab
+
     src = write_rows(tmp_path / "chats.jsonl", [{"messages": c} for c in convos])
     out = tmp_path / "regen.jsonl"
     flag = [] if thinking is None else ["--thinking", "off"]
@@ -43,15 +80,14 @@ def test_regenerated_chat_rows_train_on_the_targets_own_reply_tokens(tmp_path, t
                        "--tokenizer", str(tmp_path / "tok"), "--max-new-tokens", str(NEW), "--batch-size", "3",
                        *flag]) == 0
     rows = read_jsonl(out)
-    extra = {} if thinking is None else {"enable_thinking": thinking}
-    prompts = [tok(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **extra),
-                   add_special_tokens=False)["input_ids"] for c in convos]
-    emitted = [target_greedy(p, vocab, mask_id, eos) for p in prompts]
     # The precondition that makes this test mean something: re-encoding the replies' text (what
-    # the trainer did with these rows before) gives tokens the target did not emit. Here the
-    # random target emits byte tokens that are not whole UTF-8 characters, which decode to U+FFFD.
+    # the trainer did with these rows before) gives tokens the target did not emit, through the
+    # merge in a reply of whole characters, and through bytes that are not whole UTF-8
+    # characters (decoded to U+FFFD) in others.
     renders = [tokenize_chat(r["messages"], tok) for r in rows]
-    assert sum(ids[m].tolist() != e for (ids, m), e in zip(renders, emitted)) >= 2
+    differ = [r["messages"][-1]["content"] for r, (ids, m), new in zip(rows, renders, emitted)
+              if ids[m].tolist() != new]
+    assert len(differ) >= 2 and any("\ufffd" not in text for text in differ), differ
 
     seqs = load_jsonl(out, str(tmp_path / "tok"))
     for row, prompt, new, (ids, mask) in zip(rows, prompts, emitted, seqs):
