@@ -724,7 +724,7 @@ def data_regen(
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="openai: base URL, e.g. http://127.0.0.1:8000."),
     model: Optional[str] = typer.Option(None, "--model", help="openai: the served model's name."),
     concurrency: int = typer.Option(8, "--concurrency", help="openai: requests at once."),
-    retries: int = typer.Option(8, "--retries", help="openai: retries of a 429, 5xx or connection error."),
+    retries: int = typer.Option(8, "--retries", help="openai: retries of a 429, 5xx, connection error or non-JSON answer."),
     name: Optional[str] = typer.Option(None, "--name", help="A label for the run (default: the output's name)."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN",
                                          help="Continue a stopped or failed regen run where it stopped."),

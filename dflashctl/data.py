@@ -104,6 +104,9 @@ def row_problem(raw: bytes) -> str | None:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
                     or not isinstance(m.get("content") or "", str):
                 return f"messages[{i}] must be an object with a string role and string content"
+        ids = row.get("reply_ids", [0])  # the target's own reply tokens, from `data regen`
+        if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+            return "reply_ids must be a non-empty flat list of integers"
         return None
     if "prompt" in row:
         return None if isinstance(row["prompt"], str) else "prompt must be a string"

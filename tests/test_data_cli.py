@@ -80,7 +80,9 @@ def test_a_malformed_row_is_refused_before_anything_is_sent(shim_host, tmp_path)
     cases = [('{"input_ids": [1, 2, 3]\n', "not JSON (Expecting ',' delimiter)"),
              ('{"input_ids": [1, 2], "loss_mask": [1]}\n', "loss_mask has 1 entries, input_ids 2"),
              ('{"text": "no known field"}\n', "the row has none of input_ids, messages or prompt"),
-             ('[1, 2]\n', "a row must be a JSON object, not list")]
+             ('[1, 2]\n', "a row must be a JSON object, not list"),
+             ('{"messages": [{"role": "user", "content": "hi"}], "reply_ids": [1.5]}\n',
+              "reply_ids must be a non-empty flat list of integers")]
     for row, why in cases:
         bad.write_text(rows(2) + "\n" + row + rows(1))  # line 4: after two rows and a blank line
         res = shim_host.run_cli("data", "push", "shim", str(good), str(bad))

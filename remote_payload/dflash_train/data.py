@@ -14,6 +14,7 @@ import torch
 
 from .config import Config, DataConfig
 from .decode import generate
+from .regen_rows import encode_prompt
 from .target import Qwen3Target, build_tiny_target
 
 Sequence = tuple[torch.Tensor, torch.Tensor]  # (input_ids [T] long, loss_mask [T] bool)
@@ -121,8 +122,8 @@ class BlockSampler:
 
 
 def load_jsonl(path: str | Path, tokenizer_path: str | None = None) -> list[Sequence]:
-    """Rows of {"input_ids", "loss_mask"?} or chat {"messages"} (tokenised with the target's
-    chat template via `transformers`, imported only if such rows appear)."""
+    """Rows of {"input_ids", "loss_mask"?} or chat {"messages", "reply_ids"?} (tokenised with the
+    target's chat template via `transformers`, imported only if such rows appear)."""
     seqs, tokenizer = [], None
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -143,7 +144,8 @@ def load_jsonl(path: str | Path, tokenizer_path: str | None = None) -> list[Sequ
             elif "messages" in row:
                 tokenizer = tokenizer or load_tokenizer(tokenizer_path, path)
                 try:
-                    ids, mask = tokenize_chat(row["messages"], tokenizer)
+                    ids, mask = (tokenize_target_reply(row, tokenizer) if "reply_ids" in row
+                                 else tokenize_chat(row["messages"], tokenizer))
                 except ValueError as exc:
                     raise DataError(f"{path}:{line_no}: {exc}") from None
             else:
@@ -203,6 +205,31 @@ def tokenize_chat(messages: list[dict], tokenizer) -> Sequence:
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [hi > lo and any(a <= lo and hi <= b for a, b in spans) for lo, hi in enc["offset_mapping"]]
     return torch.tensor(enc["input_ids"], dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+
+
+def tokenize_target_reply(row: dict, tokenizer) -> Sequence:
+    """A chat row of `data regen` with the target's `reply_ids` (docs/data.md): the prompt as
+    regen rendered it for the target (the conversation up to its last user turn, the template's
+    generation prompt, the row's `enable_thinking`), unsupervised, then exactly the tokens the
+    target emitted, supervised. Re-encoding the reply's text could give other tokens (a
+    byte-level BPE merges what the target emitted apart), which the target never produced."""
+    messages = row["messages"]
+    if not (isinstance(messages, list) and len(messages) >= 2 and all(isinstance(m, dict) for m in messages)
+            and messages[-2].get("role") == "user" and messages[-1].get("role") == "assistant"):
+        raise DataError("a row with reply_ids must end with a user turn and the assistant reply they encode")
+    kwargs = row.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"} or \
+            not isinstance(kwargs.get("enable_thinking", False), bool):
+        raise DataError("chat_template_kwargs may only hold enable_thinking (true or false)")
+    reply = row["reply_ids"]
+    if not isinstance(reply, list) or not reply or not all(type(t) is int and t >= 0 for t in reply):
+        raise DataError("reply_ids must be a non-empty list of token ids")
+    if tokenizer.decode(reply, skip_special_tokens=True) != messages[-1].get("content"):
+        raise DataError("reply_ids do not decode to the assistant reply (an edited reply, or another tokenizer "
+                        "than the target's)")
+    prompt, _ = encode_prompt(tokenizer, "messages", {"messages": messages[:-1]}, kwargs.get("enable_thinking"))
+    return (torch.tensor(prompt + reply, dtype=torch.long),
+            torch.tensor([False] * len(prompt) + [True] * len(reply), dtype=torch.bool))
 
 
 def demo_sequences(target: Qwen3Target, cfg: DataConfig, mask_token_id: int, seed: int) -> tuple[list[Sequence], list[Sequence]]:

@@ -5,7 +5,8 @@ learns to predict its target, so it trains on what the target itself says). docs
 Input rows, one per non-blank line; a row's index counts them from 0. The first key found wins:
   {"messages": [...]}   a chat: the next assistant turn for the conversation up to its last user
                         turn; out: {"index", "messages": that conversation + the reply,
-                        "finish_reason"}
+                        "reply_ids" (builtin: the reply's tokens as the target emitted them),
+                        "chat_template_kwargs"? (its --thinking), "finish_reason"}
   {"prompt": "..."}     plain text, continued as it is; out: {"index", "input_ids", "loss_mask",
                         "finish_reason"}, the prompt's tokens masked out
   {"input_ids": [...]}  token ids (a target without a tokenizer); out as for "prompt"
@@ -155,7 +156,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--endpoint", help="openai: the server's base URL, e.g. http://127.0.0.1:8000")
     ap.add_argument("--model", help="openai: the model name the server serves")
     ap.add_argument("--concurrency", type=int, default=8, help="openai: requests at once")
-    ap.add_argument("--retries", type=int, default=8, help="openai: attempts after a 429, 5xx or connection error")
+    ap.add_argument("--retries", type=int, default=8,
+                    help="openai: attempts after a 429, 5xx, connection error or non-JSON answer")
     ap.add_argument("--metrics", help="append progress records (JSONL) here")
     ap.add_argument("--resume", action="store_true", help="continue the partial output of an interrupted run")
     ap.add_argument("--preflight", action="store_true", help="check everything, print one JSON line, generate nothing")

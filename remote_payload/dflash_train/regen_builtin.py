@@ -188,6 +188,6 @@ class BuiltinEngine:
                 else:
                     with self.tokenizer as tok:
                         reply = tok.decode(new, skip_special_tokens=True)
-                    out = chat_row(row.index, convo, reply, finish)
+                    out = chat_row(row.index, convo, reply, finish, new, o.thinking)
                 done[row.index] = Done(row.index, out, new_tokens=len(new))
         return [done[row.index] for row in rows]

@@ -5,13 +5,19 @@ and threads): a container may lack every HTTP package.
 Chat rows go to POST <endpoint>/v1/chat/completions (the server applies the chat template;
 `--thinking` is sent as `chat_template_kwargs.enable_thinking`, which vLLM and SGLang pass to
 the template), prompt and token rows to POST <endpoint>/v1/completions (token ids as the
-prompt). Each request carries `seed` = --seed + the row's index. A 429, a 5xx or a connection
-error is retried up to --retries times, after Retry-After when the server sends one, else after
-0.25 s doubling up to 30 s; any other 4xx is that row's error. A server that stays down ends
-the run (exit 1, resumable)."""
+prompt). Each request carries `seed` = --seed + the row's index. A 429, a 5xx, a connection
+error or an answer that is not JSON (a torn body, a proxy's page) is retried up to --retries
+times, after Retry-After when the server sends one, else after 0.25 s doubling up to 30 s; any
+other 4xx, and a JSON answer without choices, is that row's error. A server that stays down
+ends the run (exit 1, resumable).
+
+A token row holds the tokens of the text the server returned, and nothing more: the token it
+stopped at is not in that text, and which one it was (an end-of-text, an end-of-turn, a stop
+string) the answer does not say."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import urllib.error
@@ -86,7 +92,7 @@ class OpenAIEngine:
             if not isinstance(message.get("content"), str):
                 raise RowError(f"the server's reply has no message content: {json.dumps(choice)[:200]}")
             reply = with_thinking(message["content"], message.get("reasoning_content") or message.get("reasoning"))
-            finish = choice.get("finish_reason") or "stop"
+            finish = finish_reason(choice, used, o.max_new_tokens)
             return Done(row.index, chat_row(row.index, convo, reply, finish), new_tokens=used)
         if kind == "prompt":
             prompt = row.data["prompt"]
@@ -94,15 +100,13 @@ class OpenAIEngine:
                 raise RowError("prompt must be a non-empty string")
         else:
             prompt = token_ids(row.data["input_ids"])
-        choice, _ = self.post("completions", {**body, "prompt": prompt})
+        choice, used = self.post("completions", {**body, "prompt": prompt})
         if not isinstance(choice.get("text"), str):
             raise RowError(f"the server's reply has no text: {json.dumps(choice)[:200]}")
-        finish = choice.get("finish_reason") or "stop"
+        finish = finish_reason(choice, used, o.max_new_tokens)
         with self.tokenizer as tok:
             ids = prompt if kind == "input_ids" else list(tok(prompt)["input_ids"])
             new = list(tok(choice["text"], add_special_tokens=False)["input_ids"])
-            if finish == "stop" and tok.eos_token_id is not None:
-                new.append(tok.eos_token_id)  # the server leaves out the end-of-text token it stopped at
         return Done(row.index, token_row(row.index, ids, new, finish), new_tokens=len(new))
 
     def post(self, path: str, body: dict) -> tuple[dict, int]:
@@ -116,19 +120,18 @@ class OpenAIEngine:
             try:
                 with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
                     reply = json.loads(answer.read())
-                choices = (reply.get("choices") if isinstance(reply, dict) else None) or []
-                if not choices or not isinstance(choices[0], dict):
-                    raise RowError(f"the server answered without choices: {json.dumps(reply)[:200]}")
-                return choices[0], int((reply.get("usage") or {}).get("completion_tokens") or 0)
             except urllib.error.HTTPError as exc:
                 detail = exc.read()[:300].decode("utf-8", "replace")
                 if exc.code != 429 and exc.code < 500:
                     raise RowError(f"HTTP {exc.code} from {path}: {detail}") from None
                 why, wait = f"HTTP {exc.code}", retry_after(exc.headers.get("Retry-After"))
-            except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as exc:
+            except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError,
+                    http.client.HTTPException) as exc:  # HTTPException: a body cut short (IncompleteRead)
                 why, wait = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}", None
-            except ValueError as exc:  # an answer that is not JSON
-                raise RowError(f"the server's answer is not JSON: {exc}") from None
+            except ValueError as exc:  # a 200 whose body is not JSON: torn, or not the server's
+                why, wait = f"an answer that is not JSON ({exc})", None
+            else:
+                return first_choice(reply, path)
             if attempt == self.retries:
                 raise EngineError(f"{self.url}/{path}: {why} after {attempt + 1} attempts (is the server up? "
                                   f"--resume continues)")
@@ -136,6 +139,28 @@ class OpenAIEngine:
             if self.options.stop.wait(delay):
                 raise Abandoned()
             attempt += 1
+
+
+def first_choice(reply: object, path: str) -> tuple[dict, int]:
+    """(the answer's first choice, the completion tokens its usage counts, 0 when absent);
+    RowError for an answer without choices."""
+    choices = reply.get("choices") if isinstance(reply, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise RowError(f"the server's answer from {path} has no choices: {json.dumps(reply)[:200]}")
+    usage = reply.get("usage")
+    used = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return choices[0], used if isinstance(used, int) and not isinstance(used, bool) else 0
+
+
+def finish_reason(choice: dict, used: int, max_tokens: int) -> str:
+    """The choice's finish_reason as the server gives it. The API sets one on every finished
+    choice (null only in a stream's unfinished chunks); for a server that leaves it null: `length`
+    when its usage counts max_tokens generated (the API's meaning of `length`: the limit was
+    reached), else `unknown` (not `stop`: nothing says the target ended its turn)."""
+    reason = choice.get("finish_reason")
+    if isinstance(reason, str) and reason:
+        return reason
+    return "length" if used >= max_tokens else "unknown"
 
 
 def retry_after(value: str | None) -> float | None:

@@ -111,9 +111,18 @@ def token_row(index: int, prompt: list[int], new: list[int], finish: str) -> dic
             "finish_reason": finish}
 
 
-def chat_row(index: int, convo: list[dict], reply: str, finish: str) -> dict:
-    """The trainer's chat row: the conversation and the target's reply."""
-    return {"index": index, "messages": convo + [{"role": "assistant", "content": reply}], "finish_reason": finish}
+def chat_row(index: int, convo: list[dict], reply: str, finish: str, reply_ids: list[int] | None = None,
+             thinking: bool | None = None) -> dict:
+    """The trainer's chat row: the conversation and the target's reply; with `reply_ids` (the
+    tokens the target emitted for it, its end-of-turn token included) and the `enable_thinking`
+    its prompt was rendered with, so the trainer supervises exactly those tokens."""
+    row = {"index": index, "messages": convo + [{"role": "assistant", "content": reply}]}
+    if reply_ids is not None:
+        row["reply_ids"] = reply_ids
+        if thinking is not None:
+            row["chat_template_kwargs"] = {"enable_thinking": thinking}
+    row["finish_reason"] = finish
+    return row
 
 
 # --- reading the input ---------------------------------------------------------------------------

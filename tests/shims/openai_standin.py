@@ -13,13 +13,14 @@ request: words `w<k>` derived from the prompt and the seed, max_tokens of them a
 (finish_reason `length`), else 3 + seed % 4 of them (`stop`). With chat_template_kwargs
 enable_thinking true it answers as a server with a reasoning parser does: the think text in
 `reasoning_content`, the answer in `content`. A prompt containing FAIL-ROW is a 400 (a row the
-server refuses).
+server refuses), NO-CHOICES a 200 whose JSON has no `choices`, NULL-FINISH an answer whose
+finish_reason is null.
 
     python openai_standin.py --port-file F [--model NAME] [--fail K] [--fail-status 500,429] [--log F]
 
 --fail K answers the first K generation requests with the statuses of --fail-status in turn
-(429 with `Retry-After: 0`), to exercise the client's retries; --log appends every request
-body as a JSON line. It listens on 127.0.0.1 on a free port, written to --port-file once bound.
+(429 with `Retry-After: 0`; 200: a JSON body cut short), to exercise the client's retries; --log
+appends every request body as a JSON line. It listens on 127.0.0.1 on a free port, written to --port-file once bound.
 """
 
 from __future__ import annotations
@@ -111,6 +112,14 @@ def make_handler(state: Standin) -> type:
                 return
             state.record(route, body)
             status = state.next_failure()
+            if status == 200:  # a torn answer: the body ends mid-JSON
+                torn = b'{"id": "cmpl-standin", "choices": [{"index": 0, "te'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(torn)))
+                self.end_headers()
+                self.wfile.write(torn)
+                return
             if status is not None:
                 self.error(status, "stand-in: injected failure", "RateLimitError" if status == 429 else "InternalServerError")
                 return
@@ -125,11 +134,14 @@ def make_handler(state: Standin) -> type:
                 self.error(400, "prompt must be given")
             elif "FAIL-ROW" in json.dumps(given):
                 self.error(400, "stand-in: this prompt is refused")
+            elif "NO-CHOICES" in json.dumps(given):
+                self.reply(200, {"id": "standin", "object": "error", "message": "stand-in: no choices"})
             else:
                 (self.chat if chat else self.completion)(body, json.dumps(given))
 
         def chat(self, body: dict, text: str) -> None:
             out, finish = generate(body, text)
+            finish = None if "NULL-FINISH" in text else finish
             message = {"role": "assistant", "content": " ".join(out)}
             if (body.get("chat_template_kwargs") or {}).get("enable_thinking"):
                 message["reasoning_content"] = "thinking " + " ".join(words(text, 2))
@@ -140,6 +152,7 @@ def make_handler(state: Standin) -> type:
 
         def completion(self, body: dict, text: str) -> None:
             out, finish = generate(body, text)
+            finish = None if "NULL-FINISH" in text else finish
             self.reply(200, {"id": "cmpl-standin", "object": "text_completion", "model": state.model,
                              "choices": [{"index": 0, "text": " " + " ".join(out), "finish_reason": finish}],
                              "usage": {"prompt_tokens": 0, "completion_tokens": len(out), "total_tokens": len(out)}})

@@ -1,0 +1,82 @@
+"""The openai engine of `data regen` against the stand-in server (issue 28, item 3): a null
+finish_reason, token rows holding only what the server returned, a torn 200 answer retried, an
+answer without choices reported as such."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from test_data import save_tokenizer
+from test_regen import STANDIN, read_jsonl, standin, write_rows  # noqa: F401 - standin is a fixture
+
+from dflash_train import regen
+
+
+def standin_module():
+    """The stand-in server's module, for its deterministic `generate` (what it answers)."""
+    spec = importlib.util.spec_from_file_location("openai_standin", STANDIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def openai_args(src, out, url: str, *extra: str) -> list[str]:
+    return ["--prompts", str(src), "--out", str(out), "--engine", "openai", "--endpoint", url, "--model", "standin",
+            "--concurrency", "1", *extra]
+
+
+def test_a_null_finish_reason_is_recorded_as_unknown_or_length_never_stop(tmp_path, standin, capsys):
+    url, _ = standin(fail=0)
+    # --seed 0: row i asks for 3 + i % 4 words, --max-new-tokens 4 caps them.
+    chats = [{"messages": [{"role": "user", "content": "NULL-FINISH short"}]},  # 3 words
+             {"messages": [{"role": "user", "content": "plain"}]},  # 4 words, the server says stop
+             {"messages": [{"role": "user", "content": "NULL-FINISH long"}]}]  # cut at 4
+    src = write_rows(tmp_path / "c.jsonl", chats)
+    out = tmp_path / "o.jsonl"
+    assert regen.main(openai_args(src, out, url, "--max-new-tokens", "4")) == 0, capsys.readouterr().err
+    assert [r["finish_reason"] for r in read_jsonl(out)] == ["unknown", "stop", "length"]
+
+
+def test_token_rows_hold_exactly_the_tokens_of_the_servers_text(tmp_path, standin, capsys):
+    url, log = standin(fail=0)
+    hf = save_tokenizer(tmp_path / "tok")
+    src = write_rows(tmp_path / "p.jsonl", [{"input_ids": [5, 6, 7]}, {"prompt": "NULL-FINISH once"}])
+    out = tmp_path / "t.jsonl"
+    assert regen.main(openai_args(src, out, url, "--tokenizer", str(tmp_path / "tok"), "--max-new-tokens",
+                                  "16")) == 0, capsys.readouterr().err
+    module = standin_module()
+    for row, request in zip(read_jsonl(out), read_jsonl(log)):
+        body = request["body"]
+        words, finish = module.generate(body, json.dumps(body["prompt"]))
+        prompt = body["prompt"] if isinstance(body["prompt"], list) else hf(body["prompt"])["input_ids"]
+        new = hf(" " + " ".join(words), add_special_tokens=False)["input_ids"]
+        assert row["input_ids"] == prompt + new  # no end-of-text token the server never sent
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * len(new)
+        assert row["finish_reason"] == ("unknown" if "NULL-FINISH" in str(body["prompt"]) else finish)
+    assert hf.eos_token_id not in read_jsonl(out)[0]["input_ids"]
+
+
+def test_a_torn_200_answer_is_retried_like_a_5xx(tmp_path, standin, capsys):
+    url, log = standin(fail=1, statuses="200")
+    src = write_rows(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    assert regen.main(openai_args(src, tmp_path / "a.jsonl", url)) == 0, capsys.readouterr().err
+    assert len(read_jsonl(log)) == 2 and not (tmp_path / "a.errors.jsonl").exists()
+    (row,) = read_jsonl(tmp_path / "a.jsonl")
+    assert row["messages"][-1]["role"] == "assistant" and row["finish_reason"] == "stop"
+    url, _ = standin(fail=5, statuses="200")  # torn through every attempt: the run stops, resumable
+    assert regen.main(openai_args(src, tmp_path / "b.jsonl", url, "--retries", "1")) == 1
+    err = capsys.readouterr().err
+    assert "an answer that is not JSON" in err and "after 2 attempts" in err
+    assert (tmp_path / ".b.jsonl.partial").exists() and not (tmp_path / "b.jsonl").exists()
+
+
+def test_an_answer_without_choices_is_that_rows_error_named_as_such(tmp_path, standin, capsys):
+    url, _ = standin(fail=0)
+    src = write_rows(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "NO-CHOICES"}]},
+                                            {"messages": [{"role": "user", "content": "fine"}]}])
+    assert regen.main(openai_args(src, tmp_path / "o.jsonl", url)) == 0, capsys.readouterr().err
+    assert [r["index"] for r in read_jsonl(tmp_path / "o.jsonl")] == [1]
+    (error,) = read_jsonl(tmp_path / "o.errors.jsonl")
+    assert error == {"index": 0, "reason": 'the server\'s answer from chat/completions has no choices: {"id": '
+                                           '"standin", "object": "error", "message": "stand-in: no choices"}'}
