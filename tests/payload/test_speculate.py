@@ -1,11 +1,19 @@
 """The speculative decoding loop (speculate.py) on a briefly trained tiny drafter, on the CPU:
 lossless against the target's own greedy decode, and its acceptance equal, block by block, to
-the teacher-forced acceptance at the anchors the loop actually used."""
+the teacher-forced acceptance at the anchors the loop actually used; the export through
+transformers, both the trainer's API and z-lab's (`spec_generate`, issue 28)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from dflash_train.config import load_config
 from dflash_train.data import BlockSampler, build_datasets
@@ -183,10 +191,6 @@ def test_the_exports_zlab_forward_with_a_cache_drafts_what_the_training_forward_
 
 def save_target_for_transformers(target, path):
     """Our Qwen3 target as a transformers checkpoint: config.json + one model.safetensors."""
-    import json
-
-    from safetensors.torch import save_file
-
     cfg = target.cfg
     path.mkdir()
     (path / "config.json").write_text(json.dumps({
@@ -205,15 +209,10 @@ def save_target_for_transformers(target, path):
 def test_zlab_quick_start_on_the_export_is_lossless_and_stops(trained, tmp_path):
     """Issue 28: z-lab's README quick start (AutoModel + `spec_generate` with a transformers
     target) on an export, in a process that imports only torch and transformers: the target's own
-    greedy text, the same verify steps as the trainer's loop (`dflashctl eval`), and a stop token
-    ends the output (inclusive)."""
+    greedy text, the same verify steps as the trainer's loop (`dflashctl eval`), a stop token
+    ends the output (inclusive), and the sampled path kept to one token by top_k or top_p
+    decodes the same."""
     pytest.importorskip("transformers")
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from dflash_train.export import export_drafter
 
     cfg, replica, prompts = trained
@@ -227,23 +226,27 @@ def test_zlab_quick_start_on_the_export_is_lossless_and_stops(trained, tmp_path)
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     script = Path(__file__).with_name("zlab_quickstart.py")
 
-    def quick_start(stop_ids):
-        job, out = tmp_path / "job.json", tmp_path / "out.json"
-        job.write_text(json.dumps({"prompts": chosen, "max_new_tokens": new_tokens, "stop_token_ids": stop_ids}))
-        subprocess.run([sys.executable, "-I", str(script), str(tmp_path / "target"), str(export), str(job), str(out)],
-                       cwd=tmp_path, env=env, check=True, timeout=600)
-        return json.loads(out.read_text())
-
-    plain = quick_start(None)
-    assert plain["attributes"] == {"block_size": cfg.drafter.block_size, "mask_token_id": cfg.drafter.mask_token_id,
-                                   "target_layer_ids": list(replica.drafter.spec.target_layer_ids)}
-    for got, mine in zip(plain["results"], ours):
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    runs = [{"temperature": 0.0, "stop_token_ids": None},
+            {"temperature": 0.0, "stop_token_ids": [stop]},
+            # Sampling kept to the one likeliest token: the sampled path must give the greedy text.
+            {"temperature": 1.0, "top_k": 1, "stop_token_ids": None},
+            {"temperature": 0.7, "top_p": 1e-6, "stop_token_ids": None}]
+    job.write_text(json.dumps({"prompts": chosen, "max_new_tokens": new_tokens, "runs": runs}))
+    subprocess.run([sys.executable, "-I", str(script), str(tmp_path / "target"), str(export), str(job), str(out)],
+                   cwd=tmp_path, env=env, check=True, timeout=600)
+    done = json.loads(out.read_text())
+    assert done["attributes"] == {"block_size": cfg.drafter.block_size, "mask_token_id": cfg.drafter.mask_token_id,
+                                  "target_layer_ids": list(replica.drafter.spec.target_layer_ids)}
+    plain, stopped, top_k, top_p = done["results"]
+    for got, mine in zip(plain, ours):
         assert got["prompt_kept"] and got["spec"] == got["greedy"] == mine.tokens  # lossless, as eval decodes
         assert got["steps"] == len(mine.accepted)  # the drafts accepted are the trainer's loop's
     assert sum(len(m.tokens) for m in ours) > 1.2 * sum(len(m.accepted) for m in ours)  # drafts were accepted
-    stopped = quick_start([stop])["results"][0]
     cut = first.index(stop) + 1
-    assert stopped["spec"] == stopped["greedy"] == first[:cut] and cut < new_tokens
+    assert stopped[0]["spec"] == stopped[0]["greedy"] == first[:cut] and cut < new_tokens
+    for got, reference in zip(top_k + top_p, plain + plain):
+        assert (got["spec"], got["steps"]) == (reference["spec"], reference["steps"])
 
 
 def test_held_out_prompts_takes_at_most_count_and_none_for_zero():

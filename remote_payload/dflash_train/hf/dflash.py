@@ -13,6 +13,8 @@ past_key_values=)`. The trainer's own forward over blocks at anchors is `block_f
 drafter needs its target's embeddings and LM head, which the export does not carry.
 """
 
+import inspect
+
 import torch
 from transformers import DynamicCache, PreTrainedModel, Qwen3Config
 
@@ -93,9 +95,9 @@ class DFlashDraftModel(PreTrainedModel):
         stops = set(stop_token_ids or ())
         embed, head = target.get_input_embeddings(), target.get_output_embeddings()
         target_cache, draft_cache = DynamicCache(), DynamicCache()
+        cached = {_cache_keyword(target): target_cache, "use_cache": True, "output_hidden_states": True}
 
-        out = target(input_ids, past_key_values=target_cache, use_cache=True, output_hidden_states=True,
-                     logits_to_keep=1)
+        out = target(input_ids, logits_to_keep=1, **cached)
         context = self._features(out.hidden_states)                                 # [1, P, L*H]
         first = _probs(out.logits[0, -1:], temperature, top_p, top_k)              # [1, V]
         new = [int(_pick(first, temperature)[0])]                                  # the prefill's own token
@@ -110,7 +112,7 @@ class DFlashDraftModel(PreTrainedModel):
             _keep(draft_cache, start)                                              # the context only
             q = _probs(head(hidden[0, 1:].to(head.weight.dtype)), temperature, top_p, top_k)  # [B-1, V]
             ids[0, 1:] = _pick(q, temperature)
-            out = target(ids, past_key_values=target_cache, use_cache=True, output_hidden_states=True)
+            out = target(ids, **cached)
             p = _probs(out.logits[0], temperature, top_p, top_k)                    # [B, V]
             k, following = _accept(ids[0, 1:], q, p, temperature)
             new += ids[0, 1:1 + k].tolist() + [following]
@@ -125,6 +127,12 @@ class DFlashDraftModel(PreTrainedModel):
         """The drafter's context: the target's hidden states after each layer of
         `target_layer_ids` (hidden_states[0] is the embeddings), concatenated."""
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+
+
+def _cache_keyword(target):
+    """The name of the target's KV-cache argument: `cache` where transformers has it (5.24
+    warns that `past_key_values` goes in 5.40), else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
 def _keep(cache, length):
