@@ -249,6 +249,36 @@ def test_zlab_quick_start_on_the_export_is_lossless_and_stops(trained, tmp_path)
         assert (got["spec"], got["steps"]) == (reference["spec"], reference["steps"])
 
 
+def test_the_exports_sampling_rule_keeps_the_targets_distribution(trained, tmp_path):
+    """Issue 28: spec_generate's sampled path, its helpers taken from the loaded export's module:
+    a draft drawn from q and judged against p emits a first token distributed as p (the
+    speculative-sampling rule), and top_k / top_p keep the likeliest tokens, renormalised."""
+    transformers = pytest.importorskip("transformers")
+    from dflash_train.export import export_drafter
+
+    cfg, replica, _ = trained
+    out = export_drafter(replica.drafter, cfg.target, tmp_path / "export", torch.float32)
+    shipped = sys.modules[type(transformers.AutoModel.from_pretrained(str(out), trust_remote_code=True)).__module__]
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    probs = torch.softmax(logits, -1)
+    torch.testing.assert_close(shipped._probs(logits, 1.0, 1.0, 0), probs)
+    top2 = torch.tensor([[probs[0, 0], probs[0, 1], 0, 0]])
+    torch.testing.assert_close(shipped._probs(logits, 1.0, 1.0, 2), top2 / top2.sum())
+    torch.testing.assert_close(shipped._probs(logits, 1.0, float(probs[0, 0]) + 1e-3, 0), top2 / top2.sum())
+    q = torch.tensor([[0.1, 0.6, 0.2, 0.1]])                                 # the drafter's row
+    p = torch.tensor([[0.5, 0.1, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25]])      # the target's rows
+    torch.manual_seed(0)
+    first = []
+    for _ in range(20000):
+        draft = torch.multinomial(q[0], 1)
+        k, following = shipped._accept(draft, q, p, 1.0)
+        first.append(int(draft) if k == 1 else following)
+    empirical = torch.bincount(torch.tensor(first), minlength=4).float() / len(first)
+    # Total variation from p: 0.002 (seed 0); with the rejected draft replaced by a draw from p
+    # instead of max(0, p - q), 0.15; q itself is 0.5 away.
+    assert 0.5 * float((empirical - p[0]).abs().sum()) < 0.02
+
+
 def test_held_out_prompts_takes_at_most_count_and_none_for_zero():
     """run.spec_prompts=0 turns the in-training loop off: no prompts (it once meant all of them)."""
     seqs = [(torch.arange(10), torch.tensor([False] * 4 + [True] * 6)) for _ in range(3)]
