@@ -1,11 +1,19 @@
 """The speculative decoding loop (speculate.py) on a briefly trained tiny drafter, on the CPU:
 lossless against the target's own greedy decode, and its acceptance equal, block by block, to
-the teacher-forced acceptance at the anchors the loop actually used."""
+the teacher-forced acceptance at the anchors the loop actually used; the export through
+transformers, both the trainer's API and z-lab's (`spec_generate`, issue 28)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from dflash_train.config import load_config
 from dflash_train.data import BlockSampler, build_datasets
@@ -127,7 +135,8 @@ def test_sampled_speculation_is_distributed_as_the_target(trained):
 
 def test_the_export_loads_with_transformers_automodel_and_drafts_the_same(trained, tmp_path):
     """Issue 15: `AutoModel.from_pretrained(export, trust_remote_code=True)` gives the trainer's
-    drafter (same logits), and the speculative loop driven by it decodes the same tokens."""
+    drafter (same hidden states through `block_forward`, the trainer's forward), and the
+    speculative loop driven by it decodes the same tokens."""
     transformers = pytest.importorskip("transformers")
     from dflash_train.export import export_drafter
 
@@ -142,11 +151,132 @@ def test_the_export_loads_with_transformers_automodel_and_drafts_the_same(traine
     embeds = replica.target.embed_tokens(block_input_ids(ids, anchors, spec.block_size, spec.mask_token_id))
     mask = block_mask(anchors, ids.shape[1], spec.block_size, "dense")
     with torch.no_grad():
-        torch.testing.assert_close(loaded(feats, embeds, anchors, mask), replica.drafter(feats, embeds, anchors, mask))
+        torch.testing.assert_close(loaded.block_forward(feats, embeds, anchors, mask),
+                                   replica.drafter(feats, embeds, anchors, mask))
     for prompt in prompts[:4]:
         ours = speculate(replica.target, replica.drafter, prompt, 24)
         theirs = speculate(replica.target, loaded, prompt, 24)
         assert theirs.tokens == ours.tokens and theirs.accepted == ours.accepted
+
+
+def test_the_exports_zlab_forward_with_a_cache_drafts_what_the_training_forward_drafts(trained, tmp_path):
+    """Issue 28: z-lab's forward (context features in pieces, appended to a transformers cache,
+    the block's own entries cropped off after each call) gives the hidden states the trainer's
+    forward gives for a block at the same anchor over the whole context."""
+    transformers = pytest.importorskip("transformers")
+    from dflash_train.export import export_drafter
+
+    cfg, replica, prompts = trained
+    out = export_drafter(replica.drafter, cfg.target, tmp_path / "export", torch.float32)
+    loaded = transformers.AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32)
+    assert (loaded.block_size, loaded.mask_token_id) == (cfg.drafter.block_size, cfg.drafter.mask_token_id)
+    assert loaded.target_layer_ids == list(replica.drafter.spec.target_layer_ids)
+    spec, block = replica.drafter.spec, cfg.drafter.block_size
+    ids = torch.tensor([prompts[0] + prompts[1]])
+    feats = replica.target.features(ids, spec.target_layer_ids)
+    cache = transformers.DynamicCache()
+    done = 0
+    for anchor in (5, 6, 11, ids.shape[1] - 1):  # context arrives in pieces of 5, 1, 5, and the rest
+        anchors = torch.tensor([[anchor]])
+        block_ids = block_input_ids(ids, anchors, block, spec.mask_token_id)
+        embeds = replica.target.embed_tokens(block_ids)
+        with torch.no_grad():
+            ours = replica.drafter(feats[:, :anchor], embeds, anchors, block_mask(anchors, anchor, block, "dense"))
+            theirs = loaded(position_ids=torch.arange(done, anchor + block)[None], noise_embedding=embeds,
+                            target_hidden=feats[:, done:anchor], past_key_values=cache, use_cache=True)
+        cache.crop(-block)  # the block's own keys and values: the cache keeps the context only
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+        done = anchor
+
+
+def save_target_for_transformers(target, path):
+    """Our Qwen3 target as a transformers checkpoint: config.json + one model.safetensors."""
+    cfg = target.cfg
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "torch_dtype": "float32"}))
+    tied = cfg.tie_word_embeddings
+    save_file({("" if k.startswith("lm_head") else "model.") + k: v.contiguous()
+               for k, v in target.state_dict().items() if not (tied and k.startswith("lm_head"))},
+              str(path / "model.safetensors"))
+
+
+def test_zlab_quick_start_on_the_export_is_lossless_and_stops(trained, tmp_path):
+    """Issue 28: z-lab's README quick start (AutoModel + `spec_generate` with a transformers
+    target) on an export, in a process that imports only torch and transformers: the target's own
+    greedy text, the same verify steps as the trainer's loop (`dflashctl eval`), a stop token
+    ends the output (inclusive), and the sampled path kept to one token by top_k or top_p
+    decodes the same."""
+    pytest.importorskip("transformers")
+    from dflash_train.export import export_drafter
+
+    cfg, replica, prompts = trained
+    export = export_drafter(replica.drafter, cfg.target, tmp_path / "export", torch.float32)
+    save_target_for_transformers(replica.target, tmp_path / "target")
+    new_tokens, chosen = 24, prompts[:4]
+    ours = [speculate(replica.target, replica.drafter, p, new_tokens) for p in chosen]
+    first = ours[0].tokens
+    stop = next((t for t in first if first.index(t) > 0), first[0])  # a token first emitted after the prefill's
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    script = Path(__file__).with_name("zlab_quickstart.py")
+
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    runs = [{"temperature": 0.0, "stop_token_ids": None},
+            {"temperature": 0.0, "stop_token_ids": [stop]},
+            # Sampling kept to the one likeliest token: the sampled path must give the greedy text.
+            {"temperature": 1.0, "top_k": 1, "stop_token_ids": None},
+            {"temperature": 0.7, "top_p": 1e-6, "stop_token_ids": None}]
+    job.write_text(json.dumps({"prompts": chosen, "max_new_tokens": new_tokens, "runs": runs}))
+    subprocess.run([sys.executable, "-I", str(script), str(tmp_path / "target"), str(export), str(job), str(out)],
+                   cwd=tmp_path, env=env, check=True, timeout=600)
+    done = json.loads(out.read_text())
+    assert done["attributes"] == {"block_size": cfg.drafter.block_size, "mask_token_id": cfg.drafter.mask_token_id,
+                                  "target_layer_ids": list(replica.drafter.spec.target_layer_ids)}
+    plain, stopped, top_k, top_p = done["results"]
+    for got, mine in zip(plain, ours):
+        assert got["prompt_kept"] and got["spec"] == got["greedy"] == mine.tokens  # lossless, as eval decodes
+        assert got["steps"] == len(mine.accepted)  # the drafts accepted are the trainer's loop's
+    assert sum(len(m.tokens) for m in ours) > 1.2 * sum(len(m.accepted) for m in ours)  # drafts were accepted
+    cut = first.index(stop) + 1
+    assert stopped[0]["spec"] == stopped[0]["greedy"] == first[:cut] and cut < new_tokens
+    for got, reference in zip(top_k + top_p, plain + plain):
+        assert (got["spec"], got["steps"]) == (reference["spec"], reference["steps"])
+
+
+def test_the_exports_sampling_rule_keeps_the_targets_distribution(trained, tmp_path):
+    """Issue 28: spec_generate's sampled path, its helpers taken from the loaded export's module:
+    a draft drawn from q and judged against p emits a first token distributed as p (the
+    speculative-sampling rule), and top_k / top_p keep the likeliest tokens, renormalised."""
+    transformers = pytest.importorskip("transformers")
+    from dflash_train.export import export_drafter
+
+    cfg, replica, _ = trained
+    out = export_drafter(replica.drafter, cfg.target, tmp_path / "export", torch.float32)
+    shipped = sys.modules[type(transformers.AutoModel.from_pretrained(str(out), trust_remote_code=True)).__module__]
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    probs = torch.softmax(logits, -1)
+    torch.testing.assert_close(shipped._probs(logits, 1.0, 1.0, 0), probs)
+    top2 = torch.tensor([[probs[0, 0], probs[0, 1], 0, 0]])
+    torch.testing.assert_close(shipped._probs(logits, 1.0, 1.0, 2), top2 / top2.sum())
+    torch.testing.assert_close(shipped._probs(logits, 1.0, float(probs[0, 0]) + 1e-3, 0), top2 / top2.sum())
+    q = torch.tensor([[0.1, 0.6, 0.2, 0.1]])                                 # the drafter's row
+    p = torch.tensor([[0.5, 0.1, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25]])      # the target's rows
+    torch.manual_seed(0)
+    first = []
+    for _ in range(20000):
+        draft = torch.multinomial(q[0], 1)
+        k, following = shipped._accept(draft, q, p, 1.0)
+        first.append(int(draft) if k == 1 else following)
+    empirical = torch.bincount(torch.tensor(first), minlength=4).float() / len(first)
+    # Total variation from p: 0.002 (seed 0); with the rejected draft replaced by a draw from p
+    # instead of max(0, p - q), 0.15; q itself is 0.5 away.
+    assert 0.5 * float((empirical - p[0]).abs().sum()) < 0.02
 
 
 def test_held_out_prompts_takes_at_most_count_and_none_for_zero():
