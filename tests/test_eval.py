@@ -25,6 +25,7 @@ def one_line(result) -> str:  # type: ignore[no-untyped-def]
     return lines[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["local", "shim"])
 def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, tmp_path, where):
     env = local_env(tmp_path) if where == "local" else {}
