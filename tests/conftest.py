@@ -27,9 +27,10 @@ Methods:
                                   docker `trainer` running and empty, `halted` exited
   session(home=None, inventory=None) -> Session   in-process, SshOptions(home=...), no agent
   kill_connections() -> int       SIGKILL the per-connection sshd processes (listener stays up)
-  run_cli(*args, input=None, timeout=60, env=None, cwd=None, binary=False)
-                                  run dflashctl in a subprocess with env (+ overrides);
-                                  text mode unless binary=True or input is bytes
+  run_cli(*args, input=None, timeout=60, env=None, cwd=None, binary=False, process=False)
+                                  run dflashctl with env (+ overrides): main() in-process, or a
+                                  subprocess when process=True, input or binary is given, or
+                                  called from a thread; text mode unless binary=True or input is bytes
   make_home(dir, trusted=True)    a fresh client HOME with the same key (known_hosts empty if not trusted)
   write_known_hosts(home, trusted), host_key_line(), host_entry(vmid|None, **extra),
   write_inventory(path=None, extra_hosts=None)

@@ -6,12 +6,14 @@ Used by conftest.py; see its docstring for the fixture API.
 from __future__ import annotations
 
 import getpass
+import io
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -97,6 +99,39 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+def run_main_in_process(args: tuple[str, ...], env: dict[str, str], cwd: Path | None) -> subprocess.CompletedProcess:
+    """dflashctl's main() as a subprocess would run it: argv, os.environ = env, cwd, stdin from /dev/null
+    and captured stdout/stderr (no terminal), all restored after; text decoded as subprocess.run(text=True) does."""
+    from dflashctl.cli import main
+
+    out, err = io.BytesIO(), io.BytesIO()
+    saved = sys.argv, sys.stdin, sys.stdout, sys.stderr, dict(os.environ), os.getcwd(), signal.getsignal(signal.SIGINT)
+    code: object = None
+    with open(os.devnull) as devnull:
+        sys.argv, sys.stdin = ["dflashctl", *args], devnull
+        sys.stdout = io.TextIOWrapper(out, encoding="utf-8", write_through=True)
+        sys.stderr = io.TextIOWrapper(err, encoding="utf-8", write_through=True)
+        os.environ.clear()
+        os.environ.update(env)
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+            main()
+        except SystemExit as exc:
+            code = exc.code
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            texts = [io.TextIOWrapper(io.BytesIO(s.getvalue()), encoding="utf-8").read() for s in (out, err)]
+            sys.argv, sys.stdin, sys.stdout, sys.stderr = saved[:4]
+            os.environ.clear()
+            os.environ.update(saved[4])
+            os.chdir(saved[5])
+            signal.signal(signal.SIGINT, saved[6])
+    assert isinstance(code, int), f"main() ended without an exit code: {code!r}"
+    return subprocess.CompletedProcess(["dflashctl", *args], code, texts[0], texts[1])
 
 
 class SshdHost:
@@ -300,8 +335,16 @@ class SshdHost:
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
         binary: bool = False,
+        process: bool = False,
     ) -> subprocess.CompletedProcess:
-        """Run `dflashctl ARGS` in a subprocess with self.env (+ env overrides); text unless binary or bytes input."""
+        """Run `dflashctl ARGS` with self.env (+ env overrides); text unless binary or bytes input.
+
+        In this process through main() (a subprocess costs ~0.4 s of imports), unless process=True,
+        stdin input or binary output asks for real pipes, or the caller is not the main thread (main()
+        installs a SIGINT handler). timeout bounds the subprocess; pytest-timeout bounds the rest."""
+        full_env = {**self.env, **(env or {})}
+        if not (process or input is not None or binary or threading.current_thread() is not threading.main_thread()):
+            return run_main_in_process(args, full_env, cwd)
         as_bytes = binary or isinstance(input, bytes)
         return subprocess.run(
             [*CLI, *args],
@@ -309,7 +352,7 @@ class SshdHost:
             stdin=subprocess.DEVNULL if input is None else None,
             capture_output=True,
             timeout=timeout,
-            env={**self.env, **(env or {})},
+            env=full_env,
             cwd=cwd,
             text=not as_bytes,
         )

@@ -2,8 +2,8 @@
 and the CLI end to end on `local` (CPU) and through real sshd + the pct shim.
 
 Timing (2 CPU cores): compiling the tiny step with mode="default" on CPU takes 25-45 s, so only
-the one slow-marked test compiles; the others inject a crash and a hang (which fire before any
-replica is built), run the eager policy, or use --quick.
+one slow-marked test compiles; the others inject a crash and a hang (which fire before any
+replica is built; slow too: the hang waits out --smoke-timeout), run the eager policy, or use --quick.
 """
 
 from __future__ import annotations
@@ -241,6 +241,7 @@ def rows(doc: dict) -> dict[str, dict]:
     return {c["id"]: c for c in doc["checks"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jobs", [[], ["--jobs", "2"]], ids=["default-jobs", "jobs-2"])
 def test_local_injected_crash_and_hang(local_env: dict[str, str], jobs: list[str]) -> None:
     proc = cli(local_env, "doctor", "local", "--json", "--inject", "crash:default,hang:off", "--smoke-timeout", "15",

@@ -146,6 +146,7 @@ def test_prefixer_writes_whole_lines_per_host():
 # --- end to end ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_hosts_two_threads_match_one_host_four_threads(pair):
     """2 hosts x 2 threads (gloo) == 1 host x 4 threads on the same global batch of 8 sequences."""
     port = free_port("127.0.0.1")
@@ -197,6 +198,7 @@ def test_two_hosts_two_threads_match_one_host_four_threads(pair):
     assert close >= 0.99 * sum(t.numel() for t in multi.values())
 
 
+@pytest.mark.slow
 def test_killed_node_fails_the_other_within_60s_naming_it(pair):
     run_id = pair.train("shim,gpu2", [*LONG, "run.threads=2"])
     wait_until(lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id), 90,
@@ -218,6 +220,7 @@ def test_killed_node_fails_the_other_within_60s_naming_it(pair):
     assert "failed (75)" in text and "reason" in text and "lost node gpu2 (rank 1)" in text
 
 
+@pytest.mark.slow
 def test_logs_per_node_and_all_then_stop_stops_every_node(pair):
     run_id = pair.train("pair", [*LONG, "run.threads=2"])
     wait_until(lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id), 90,
@@ -265,6 +268,7 @@ def trainer_pair(out: Path, extra: list[str], *args: str, timeout: float = 90) -
     return logs
 
 
+@pytest.mark.slow
 def test_resume_across_the_group_from_rank_0s_checkpoint(tmp_path):
     """Only rank 0 has checkpoints; on --resume it hands its latest to rank 1, and the resumed run
     ends bit for bit where the uninterrupted one did."""

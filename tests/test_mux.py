@@ -268,7 +268,9 @@ def test_dropped_connection_fails_the_command_and_the_next_call_gets_a_new_mux(m
 
 def test_unsafe_socket_dir_is_refused_and_the_call_goes_direct(mux):
     assert mux.cli("exec", "pbare", "--", "true").returncode == 0
+    pid = mux.stats("pbare")["pid"]
     assert mux.cli("hosts", "disconnect", "pbare").stdout.strip() == "pbare: connection closed"
+    assert _gone(pid, 5)  # the mux removes its socket as it exits, after disconnect has answered
     directory = mux.runtime / "dflashctl"
     directory.chmod(0o755)
     with pytest.raises(MuxUnavailable, match="mode 0700"):

@@ -65,6 +65,7 @@ def shim_work(shim_host):
                 pass
 
 
+@pytest.mark.slow
 def test_builtin_regen_lists_as_data_and_trains(shim_work, tmp_path):
     host, workdir = shim_work
     push(host, tmp_path, "prompts.jsonl", token_rows(11) + json.dumps({"input_ids": [600]}) + "\n")
@@ -99,6 +100,7 @@ def test_builtin_regen_lists_as_data_and_trains(shim_work, tmp_path):
     assert wrong.returncode == 2 and f"dflashctl data regen shim --resume {runs[0]['run_id']}" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_kill_9_and_stop_then_resume_give_the_uninterrupted_file(shim_work, tmp_path):
     host, workdir = shim_work
     push(host, tmp_path, "many.jsonl", token_rows(40))

@@ -329,7 +329,7 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     env = {"PYTHONPATH": str(tmp_path / "no-mpl")}
     (tmp_path / "no-mpl").mkdir()
     (tmp_path / "no-mpl" / "matplotlib.py").write_text("raise ImportError('no matplotlib here')\n")
-    bare = host.run_cli("runs", "show", "shim", "n2", "--plot", str(tmp_path / "b.png"), env=env)
+    bare = host.run_cli("runs", "show", "shim", "n2", "--plot", str(tmp_path / "b.png"), env=env, process=True)
     assert bare.returncode == 2 and bare.stdout == "" and "dflashctl[plot]" in bare.stderr
     assert len(bare.stderr.splitlines()) == 1 and not (tmp_path / "b.png").exists()
 

@@ -1,7 +1,7 @@
 """`dflashctl train` as a new user meets it (issue 14): the trainer's pre-flight before anything
 starts, a missing module in the container, `--resume RUN`, `--preset`, and a wheel install.
 
-Real parts: the CLI as a process, the real trainer (tiny, CPU) or the stand-in, sshd + the pct shim.
+Real parts: the CLI (main(), in-process), the real trainer (tiny, CPU) or the stand-in, sshd + the pct shim.
 """
 
 from __future__ import annotations

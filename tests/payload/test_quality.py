@@ -116,6 +116,7 @@ def test_the_built_target_loads_in_the_trainer_as_in_transformers(tiny_real_targ
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # what eval and regen continue
 
 
+@pytest.mark.slow
 def test_a_short_drafter_run_beats_prompt_lookup_on_held_out_prompts(tiny_real_target, tmp_path):
     figures = drafter_against_lookup(tiny_real_target, tmp_path)
     assert figures["identical"] and figures["prompts"] == 16
