@@ -11,7 +11,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import click
 import typer
@@ -40,6 +40,7 @@ class AppState:
     inventory: Optional[str] = None
     debug: bool = False
     sessions: list = field(default_factory=list)
+    interrupted: bool = False  # a Ctrl-C came (an error that follows may be its doing)
 
     def session(self) -> Session:
         """Load the inventory and open a Session that is closed when the call ends."""
@@ -50,6 +51,20 @@ class AppState:
 
 def _state(ctx: typer.Context) -> AppState:
     return ctx.ensure_object(AppState)
+
+
+@contextmanager
+def _detaches(state: AppState, host: str, run_id: str, err: Console) -> Iterator[None]:
+    """Once a run exists, a Ctrl-C anywhere after (or an error it caused, such as a channel that a
+    Ctrl-C cut while it opened) leaves the run going: one line that names it, exit 130."""
+    try:
+        yield
+    except DflashError as exc:
+        if not (isinstance(exc, Interrupted) or state.interrupted):
+            raise
+        err.print(Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {host} {run_id} -f"),
+                  soft_wrap=True)
+        raise typer.Exit(Interrupted.exit_code) from None
 
 
 def _complete_host(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
@@ -393,7 +408,7 @@ def train_cmd(
                              "start it again with train)")
         raise typer.Exit(_train_group(session, hosts, gpus=gpus, config=config, overrides=overrides, name=name,
                                       follow=follow, force=force, no_push=no_push, source=source,
-                                      rdzv_port=rdzv_port, env=env, preset=preset))
+                                      rdzv_port=rdzv_port, env=env, preset=preset, state=_state(ctx)))
     target = session.target(hosts[0].name)
     err = Console(stderr=True)
     gpu_list = parse_gpus(gpus, target.host)
@@ -415,17 +430,19 @@ def train_cmd(
             verb = "queued"
             err.print(Text(f"GPUs busy: queued behind {', '.join(run.queued_behind)}; it starts by itself when they "
                            f"are free (runs stop cancels it)", style="dim"), soft_wrap=True)
-    on = f"{target.label}, {_held(run.gpus)}"
-    if not (sys.stdout.isatty() if follow is None else follow):
-        typer.echo(run.run_id)
-        err.print(Text(f"{verb} run {run.run_id} on {on}; follow it: "
-                       f"dflashctl logs tail {target.host.name} {run.run_id} -f", style="dim"), soft_wrap=True)
-        return
-    err.print(Text(f"{verb} run {run.run_id} on {on} (Ctrl-C detaches; the run goes on)", style="dim"),
-              soft_wrap=True)
-    out = Console()
-    raise typer.Exit(attach(session, target.host.name, run.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
-                            console=out if out.is_terminal else None, err=err))
+    with _detaches(_state(ctx), target.host.name, run.run_id, err):
+        on = f"{target.label}, {_held(run.gpus)}"
+        if not (sys.stdout.isatty() if follow is None else follow):
+            typer.echo(run.run_id)
+            err.print(Text(f"{verb} run {run.run_id} on {on}; follow it: "
+                           f"dflashctl logs tail {target.host.name} {run.run_id} -f", style="dim"), soft_wrap=True)
+            return
+        err.print(Text(f"{verb} run {run.run_id} on {on} (Ctrl-C detaches; the run goes on)", style="dim"),
+                  soft_wrap=True)
+        out = Console()
+        code = attach(session, target.host.name, run.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
+                      console=out if out.is_terminal else None, err=err)
+    raise typer.Exit(code)
 
 
 def _split_command(text: str, option: str) -> list:
@@ -449,7 +466,7 @@ def _held(gpus: List[str]) -> str:
 
 def _train_group(session: Session, hosts: list, *, gpus: Optional[str], config: Optional[Path], overrides: List[str],
                  name: Optional[str], follow: Optional[bool], force: bool, no_push: bool, source: Optional[Path],
-                 rdzv_port: int, env: dict, preset: Optional[str]) -> int:
+                 rdzv_port: int, env: dict, preset: Optional[str], state: AppState) -> int:
     """`train h1,h2`: one run across hosts (docs/multihost.md); returns the exit code."""
     from functools import partial
 
@@ -476,11 +493,12 @@ def _train_group(session: Session, hosts: list, *, gpus: Optional[str], config: 
                        f"dflashctl logs tail {first} {group.run_id} -f (--all: every node)", style="dim"),
                   soft_wrap=True)
         return 0
-    err.print(Text(f"started run {group.run_id} on {names}, rendezvous {group.rendezvous}; following {first} "
-                   f"(Ctrl-C detaches; the run goes on)", style="dim"), soft_wrap=True)
-    out = Console()
-    return attach(session, first, group.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
-                  console=out if out.is_terminal else None, err=err, final=partial(final_state, session, first))
+    with _detaches(state, first, group.run_id, err):
+        err.print(Text(f"started run {group.run_id} on {names}, rendezvous {group.rendezvous}; following {first} "
+                       f"(Ctrl-C detaches; the run goes on)", style="dim"), soft_wrap=True)
+        out = Console()
+        return attach(session, first, group.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
+                      console=out if out.is_terminal else None, err=err, final=partial(final_state, session, first))
 
 
 @runs_app.command("list")
@@ -766,10 +784,11 @@ def data_regen(
         err.print(Text(f"{verb} {what}; follow it: dflashctl logs tail {target.host.name} {run.run_id} -f",
                        style="dim"), soft_wrap=True)
         return
-    err.print(Text(f"{verb} {what} (Ctrl-C detaches; the run goes on)", style="dim"), soft_wrap=True)
-    out_console = Console()
-    code = attach(session, target.host.name, run.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
-                  console=out_console if out_console.is_terminal else None, err=err)
+    with _detaches(_state(ctx), target.host.name, run.run_id, err):
+        err.print(Text(f"{verb} {what} (Ctrl-C detaches; the run goes on)", style="dim"), soft_wrap=True)
+        out_console = Console()
+        code = attach(session, target.host.name, run.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
+                      console=out_console if out_console.is_terminal else None, err=err)
     if code == 0:
         err.print(Text(f"wrote data:{dataset}; train on it with --set data.source=jsonl "
                        f"--set data.train_path=data:{dataset}"), soft_wrap=True)
@@ -892,10 +911,11 @@ def doctor_cmd(
 def main() -> None:
     """Console entry point: run the app, print errors as one red line, exit with their code."""
     import signal
+    from functools import partial
 
     state = AppState()
     code = 0
-    signal.signal(signal.SIGINT, _interrupt)  # raise our own: click and typer swallow KeyboardInterrupt
+    signal.signal(signal.SIGINT, partial(_interrupt, state))  # our own: click and typer swallow KeyboardInterrupt
     try:
         # Not standalone: click's errors come here, to be printed as one line like ours.
         rv = app(obj=state, standalone_mode=False, prog_name="dflashctl")  # also names the completion variable
@@ -924,7 +944,8 @@ def main() -> None:
     sys.exit(code)
 
 
-def _interrupt(signum: int, frame: object) -> None:
+def _interrupt(state: AppState, signum: int, frame: object) -> None:
+    state.interrupted = True
     raise Interrupted()
 
 

@@ -18,7 +18,8 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
                         exec guard that runs runctl is passed over)
   standin.preflight_signal_cli  the same, to the dflashctl CLI process whose command line holds this very
                         setting (found in /proc: over SSH the client is no ancestor; the test's sshd runs here)
-  standin.start_signal_cli  the same, from the trainer's start (the run exists by then), and it trains on
+  standin.start_signal_cli  the same, from a child of the trainer once the CLI follows the run's log
+                        (a reader of this run exists), and the trainer trains on
   standin.hold_at       after that step, wait until run.output_dir/standin-release exists (or SIGTERM
                         comes): a test acts on a running run, however slow the machine, then releases it
   standin.helper        true: start a helper process in the trainer's process group (as the compiler
@@ -87,6 +88,21 @@ def signal_cli(opts, key):
             os.kill(pid, getattr(signal, "SIG" + opts[key]))
 
 
+def signal_cli_once_followed(opts, key):
+    """signal_cli, from a child, once a log reader of this run exists (the CLI knows the run then and
+    follows it): one defined point for the Ctrl-C, whatever the machine's speed; the wait is bounded."""
+    run_id = os.path.basename(os.path.normpath(opts.get("run.output_dir", "."))).encode()
+    if os.fork():
+        return
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(
+            b"read" in words and run_id in words
+            for words in (cmdline(int(p)).split(b"\0") for p in os.listdir("/proc") if p.isdigit())):
+        time.sleep(0.05)
+    signal_cli(opts, key)
+    os._exit(0)
+
+
 def main():
     """Train (pretend), honouring SIGTERM like the real trainer: checkpoint and exit 143."""
     opts = parse(sys.argv[1:])
@@ -111,7 +127,7 @@ def main():
         print(json.dumps({"ok": True, "devices": devices, "gpus": gpus, "summary": ["standin"]}), flush=True)
         return 0
     if opts.get("standin.start_signal_cli"):
-        signal_cli(opts, "standin.start_signal_cli")
+        signal_cli_once_followed(opts, "standin.start_signal_cli")
     out = opts.get("run.output_dir", ".")
     steps = int(opts["run.steps"])
     step_time = float(opts["standin.step_time"])

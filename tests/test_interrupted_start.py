@@ -17,12 +17,14 @@ from dflashctl.errors import Interrupted, RemoteError
 from dflashctl.runs import CPU, list_runs, start_run, stop_run
 
 
-def preflights_left(marker: str) -> list[int]:
-    """Pids of stand-in pre-flights whose command line holds marker."""
+def preflights_left(marker: str, workdir: Path) -> list[int]:
+    """Pids of stand-in pre-flights of this workdir's runs whose command line holds marker (another
+    test's, or another suite's on the same machine, are not this test's)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+            line = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+            if marker.encode() in line and str(workdir).encode() in line:
                 found.append(int(entry.name))
         except OSError:
             pass
@@ -39,7 +41,7 @@ def test_a_signal_during_the_preflight_leaves_no_run_and_no_process(tmp_path, si
         with pytest.raises(RemoteError, match="interrupted .*nothing was started"):
             start_run(target, gpus=[CPU], overrides=[marker])
         assert list((workdir / "runs").iterdir()) == [workdir / "runs" / ".lock"]
-        assert preflights_left(marker) == []  # runctl killed the pre-flight it was waiting for
+        assert preflights_left(marker, workdir) == []  # runctl killed the pre-flight it was waiting for
         run = start_run(target, gpus=[CPU], overrides=["run.steps=1"])  # the GPUs (here: cpu) are free
         assert [r["run_id"] for r in list_runs(target)] == [run.run_id]
 
@@ -87,4 +89,4 @@ def test_ctrl_c_in_the_client_during_a_local_start_leaves_nothing(tmp_path):
     finally:
         signal.signal(signal.SIGINT, before)
     assert list((workdir / "runs").iterdir()) == [workdir / "runs" / ".lock"]
-    assert preflights_left(marker) == []
+    assert preflights_left(marker, workdir) == []
