@@ -79,17 +79,6 @@ DRY = Plan(build=("--size", "tiny", "--steps", "150", "--seq-len", "128", "--bat
            minutes="0.05,0.1,0.2", gpus=("--gpus", "cpu"))
 
 
-def baseline_figures(report: dict) -> tuple[float | None, float | None]:
-    """(tau, speedup) of the prompt-lookup baseline in an eval.json, or Nones while eval has none.
-    The key is not settled yet: a nested object under one of these names with tau and speedup."""
-    for key in ("baseline", "prompt_lookup", "lookup"):
-        found = report.get(key)
-        if isinstance(found, dict) and isinstance(found.get("tau"), (int, float)):
-            speedup = found.get("speedup")
-            return float(found["tau"]), float(speedup) if isinstance(speedup, (int, float)) else None
-    return None, None
-
-
 def fmt(value, spec: str = ".2f") -> str:
     """A figure for the table, `-` when absent."""
     return "-" if value is None else format(value, spec)
@@ -274,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                                     for r in records if r.get("event") in ("eval", "final") and r.get("step")])
             # Prompt lookup needs no drafter: its figures on these prompts are the same for every run, so
             # only the call's first eval decodes it (the later rows show that eval's, labelled so).
-            code, text, _, _ = bench.cli("eval", "local", run_id, "--prompts", str(target / "heldout-prompts.jsonl"),
+            eval_code, text, _, _ = bench.cli("eval", "local", run_id, "--prompts", str(target / "heldout-prompts.jsonl"),
                                          "--max-new-tokens", str(plan.eval_new_tokens), "--count",
                                          str(plan.eval_count), *plan.gpus, "--json",
                                          *(["--no-baseline"] if baseline else []), what=f"eval {run_id}",
@@ -285,9 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 report, failed = {}, True
             if baseline is None and isinstance(report.get("baseline"), dict):
                 baseline = {**report["baseline"], "from_run": run_id}
-            report = {**report, "baseline": baseline} if baseline else report
-            base_tau, base_speedup = baseline_figures(report)
-            row["lookup_from_run"] = (baseline or {}).get("from_run")
+            lookup = baseline or {}
             if args.agreement and i == len(points) - 1:
                 spec = yaml.safe_load((bench.run_dir(run_id) / "config.resolved.yaml").read_text())["run"]
                 code, text, _, _ = bench.cli("eval", "local", run_id, "--max-new-tokens", str(spec["spec_new_tokens"]),
@@ -299,13 +286,13 @@ def main(argv: list[str] | None = None) -> int:
                     row.update(agreement_eval_tau_mean=same.get("tau_prompt_mean"), agreement_eval_tau=same.get("tau"))
                 except ValueError:
                     failed = True
-            row.update(tau_mean=report.get("tau_prompt_mean"), lookup_tau_mean=(report.get("baseline") or {}).get(
-                "tau_prompt_mean"))
-            row.update(tau=report.get("tau"), speedup=report.get("speedup"), step_cost=report.get("step_cost"),
-                       identical=report.get("identical"), lookup_tau=base_tau, lookup_speedup=base_speedup,
-                       tau_over_lookup=(report["tau"] / base_tau) if base_tau and report.get("tau") else None,
-                       eval_exit=code)
-            failed |= code != 0
+            row.update(tau_mean=report.get("tau_prompt_mean"), tau=report.get("tau"), speedup=report.get("speedup"),
+                       step_cost=report.get("step_cost"), identical=report.get("identical"),
+                       lookup_tau_mean=lookup.get("tau_prompt_mean"), lookup_tau=lookup.get("tau"),
+                       lookup_speedup=lookup.get("speedup"), lookup_from_run=lookup.get("from_run"),
+                       tau_over_lookup=(report["tau"] / lookup["tau"]) if lookup.get("tau") and report.get("tau")
+                       else None, eval_exit=eval_code)
+            failed |= eval_code != 0
             bench.log("ROW " + json.dumps(row))
             result["rows"].append(row)
 
