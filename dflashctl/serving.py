@@ -113,13 +113,21 @@ def expected_weights(config: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor name: (dtype, shape)} from a safetensors file's header (the tensors are not read)."""
+def _header(path: Path) -> dict:
     with path.open("rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    return {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()
+        return json.loads(f.read(size))
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} from a safetensors file's header (the tensors are not read)."""
+    return {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in _header(path).items()
             if name != "__metadata__"}
+
+
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    """The string metadata a safetensors file's header carries ({} if none)."""
+    return _header(path).get("__metadata__") or {}
 
 
 def check_loader(loader: Loader, config: dict, weights: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
