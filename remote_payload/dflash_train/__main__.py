@@ -75,6 +75,10 @@ def _preflight(cfg) -> int:
     from .resolve import check_data_paths, resolve_config, summary, worker_devices
 
     notes: list[str] = []
+    if cfg.run.tensorboard:
+        from .dashboard import require
+
+        require()
     resolved = resolve_config(cfg, notes)
     check_data_paths(resolved)
     devices = worker_devices(resolved)
@@ -88,7 +92,9 @@ def _missing(exc: ImportError, preflight: bool) -> int:
     """A module the trainer needs is not installed in this interpreter: one line, exit 4."""
     name = getattr(exc, "name", None) or str(exc)
     package = {"yaml": "pyyaml"}.get(name, name)  # what pip installs it as
-    message = f"{package} is not installed in {sys.executable} (the trainer needs torch, safetensors, numpy, pyyaml)"
+    needs = ("run.tensorboard needs it" if name == "tensorboard"
+             else "the trainer needs torch, safetensors, numpy, pyyaml")
+    message = f"{package} is not installed in {sys.executable} ({needs})"
     if preflight:
         print(json.dumps({"ok": False, "error": "missing_module", "module": name, "message": message}), flush=True)
     else:

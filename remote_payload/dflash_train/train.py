@@ -21,6 +21,7 @@ import torch
 from . import distributed, launcher, warmup, workers
 from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, dump_yaml, to_dict
+from .dashboard import with_tensorboard
 from .data import Batch, BlockSampler, DataError, build_datasets
 from .export import export_drafter
 from .model import DFlashDrafter
@@ -212,7 +213,8 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         changed = _changed_keys(meta["config"], to_dict(cfg))
         if changed:
             log(f"warning: config differs from the checkpoint's in {', '.join(changed)}")
-    metrics = MetricsLog(out / "metrics.jsonl", start if ckpt is not None else None)
+    resume_step = start if ckpt is not None else None
+    metrics = with_tensorboard(MetricsLog(out / "metrics.jsonl", resume_step), cfg.run.tensorboard, out, resume_step)
     total = cfg.run.steps
     if start >= total:
         log(f"checkpoint step {start} is already at run.steps {total}: nothing to train")
