@@ -207,13 +207,18 @@ def check_export(path: str | Path) -> dict[str, list[str]]:
     return {loader.name: check_loader(loader, config, weights) for loader in LOADERS}
 
 
+# The serve commands' flags: the engines' sources above, and z-lab's README (block-16 drafters
+# with "num_speculative_tokens": 15 in vLLM, --speculative-num-draft-tokens 16 in SGLang).
+COMMAND_SOURCES = ("z-lab/dflash README.md @ 0a2da2366b9bf74a014fc9b648dfc2615dacbfb7",)
+
+
 def serve_commands(config: dict, export: str = "EXPORT", target: str = "TARGET") -> dict[str, str]:
-    """The serve command of each engine for an export with this config.json (read from the
-    engines' sources and z-lab's README, not run here)."""
+    """The serve command of each engine for an export with this config.json (read, not run here)."""
     block = dflash_value(config, "block_size")
     spec = json.dumps({"method": "dflash", "model": export, "num_speculative_tokens": block - 1})
     return {
-        "vLLM": f"vllm serve {target} --speculative-config '{spec}'",
+        # A DFlash block attends both ways: vLLM needs a backend with non-causal attention.
+        "vLLM": f"vllm serve {target} --speculative-config '{spec}' --attention-backend flash_attn",
         "SGLang": (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
                    f"--speculative-draft-model-path {export} --speculative-num-draft-tokens {block} "
                    f"--attention-backend fa3 --trust-remote-code"),

@@ -41,7 +41,8 @@ def test_the_8b_preset_export_meets_them_too():
     weights = {name: ("BF16", tuple(t.shape)) for name, t in drafter.state_dict().items()}
     assert all(check_loader(loader, config, weights) == [] for loader in LOADERS)
     commands = serve_commands(config, "./run/export", "Qwen/Qwen3-8B")
-    assert '"num_speculative_tokens": 15' in commands["vLLM"] and '"method": "dflash"' in commands["vLLM"]
+    assert commands["vLLM"] == ("vllm serve Qwen/Qwen3-8B --speculative-config '{\"method\": \"dflash\", \"model\": "
+                                "\"./run/export\", \"num_speculative_tokens\": 15}' --attention-backend flash_attn")
     assert "--speculative-algorithm DFLASH --speculative-draft-model-path ./run/export" in commands["SGLang"]
     assert "--speculative-num-draft-tokens 16" in commands["SGLang"]
 
