@@ -32,8 +32,6 @@ class Loader:
     architecture: str               # must be in config.json's `architectures`
     config_fields: tuple[str, ...]  # top-level config.json fields it reads without a default
     needs_silu: bool                # raises on any other hidden_act
-    layer_types: bool               # reads layer_types: needs one entry per layer, sliding layers need a window
-    mask_id_in_target_vocab: bool   # the MASK id must index the target's embedding (no resizing)
     extra_weights: str              # "ignored" | "error": a weight name it has no parameter for
     rejected_weights: tuple[str, ...]  # name fragments it refuses outright
 
@@ -46,11 +44,11 @@ VLLM = Loader(
         "vllm-project/vllm vllm/config/speculative.py @ 002e77c1f0ef9b19cff8b9e21cfbd6feb3d6b443",
     ),
     architecture="DFlashDraftModel",  # registry -> qwen3_dflash.DFlashQwen3ForCausalLM (seen quoted; not in the registry copy read)
+    # rope_theta: absent, it would default to 1e6 (set_default_rope_theta), silently wrong for other targets
     config_fields=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                   "intermediate_size", "hidden_act", "rms_norm_eps", "max_position_embeddings", "vocab_size"),
+                   "intermediate_size", "hidden_act", "rms_norm_eps", "max_position_embeddings", "vocab_size",
+                   "rope_theta"),
     needs_silu=False,  # Qwen3MLP takes config.hidden_act
-    layer_types=True,
-    mask_id_in_target_vocab=True,
     extra_weights="error",  # AutoWeightsLoader raises on a name with no parameter
     rejected_weights=("mask_hidden",),  # asserted absent in load_weights
 )
@@ -63,10 +61,9 @@ SGLANG = Loader(
         "sgl-project/sglang python/sglang/srt/speculative/dflash_worker.py @ 7f151c5ebdb3af4467c2a5d3ccc5f54e71d2ba35",
     ),
     architecture="DFlashDraftModel",  # EntryClass of models/dflash.py
-    config_fields=("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"),
+    # rope_theta: get_rope_config reads rope_parameters["rope_theta"], else config.rope_theta, no default
+    config_fields=("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "rope_theta"),
     needs_silu=True,  # DFlashMLP: "Only silu is supported for now"
-    layer_types=True,
-    mask_id_in_target_vocab=True,  # dflash_worker: "SGLang does not support resizing target embeddings"
     extra_weights="ignored",  # load_weights skips names it cannot resolve
     rejected_weights=(),
 )
@@ -79,8 +76,6 @@ ZLAB = Loader(
                    "intermediate_size", "hidden_act", "rms_norm_eps", "attention_bias", "attention_dropout",
                    "vocab_size"),
     needs_silu=False,
-    layer_types=True,
-    mask_id_in_target_vocab=True,  # the MASK id is looked up in the target's embedding table
     extra_weights="error",  # a transformers model loaded strictly
     rejected_weights=(),
 )
@@ -142,7 +137,7 @@ def check_loader(loader: Loader, config: dict, weights: dict[str, tuple[str, tup
     if loader.needs_silu and config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {config.get('hidden_act')!r}: only silu is supported")
     layers = config["num_hidden_layers"]
-    if loader.layer_types and config.get("layer_types") is not None:
+    if config.get("layer_types") is not None:  # all three read it: one type per layer
         types = config["layer_types"]
         if len(types) != layers:
             problems.append(f"layer_types has {len(types)} entries for {layers} layers")
@@ -164,7 +159,7 @@ def check_loader(loader: Loader, config: dict, weights: dict[str, tuple[str, tup
     mask = dflash_value(config, "mask_token_id")
     if not isinstance(mask, int) or isinstance(mask, bool) or mask < 0:
         problems.append(f"dflash_config.mask_token_id {mask!r}: a non-negative int is required")
-    elif loader.mask_id_in_target_vocab and mask >= config.get("vocab_size", mask + 1):
+    elif mask >= config.get("vocab_size", mask + 1):  # no loader resizes the target's embeddings
         problems.append(f"mask_token_id {mask} outside the target vocabulary ({config.get('vocab_size')})")
     block = dflash_value(config, "block_size")
     if not isinstance(block, int) or block < 2:

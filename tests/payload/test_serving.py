@@ -116,6 +116,12 @@ def test_loader_specific_faults(tiny_export, tmp_path):
     assert result[ZLAB.name] == ["unexpected weights mask_hidden"]
 
 
+def test_a_config_without_rope_theta_fails_where_a_default_would_misread_it(tiny_export, tmp_path):
+    """vLLM would take 1e6 (the tiny target's is 1e4); SGLang has no default; z-lab's takes Qwen3Config's."""
+    result = _broken(tiny_export, tmp_path, config_edit=lambda config: config.pop("rope_theta"))
+    assert result[VLLM.name] == result[SGLANG.name] == ["config.json lacks rope_theta"]
+
+
 def test_a_renamed_architecture_fails(tiny_export, tmp_path):
     def rename(config):
         config["architectures"] = ["Qwen3ForCausalLM"]

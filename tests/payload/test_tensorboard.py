@@ -16,9 +16,6 @@ from dflash_train.config import load_config
 from dflash_train.dashboard import TAGS
 from dflash_train.train import run_training
 
-EventAccumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator").EventAccumulator
-
-
 def _config(out: Path, *extra: str):
     return load_config(overrides=[f"run.output_dir={out}", "run.steps=20", "run.log_every=5", "run.eval_every=10",
                                   "run.checkpoint_every=10", "run.keep_checkpoints=2", *extra])
@@ -26,6 +23,8 @@ def _config(out: Path, *extra: str):
 
 def _events(out: Path) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value)]} as TensorBoard reads the run's event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     reader = EventAccumulator(str(out / "tensorboard"))
     reader.Reload()
     return {tag: [(e.step, e.value) for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
