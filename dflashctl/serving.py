@@ -15,11 +15,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-# The weights every loader maps onto its own modules (vLLM and SGLang stack q/k/v and
-# gate/up into fused parameters at load time, under these checkpoint names).
-LAYER_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                 "input_layernorm", "post_attention_layernorm")
 SERVABLE_DTYPES = ("BF16", "F16", "F32")  # the engines cast to the served dtype; quantized drafts need a quant config
 
 
@@ -76,7 +71,7 @@ ZLAB = Loader(
                    "intermediate_size", "hidden_act", "rms_norm_eps", "attention_bias", "attention_dropout",
                    "vocab_size"),
     needs_silu=False,
-    extra_weights="error",  # a transformers model loaded strictly
+    extra_weights="ignored",  # from_pretrained warns and drops it (a missing one it would leave random)
     rejected_weights=(),
 )
 
@@ -89,7 +84,8 @@ def dflash_value(config: dict, name: str):
 
 
 def expected_weights(config: dict) -> dict[str, tuple[int, ...]]:
-    """{checkpoint name: shape} that a config.json's drafter has, in every loader's naming."""
+    """{checkpoint name: shape} that a config.json's drafter has, in every loader's naming (vLLM
+    and SGLang stack q/k/v and gate/up into fused parameters at load time, from these names)."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
