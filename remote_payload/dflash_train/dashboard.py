@@ -1,5 +1,5 @@
 """`run.tensorboard`: the training log's scalars, as they go to metrics.jsonl, also written as
-TensorBoard events under `<output_dir>/tensorboard` (docs/trainer.md#tensorboard)."""
+TensorBoard events under `<output_dir>/tensorboard` (docs/trainer.md#tensorboard-runtensorboard)."""
 
 from __future__ import annotations
 
