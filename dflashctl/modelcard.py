@@ -100,7 +100,7 @@ def _body(run_dir: Path, run: dict, config: dict, exported: dict, base_model: st
     lines += _section("Data", _data_lines(config, run_dir))
     records = _metrics(run_dir)
     lines += _section("Training", _training_lines(config, run, records))
-    lines += _section("Acceptance length (tau) and speedup", _tau_lines(run_dir, records))
+    lines += _section("Acceptance length (tau) and speedup", _tau_lines(run_dir, records, config))
     lines += _section("Hardware", _hardware_lines(run, run_dir / "export"))
     lines += _section("Use", _use_lines(exported, base_model or target_path or "TARGET"))
     lines += _section("Serving check", _serving_check_lines(run_dir / "export"))
@@ -165,19 +165,22 @@ def _training_lines(config: dict, run: dict, records: list[dict]) -> list[str]:
     return lines
 
 
-def _tau_lines(run_dir: Path, records: list[dict]) -> list[str]:
+def _tau_lines(run_dir: Path, records: list[dict], config: dict) -> list[str]:
     lines = []
     final = next((rec for rec in reversed(records) if rec.get("event") == "final"), None)
     if final is not None:
         lines.append(f"- in training, teacher-forced acceptance length (a proxy: drafts at random anchors of "
                      f"held-out text with the true context): {final['acceptance_length']:.3f}")
         if final.get("spec_tau") is not None:
+            tokens = (config.get("run") or {}).get("spec_new_tokens")
             lines.append(f"- in training, speculative tau (real draft-and-verify decoding, greedy, "
-                         f"{final.get('spec_prompts')} held-out prompts): {final['spec_tau_prompt_mean']:.3f} mean of "
+                         f"{final.get('spec_prompts')} held-out prompts x {tokens} tokens): "
+                         f"{final['spec_tau_prompt_mean']:.3f} mean of "
                          f"per-prompt tau, {final['spec_tau']:.3f} pooled over all verify steps")
     report = _read_json(run_dir / "eval.json")
     if report is not None:
-        lines.append(f"- `dflashctl eval` (greedy, {len(report.get('per_prompt') or [])} prompts x up to "
+        how = "greedy" if not report.get("temperature") else f"sampled at temperature {report['temperature']}"
+        lines.append(f"- `dflashctl eval` ({how}, {len(report.get('per_prompt') or [])} prompts x up to "
                      f"{report.get('max_new_tokens')} new tokens, on {report.get('device')}): tau "
                      f"{report['tau_prompt_mean']:.3f} mean of per-prompt tau (as z-lab's benchmark.py reports), "
                      f"{report['tau']:.3f} pooled (as SpecForge's benchmarks report); output identical to the "

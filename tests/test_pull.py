@@ -231,7 +231,8 @@ def test_the_model_card_of_a_real_run_has_both_tau_figures_and_the_speedup(shim_
     final = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["event"] == "final"
     assert f"with the true context): {final['acceptance_length']:.3f}" in card
-    assert (f"(real draft-and-verify decoding, greedy, 4 held-out prompts): {final['spec_tau_prompt_mean']:.3f} mean of "
+    assert (f"(real draft-and-verify decoding, greedy, 4 held-out prompts x 32 tokens): "
+            f"{final['spec_tau_prompt_mean']:.3f} mean of "
             f"per-prompt tau, {final['spec_tau']:.3f} pooled over all verify steps") in card
     assert (f"- `dflashctl eval` (greedy, 2 prompts x up to 8 new tokens, on cpu): tau {report['tau_prompt_mean']:.3f} "
             f"mean of per-prompt tau (as z-lab's benchmark.py reports), {report['tau']:.3f} pooled") in card
