@@ -16,8 +16,10 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
                         Ctrl-C during a slow pre-flight would, then hangs until it is killed
   standin.preflight_signal_client  the same, but to the client above runctl start (local transport; the
                         exec guard that runs runctl is passed over)
-  standin.preflight_signal_cli  the same, to the dflashctl CLI process whose command line holds this very
-                        setting (found in /proc: over SSH the client is no ancestor; the test's sshd runs here)
+  standin.preflight_signal_cli  the same, to the dflashctl CLI process whose command line holds this
+                        setting and standin.tag (found in /proc: over SSH the client is no ancestor; the
+                        test's sshd runs here)
+  standin.tag           any text; with one unique to the test, the *_signal_cli keys reach its CLI alone
   standin.start_signal_cli  the same, from a child of the trainer once the CLI follows the run's log
                         (a reader of this run exists), and the trainer trains on
   standin.hold_at       after that step, wait until run.output_dir/standin-release exists (or SIGTERM
@@ -80,11 +82,13 @@ def cmdline(pid):
 
 
 def signal_cli(opts, key):
-    """Send the signal named by setting `key` to the dflashctl CLI whose command line holds `key=VALUE`."""
-    setting = ("%s=%s" % (key, opts[key])).encode()
+    """Send the signal named by setting `key` to the dflashctl CLI whose command line holds `key=VALUE`
+    and this trainer's `standin.tag`: with a tag unique to the test, that CLI alone (not the same
+    test's CLI in another suite running on this machine)."""
+    settings = [("%s=%s" % (k, opts[k])).encode() for k in (key, "standin.tag") if k in opts]
     for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
         words = cmdline(pid).split(b"\0")
-        if setting in words and any(b"dflashctl.cli" in w for w in words):
+        if all(s in words for s in settings) and any(b"dflashctl.cli" in w for w in words):
             os.kill(pid, getattr(signal, "SIG" + opts[key]))
 
 
