@@ -388,7 +388,8 @@ def train_cmd(
     """Push the payload if it changed, pre-flight the config and devices, start the trainer
     detached, and (optionally) follow it. `--resume RUN` continues an ended run instead."""
     from .logs import attach
-    from .runs import check_trainer_config, parse_gpus, push_payload, restart_policy, resume_run, start_run
+    from .devices import parse_gpus
+    from .runs import check_trainer_config, push_payload, restart_policy, resume_run, start_run
 
     session = _state(ctx).session()
     env = _parse_env(env_items)
@@ -411,7 +412,7 @@ def train_cmd(
                                       rdzv_port=rdzv_port, env=env, preset=preset, state=_state(ctx)))
     target = session.target(hosts[0].name)
     err = Console(stderr=True)
-    gpu_list = parse_gpus(gpus, target.host)
+    gpu_list = parse_gpus(gpus, target.host.gpus)
     payload_dir = source.expanduser() if source else None
     # A bad --preset, --config or --set fails here, before anything is pushed (--no-push: the
     # payload in the container is not here to ask; its pre-flight decides).
@@ -472,11 +473,12 @@ def _train_group(session: Session, hosts: list, *, gpus: Optional[str], config: 
 
     from .logs import attach
     from .multihost import check_hosts, final_state, push_all, start_group
-    from .runs import check_trainer_config, parse_gpus
+    from .devices import parse_gpus
+    from .runs import check_trainer_config
 
     check_hosts(hosts)
     err = Console(stderr=True)
-    gpu_lists = {h.name: parse_gpus(gpus, h) for h in hosts}
+    gpu_lists = {h.name: parse_gpus(gpus, h.gpus) for h in hosts}
     payload_dir = source.expanduser() if source else None
     # Before anything is pushed, as for one host.
     configs = {} if no_push else {h.name: check_trainer_config(payload_dir, config, preset, overrides,

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .containers import Target
+from .devices import GpuChoice
 from .errors import ConflictError, ContainerError, Interrupted, NotFoundError, RemoteError, UsageError
 from .guard import InterruptedAfter
 from .inventory import HostSpec
@@ -29,7 +30,6 @@ RUN_DIR_TOKEN = "{run_dir}"  # replaced by runctl with the run's absolute direct
 WORKDIR_TOKEN = "{workdir}"  # replaced by runctl with the workdir, ~ expanded in the container
 COMPILE_CACHE = f"{WORKDIR_TOKEN}/cache/compile"  # Inductor/Triton caches kept between runs on the host
 CONFIG_NAME = "config.input.yaml"  # the --config file as given, copied into the run directory
-CPU = "cpu"  # the "GPU" a run on a host without GPUs holds, so two such runs still conflict
 
 # Exit codes of `train --follow` and `logs tail -f` for how the run ended (see docs/runs.md).
 # They sit above errors.py's 1-6 so a script can tell "the run failed" from "dflashctl failed".
@@ -46,12 +46,12 @@ class StartedRun:
     run_id: str
     run_dir: str
     pid: int | None
-    gpus: list[str]  # what the run holds: the GPUs the trainer resolved (all of them for run.device auto), or cpu
+    gpus: list[str]  # what the run holds, as its pre-flight said: GPU indices, ["cpu"], or [] (nothing: a remote engine)
     queued_behind: list[str] | None = None  # --queue: the runs it waits for (None: it started)
 
 
 def trainer_argv(
-    host: HostSpec, run_dir: str, config_path: str | None, overrides: Sequence[str], gpus: Sequence[str],
+    host: HostSpec, run_dir: str, config_path: str | None, overrides: Sequence[str], gpus: GpuChoice,
     preset: str | None = None,
 ) -> list[str]:
     """The trainer's command line: the one place to change when the trainer's interface changes."""
@@ -65,16 +65,11 @@ def trainer_argv(
     return argv
 
 
-def trainer_sets(run_dir: str, gpus: Sequence[str], overrides: Sequence[str]) -> list[str]:
-    """The trainer's `--set` items: dflashctl's own (run directory, caches, devices), then the
-    user's overrides, which come last and so win."""
+def trainer_sets(run_dir: str, gpus: GpuChoice, overrides: Sequence[str]) -> list[str]:
+    """The trainer's `--set` items: dflashctl's own (run directory, caches, the device choice), then
+    the user's overrides, which come last and so win."""
     sets = [f"run.output_dir={run_dir}", f"run.compile_cache_dir={COMPILE_CACHE}", f"data.dir={WORKDIR_TOKEN}/data"]
-    numeric = [g for g in gpus if g != CPU]
-    if len(numeric) == 1:
-        sets.append(f"run.device=cuda:{numeric[0]}")
-    elif numeric:
-        sets.append(f"run.gpus=[{','.join(numeric)}]")
-    return [*sets, *overrides]
+    return [*sets, *gpus.trainer_sets(), *overrides]
 
 
 def restart_policy(max_restarts: int, restart_on: str | None, delay_s: float) -> dict[str, Any] | None:
@@ -94,22 +89,8 @@ def restart_policy(max_restarts: int, restart_on: str | None, delay_s: float) ->
     return {"max": max_restarts, "on": codes, "delay_s": delay_s}
 
 
-def parse_gpus(text: str | None, host: HostSpec) -> list[str]:
-    """`--gpus 0,1` (else the host's gpus, else `cpu`) as the list of GPU names a run holds."""
-    if text is None:
-        return [str(g) for g in host.gpus] or [CPU]
-    items = [t.strip() for t in text.split(",")]
-    if text.strip().lower() == CPU:
-        return [CPU]
-    if not all(t.isdigit() for t in items):
-        raise UsageError(f"--gpus must be GPU indices like 0,1 (or cpu), got {text!r}")
-    if len(set(items)) != len(items):
-        raise UsageError(f"--gpus lists an index twice: {text!r}")
-    return [str(int(t)) for t in items]
-
-
 def check_trainer_config(source: Path | None, config_file: Path | None, preset: str | None,
-                         overrides: Sequence[str], gpus: Sequence[str]) -> dict[str, Any] | None:
+                         overrides: Sequence[str], gpus: GpuChoice) -> dict[str, Any] | None:
     """The run's config as the trainer's own code in the payload about to be pushed (`source`,
     else the shipped one) resolves it, with `{run_dir}` and `{workdir}` still unfilled; a bad
     --preset, --config or --set is a UsageError here, before anything is pushed. None: that
@@ -123,7 +104,7 @@ def check_trainer_config(source: Path | None, config_file: Path | None, preset: 
 def start_run(
     target: Target,
     *,
-    gpus: Sequence[str],
+    gpus: GpuChoice,
     config_file: Path | None = None,
     overrides: Sequence[str] = (),
     name: str | None = None,
@@ -158,7 +139,7 @@ def start_run(
         "config_text": config_file.read_text(encoding="utf-8") if config_file else None,
         "overrides": list(overrides),
         "payload_hash": payload_hash,
-        "gpus": list(gpus),
+        "gpus": gpus.names(),  # what it holds unless its pre-flight says otherwise
         "force": force,
         "env": env or {},
     }

@@ -364,16 +364,11 @@ def cmd_start(workdir):
                 write_atomic(os.path.join(run_dir, spec["config_name"]), spec["config_text"])
             gpus = spec["gpus"]
             if spec.get("preflight"):
+                # The program's plan says what the run holds (a remote engine: nothing) and how to
+                # pin it there, so the run uses what is locked.
                 found = preflight(argv, cwd, env, interrupts)
-                if "holds" in found:
-                    # A program that says what it holds (data regen: maybe nothing) and how to pin it.
-                    gpus = [str(g) for g in found["holds"]]
-                    argv += found.get("pin") or []
-                else:
-                    gpus = [str(g) for g in found.get("gpus") or []] or ["cpu"]
-                    if gpus != ["cpu"] and spec["gpus"] == ["cpu"]:
-                        # The trainer chose the GPUs (run.device auto): pin them, so the run uses what is locked.
-                        argv += ["--set", "run.gpus=[%s]" % ",".join(gpus)]
+                gpus = [str(g) for g in found.get("holds", ["cpu"])]
+                argv += found.get("pin") or []
             busy = [] if spec.get("force") else conflicts(root, gpus) + queued_ahead(root, gpus, run_id)
             if busy and not spec.get("queue"):
                 raise RunError("conflict", "GPUs busy", runs=busy)
