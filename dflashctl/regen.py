@@ -12,7 +12,8 @@ from .data import check_name, list_data
 from .devices import CPU, parse_gpus
 from .errors import UsageError
 from .payload import default_source
-from .runs import RUN_DIR_TOKEN, WORKDIR_TOKEN, StartedRun, launch
+from .remote.wire import RUN_DIR_TOKEN, WORKDIR_TOKEN
+from .runs import StartedRun, launch
 from .trainer_config import check_config
 
 REGEN_MODULE = "dflash_train.regen"

@@ -1,6 +1,6 @@
 """Training runs on a host: start them detached, list, show and stop them.
 
-The remote half is `dflashctl/remote/runctl.py`; this module builds its requests, turns its
+The remote half is the runctl package (`dflashctl/remote/runctl/`, installed by agent.py); this module builds its requests, turns its
 answers into results or exceptions, and renders them. Layout, states and exit codes:
 docs/runs.md.
 """
@@ -16,24 +16,23 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .agent import run_agent
 from .containers import Target
 from .devices import GpuChoice
 from .errors import ConflictError, ContainerError, Interrupted, NotFoundError, RemoteError, UsageError
 from .guard import InterruptedAfter
 from .inventory import HostSpec
 from .plot import series
+from .remote.wire import RUN_DIR_TOKEN, START_ANSWER_S, WORKDIR_TOKEN
 from .tables import Column, show
 from .transport import Completed
 
 TRAINER_MODULE = "dflash_train"
-RUN_DIR_TOKEN = "{run_dir}"  # replaced by runctl with the run's absolute directory
-WORKDIR_TOKEN = "{workdir}"  # replaced by runctl with the workdir, ~ expanded in the container
 COMPILE_CACHE = f"{WORKDIR_TOKEN}/cache/compile"  # Inductor/Triton caches kept between runs on the host
 CONFIG_NAME = "config.input.yaml"  # the --config file as given, copied into the run directory
 
 # Exit codes of `train --follow` and `logs tail -f` for how the run ended (see docs/runs.md).
 # They sit above errors.py's 1-6 so a script can tell "the run failed" from "dflashctl failed".
-PREFLIGHT_TIMEOUT_S = 330  # runctl gives the trainer's pre-flight 300 s (CUDA start-up on every GPU)
 STATE_EXIT = {"succeeded": 0, "failed": 100, "stopped": 101, "lost": 102}
 EXIT_DETACHED = 130  # Ctrl-C while following: the run goes on
 STATE_STYLE = {"queued": "blue", "running": "cyan", "succeeded": "green", "failed": "red", "stopped": "yellow", "lost": "magenta"}
@@ -160,7 +159,7 @@ def start_run(
 def launch(target: Target, spec: dict[str, Any]) -> StartedRun:
     """`runctl start` with a run's spec (argv, cwd, kind, gpus, ...; see start_run): pre-flight,
     GPU check and start under the remote lock."""
-    answer = call(target, "start", [target.host.workdir], stdin=json.dumps(spec).encode(), timeout=PREFLIGHT_TIMEOUT_S,
+    answer = call(target, "start", [target.host.workdir], stdin=json.dumps(spec).encode(), timeout=START_ANSWER_S,
                   settle=True)
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus", list(spec["gpus"])),
                       answer.get("queued_behind"))
@@ -174,7 +173,7 @@ def resume_run(target: Target, selector: str, *, payload_hash: str | None, force
     spec = {"cwd": f"{target.host.workdir}/payload", "payload_hash": payload_hash, "force": force,
             "env": env or None, "preflight": True, "kind": kind}
     answer = call(target, "resume", [target.host.workdir, selector], stdin=json.dumps(spec).encode(),
-                  timeout=PREFLIGHT_TIMEOUT_S, settle=True)
+                  timeout=START_ANSWER_S, settle=True)
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or [])
 
 
@@ -233,9 +232,11 @@ def call(target: Target, command: str, args: Sequence[str], *, stdin: bytes | No
     settle (a start): Ctrl-C reaches runctl as SIGINT, which undoes the start or, past its last
     point, completes it; Interrupted then says which (guard.py)."""
     try:
-        result = target.python_checked("runctl", [command, *args], stdin=stdin, timeout=timeout, settle=settle)
+        result = run_agent(target, "runctl", [command, *args], stdin=stdin, timeout=timeout, settle=settle)
     except InterruptedAfter as exc:
         raise Interrupted(_interrupted_start(target, exc.result)) from None
+    if not result.ok:
+        raise RemoteError(f"{target.label}: {result.err_line()}")
     lines = result.text().strip().splitlines()
     try:
         answer = json.loads(lines[-1])

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from dflashctl.devices import GpuChoice
 from dflashctl.logs import Cursor, LogView, Reconnect, parse_frames, progress_text, read_log
-from dflashctl.remote.runctl import marker
+from dflashctl.remote.runctl.common import marker
 from dflashctl.runs import start_run
 
 FAST = Reconnect(delays=(0.05, 0.1, 0.2), max_delay=0.5, give_up_s=30, stall_s=5)
