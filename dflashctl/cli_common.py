@@ -3,6 +3,7 @@ and the HOST/RUN argument rules."""
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
@@ -162,8 +163,27 @@ def split_command(text: str, option: str) -> list:
 
 
 def held(gpus: List[str]) -> str:
-    """`GPUs 0,1` or `CPU`: what a started run holds."""
+    """`GPUs 0,1`, `CPU`, or `no GPU` (a remote engine): what a started run holds."""
+    if not gpus:
+        return "no GPU"
     numeric = [g for g in gpus if g != "cpu"]
     return f"GPU{'s' if len(numeric) > 1 else ''} {','.join(numeric)}" if numeric else "CPU"
 
 
+def follow_or_detach(state: AppState, session: Session, target, run_id: str, what: str,  # type: ignore[no-untyped-def]
+                     follow: Optional[bool], err: Console) -> Optional[int]:
+    """After a start (`what`: `started run ID on HOST, GPUs 0,1`): print the run id and how to
+    follow it (None), or follow its log until the run ends (its exit code). --follow defaults to
+    whether stdout is a terminal."""
+    from .logs import attach
+
+    with detaches(state, target.host.name, run_id, err):
+        if not (sys.stdout.isatty() if follow is None else follow):
+            typer.echo(run_id)
+            err.print(Text(f"{what}; follow it: dflashctl logs tail {target.host.name} {run_id} -f", style="dim"),
+                      soft_wrap=True)
+            return None
+        err.print(Text(f"{what} (Ctrl-C detaches; the run goes on)", style="dim"), soft_wrap=True)
+        out = Console()
+        return attach(session, target.host.name, run_id, follow=True, lines=-1, out=sys.stdout.buffer,
+                      console=out if out.is_terminal else None, err=err)

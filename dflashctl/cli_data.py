@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -12,8 +11,9 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from .cli_common import app_state, complete_host, detaches, held
+from .cli_common import app_state, complete_host, held
 from .cli_common import data_app
+from .cli_common import follow_or_detach
 from .errors import UsageError
 
 
@@ -97,15 +97,14 @@ def data_regen(
     force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),
 ) -> None:
     """Regenerate responses with the target: a detached run (kind data) writing data/NAME.jsonl."""
-    from .logs import attach
-    from .regen import RegenRequest, check_request, datasets_for, start_regen
-    from .runs import push_payload, resume_run
+    from .regen import RegenRequest, check_request
 
     fixed = ("host", "resume", "follow", "force")
     given = [f"--{p.replace('_', '-')}" for p in ctx.params if p not in fixed
              and ctx.get_parameter_source(p) is click.core.ParameterSource.COMMANDLINE]
     if resume is not None and given:
         raise UsageError(f"--resume continues a regen with its own options: drop {', '.join(given)}")
+    request = None
     if resume is None:
         if not prompts or not out:
             raise UsageError("data regen needs --prompts NAME and --out NAME (or --resume RUN)")
@@ -115,30 +114,29 @@ def data_regen(
     session = app_state(ctx).session()
     target = session.target(host)
     err = Console(stderr=True)
-    if resume is not None:
-        payload_hash = push_payload(target, None, err)
-        run = resume_run(target, resume, payload_hash=payload_hash, force=force, kind="data")
-        verb, dataset = "resumed", _regen_output(target, run.run_id)
-    else:
-        prompts_name, dataset = datasets_for(target, request)  # before the push: a wrong name changes nothing
-        payload_hash = push_payload(target, None, err)
-        run = start_regen(target, request, prompts_name, dataset, name=name, force=force, payload_hash=payload_hash)
-        verb = "started"
-    what = f"regen run {run.run_id} on {target.label}, {held(run.gpus) if run.gpus else 'no GPU'}, writing data:{dataset}"
-    if not (sys.stdout.isatty() if follow is None else follow):
-        typer.echo(run.run_id)
-        err.print(Text(f"{verb} {what}; follow it: dflashctl logs tail {target.host.name} {run.run_id} -f",
-                       style="dim"), soft_wrap=True)
-        return
-    with detaches(app_state(ctx), target.host.name, run.run_id, err):
-        err.print(Text(f"{verb} {what} (Ctrl-C detaches; the run goes on)", style="dim"), soft_wrap=True)
-        out_console = Console()
-        code = attach(session, target.host.name, run.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
-                      console=out_console if out_console.is_terminal else None, err=err)
+    run, verb, dataset = _start_regen(target, request, resume, name=name, force=force, err=err)
+    what = f"{verb} regen run {run.run_id} on {target.label}, {held(run.gpus)}, writing data:{dataset}"
+    code = follow_or_detach(app_state(ctx), session, target, run.run_id, what, follow, err)
     if code == 0:
         err.print(Text(f"wrote data:{dataset}; train on it with --set data.source=jsonl "
                        f"--set data.train_path=data:{dataset}"), soft_wrap=True)
-    raise typer.Exit(code)
+    raise typer.Exit(code or 0)
+
+
+def _start_regen(target, request, resume: Optional[str], *, name: Optional[str], force: bool,  # type: ignore[no-untyped-def]
+                 err: Console):
+    """Start the regen run (or resume one): (StartedRun, verb, the output dataset's name)."""
+    from .regen import datasets_for, start_regen
+    from .runs import push_payload, resume_run
+
+    if resume is not None:
+        payload_hash = push_payload(target, None, err)
+        run = resume_run(target, resume, payload_hash=payload_hash, force=force, kind="data")
+        return run, "resumed", _regen_output(target, run.run_id)
+    prompts_name, dataset = datasets_for(target, request)  # before the push: a wrong name changes nothing
+    payload_hash = push_payload(target, None, err)
+    run = start_regen(target, request, prompts_name, dataset, name=name, force=force, payload_hash=payload_hash)
+    return run, "started", dataset
 
 
 def _regen_output(target, run_id: str) -> str:  # type: ignore[no-untyped-def]

@@ -15,6 +15,7 @@ from rich.text import Text
 from .cli_common import (HOST_THEN_RUN, RUN_ARG, AppState, app, app_state, complete_host, detaches, first_host, held,
                          host_and_run, hosts_or_all, parse_env, run_target, split_command, word_is_host_or_run)
 from .cli_common import logs_app, runs_app
+from .cli_common import follow_or_detach
 from .errors import NotFoundError, UsageError
 from .session import Session
 
@@ -61,9 +62,7 @@ def train_cmd(
 ) -> None:
     """Push the payload if it changed, pre-flight the config and devices, start the trainer
     detached, and (optionally) follow it. `--resume RUN` continues an ended run instead."""
-    from .logs import attach
-    from .devices import parse_gpus
-    from .runs import check_trainer_config, push_payload, restart_policy, resume_run, start_run
+    from .runs import restart_policy
 
     session = app_state(ctx).session()
     env = parse_env(env_items)
@@ -71,11 +70,8 @@ def train_cmd(
     hook = split_command(on_event, "--on-event") if on_event is not None else []
     if config is not None and not config.is_file():
         raise UsageError(f"--config: no such file: {config}")
-    if resume is not None:
-        given = [flag for flag, value in (("--config", config), ("--set", overrides), ("--preset", preset),
-                                          ("--name", name), ("--gpus", gpus), ("--max-restarts", max_restarts)) if value]
-        if given:
-            raise UsageError(f"--resume continues a run with its own config and GPUs: drop {', '.join(given)}")
+    _refuse_with_resume(resume, (("--config", config), ("--set", overrides), ("--preset", preset), ("--name", name),
+                                 ("--gpus", gpus), ("--max-restarts", max_restarts)))
     hosts = session.inventory.resolve_many(host)
     if len(hosts) > 1:
         if resume is not None or restart or queue:
@@ -84,20 +80,34 @@ def train_cmd(
         raise typer.Exit(_train_group(session, hosts, gpus=gpus, config=config, overrides=overrides, name=name,
                                       follow=follow, force=force, no_push=no_push, source=source,
                                       rdzv_port=rdzv_port, env=env, preset=preset, state=app_state(ctx)))
-    target = session.target(hosts[0].name)
+    code = _train_one(app_state(ctx), session, hosts[0].name, resume=resume, gpus=gpus, config=config,
+                      overrides=overrides, preset=preset, name=name, force=force, no_push=no_push, source=source,
+                      env=env, restart=restart, hook=hook, queue=queue, follow=follow)
+    raise typer.Exit(code)
+
+
+def _train_one(state: AppState, session: Session, host: str, *, resume: Optional[str], gpus: Optional[str],
+               config: Optional[Path], overrides: List[str], preset: Optional[str], name: Optional[str], force: bool,
+               no_push: bool, source: Optional[Path], env: dict, restart: Optional[dict], hook: list, queue: bool,
+               follow: Optional[bool]) -> int:
+    """`train HOST` (or `--resume RUN`) on one host, options checked; the exit code."""
+    from .devices import parse_gpus
+    from .runs import check_trainer_config, push_payload, resume_run, start_run
+
+    target = session.target(host)
     err = Console(stderr=True)
-    gpu_list = parse_gpus(gpus, target.host.gpus)
+    gpu_choice = parse_gpus(gpus, target.host.gpus)
     payload_dir = source.expanduser() if source else None
     # A bad --preset, --config or --set fails here, before anything is pushed (--no-push: the
     # payload in the container is not here to ask; its pre-flight decides).
     checked = None if no_push or resume is not None else check_trainer_config(payload_dir, config, preset,
-                                                                             overrides, gpu_list)
+                                                                             overrides, gpu_choice)
     payload_hash = None if no_push else push_payload(target, payload_dir, err)
     if resume is not None:
         run = resume_run(target, resume, payload_hash=payload_hash, force=force, env=env)
         verb = "resumed"
     else:
-        run = start_run(target, gpus=gpu_list, config_file=config, overrides=overrides, name=name, force=force,
+        run = start_run(target, gpus=gpu_choice, config_file=config, overrides=overrides, name=name, force=force,
                         payload_hash=payload_hash, env=env, preset=preset, restart=restart, on_event=hook,
                         queue=queue, config=checked)
         verb = "started"
@@ -105,19 +115,15 @@ def train_cmd(
             verb = "queued"
             err.print(Text(f"GPUs busy: queued behind {', '.join(run.queued_behind)}; it starts by itself when they "
                            f"are free (runs stop cancels it)", style="dim"), soft_wrap=True)
-    with detaches(app_state(ctx), target.host.name, run.run_id, err):
-        on = f"{target.label}, {held(run.gpus)}"
-        if not (sys.stdout.isatty() if follow is None else follow):
-            typer.echo(run.run_id)
-            err.print(Text(f"{verb} run {run.run_id} on {on}; follow it: "
-                           f"dflashctl logs tail {target.host.name} {run.run_id} -f", style="dim"), soft_wrap=True)
-            return
-        err.print(Text(f"{verb} run {run.run_id} on {on} (Ctrl-C detaches; the run goes on)", style="dim"),
-                  soft_wrap=True)
-        out = Console()
-        code = attach(session, target.host.name, run.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
-                      console=out if out.is_terminal else None, err=err)
-    raise typer.Exit(code)
+    what = f"{verb} run {run.run_id} on {target.label}, {held(run.gpus)}"
+    return follow_or_detach(state, session, target, run.run_id, what, follow, err) or 0
+
+
+def _refuse_with_resume(resume: Optional[str], flags: tuple) -> None:
+    """--resume continues a run as it was: any of these (flag, value) pairs given is a UsageError."""
+    given = [flag for flag, value in flags if value]
+    if resume is not None and given:
+        raise UsageError(f"--resume continues a run with its own config and GPUs: drop {', '.join(given)}")
 
 
 def _train_group(session: Session, hosts: list, *, gpus: Optional[str], config: Optional[Path], overrides: List[str],

@@ -187,19 +187,8 @@ class _Server:
 
     def command(self, conn: socket.socket, request: dict) -> None:
         """Run the request's argv over the shared connection, relaying stdin, stdout, stderr and exit code."""
-        if self.stop.is_set():
-            send_frame(conn, GONE)
-            return
-        try:
-            proc = self.transport.start(request["argv"], env=request.get("env"))
-        except _Dying:
-            self.stop.set()
-            send_frame(conn, GONE)
-            return
-        except DflashError as exc:
-            if not self.connects:
-                self.stop.set()  # never connected: let the next call start afresh
-            send_frame(conn, ERROR, json.dumps({"cls": type(exc).__name__, "msg": str(exc)}).encode())
+        proc = self._start(conn, request)
+        if proc is None:
             return
         with self.lock:
             self.channels += 1
@@ -210,44 +199,11 @@ class _Server:
                 send_frame(conn, kind, payload)
 
         send(STARTED)
-        errors: list[BaseException] = []
-
-        def pump(stream, kind: bytes) -> None:  # type: ignore[no-untyped-def]
-            try:
-                while data := stream.read1(CHUNK):
-                    send(kind, data)
-            except OSError:
-                proc.kill()  # the client hung up
-            except BaseException as exc:  # noqa: BLE001 - connection lost: wait() reports it
-                errors.append(exc)
-
-        def reader() -> None:
-            broken = False
-            while True:
-                try:
-                    frame = recv_frame(conn)
-                except OSError:
-                    frame = None
-                if frame is None or frame[0] == KILL:
-                    proc.kill()
-                    return
-                kind, payload = frame
-                if kind == STDIN and not broken:
-                    try:
-                        proc.stdin.write(payload)
-                    except Exception:  # noqa: BLE001 - the command stopped reading
-                        broken = True
-                elif kind == EOF:
-                    try:
-                        proc.stdin.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-
-        pumps = [threading.Thread(target=pump, args=(proc.stdout, STDOUT), daemon=True),
-                 threading.Thread(target=pump, args=(proc.stderr, STDERR), daemon=True)]  # fmt: skip
+        pumps = [threading.Thread(target=_pump, args=(proc, proc.stdout, STDOUT, send), daemon=True),
+                 threading.Thread(target=_pump, args=(proc, proc.stderr, STDERR, send), daemon=True)]  # fmt: skip
         for t in pumps:
             t.start()
-        threading.Thread(target=reader, daemon=True).start()
+        threading.Thread(target=_feed, args=(conn, proc), daemon=True).start()
         for t in pumps:
             t.join()
         try:
@@ -263,6 +219,57 @@ class _Server:
             conn.shutdown(socket.SHUT_RDWR)  # wakes the reader
         except OSError:
             pass
+
+    def _start(self, conn: socket.socket, request: dict):  # type: ignore[no-untyped-def]
+        """The started command's Process, or None after telling the client why not (GONE, ERROR)."""
+        if self.stop.is_set():
+            send_frame(conn, GONE)
+            return None
+        try:
+            return self.transport.start(request["argv"], env=request.get("env"))
+        except _Dying:
+            self.stop.set()
+            send_frame(conn, GONE)
+        except DflashError as exc:
+            if not self.connects:
+                self.stop.set()  # never connected: let the next call start afresh
+            send_frame(conn, ERROR, json.dumps({"cls": type(exc).__name__, "msg": str(exc)}).encode())
+        return None
+
+
+def _pump(proc, stream, kind: bytes, send) -> None:  # type: ignore[no-untyped-def]
+    """Relay one output stream of the command to the client as `kind` frames."""
+    try:
+        while data := stream.read1(CHUNK):
+            send(kind, data)
+    except OSError:
+        proc.kill()  # the client hung up
+    except BaseException:  # noqa: BLE001 - connection lost: the command's wait() reports it
+        pass
+
+
+def _feed(conn: socket.socket, proc) -> None:  # type: ignore[no-untyped-def]
+    """Relay the client's STDIN and EOF frames to the command; KILL or a gone client kills it."""
+    broken = False
+    while True:
+        try:
+            frame = recv_frame(conn)
+        except OSError:
+            frame = None
+        if frame is None or frame[0] == KILL:
+            proc.kill()
+            return
+        kind, payload = frame
+        if kind == STDIN and not broken:
+            try:
+                proc.stdin.write(payload)
+            except Exception:  # noqa: BLE001 - the command stopped reading
+                broken = True
+        elif kind == EOF:
+            try:
+                proc.stdin.close()
+            except Exception:  # noqa: BLE001
+                pass
 
 
 def _main(argv: list[str]) -> int:
