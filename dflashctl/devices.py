@@ -52,6 +52,23 @@ def parse_gpus(text: str | None, host_gpus: Sequence[int] = ()) -> GpuChoice:
     items = [t.strip() for t in text.split(",")]
     if not all(t.isdigit() for t in items):
         raise UsageError(f"--gpus must be GPU indices like 0,1 (or cpu), got {text!r}")
-    if len(set(map(int, items))) != len(items):
+    indices = [int(t) for t in items]
+    if twice(indices):
         raise UsageError(f"--gpus lists an index twice: {text!r}")
-    return GpuChoice(tuple(int(t) for t in items))
+    return GpuChoice(tuple(indices))
+
+
+def host_gpus(value: object) -> tuple[int, ...] | str:
+    """hosts.yaml's `gpus:` (a list of GPU indices; absent or null: none) as indices, or what is
+    wrong with it (a message for the inventory's error)."""
+    gpus = [] if value is None else value
+    if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
+        return f"gpus must be a list of GPU indices like [0, 1], got {value!r}"
+    if twice(gpus):
+        return f"gpus lists an index twice: {value!r}"
+    return tuple(gpus)
+
+
+def twice(indices: Sequence[int]) -> bool:
+    """Whether an index is listed more than once."""
+    return len(set(indices)) != len(indices)
