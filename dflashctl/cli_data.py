@@ -123,8 +123,8 @@ def data_regen(
     raise typer.Exit(code or 0)
 
 
-def _start_regen(target, request, resume: Optional[str], *, name: Optional[str], force: bool,  # type: ignore[no-untyped-def]
-                 err: Console):
+def _start_regen(target, request, resume: Optional[str], *, name: Optional[str],  # type: ignore[no-untyped-def]
+                 force: bool, err: Console):
     """Start the regen run (or resume one): (StartedRun, verb, the output dataset's name)."""
     from .regen import datasets_for, start_regen
     from .runs import push_payload, resume_run

@@ -41,10 +41,18 @@ def prune(parent, current):
     """Remove all but the KEEP newest versions (never current; a half-written stage of another
     install is left alone). A supervisor still running an old version has its modules loaded."""
     versions = [os.path.join(parent, n) for n in os.listdir(parent) if ".tmp-" not in n]
-    versions.sort(key=os.path.getmtime, reverse=True)
+    versions.sort(key=mtime, reverse=True)
     for old in versions[KEEP:]:
         if old != current:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def mtime(path):
+    """A version's modification time (0 when a concurrent prune removed it meanwhile)."""
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return 0
 
 
 def main(argv):

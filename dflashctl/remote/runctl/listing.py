@@ -6,7 +6,8 @@ import signal
 import time
 
 from ..wire import EXIT, META, METRICS, STOP
-from .common import alive, emit, read_exit_code, read_json, request_stop, runs_root, signal_group, signal_process, write_atomic
+from .common import (alive, emit, read_exit_code, read_json, request_stop, runs_root, signal_group, signal_process,
+                     write_atomic)
 from .state import all_runs, resolve, state_of, summary
 
 
