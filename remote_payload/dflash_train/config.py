@@ -114,7 +114,7 @@ class RunConfig:
     # torch's default under /tmp. dflashctl sets <workdir>/cache/compile so a second run starts warm
     launcher: str = "auto"  # threads (one thread per device, this process) | processes (one process
     # per device, joined like the hosts of a multi-host run) | auto: processes where threads are
-    # predicted not to keep up with the GPUs (resolve.THREADS_KEEP_UP), else threads
+    # predicted not to keep up with the GPUs (plan.THREADS_KEEP_UP), else threads
     parallel_warmup: str = "auto"  # auto | on | off: before the worker threads start, one short-lived
     # process per device compiles the step once, in parallel, into the on-disk compile cache (the
     # threads' compiles are serialised); auto: on with more than one CUDA device and compile on
@@ -186,7 +186,7 @@ CHOICES = {
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"optim": {"lr": 2e-3}},  # the tiny drafter learns faster than the paper's 6e-4 allows
     # A user's own checkpoint: block 16 as z-lab's published drafters; depth, sequence shapes and
-    # run length (None) follow the target's size and the data (recipe.py, resolve_config).
+    # run length (None) follow the target's size and the data (recipe.py, resolve.fill_config).
     "real-target": {
         "drafter": {"num_layers": None, "block_size": 16},
         "data": {"max_length": None, "anchors_per_seq": None, "batch_size": None},
@@ -337,6 +337,9 @@ def validate(cfg: Config) -> None:
         if spec is not None and parse_fault_site(spec) is None:
             raise ConfigError(f"debug.{name} must be build, compile or step:K (K >= 1), got {spec!r}")
     if run.compile == "cudagraphs" and run.compile_scope == "layers":
+        # The one place this pair is refused. One compiled layer serves every layer with other
+        # parameters: the tree-less CUDA graph path assumes fixed parameter addresses per graph
+        # (docs/threaded-compile.md); scope auto never picks layers under cudagraphs.
         raise ConfigError("run.compile_scope layers cannot use run.compile cudagraphs (use step)")
     if cfg.debug.fail_rank < 0:
         raise ConfigError("debug.fail_rank must be >= 0")

@@ -445,33 +445,34 @@ def losses_agree(losses: list[float], rtol: float = LOSS_RTOL) -> bool:
     return all(abs(x - ref) <= rtol * max(abs(ref), 1e-12) for x in losses)
 
 
-def smoke_policy(name: str, device_type: str):
-    """The workers' CompilePolicy for a doctor policy; trees-on is the doctor's own, the trainer never picks it."""
-    from .workers import CompilePolicy, choose_compile_policy
+def smoke_policy(name: str, plan):
+    """The run plan's CompilePolicy for a doctor policy; trees-on is the doctor's own, the trainer never picks it."""
+    import dataclasses
 
     if name == "cudagraph-trees":
         # What mode="reduce-overhead" sets, with trees left at their default (on).
         options = {"triton.cudagraphs": True, "triton.cudagraph_trees": True}
-        return CompilePolicy(name, "cudagraphs", options, "reduce-overhead with CUDAGraph Trees")
-    return choose_compile_policy(name, device_type)
+        return dataclasses.replace(plan.policy, requested=name, options=options,
+                                   reason="reduce-overhead with CUDAGraph Trees")
+    return plan.policy
 
 
-def smoke_config(device_type: str, policy_name: str | None = None):
-    """The trainer's tiny preset, resolved for this device, with random tokens (the step's cost does
+def smoke_plan(device_type: str, policy_name: str | None = None):
+    """The trainer's tiny preset planned for this device, with random tokens (the step's cost does
     not depend on them); with a policy, `run.compile` as a user would set it for that policy, so
-    that what follows from it (attention backend, compiled CE chunk) matches: `off` is all eager."""
+    that what follows from it (attention backend, compiled CE chunk, captures) matches: `off` is all eager."""
     from .config import load_config
-    from .resolve import resolve_config
+    from .plan import resolve_run
 
     overrides = ["data.source=random", "data.num_train=32", "data.num_eval=8", f"run.device={device_type}"]
     if policy_name is not None:
         overrides.append(f"run.compile={'cudagraphs' if policy_name == 'cudagraph-trees' else policy_name}")
-    return resolve_config(load_config(preset="tiny", overrides=overrides))
+    return resolve_run(load_config(preset="tiny", overrides=overrides))
 
 
 def default_compile_mode(device_type: str) -> str:
     """What `run.compile` resolves to when the user leaves it unset (the trainer's own rule)."""
-    return smoke_config(device_type).run.compile
+    return smoke_plan(device_type).cfg.run.compile
 
 
 def smoke_batches(cfg, count: int = 4) -> list:
@@ -490,16 +491,17 @@ def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str
     from .replica import drafter_ops
     from .workers import ReplicaOps, ThreadedOptions, run_threaded
 
-    cfg = smoke_config(devices[0].split(":")[0], policy_name)
+    plan = smoke_plan(devices[0].split(":")[0], policy_name)
+    cfg = plan.cfg
     torch.set_num_threads(cfg.run.cpu_threads)  # as the trainer does (threads x OpenMP oversubscribe)
     ops, batches = drafter_ops(cfg), smoke_batches(cfg)
-    policy = smoke_policy(policy_name, cfg.run.device)
+    policy = smoke_policy(policy_name, plan)
     wrapped = ReplicaOps(lambda device, seed, _: ops.build(device, seed, policy), ops.forward_backward,
                          ops.optimizer_step, ops.parameters, warm_up_step=ops.warm_up_step)
     # Injected faults use the trainer's own mechanism (run config `debug.fail_at` / `debug.hang_at`),
     # at "build": before anything is built, so the CI tests of these paths stay fast.
     fault = {"fail_at": "build"} if inject == "crash" else {"hang_at": "build"} if inject == "hang" else {}
-    options = ThreadedOptions(compile=policy.effective, warmup_steps=2, sync_every=steps, **fault)
+    options = ThreadedOptions(policy=policy, warmup_steps=2, sync_every=steps, **fault)
     # Every worker gets the same micro-batch, so equal losses are a correctness check.
     result = run_threaded(wrapped, devices, lambda step, rank, world: batches[step % len(batches)], steps, options)
     return {
@@ -663,15 +665,15 @@ def _failure_hint(policy: str, outcome: str, expected: bool) -> str:
 
 def trainer_policies(device_type: str) -> set[str]:
     """The doctor policies the trainer can end up with on this device (over every `run.compile` value)."""
-    from .workers import COMPILE_MODES, choose_compile_policy
+    from .plan import COMPILE_MODES, choose_compile_policy
 
     return {choose_compile_policy(mode, device_type).effective for mode in COMPILE_MODES}
 
 
 def launcher_verdict(gpus: int) -> str:
     """What `run.launcher: auto` picks on a box with this many GPUs, for each width class of
-    resolve.THREADS_KEEP_UP (the model is the user's, so every class is named)."""
-    from .resolve import THREADS_KEEP_UP, launcher_decision
+    plan.THREADS_KEEP_UP (the model is the user's, so every class is named)."""
+    from .plan import THREADS_KEEP_UP, launcher_decision
 
     devices = [f"cuda:{i}" for i in range(gpus)] or ["cpu"]
     picks = []
@@ -686,7 +688,7 @@ def launcher_verdict(gpus: int) -> str:
 def verdict_check(device_type: str, mode: str, smoke: dict[str, dict], gpus: int) -> Check:
     """Which policy and launcher the trainer uses here for `run.compile` resolved to mode, why, and
     whether the smoke test backs the policy."""
-    from .workers import choose_compile_policy
+    from .plan import choose_compile_policy
 
     policy = choose_compile_policy(mode, device_type)
     result = f"trainer uses {policy.effective} (run.compile unset -> {mode}); {launcher_verdict(gpus)}"

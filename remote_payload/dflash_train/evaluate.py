@@ -119,7 +119,7 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
     from .config import load_config
     from .export import load_exported
     from .replica import build_target
-    from .resolve import resolve_config
+    from .plan import resolve_run
     from .decode import Decoder, greedy
     from .lookup import lookup_decode
     from .speculate import DraftDecoder, acceptance_by_position, speculate, tau_figures
@@ -130,7 +130,8 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
     if not (export / "model.safetensors").is_file():
         raise EvalError(f"no export in {run_dir} yet (the run has not finished: an export is written at its last step)")
     overrides = [f"run.spec_prompts={max(count, 1)}"] + ([f"run.device={device}", "run.gpus=[]"] if device else [])
-    cfg = resolve_config(load_config(str(run_dir / "config.resolved.yaml"), overrides=overrides))
+    plan = resolve_run(load_config(str(run_dir / "config.resolved.yaml"), overrides=overrides))
+    cfg = plan.cfg
     # The prompts are checked before the target is built (16 GB at 8B scale).
     if prompts is None:
         prompts = load_data(cfg)[2]  # at most run.spec_prompts = count of them
@@ -146,7 +147,7 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
         if max(prompt) >= cfg.target.vocab_size:
             raise EvalError(f"prompt {i + 1} has a token id beyond the target's vocabulary ({cfg.target.vocab_size})")
     use_cpu_threads(cfg.run.cpu_threads)  # the run's own setting, as its trainer applied it
-    dev = torch.device(cfg.run.device)
+    dev = torch.device(plan.devices.workers[0])  # the decoding is one process on one device
     target = build_target(cfg, dev).eval()
     drafter, _ = load_exported(export, dev)
     # In the target's dtype, as a server loads it (bf16 on a GPU): no fp32 weights cast per call.

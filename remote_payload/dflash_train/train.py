@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import distributed, launcher, warmup, workers
+from .compiling import CompilePolicy, preload_compiler
 from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import Batch, BlockSampler, DataError, build_datasets
@@ -26,7 +27,8 @@ from .export import export_drafter
 from .model import DFlashDrafter
 from .recipe import DEFAULT_EPOCHS
 from .replica import DTYPES, Replica, drafter_ops, evaluate, stop_progress_probes
-from .resolve import drafter_spec, resolve_config, summary, worker_devices
+from .plan import RunPlan, resolve_run
+from .resolve import drafter_spec, summary
 from .speculate import held_out_prompts, speculative_eval
 
 
@@ -121,12 +123,6 @@ def _gpu_mem_gb(devices: list[torch.device]) -> float | None:
     return round(max(torch.cuda.max_memory_allocated(d) for d in cuda) / 2**30, 3)
 
 
-def warmup_steps(policy: workers.CompilePolicy) -> int:
-    """Forward/backward calls under the warm-up lock: none eager, one to compile, two to compile
-    and then capture the CUDA graphs (the tree-less path captures on the second call)."""
-    return {"off": 0, "default": 1, "cudagraphs": 2}[policy.effective]
-
-
 def use_compile_cache(path: str | None) -> str:
     """Point Inductor's on-disk caches (FX graphs, AOTAutograd, its Triton kernels) at `path`
     before anything compiles, unless the environment already names one; returns the decision.
@@ -151,28 +147,27 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
     or stalled worker raises `workers.WorkerError` (with its traceback). `launched_at`: the
     process's start (time.monotonic), for the time-to-first-step line."""
     launched_at = time.monotonic() if launched_at is None else launched_at
-    notes: list[str] = []
-    cfg = resolve_config(cfg, notes, multi_host=distributed.NodeEnv.from_env(cfg.dist) is not None)
-    if cfg.run.launcher == "processes":  # resolve.launcher_decision: one process per device instead
+    plan = resolve_run(cfg, multi_host=distributed.NodeEnv.from_env(cfg.dist) is not None)
+    cfg, devices, notes = plan.cfg, list(plan.devices.workers), list(plan.notes)
+    if plan.launcher == "processes":  # one process per device instead
         for line in notes:
             log(line)
-        return launcher.run_processes(cfg, worker_devices(cfg), resume, overwrite, stop or StopFlag(), log)
-    if cfg.run.compile != "off":
-        workers.preload_compiler()
+        return launcher.run_processes(cfg, devices, resume, overwrite, stop or StopFlag(), log)
+    if plan.policy.effective != "off":
+        preload_compiler()
         notes.append(use_compile_cache(cfg.run.compile_cache_dir))
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    devices = worker_devices(cfg)
-    world = len(devices)
     # Several hosts (WORLD_SIZE > 1, set by `dflashctl train h1,h2`): docs/multihost.md.
-    group = distributed.init_from_env(torch.device(devices[0]).type, world, cfg.dist, log=log)
+    group = distributed.init_from_env(plan.devices.type, len(devices), cfg.dist, log=log)
     with group or contextlib.nullcontext():
-        return _train(cfg, out, devices, group, resume, overwrite, stop, log, notes, launched_at)
+        return _train(plan, out, group, resume, overwrite, stop, log, notes, launched_at)
 
 
-def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGroup | None, resume: bool,
+def _train(plan: RunPlan, out: Path, group: distributed.NodeGroup | None, resume: bool,
            overwrite: bool, stop: StopFlag | None, log: Callable[[str], None], notes: list[str],
            launched_at: float) -> int:
+    cfg, devices, policy = plan.cfg, list(plan.devices.workers), plan.policy
     world = len(devices)
     main = group is None or group.is_main  # only rank 0 writes checkpoints and the export
     if group is not None and resume:
@@ -195,7 +190,6 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
     (out / "config.resolved.yaml").write_text(dump_yaml(cfg))
     with torch.device("meta"):
         n_params = sum(p.numel() for p in DFlashDrafter(drafter_spec(cfg)).parameters())
-    policy = workers.choose_compile_policy(cfg.run.compile, torch.device(devices[0]).type)
     for line in summary(cfg, notes, n_params):
         log(line)
     log(f"workers: {world} thread(s) on {', '.join(devices)}, {len(sampler.seqs)} training sequences; "
@@ -219,15 +213,15 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
         return 0
     stop = stop or StopFlag()
     warmup_at = time.monotonic()
-    if cfg.run.parallel_warmup == "on":  # resolve.parallel_warmup_decision
+    if plan.parallel_warmup == "on":
         if not warmup.warm_up(devices, out / "config.resolved.yaml", out / "warmup", cfg.run.warmup_timeout_s,
                               lambda: stop.requested, log):
             log(f"stopped by signal {stop.signum} before step {start + 1}: nothing to save")
             return stop.exit_code
-    data = GlobalBatches(sampler, pin=any(torch.device(d).type == "cuda" for d in devices))
+    data = GlobalBatches(sampler, pin=plan.devices.type == "cuda")
     ops = drafter_ops(cfg)
 
-    def build(device: torch.device, seed: int, pol: workers.CompilePolicy) -> Replica:
+    def build(device: torch.device, seed: int, pol: CompilePolicy) -> Replica:
         replica = ops.build(device, seed, pol)
         if ckpt is not None:  # every replica loads the same checkpoint: still identical
             load_checkpoint(ckpt, replica.drafter, replica.optimizer, replica.scheduler, device)
@@ -274,7 +268,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
                   "parallel_warmup_s": parallel_warmup_s, "workers_ready_s": ready_at - threads_at,
                   "warmup_s": list(point.warmup_s), "first_eval_s": now - ready_at}
         metrics.write({"event": "start", "step": start, **timing})
-        parallel = f"parallel warm-up {parallel_warmup_s:.1f} s; " if cfg.run.parallel_warmup == "on" else ""
+        parallel = f"parallel warm-up {parallel_warmup_s:.1f} s; " if plan.parallel_warmup == "on" else ""
         log(f"time to first step: {timing['time_to_first_step_s']:.1f} s (start-up, config and data "
             f"{timing['before_workers_s']:.1f} s; {parallel}build, compile and warm-up {timing['workers_ready_s']:.1f} s; "
             f"step-{start} evaluation {timing['first_eval_s']:.1f} s)")
@@ -326,7 +320,7 @@ def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGr
     run = cfg.run
     should_stop = group.stop_agreement(lambda: stop.requested) if group else (lambda: stop.requested)
     options = workers.ThreadedOptions(
-        compile=run.compile, seed=run.seed, warmup_steps=warmup_steps(policy),
+        policy=policy, seed=run.seed, warmup_steps=plan.warmup_steps,
         sync_every=math.gcd(run.log_every, run.eval_every, run.checkpoint_every),
         barrier_timeout_s=run.barrier_timeout_s, compile_timeout_s=run.compile_timeout_s, start_step=start,
         fail_at=cfg.debug.fail_at, hang_at=cfg.debug.hang_at, fail_rank=cfg.debug.fail_rank,
