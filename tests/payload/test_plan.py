@@ -23,7 +23,7 @@ PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload" / "dflash_train
 DECISIONS = {"resolve_devices", "choose_compile_policy", "auto_compile_scope", "capture_target_decision",
              "launcher_decision", "parallel_warmup_decision", "auto_attention", "visible_gpus"}
 # The doctor reports what the plan would pick for every setting (its verdict rows), so it asks them too.
-REPORTERS = {"plan.py", "doctor.py"}
+REPORTERS = {"plan.py", "doctor_checks.py"}
 SMALL = ["data.source=random", "data.num_train=16", "data.num_eval=4", "target.num_layers=4", "data.batch_size=4",
          "run.steps=4"]
 
