@@ -156,7 +156,17 @@ class Trainer:
         self.untrained: float | None = None  # step 0's acceptance length
         self.spec_tau: float | None = None  # the last evaluation's speculative tau
         self.stopped: int | None = None  # the step a stop ended the run after
-        self.warmup_at = self.threads_at = 0.0
+        self.warmup_at = self.threads_at = 0.0  # when the warm-up and the worker threads started
+        # Set by `prepare`: the data, metrics.jsonl and the cadence; by `run`: what the threads use.
+        self.sampler: BlockSampler | None = None
+        self.eval_batches: list[Batch] = []
+        self.spec_prompts: list[list[int]] = []
+        self.metrics: MetricsLog | None = None
+        self.cadence: Cadence | None = None
+        self.data: GlobalBatches | None = None
+        self.ops: workers.ReplicaOps | None = None
+        self.meter: TrainMeter | None = None
+        self.should_stop: Callable[[], bool] | None = None  # across hosts a distributed.AgreedStop
 
     def run(self, resume: bool, overwrite: bool) -> int:
         """Train to run.steps; the exit code (128+signal if stopped)."""
