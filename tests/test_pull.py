@@ -152,12 +152,13 @@ def _real_export(into: Path, gpu: str) -> None:
         from dflash_train.config import load_config
         from dflash_train.export import export_drafter
         from dflash_train.model import DFlashDrafter
-        from dflash_train.resolve import drafter_spec, resolve_config
+        from dflash_train.plan import resolve_run
+        from dflash_train.resolve import drafter_spec
     finally:
         sys.path.pop(0)
     from safetensors.torch import load_file, save_file
 
-    cfg = resolve_config(load_config(overrides=[f"run.output_dir={into.parent}"]))
+    cfg = resolve_run(load_config(overrides=[f"run.output_dir={into.parent}"]), cuda_count=0).cfg
     export_drafter(DFlashDrafter(drafter_spec(cfg)), cfg.target, into)
     weights = into / "model.safetensors"
     save_file(load_file(str(weights)), str(weights), metadata={"format": "pt", "gpu": gpu})

@@ -18,7 +18,7 @@ SUBDIR = "tensorboard"
 
 
 class Records(Protocol):
-    """Where the trainer sends its metric records (train.MetricsLog)."""
+    """Where the trainer sends its metric records (metrics.MetricsLog)."""
 
     def write(self, record: dict) -> None: ...
 

@@ -14,12 +14,13 @@ from safetensors.torch import load_file, save_file
 from dflash_train.config import load_config
 from dflash_train.export import drafter_config, export_drafter
 from dflash_train.model import DFlashDrafter
-from dflash_train.resolve import drafter_spec, resolve_config
+from dflash_train.plan import resolve_run
+from dflash_train.resolve import drafter_spec
 from dflashctl.serving import LOADERS, SGLANG, VLLM, ZLAB, check_export, check_loader, serve_commands
 
 
 def _export(tmp_path, overrides: list[str], dtype: torch.dtype):
-    cfg = resolve_config(load_config(overrides=[f"run.output_dir={tmp_path / 'run'}", *overrides]))
+    cfg = resolve_run(load_config(overrides=[f"run.output_dir={tmp_path / 'run'}", *overrides]), cuda_count=0).cfg
     drafter = DFlashDrafter(drafter_spec(cfg))
     return export_drafter(drafter, cfg.target, tmp_path / "export", dtype)
 
@@ -33,7 +34,7 @@ def test_exports_meet_every_loaders_requirements(tmp_path, overrides, dtype):
 
 def test_the_8b_preset_export_meets_them_too():
     """The qwen3-8b preset's shapes (built on the meta device: 1 GB of weights need not exist)."""
-    cfg = resolve_config(load_config(preset="qwen3-8b"))
+    cfg = resolve_run(load_config(preset="qwen3-8b"), cuda_count=0).cfg
     spec = drafter_spec(cfg)
     with torch.device("meta"):
         drafter = DFlashDrafter(spec)
