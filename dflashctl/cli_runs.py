@@ -272,11 +272,14 @@ def runs_pull(
     run: Optional[str] = typer.Argument(None, **RUN_ARG),
     to: Optional[Path] = typer.Option(None, "--to", help="Directory to create (default: ./RUN_ID); must not exist."),
     checkpoints: str = typer.Option("none", "--checkpoints", help="Also copy checkpoints: none, latest or all."),
+    base_model: Optional[str] = typer.Option(None, "--base-model", help="The model card's base_model (Hub ORG/NAME); default: the run's target.path if it is one."),
+    license_id: str = typer.Option("other", "--license", help="The model card's license (a Hub license id)."),
 ) -> None:
-    """Copy a run's directory here: exported drafter, config, logs, metrics (and checkpoints if asked)."""
+    """Copy a run's directory here: exported drafter with a model card, config, logs, metrics (and checkpoints if asked)."""
     from rich.filesize import decimal
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+    from .modelcard import card_after_pull
     from .pull import pull_run
 
     session = app_state(ctx).session()
@@ -291,6 +294,9 @@ def runs_pull(
                           on_bytes=lambda done, total: bar.update(task, completed=done, total=total))
     err.print(Text(f"pulled run {pulled.run_id} ({pulled.state}) from {target.label} to {pulled.dest}: "
                    f"{pulled.files} files, {decimal(pulled.bytes)} in {pulled.seconds:.1f} s"), soft_wrap=True)
+    card = card_after_pull(pulled.dest, base_model, license_id)
+    if card is not None:
+        err.print(Text(card), soft_wrap=True)
 
 
 @logs_app.command("tail")

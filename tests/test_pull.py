@@ -10,13 +10,16 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import sys
 import tarfile
 from pathlib import Path
 
 import pytest
+import yaml
 from runs_helpers import install_standin
 from sshd import SHIM_VMID
+from test_eval import local_env
 from test_exec import one_line_error
 
 from dflashctl.containers import Target
@@ -133,3 +136,108 @@ def test_a_hostile_tar_is_refused(tmp_path):
     with pytest.raises(RemoteError, match=r"refusing tar member '\.\./escaped\.txt'"):
         pull_run(target, "r1", tmp_path / "dest" / "out")
     assert not (tmp_path / "dest" / "escaped.txt").exists() and list((tmp_path / "dest").iterdir()) == []
+
+
+def _front_matter(card: str) -> dict:
+    """The YAML between the card's leading `---` lines (the Hub's metadata block)."""
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def _real_export(into: Path, gpu: str) -> None:
+    """The trainer's own export of a tiny drafter, its header then stamped with `gpu` as
+    export.py stamps it on CUDA (this machine has none)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "remote_payload"))
+    try:
+        from dflash_train.config import load_config
+        from dflash_train.export import export_drafter
+        from dflash_train.model import DFlashDrafter
+        from dflash_train.plan import resolve_run
+        from dflash_train.resolve import drafter_spec
+    finally:
+        sys.path.pop(0)
+    from safetensors.torch import load_file, save_file
+
+    cfg = resolve_run(load_config(overrides=[f"run.output_dir={into.parent}"]), cuda_count=0).cfg
+    export_drafter(DFlashDrafter(drafter_spec(cfg)), cfg.target, into)
+    weights = into / "model.safetensors"
+    save_file(load_file(str(weights)), str(weights), metadata={"format": "pt", "gpu": gpu})
+
+
+def test_pull_writes_a_hub_model_card_into_the_export(shim_host, tmp_path, finished_run):
+    """Issue 28: README.md in the pulled export, with the Hub's front matter; base_model from
+    the run's target.path when that is a Hub name; the GPU export.py recorded; eval not run yet."""
+    run_id, run_dir = finished_run
+    shutil.rmtree(run_dir / "export")
+    _real_export(run_dir / "export", "NVIDIA H200")
+    (run_dir / "config.resolved.yaml").write_text(
+        "preset: real-target\ntarget: {path: Qwen/Qwen3-8B, num_layers: 6, hidden_size: 64}\n"
+        "data: {source: jsonl, train_path: /root/data/regen.jsonl, eval_fraction: 0.05}\n")
+    res = shim_host.run_cli("runs", "pull", "shim", "p1", "--to", str(tmp_path / "out"), "--license", "apache-2.0")
+    assert res.returncode == 0, res.stderr
+    card_path = tmp_path / "out" / "export" / "README.md"
+    assert res.stderr.splitlines()[-1] == f"model card: {card_path}"
+    card = card_path.read_text()
+    assert _front_matter(card) == {"license": "apache-2.0", "base_model": "Qwen/Qwen3-8B", "library_name": "transformers",
+                                   "tags": ["dflash", "speculative-decoding", "block-diffusion", "draft-model", "dflashctl"],
+                                   "pipeline_tag": "text-generation"}
+    assert "speculative decoding of **Qwen/Qwen3-8B**" in card
+    assert "- source: JSON lines `/root/data/regen.jsonl`, 0.05 held out" in card
+    assert "- steps: 2 of 2 steps; final training loss 4.1667" in card  # the stand-in's last record
+    assert "- trained on: NVIDIA H200 (host `shim`)" in card
+    assert "- `dflashctl eval`: not run before this pull" in card
+    assert "- vLLM: meets them\n- SGLang: meets them\n- z-lab DFlashDraftModel: meets them" in card
+    assert '"num_speculative_tokens": 7' in card and "--speculative-num-draft-tokens 8" in card
+    assert f"`runs pull` of run `{run_id}`" in card and "Written by dflashctl 0.1.0" in card
+
+
+def test_the_model_card_names_the_base_model_given_or_says_it_is_left_out(shim_host, tmp_path, finished_run):
+    _, run_dir = finished_run
+    shutil.rmtree(run_dir / "export")
+    _real_export(run_dir / "export", "NVIDIA H200")
+    (run_dir / "config.resolved.yaml").write_text("preset: real-target\ntarget: {path: /models/Qwen3-8B}\n")
+    res = shim_host.run_cli("runs", "pull", "shim", "p1", "--to", str(tmp_path / "a"))
+    assert res.returncode == 0 and res.stderr.splitlines()[-1].endswith(
+        "(base_model left out of the model card (the target was /models/Qwen3-8B): pass --base-model ORG/NAME to name it)")
+    assert "base_model" not in _front_matter((tmp_path / "a" / "export" / "README.md").read_text())
+    res = shim_host.run_cli("runs", "pull", "shim", "p1", "--to", str(tmp_path / "b"), "--base-model", "Qwen/Qwen3-8B")
+    card = (tmp_path / "b" / "export" / "README.md").read_text()
+    assert res.returncode == 0 and _front_matter(card)["base_model"] == "Qwen/Qwen3-8B"
+    assert "- target: `/models/Qwen3-8B`" in card and _front_matter(card)["license"] == "other"
+
+
+def test_a_card_that_cannot_be_written_does_not_undo_the_pull(shim_host, tmp_path, finished_run):
+    _, run_dir = finished_run
+    (run_dir / "export" / "config.json").write_text("{not json")
+    res = shim_host.run_cli("runs", "pull", "shim", "p1", "--to", str(tmp_path / "out"))
+    assert res.returncode == 0 and res.stderr.splitlines()[-1].startswith("model card not written: ")
+    assert (tmp_path / "out" / "export" / "model.safetensors").is_file()
+    assert not (tmp_path / "out" / "export" / "README.md").exists()
+
+
+@pytest.mark.slow
+def test_the_model_card_of_a_real_run_has_both_tau_figures_and_the_speedup(shim_host, tmp_path):
+    """A real tiny run through `local`: trained, evaluated with `dflashctl eval`, pulled; the card
+    holds the training log's in-training figures and eval.json's, each labelled."""
+    env = local_env(tmp_path)
+    brief = ["--set", "run.steps=4", "--set", "run.log_every=2", "--set", "run.eval_every=4",
+             "--set", "run.checkpoint_every=4", "--follow"]
+    assert shim_host.run_cli("train", "local", "--name", "mc", *brief, env=env, timeout=300).returncode == 0
+    res = shim_host.run_cli("eval", "local", "mc", "--count", "2", "--max-new-tokens", "8", "--json", env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    res = shim_host.run_cli("runs", "pull", "local", "mc", "--to", str(tmp_path / "out"), env=env)
+    assert res.returncode == 0, res.stderr
+    card = (tmp_path / "out" / "export" / "README.md").read_text()
+    final = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert final["event"] == "final"
+    assert f"with the true context): {final['acceptance_length']:.3f}" in card
+    assert (f"(real draft-and-verify decoding, greedy, 4 held-out prompts x 32 tokens): "
+            f"{final['spec_tau_prompt_mean']:.3f} mean of "
+            f"per-prompt tau, {final['spec_tau']:.3f} pooled over all verify steps") in card
+    assert (f"- `dflashctl eval` (greedy, 2 prompts x up to 8 new tokens, on cpu): tau {report['tau_prompt_mean']:.3f} "
+            f"mean of per-prompt tau (as z-lab's benchmark.py reports), {report['tau']:.3f} pooled") in card
+    assert f"- speedup over the target alone (`dflashctl eval`, the same machine): {report['speedup']:.2f}x" in card
+    assert "- trained on: CPU (host `local`)" in card and "- steps: 4 of 4 steps" in card
+    assert "- source: the target's own greedy continuations of random prompts (the demo data)" in card
+    assert "base_model" not in _front_matter(card)

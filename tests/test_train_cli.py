@@ -18,6 +18,7 @@ import pytest
 import yaml
 from runs_helpers import install_standin, meta, run_dir, wait_until
 from sshd import SHIM_VMID
+from test_eval import local_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,6 +88,21 @@ def test_no_torch_in_the_container_is_one_line_exit_4(tmp_path, shim_host):
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error: box: ") and "is not installed in" in last and "python:" in last
     assert "Traceback" not in res.stderr + res.stdout and runs_in(workdir) == []
+
+
+def test_run_tensorboard_without_the_package_is_one_line_exit_4_at_preflight(tmp_path, shim_host):
+    """Issue 28: `run.tensorboard: true` where tensorboard is not installed (a module on the
+    trainer's PYTHONPATH that fails to import as the missing package does) stops at the pre-flight."""
+    absent = tmp_path / "absent"
+    absent.mkdir()
+    (absent / "tensorboard.py").write_text('raise ModuleNotFoundError("No module named \'tensorboard\'", name="tensorboard")\n')
+    env = local_env(tmp_path)
+    res = shim_host.run_cli("train", "local", "--set", "run.tensorboard=true", "--env", f"PYTHONPATH={absent}",
+                            "--follow", env=env, timeout=180)
+    assert res.returncode == 4, res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("error: local: tensorboard is not installed in ")
+    assert "(run.tensorboard needs it); install it there" in res.stderr and "Traceback" not in res.stderr
+    assert runs_in(tmp_path / "wd") == []
 
 
 def test_resume_continues_a_stopped_run_in_its_directory(shim_host):

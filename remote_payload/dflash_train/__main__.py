@@ -76,6 +76,10 @@ def _preflight(cfg) -> int:
     from .plan import preflight_answer, resolve_run
     from .resolve import check_data_paths
 
+    if cfg.run.tensorboard:  # stop here, one line, rather than after the model is built
+        from .dashboard import require
+
+        require()
     plan = resolve_run(cfg)
     check_data_paths(plan.cfg)
     print(json.dumps(preflight_answer(plan.devices, plan.summary(), plan.to_json())), flush=True)
@@ -86,7 +90,9 @@ def _missing(exc: ImportError, preflight: bool) -> int:
     """A module the trainer needs is not installed in this interpreter: one line, exit 4."""
     name = getattr(exc, "name", None) or str(exc)
     package = {"yaml": "pyyaml"}.get(name, name)  # what pip installs it as
-    message = f"{package} is not installed in {sys.executable} (the trainer needs torch, safetensors, numpy, pyyaml)"
+    needs = ("run.tensorboard needs it" if name == "tensorboard"
+             else "the trainer needs torch, safetensors, numpy, pyyaml")
+    message = f"{package} is not installed in {sys.executable} ({needs})"
     if preflight:
         print(json.dumps({"ok": False, "error": "missing_module", "module": name, "message": message}), flush=True)
     else:

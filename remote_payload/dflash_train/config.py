@@ -133,6 +133,7 @@ class RunConfig:
     compile_timeout_s: float = 1800.0  # same for start-up waits (the build/compile lock, the barriers
     # before step 1), which include the other workers' builds and compiles
     export_dir: str | None = None  # None: <output_dir>/export
+    tensorboard: bool = False  # also write the logged scalars as TensorBoard events in <output_dir>/tensorboard
 
 
 @dataclass

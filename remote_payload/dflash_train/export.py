@@ -58,7 +58,11 @@ def export_drafter(drafter: DFlashDrafter, target: TargetConfig, out_dir: str | 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    metadata = {"format": "pt"}
+    device = next(drafter.parameters()).device
+    if device.type == "cuda":  # the model card's hardware line (`runs pull`)
+        metadata["gpu"] = torch.cuda.get_device_name(device)
+    save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
     config = drafter_config(drafter.spec, target, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     # config.json's auto_map names dflash.DFlashDraftModel: the modeling file and the trainer's

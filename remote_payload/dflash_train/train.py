@@ -21,6 +21,7 @@ from . import distributed, launcher, warmup, workers
 from .compiling import CompilePolicy, preload_compiler
 from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, dump_yaml, to_dict
+from .dashboard import Records, with_tensorboard
 from .data import Batch, BlockSampler, DataError, build_datasets
 from .export import export_drafter
 from .model import DFlashDrafter
@@ -161,7 +162,7 @@ class Trainer:
         self.sampler: BlockSampler | None = None
         self.eval_batches: list[Batch] = []
         self.spec_prompts: list[list[int]] = []
-        self.metrics: MetricsLog | None = None
+        self.metrics: Records | None = None  # metrics.jsonl, and TensorBoard with run.tensorboard
         self.cadence: Cadence | None = None
         self.data: GlobalBatches | None = None
         self.ops: workers.ReplicaOps | None = None
@@ -214,7 +215,9 @@ class Trainer:
             changed = _changed_keys(meta["config"], to_dict(cfg))
             if changed:
                 self.log(f"warning: config differs from the checkpoint's in {', '.join(changed)}")
-        self.metrics = MetricsLog(out / "metrics.jsonl", self.start if self.ckpt is not None else None)
+        resume_step = self.start if self.ckpt is not None else None
+        self.metrics = with_tensorboard(MetricsLog(out / "metrics.jsonl", resume_step), cfg.run.tensorboard, out,
+                                        resume_step)
         run = cfg.run
         self.cadence = Cadence(run.log_every, run.eval_every, run.checkpoint_every, run.steps)
         if self.start >= run.steps:
