@@ -5,6 +5,7 @@ as one JSON line (dflashctl runs it in the container before it starts a run)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -13,7 +14,9 @@ from .config import Config, ConfigError
 from .loss import default_gamma
 from .model import DrafterSpec
 from .recipe import recipe_for_target
-from .target import default_target_layer_ids, read_hf_config, resolve_mask_token_id, shape_of
+from .sliding import check_layer_types
+from .target import default_target_layer_ids, resolve_mask_token_id, shape_of
+from .target_hf import drafter_rope, resolve_target_config
 
 # `run.compile_scope: auto` compiles per layer from this target width up (Qwen3-0.6B's): there the
 # step is compute-bound, so the regional compile costs no speed, while one graph of the whole step
@@ -187,13 +190,7 @@ def resolve_config(cfg: Config, notes: list[str] | None = None, multi_host: bool
         d.attention = auto_attention(on_cuda, run.compile)
     if d.attention == "flex" and not on_cuda:
         raise ConfigError("drafter.attention flex needs CUDA (FlexAttention has no CPU backward)")
-    if cfg.target.path is not None:
-        try:
-            loaded = read_hf_config(cfg.target.path)
-        except (OSError, KeyError, ValueError) as exc:
-            raise ConfigError(f"target.path: {exc}") from None
-        loaded.seed, loaded.init_std = cfg.target.seed, cfg.target.init_std
-        cfg.target = loaded
+    cfg.target = resolve_target_config(cfg.target, notes)
     _fill_recipe(cfg, notes)
     if run.compile_scope == "auto":
         run.compile_scope, why = auto_compile_scope(cfg.target.hidden_size, run.compile)
@@ -227,6 +224,7 @@ def resolve_config(cfg: Config, notes: list[str] | None = None, multi_host: bool
         d.mask_token_id = resolve_mask_token_id(cfg.target, d.mask_token_id, cfg.data.tokenizer_path)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    check_layer_types(d.layer_types, d.sliding_window, d.num_layers)
     for key in ("train_path", "eval_path"):
         path = getattr(cfg.data, key)
         if path is not None and path.startswith(DATASET_PREFIX):
@@ -266,8 +264,9 @@ PRESET_MEANING = {
 def drafter_spec(cfg: Config) -> DrafterSpec:
     """The drafter's architecture from a resolved config."""
     d = cfg.drafter
-    return DrafterSpec(shape_of(cfg.target), d.num_layers, d.block_size, tuple(d.target_layer_ids),
-                       d.mask_token_id)
+    shape = dataclasses.replace(shape_of(cfg.target), rope_scaling=drafter_rope(cfg.target))
+    return DrafterSpec(shape, d.num_layers, d.block_size, tuple(d.target_layer_ids), d.mask_token_id,
+                       check_layer_types(d.layer_types, d.sliding_window, d.num_layers), d.sliding_window)
 
 
 def worker_devices(cfg: Config) -> list[str]:
