@@ -358,7 +358,7 @@ def train_cmd(
     ),
     gpus: Optional[str] = typer.Option(
         None, "--gpus", help="GPU indices like 0,1, or cpu (default: the host's gpus, else every GPU the trainer sees)."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="Trainer preset: real-target (default with target.path), tiny (default without), qwen3-8b (random weights: speed only) (docs/trainer.md)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Trainer preset: real-target (default with target.path), tiny (default without), qwen3-8b, llama3-8b, qwen3-30b-a3b (random weights: speed only) (docs/trainer.md)."),
     config: Optional[Path] = typer.Option(None, "--config", help="Trainer config (YAML); copied into the run directory."),
     overrides: List[str] = typer.Option(
         [], "--set", help="Config override key=value (repeatable). Out of GPU memory? --set data.max_length=2048 "
@@ -736,7 +736,7 @@ def data_regen(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Rows per batch (builtin 32, openai 1)."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer directory in the container "
                                                                       "(default: target.path)."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="builtin: the target's shape preset (tiny, qwen3-8b)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="builtin: the target's shape preset (tiny, qwen3-8b, llama3-8b, qwen3-30b-a3b)."),
     overrides: List[str] = typer.Option([], "--set", help="builtin: target.path=DIR, another target.* key, run.dtype "
                                                           "or run.cpu_threads (repeatable)."),
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="openai: base URL, e.g. http://127.0.0.1:8000."),

@@ -258,6 +258,8 @@ PRESET_MEANING = {
     "real-target": "the recipe for a real checkpoint: target.path set, no --preset",
     "qwen3-8b": ("random weights on random tokens at Qwen3-8B's shape: measures speed and memory, never quality "
                  "(tau is 1.0 by construction); train on your checkpoint with --set target.path=DIR"),
+    "llama3-8b": "random weights at Llama-3.1-8B's shape through transformers: speed and memory only",
+    "qwen3-30b-a3b": "random weights at Qwen3-30B-A3B's shape (MoE) through transformers: speed and memory only",
 }
 
 
@@ -290,7 +292,8 @@ def check_data_paths(cfg: Config) -> None:
 def summary(cfg: Config, notes: list[str], n_params: int | None = None) -> list[str]:
     """The few lines a run starts with: model, data, devices, compile policy and why."""
     t, d, data, run = cfg.target, cfg.drafter, cfg.data, cfg.run
-    target = t.path or f"random Qwen3 shape ({t.num_layers} layers, hidden {t.hidden_size}, vocab {t.vocab_size})"
+    target = t.path or (f"random {t.model_type} shape ({t.num_layers} layers, hidden {t.hidden_size}, "
+                        f"vocab {t.vocab_size})")
     source = data.train_path if data.source == "jsonl" else f"{data.source} ({data.num_train} sequences)"
     params = "" if n_params is None else f", {n_params / 1e6:.2f}M trainable parameters"
     meaning = PRESET_MEANING.get(cfg.preset, "")

@@ -40,9 +40,9 @@ ARCHS = {
 }
 
 
-def save_tiny(path, arch: str, seed: int = 0) -> transformers.PreTrainedModel:
+def save_tiny(path, arch: str, seed: int = 0, vocab: int = VOCAB) -> transformers.PreTrainedModel:
     """A random tiny checkpoint of `arch` (weights wide enough that greedy text varies)."""
-    fields = dict(COMMON, **ARCHS[arch])
+    fields = dict(COMMON, **ARCHS[arch], vocab_size=vocab)
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -226,3 +226,45 @@ def test_a_random_target_of_a_presets_kind_builds_with_its_shape():
     assert type(a.model).__name__ == "Qwen3MoeForCausalLM"
     decoder = make_decoder(a, 1, 32, (1,))
     assert isinstance(decoder, HFDecoder)
+
+
+def test_regen_through_transformers_is_the_models_own_greedy_generate(tmp_path):
+    """`python -m dflash_train.regen` on a Llama checkpoint (batched, left-padded, stopping at the
+    checkpoint's EOS): each row is the model's own greedy `generate` of its prompt."""
+    from dflash_train import regen
+    from test_data import save_tokenizer
+
+    model = save_tiny(tmp_path / "llama", "llama", vocab=320)
+    tok = save_tokenizer(tmp_path / "llama")  # regen reads its end-of-turn token (as a chat target has one)
+    eos = sorted({model.generation_config.eos_token_id, tok.eos_token_id})
+    prompts = [[5, 9, 2, 77, 31, 8], [40, 3, 3], [7, 100, 54, 12]]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
+    out = tmp_path / "out.jsonl"
+    assert regen.main(["--prompts", str(src), "--out", str(out), "--max-new-tokens", "10", "--batch-size", "2",
+                       "--gpus", "cpu", "--set", f"target.path={tmp_path / 'llama'}"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for row, prompt in zip(rows, prompts):
+        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=eos)
+        assert row["input_ids"] == theirs[0].tolist()
+
+
+def test_train_and_eval_through_transformers_are_lossless(tmp_path, capsys):
+    """A whole run (`python -m dflash_train`, in-training tau included) on a Qwen3-MoE checkpoint,
+    then `python -m dflash_train.evaluate`: greedy speculative decoding equals the target's own."""
+    from dflash_train import evaluate
+
+    save_tiny(tmp_path / "moe", "qwen3_moe")
+    rows = greedy_rows(build_hf_target(read_target_config(tmp_path / "moe"), [], whole=True), 12, 40)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    sets = [f"target.path={tmp_path / 'moe'}", "drafter.mask_token_id=1", "data.source=jsonl",
+            f"data.train_path={data}", "data.max_length=40", "data.anchors_per_seq=4", "data.batch_size=4",
+            "drafter.block_size=4", "run.steps=6", "run.eval_every=6", "run.spec_prompts=2", "run.spec_new_tokens=8",
+            f"run.output_dir={run}", "run.device=cpu"]
+    assert main(["--preset", "tiny"] + [a for s in sets for a in ("--set", s)]) == 0
+    assert "target backend: transformers (auto: model_type qwen3_moe is not qwen3)" in capsys.readouterr().out
+    assert evaluate.main([str(run), "--count", "2", "--max-new-tokens", "12", "--device", "cpu"]) == 0
+    report = json.loads((run / "eval.json").read_text())
+    assert report["identical"] is True and report["prompts"] >= 1
