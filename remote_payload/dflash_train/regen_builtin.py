@@ -1,4 +1,5 @@
-"""The `builtin` engine of `dflash_train.regen`: the project's own Qwen3 target, one replica per
+"""The `builtin` engine of `dflash_train.regen`: the trainer's target (native Qwen3, or any causal
+LM through transformers: target_hf.py), one replica per
 worker thread (one thread per GPU, one on CPU), each batch generated at once by decode.generate
 (left-padded, static KV cache): the same decode path as `dflashctl eval`'s target-only decode.
 A batch with failed rows (or the short last one) is filled up to --batch-size with one-token

@@ -19,8 +19,8 @@ from .data import Batch
 from .loss import LossOutput, dflash_loss
 from .model import DFlashDrafter, block_input_ids
 from .resolve import capture_target_decision, drafter_spec
-from .target import Qwen3Target, build_random_target, build_tiny_target, load_hf_target
 from .sliding import drafter_masks
+from .target import Qwen3Target, build_random_target, build_tiny_target, load_hf_target
 from .target_hf import build_hf_target
 from .target_graph import GraphedFeatures
 
