@@ -1,7 +1,7 @@
 """The `builtin` engine of `dflash_train.regen`: the trainer's target (native Qwen3, or any causal
-LM through transformers: target_hf.py), one replica per
-worker thread (one thread per GPU, one on CPU), each batch generated at once by decode.generate
-(left-padded, static KV cache): the same decode path as `dflashctl eval`'s target-only decode.
+LM through transformers: target_hf.py), one replica per worker thread (one thread per GPU, one on
+CPU), each batch generated at once by decode.generate (left-padded, KV-cached): the same decode
+path as `dflashctl eval`'s target-only decode.
 A batch with failed rows (or the short last one) is filled up to --batch-size with one-token
 filler prompts whose output is dropped; they run to --max-new-tokens, so such a batch never
 ends early.

@@ -240,9 +240,11 @@ class HFTarget(nn.Module):
         return self._stems[layers]
 
     def compile_layers(self, **compile_kwargs) -> "HFTarget":
-        """Regional compilation of each decoder layer (`torch.compile` in place)."""
+        """Regional compilation of each decoder layer's `forward`. Not `Module.compile`: that
+        would trace our recording hooks too, whose layer index differs per layer, and so compile
+        every layer on its own instead of one graph that all layers share."""
         for layer in self.layers:
-            layer.compile(**compile_kwargs)
+            layer.forward = torch.compile(layer.forward, **compile_kwargs)
         return self
 
     def recording(self, layer_ids) -> "_Recording":
