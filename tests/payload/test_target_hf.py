@@ -268,3 +268,31 @@ def test_train_and_eval_through_transformers_are_lossless(tmp_path, capsys):
     assert evaluate.main([str(run), "--count", "2", "--max-new-tokens", "12", "--device", "cpu"]) == 0
     report = json.loads((run / "eval.json").read_text())
     assert report["identical"] is True and report["prompts"] >= 1
+
+
+def test_an_export_with_the_targets_rope_scaling_loads_with_the_same_states(tmp_path):
+    """A drafter for a Llama 3 target: config.json carries the llama3 rope scaling, and the
+    export's transformers model (loaded strictly) computes with it, as the trainer's drafter does."""
+    from dflash_train.export import export_drafter, load_exported
+    from dflash_train.model import block_input_ids, block_mask
+
+    save_tiny(tmp_path / "llama", "llama")
+    cfg = resolve_config(load_config(overrides=[f"target.path={tmp_path / 'llama'}", "drafter.mask_token_id=1",
+                                                "drafter.block_size=4"]))
+    target = build_hf_target(cfg.target, cfg.drafter.target_layer_ids)
+    drafter = DFlashDrafter(drafter_spec(cfg))
+    drafter.init_weights(0.05, 0)
+    out = export_drafter(drafter, cfg.target, tmp_path / "export", torch.float32)
+    assert json.loads((out / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+    assert load_exported(out)[0].spec == drafter.spec
+    loaded, info = transformers.AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32,
+                                                          output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert repr(loaded.spec) == repr(drafter.spec)
+    ids = torch.randint(2, VOCAB, (1, 90), generator=torch.Generator().manual_seed(3))  # past the original 64 positions
+    anchors = torch.tensor([[10, 80]])
+    feats = target.features(ids, drafter.spec.target_layer_ids)
+    embeds = target.embed_tokens(block_input_ids(ids, anchors, 4, 1))
+    mask = block_mask(anchors, ids.shape[1], 4, "dense")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.block_forward(feats, embeds, anchors, mask), drafter(feats, embeds, anchors, mask))
