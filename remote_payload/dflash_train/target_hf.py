@@ -303,7 +303,9 @@ class HFDecoder:
         self.target, self.feature_layers, self.capacity = target, tuple(feature_layers), capacity
         self.device = target.embed_tokens.weight.device
         self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)     # [N] left padding per row
-        self.cache = transformers.DynamicCache(config=target.model.config)
+        # No config: every layer keeps all its positions (the masks apply a sliding window), so
+        # that rejected drafts can be cropped off sliding layers too (Mistral, Qwen2 with windows).
+        self.cache = transformers.DynamicCache()
         params = inspect.signature(target.model.forward).parameters
         # transformers 5 names the cache argument `cache` (`past_key_values` goes in 5.40); 4.x the latter.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
