@@ -6,6 +6,10 @@ strictly by the shipped transformers model with the same hidden states (both its
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,3 +180,31 @@ def test_the_resolved_spec_carries_the_layer_types():
                                                 "drafter.sliding_window=64"]))
     spec = drafter_spec(cfg)
     assert (spec.layer_type(0), spec.layer_type(1), spec.sliding_window) == (*TYPES, 64)
+
+
+def test_zlab_quick_start_on_a_sliding_export_decodes_as_the_trainer(trained, tmp_path):
+    """z-lab's README quick start (AutoModel + `spec_generate`, only torch and transformers in the
+    process) on the sliding-window export: the target's greedy text, with exactly the verify
+    steps of the trainer's own loop (so the same drafts were accepted, window and all)."""
+    pytest.importorskip("transformers")
+    from test_speculate import save_target_for_transformers
+
+    from dflash_train.export import export_drafter
+
+    cfg, replica, prompts, _ = trained
+    export = export_drafter(replica.drafter, cfg.target, tmp_path / "export", torch.float32)
+    save_target_for_transformers(replica.target, tmp_path / "target")
+    ours = [speculate(replica.target, replica.drafter, p, 24) for p in prompts]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(json.dumps({"prompts": prompts, "max_new_tokens": 24,
+                               "runs": [{"temperature": 0.0, "stop_token_ids": None}]}))
+    script = Path(__file__).with_name("zlab_quickstart.py")
+    subprocess.run([sys.executable, "-I", str(script), str(tmp_path / "target"), str(export), str(job), str(out)],
+                   cwd=tmp_path, env=env, check=True, timeout=600)
+    (results,) = json.loads(out.read_text())["results"]
+    for got, mine in zip(results, ours):
+        assert got["spec"] == got["greedy"] == mine.tokens
+        assert got["steps"] == len(mine.accepted)
+    assert sum(len(m.tokens) for m in ours) > 1.2 * sum(len(m.accepted) for m in ours)  # drafts were accepted
