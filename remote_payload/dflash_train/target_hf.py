@@ -37,25 +37,24 @@ def read_target_config(path: str | Path) -> TargetConfig:
     model that cannot be a target: an encoder-only or encoder-decoder one)."""
     raw = json.loads((Path(path) / "config.json").read_text())
     check_causal(raw, str(path))
-    text = raw.get("text_config") or raw  # multimodal checkpoints nest the language model's fields
-    heads = text["num_attention_heads"]
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    theta = text.get("rope_theta", rope.get("rope_theta", 10000.0))
+    heads = raw["num_attention_heads"]
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
     return TargetConfig(
-        path=str(path), model_type=text.get("model_type") or raw.get("model_type") or "unknown",
-        num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
-        intermediate_size=text.get("intermediate_size") or 4 * text["hidden_size"],
-        num_heads=heads, num_kv_heads=text.get("num_key_value_heads") or heads,
-        head_dim=text.get("head_dim") or text["hidden_size"] // heads, vocab_size=text["vocab_size"],
+        path=str(path), model_type=raw.get("model_type") or "unknown",
+        num_layers=raw["num_hidden_layers"], hidden_size=raw["hidden_size"],
+        intermediate_size=raw.get("intermediate_size") or 4 * raw["hidden_size"],
+        num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=raw["vocab_size"],
         rope_theta=float(theta),
-        rms_norm_eps=float(text.get("rms_norm_eps", text.get("layer_norm_eps", 1e-6))),
-        max_position_embeddings=text.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-6))),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling_of(rope),
-        attention_bias=bool(text.get("attention_bias", text.get("model_type") == "qwen2")),
-        num_experts=int(text.get("num_experts") or text.get("num_local_experts") or 0),
-        num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
-        moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
+        attention_bias=bool(raw.get("attention_bias", raw.get("model_type") == "qwen2")),
+        num_experts=int(raw.get("num_experts") or raw.get("num_local_experts") or 0),
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
     )
 
 
