@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from dflash_train.config import load_config  # noqa: E402
 from dflash_train.decode import Decoder, generate  # noqa: E402
 from dflash_train.replica import build_target  # noqa: E402
-from dflash_train.resolve import resolve_config  # noqa: E402
+from dflash_train.plan import resolve_run  # noqa: E402
 
 
 class Bench:
@@ -51,7 +51,7 @@ class Bench:
         preset = "tiny" if dry else "qwen3-8b"
         self.preset = preset
         self.overrides = ["data.source=jsonl", "data.train_path=unused"]
-        self.cfg = resolve_config(load_config(preset=preset, overrides=self.overrides + [f"run.device={self.device}"]))
+        self.cfg = resolve_run(load_config(preset=preset, overrides=self.overrides + [f"run.device={self.device}"])).cfg
         self.target = build_target(self.cfg, self.device).eval()
         self.vocab = self.cfg.target.vocab_size
         self.rows: list[dict] = []

@@ -14,6 +14,8 @@ Stages (each bounded; all run even if one fails; exit 1 if any failed):
   small-cg     the small config with run.compile cudagraphs on one GPU, then two replicas on it
   small-pair   the small config twice on a fresh run.compile_cache_dir: time to first step cold, then warm
   doctor       `dflashctl doctor local`
+  preset:NAME[:K=V...]  another target's preset (e.g. preset:llama3-8b, preset:qwen3-30b-a3b:target.num_layers=24):
+               30 steps through `train --follow` from the warm cache, then `eval` of its export as 8b-eval does
 It prints a table (time to first step cold/warm, ms/step against the bench's fast row, MFU
 against the peak measured here, stop latencies) and writes acceptance.json and acceptance.log
 under --out. Results: docs/performance.md.
@@ -104,14 +106,22 @@ class Acceptance(LocalHostBench):
         return next((r for r in records if r.get("event") == "start"), {})
 
     def cold_follow(self) -> dict:
+        """The default preset, 30 steps, cold cache; its run is the one `eval` measures."""
+        row = self.follow_preset(self.preset, (), "8b-cold")
+        self.cold_run = row["run"] if row["ok"] else None
+        return row
+
+    def follow_preset(self, preset: str, sets: tuple[str, ...], label: str) -> dict:
+        """`train local --preset PRESET --set run.steps=30 [--set K=V ...] --follow`: start, step and exit figures."""
         steps = 30
-        code, out, err, secs = self.cli("train", "local", "--preset", self.preset, "--set", f"run.steps={steps}",
+        extra = [a for item in sets for a in ("--set", item)]
+        code, out, err, secs = self.cli("train", "local", "--preset", preset, "--set", f"run.steps={steps}", *extra,
                                         "--follow", timeout=self.left(300))
         match = re.search(r"started run (\S+)", err)
         if not match:
-            return {"ok": False, "note": f"exit {code}: {err.strip()[-300:]}"}
+            return {"ok": False, "run": None, "note": f"exit {code}: {err.strip()[-300:]}"}
         run_id = match.group(1)
-        self.keep_log(run_id, "8b-cold")
+        self.keep_log(run_id, label)
         recs = self.records(run_id)
         start = self.start_record(recs)
         final = [r for r in recs if r.get("event") == "train"]
@@ -124,14 +134,26 @@ class Acceptance(LocalHostBench):
                "ms_per_step": self.steady_ms(recs), "tokens_per_s": final[-1].get("tokens_per_s") if final else None,
                "cli_s": round(secs, 1)}
         shutil.rmtree(self.run_dir(run_id) / "checkpoints", ignore_errors=True)  # GBs at 8B scale
-        self.cold_run = run_id if ok else None
         return row
+
+    def other_preset(self, spec: str) -> dict:
+        """preset:NAME[:K=V...]: that preset trained as the cold stage is, then its export evaluated."""
+        preset, *sets = spec.split(":")
+        row = self.follow_preset(preset, tuple(sets), f"preset {preset}")
+        if not row["ok"]:
+            return row
+        decoded = self.evaluate_run(row["run"])
+        return {**row, "ok": decoded["ok"], "eval": {k: v for k, v in decoded.items() if k != "ok"}}
 
     def evaluate(self) -> dict:
         """`dflashctl eval local RUN` on the cold run's export: the decode path a user measures tau with."""
         if not self.cold_run:
             return {"ok": False, "note": "no finished cold run to evaluate"}
-        code, out, err, secs = self.cli("eval", "local", self.cold_run, "--count", "4", "--max-new-tokens", "128",
+        return self.evaluate_run(self.cold_run)
+
+    def evaluate_run(self, run_id: str) -> dict:
+        """`dflashctl eval local RUN --count 4 --max-new-tokens 128`: tau, greedy identity (or ties), step cost."""
+        code, out, err, secs = self.cli("eval", "local", run_id, "--count", "4", "--max-new-tokens", "128",
                                         "--json", timeout=self.left(200))
         self.log(err[-3000:])
         try:
@@ -293,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
               "cudagraphs": ("small-cudagraphs", acc.small_cudagraphs), "smallpair": ("small-pair", acc.small_pair),
               "doctor": ("doctor", acc.doctor)}
     for key in args.stages.split(","):
-        acc.stage(*stages[key])
+        if key.startswith("preset:"):
+            spec = key.split(":", 1)[1]
+            acc.stage(f"preset {spec}", lambda spec=spec: acc.other_preset(spec))
+        else:
+            acc.stage(*stages[key])
     table = acc.table()
     acc.log(table)
     (out / "acceptance.json").write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": acc.rows},

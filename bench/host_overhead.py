@@ -84,13 +84,14 @@ def child(args) -> dict:
     from dflash_train.config import load_config
     from dflash_train.data import BlockSampler, build_datasets
     from dflash_train.replica import drafter_ops
-    from dflash_train.resolve import resolve_config
-    from dflash_train.train import GlobalBatches, warmup_steps
+    from dflash_train.plan import resolve_run
+    from dflash_train.train import GlobalBatches
 
     host_steps, run_steps, _ = ROWS[args.config]
     device = "cpu" if args.dry_run else "cuda:0"
     preset, over = overrides(args.config, args.variant, device)
-    cfg = resolve_config(load_config(preset=preset, overrides=over + [f"run.steps={host_steps + run_steps}"]))
+    plan = resolve_run(load_config(preset=preset, overrides=over + [f"run.steps={host_steps + run_steps}"]))
+    cfg = plan.cfg
     torch.set_num_threads(cfg.run.cpu_threads)  # as the trainer
     train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
     batches = GlobalBatches(BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed),
@@ -137,8 +138,7 @@ def child(args) -> dict:
         windows.append((point.step, point.steps_since_last, point.seconds_since_last))
         return False
 
-    policy = W.choose_compile_policy(cfg.run.compile, "cuda" if device.startswith("cuda") else "cpu")
-    opts = W.ThreadedOptions(compile=cfg.run.compile, seed=cfg.run.seed, warmup_steps=warmup_steps(policy),
+    opts = W.ThreadedOptions(policy=plan.policy, seed=cfg.run.seed, warmup_steps=plan.warmup_steps,
                              sync_every=SYNC_EVERY, barrier_timeout_s=600, compile_timeout_s=600)
     res = W.run_threaded(dataclasses.replace(ops, optimizer_step=optimizer_step), [device], data,
                          cfg.run.steps, opts, on_sync)

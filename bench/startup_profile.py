@@ -47,10 +47,12 @@ def main() -> int:
     lap("import dynamo + inductor")
     from dflash_train.config import load_config
     from dflash_train.model import DFlashDrafter
-    from dflash_train.resolve import drafter_spec, resolve_config
+    from dflash_train.plan import resolve_run
+    from dflash_train.resolve import drafter_spec
     from dflash_train.replica import build_replica, build_target
     from dflash_train.train import load_data
-    cfg = resolve_config(load_config(preset=args.preset, overrides=[f"run.device={args.device}"]))
+    plan = resolve_run(load_config(preset=args.preset, overrides=[f"run.device={args.device}"]))
+    cfg = plan.cfg
     lap("config")
     load_data(cfg)
     lap("data")
@@ -73,7 +75,7 @@ def main() -> int:
     if cuda:
         torch.cuda.empty_cache()
     lap("free")
-    replica = build_replica(cfg, device, 0)
+    replica = build_replica(cfg, device, 0, plan.policy)
     sync()
     lap("build_replica, all of it")
     del replica

@@ -9,7 +9,7 @@ per-phase breakdown (CUDA events). Results and their derivation: docs/performanc
 
 Row modes (the trainer's building blocks from remote_payload/dflash_train, weights random):
     fast     draft layers and target layers compiled per layer (`compile_layers`, `--compile`
-             policy from workers.choose_compile_policy), fused chunked LM head + CE, fused AdamW
+             policy from plan.choose_compile_policy), fused chunked LM head + CE, fused AdamW
     trainer  what replica.build_replica does today with run.compile=<--compile>: the whole drafter
              torch.compile'd, eager target, eager chunked CE (the pre-fast-path trainer)
     eager    run.compile=off: eager drafter with compiled FlexAttention, eager target, eager CE
@@ -178,13 +178,13 @@ def make_config(shape: str, batch: int, dry: bool) -> BenchConfig:
 
 
 def compile_policy(mode: str, device_type: str):
-    """workers.choose_compile_policy if importable, else the equivalent plain choice."""
+    """plan.choose_compile_policy if importable, else the equivalent plain choice."""
     try:
-        from dflash_train.workers import choose_compile_policy
+        from dflash_train.plan import choose_compile_policy
         p = choose_compile_policy(mode, device_type)
         return p.effective, dict(p.options or {}), p.reason
-    except Exception as exc:  # noqa: BLE001 (a concurrent edit of workers.py must not stop a GPU run)
-        return ("off" if mode == "off" else "default"), {}, f"workers.py not importable: {exc}"
+    except Exception as exc:  # noqa: BLE001 (a concurrent edit of plan.py must not stop a GPU run)
+        return ("off" if mode == "off" else "default"), {}, f"plan.py not importable: {exc}"
 
 
 def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, fh) -> Rig:
@@ -222,7 +222,7 @@ def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, 
 def dry_check_against_trainer(rig: Rig, batch, fh) -> None:
     """CPU dry run: the bench's step loss equals replica.forward_loss's on the same weights/batch."""
     from dflash_train.config import load_config
-    from dflash_train.resolve import resolve_config
+    from dflash_train.plan import resolve_run
     from dflash_train.replica import build_replica, forward_loss
     t = rig.cfg.target
     over = [f"target.{f.name}={json.dumps(getattr(t, f.name))}" for f in dataclasses.fields(t)
@@ -232,9 +232,10 @@ def dry_check_against_trainer(rig: Rig, batch, fh) -> None:
              f"data.batch_size={d.batch_size}", f"data.num_train={d.num_train}", "data.num_eval=1",
              f"drafter.mask_token_id={rig.cfg.mask_token_id}", "run.device=cpu", "run.compile=off",
              "run.dtype=fp32", "drafter.attention=dense", "run.steps=1000"]
-    cfg = resolve_config(load_config(preset="qwen3-8b", overrides=over))
+    plan = resolve_run(load_config(preset="qwen3-8b", overrides=over))
+    cfg = plan.cfg
     assert tuple(cfg.drafter.target_layer_ids) == rig.cfg.layer_ids and cfg.optim.gamma == rig.cfg.gamma
-    replica = build_replica(cfg, "cpu", 0)
+    replica = build_replica(cfg, "cpu", 0, plan.policy)
     replica.drafter.load_state_dict(rig.drafter.state_dict())
     ref = float(forward_loss(replica, batch).loss)
     ours = float(step(rig, batch, False, None))
@@ -426,7 +427,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compile", choices=("off", "default", "cudagraphs"), default=None,
-                   help="compile policy, through workers.choose_compile_policy (default: default; "
+                   help="compile policy, through plan.choose_compile_policy (default: default; "
                         "off for --dry-run)")
     p.add_argument("--plan", default="8b:fast:1,4b:fast:1,0.6b:fast:1",
                    help="rows shape:mode:batch, run in order while the deadline allows")

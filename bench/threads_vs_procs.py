@@ -41,21 +41,22 @@ TIMEOUT_S = {"small": 180, "mid": 300}
 
 
 def make_config(name: str, world: int, compile_mode: str, device: str, steps: int = 0):
-    """Resolved bench config: random data, bf16 on CUDA, PER_GPU_BATCH sequences per device."""
+    """The bench config's run plan: random data, bf16 on CUDA, PER_GPU_BATCH sequences per device."""
     from dflash_train.config import load_config
-    from dflash_train.resolve import resolve_config
+    from dflash_train.plan import resolve_run
 
     over = CONFIGS[name] + ["data.source=random", f"data.batch_size={PER_GPU_BATCH * world}",
                             "data.num_train=512", "data.num_eval=4", f"run.device={device}",
                             f"run.dtype={'bf16' if device == 'cuda' else 'fp32'}",
                             f"run.compile='{compile_mode}'", f"run.steps={steps or STEPS[name]}"]
-    cfg = resolve_config(load_config(overrides=over))
+    plan = resolve_run(load_config(overrides=over))
+    cfg = plan.cfg
     import torch
 
     # As train.py does: several Python threads each running OpenMP-parallel CPU ops would
     # oversubscribe the cores (the trainer's default is one intra-op thread).
     torch.set_num_threads(cfg.run.cpu_threads)
-    return cfg
+    return plan
 
 
 def sampler_for(cfg):
@@ -88,9 +89,10 @@ def child_threads(args) -> dict:
     from dflash_train.replica import drafter_ops
     from dflash_train.train import GlobalBatches
 
-    cfg = make_config(args.config, args.world, args.compile, args.device, args.steps)
+    plan = make_config(args.config, args.world, args.compile, args.device, args.steps)
+    cfg = plan.cfg
     sampler = sampler_for(cfg)
-    opts = W.ThreadedOptions(compile=args.compile, seed=cfg.run.seed, sync_every=SYNC_EVERY, barrier_timeout_s=240)
+    opts = W.ThreadedOptions(policy=plan.policy, seed=cfg.run.seed, sync_every=SYNC_EVERY, barrier_timeout_s=240)
     windows: list[tuple[int, float]] = []
 
     def on_sync(point) -> bool:
@@ -122,7 +124,8 @@ def child_process(args) -> dict:
         dist.init_process_group("nccl", device_id=device)
     else:  # the CPU dry run of this script
         dist.init_process_group("gloo")
-    cfg = make_config(args.config, world, args.compile, args.device, args.steps)
+    plan = make_config(args.config, world, args.compile, args.device, args.steps)
+    cfg = plan.cfg
     sampler = sampler_for(cfg)
 
     def data(step: int) -> object:  # this rank's slice, pinned like the trainer's batches
@@ -130,7 +133,7 @@ def child_process(args) -> dict:
         return batch.pinned() if on_cuda and args.pin else batch
 
     ops = drafter_ops(cfg)
-    policy = W.choose_compile_policy(args.compile, device.type)
+    policy = plan.policy
     torch.manual_seed(cfg.run.seed)
     replica = ops.build(device, cfg.run.seed, policy)
     params = ops.parameters(replica)

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.text import Text
 
 from .containers import LineSplitter, Target
+from .devices import parse_gpus
 from .errors import ContainerError, RemoteError, UsageError
 from .tables import Column, notes, show
 
@@ -70,9 +71,9 @@ def run_doctor(target: Target, options: DoctorOptions, progress: Callable[[str],
     """Push the payload, run the doctor in the container, and return its report (with `host` added)."""
     from .payload import push
 
+    choice = parse_gpus(options.gpus, target.host.gpus)  # a bad --gpus fails before the push
+    opts = replace(options, gpus=None if choice.auto else choice.text())
     payload_dir = push(target).remote_dir
-    gpus = options.gpus or ",".join(map(str, target.host.gpus)) or None
-    opts = replace(options, gpus=gpus)
     lines = LineSplitter(progress, PROGRESS_PREFIX)
     argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, *opts.argv()]
     result = target.run(argv, timeout=opts.time_limit(), on_stderr=lines.feed)

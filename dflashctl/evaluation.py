@@ -13,7 +13,8 @@ from rich.text import Text
 
 from .containers import LineSplitter, Target
 from .errors import ContainerError, RemoteError, UsageError
-from .runs import CPU, parse_gpus, show_run
+from .devices import CPU, parse_gpus
+from .runs import show_run
 
 # Runs the payload's evaluator from wherever push put it: argv[1] is that directory.
 BOOTSTRAP = (
@@ -26,14 +27,16 @@ MISSING_PREFIX = "eval missing module: "
 TIME_LIMIT_S = 3600  # a long decode on a slow box: a backstop, not an estimate
 
 
-def eval_device(gpus: str | None, target: Target) -> str | None:
+def eval_device(gpus: str | None) -> str | None:
     """`--gpus N` (or cpu) as the one device the evaluation runs on; None: the run's own."""
     if gpus is None:
         return None
-    names = parse_gpus(gpus, target.host)
-    if len(names) != 1:
+    choice = parse_gpus(gpus)
+    if choice.cpu:
+        return CPU
+    if len(choice.indices) != 1:
         raise UsageError(f"--gpus {gpus}: eval runs on one GPU (the loop decodes one prompt at a time)")
-    return CPU if names[0] == CPU else f"cuda:{names[0]}"
+    return f"cuda:{choice.indices[0]}"
 
 
 def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new_tokens: int, count: int,
@@ -42,7 +45,7 @@ def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new
     """Evaluate the run (latest when selector is empty) on its host; the report (eval.json's content)."""
     from .payload import push
 
-    device = eval_device(gpus, target)
+    device = eval_device(gpus)
     if max_new_tokens < 1 or count < 1:
         raise UsageError("--max-new-tokens and --count must be at least 1")
     if not 0 <= temperature < float("inf"):

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from .devices import host_gpus
 from .errors import UsageError
 
 ENV_VAR = "DFLASHCTL_INVENTORY"
@@ -250,13 +251,9 @@ def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
         raise fail(f"persist must be a non-negative integer (seconds; 0 = off), got {persist!r}")
     if transport == "local" and persist:
         raise fail("persist only applies to transport ssh")
-    gpus = raw.get("gpus", [])
-    if gpus is None:
-        gpus = []
-    if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
-        raise fail(f"gpus must be a list of GPU indices like [0, 1], got {gpus!r}")
-    if len(set(gpus)) != len(gpus):
-        raise fail(f"gpus lists an index twice: {gpus!r}")
+    gpus = host_gpus(raw.get("gpus"))
+    if isinstance(gpus, str):
+        raise fail(gpus)
     on_event = raw.get("on_event") or []
     if not isinstance(on_event, list) or not all(isinstance(a, str) and a for a in on_event):
         raise fail(f"on_event must be a command as a list of arguments, like [curl, -fsS, URL], got {on_event!r}")
@@ -271,7 +268,7 @@ def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
         container=_parse_container(fail, raw.get("container")),
         python=strings["python"],
         workdir=strings["workdir"] or DEFAULT_WORKDIR,
-        gpus=tuple(gpus),
+        gpus=gpus,
         rendezvous_address=strings["rendezvous_address"],
         persist=persist,
         on_event=tuple(on_event),

@@ -21,9 +21,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from .containers import Target, remote_script
+from .agent import AgentMissing, agent_argv, is_missing, with_agent
+from .containers import Target
 from .errors import ConnectError, Interrupted, RemoteError
 from .output import write_out
+from .remote.wire import FRAME_DATA, FRAME_END, FRAME_ERROR, FRAME_METRICS, FRAME_ROTATED, FRAME_START
 from .runs import EXIT_DETACHED, STATE_STYLE, answer_error, exit_code_for, fmt_duration
 from .session import Session
 from .transport import Completed, Process
@@ -143,20 +145,29 @@ def read_once(
     on_metrics: MetricsSink | None,
     stall_s: float,
 ) -> Ending:
-    """One reader on one connection, from the cursor; raises Dropped if it ends early."""
+    """One reader on one connection, from the cursor (the agent installed first when the
+    container lacks it); raises Dropped if it ends early."""
     resume = cursor.run_id is not None
-    argv = [
-        target.host.interpreter, "-c", remote_script("runctl"), "read", target.host.workdir,
+    args = [
+        "read", target.host.workdir,
         cursor.run_id or selector or "", str(cursor.inode or "") if resume else "", str(cursor.offset),
         # A resumed reader continues at the cursor; before the log existed, that is its start.
         "-1" if resume else str(lines), "" if resume or since_step is None else str(since_step),
         "1" if follow else "0", "1" if on_metrics else "0",
     ]
+    return with_agent(target, lambda: read_frames(target, cursor, agent_argv(target, "runctl", args), on_data,
+                                                  on_metrics, stall_s))
+
+
+def read_frames(target: Target, cursor: Cursor, argv: list[str], on_data: DataSink, on_metrics: MetricsSink | None,
+                stall_s: float) -> Ending:
+    """Start the reader and apply its frames until the run's end frame (Dropped if it ends early)."""
     proc = target.start(argv)
     chunks: queue.Queue[bytes | None] = queue.Queue()
     stderr = bytearray()
     threading.Thread(target=pump, args=(proc.stdout, chunks), daemon=True).start()
-    threading.Thread(target=drain, args=(proc.stderr, stderr), daemon=True).start()
+    drainer = threading.Thread(target=drain, args=(proc.stderr, stderr), daemon=True)
+    drainer.start()
     buf = bytearray()
     try:
         while True:
@@ -171,44 +182,48 @@ def read_once(
                 ending = handle(target, cursor, kind, payload, on_data, on_metrics)
                 if ending is not None:
                     return ending
+        if cursor.run_id is None:  # its exit code says why: waited for before the kill below
+            raise_start_failure(target, proc, argv, stderr, drainer)
+        raise Dropped("connection closed")
     finally:
         proc.kill()  # the reader exits on its own after the end frame; after a drop this frees the channel
-    if cursor.run_id is None:
-        raise_start_failure(target, proc, argv, stderr)
-    raise Dropped("connection closed")
 
 
 def handle(target: Target, cursor: Cursor, kind: bytes, payload: bytes, on_data: DataSink,
            on_metrics: MetricsSink | None) -> Ending | None:
     """Apply one frame to the cursor and the sinks; the end frame becomes an Ending."""
-    if kind == b"D":
+    if kind == FRAME_DATA:
         on_data(payload)
         cursor.offset += len(payload)
-    elif kind == b"S":
+    elif kind == FRAME_START:
         info = json.loads(payload)
         cursor.run_id, cursor.inode, cursor.offset = info["run_id"], info["inode"], info["offset"]
         cursor.contacts += 1
-    elif kind == b"R":
+    elif kind == FRAME_ROTATED:
         cursor.inode, cursor.offset = json.loads(payload)["inode"], 0
-    elif kind == b"M" and on_metrics is not None:
+    elif kind == FRAME_METRICS and on_metrics is not None:
         try:
             on_metrics(json.loads(payload))
         except ValueError:
             pass  # a malformed record only costs one progress update
-    elif kind == b"E":
+    elif kind == FRAME_END:
         info = json.loads(payload)
         return Ending(cursor.run_id or "", info["state"], info.get("exit_code"))
-    elif kind == b"X":
+    elif kind == FRAME_ERROR:
         raise answer_error(target, json.loads(payload))
     return None
 
 
-def raise_start_failure(target: Target, proc: Process, argv: list[str], stderr: bytearray) -> None:
-    """The reader died before saying anything: container stopped, no interpreter, ..."""
+def raise_start_failure(target: Target, proc: Process, argv: list[str], stderr: bytearray,
+                        drainer: threading.Thread) -> None:
+    """The reader died before saying anything: container stopped, no interpreter, no agent, ..."""
     try:
         code = proc.wait(5)
     except (TimeoutError, ConnectError):
         raise Dropped("no answer from the log reader") from None
+    drainer.join(5)  # its last line may still be on the way
+    if is_missing(code, bytes(stderr)):
+        raise AgentMissing()
     result = Completed(argv, code, b"", bytes(stderr))
     target.raise_for_container(result, argv)
     raise RemoteError(f"{target.label}: cannot read the log: {result.err_line()}")

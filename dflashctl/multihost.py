@@ -24,6 +24,7 @@ from typing import IO, Any, TypeVar
 from rich.console import Console
 from rich.text import Text
 
+from .devices import GpuChoice
 from .errors import DflashError, Interrupted, OutputClosed, UsageError
 from .output import write_out
 from .inventory import HostSpec
@@ -115,7 +116,7 @@ def start_group(
     session: Session,
     hosts: Sequence[HostSpec],
     *,
-    gpus: dict[str, list[str]],
+    gpus: dict[str, GpuChoice],
     config_file: Path | None,
     overrides: Sequence[str],
     name: str | None,

@@ -1,12 +1,12 @@
 """Connection reuse across CLI calls (hosts.yaml `persist: SECONDS`), like OpenSSH's ControlPersist.
 
 The first CLI call that needs a host with `persist > 0` starts a detached background *mux*
-(`python -m dflashctl.mux`) that holds one paramiko connection, made by the same `SshTransport`
+(`python -m dflashctl.mux_server`) that holds one paramiko connection, made by the same `SshTransport`
 code as a direct call (same host-key checks, ~/.ssh/config, keys), and serves commands over a unix
 socket. Later calls talk to the socket and never import paramiko, connect or authenticate.
 
-Client side (this module's top level imports no paramiko): `MuxTransport`, `stop_mux`, `mux_stats`.
-Server side: `serve()` (imports `.ssh` lazily).
+Client side (this module, which imports no paramiko): `MuxTransport`, `stop_mux`, `mux_stats`.
+Server side: mux_server.py (imports `.ssh` lazily).
 
 Socket directory: `$XDG_RUNTIME_DIR/dflashctl`, else `~/.cache/dflashctl/mux`; mode 0700, owned by
 us, else refused (and the call goes direct). Socket name: a hash of the host's name,
@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import socket
 import stat
 import struct
@@ -46,7 +45,7 @@ from typing import TYPE_CHECKING, Sequence
 from . import errors as _errors
 from .errors import ConnectError, DflashError, UsageError
 from .inventory import HostSpec
-from .transport import CHUNK, Process, Read1Stream, Transport
+from .transport import Process, Read1Stream, Transport
 
 if TYPE_CHECKING:
     from .ssh import SshOptions
@@ -128,7 +127,7 @@ def socket_path(host: HostSpec, options: "SshOptions | None", create: bool = Tru
 # --- framing --------------------------------------------------------------------------------------
 
 
-def _send(sock: socket.socket, kind: bytes, payload: bytes = b"") -> None:
+def send_frame(sock: socket.socket, kind: bytes, payload: bytes = b"") -> None:
     head = _HEADER.pack(kind, len(payload))
     if len(payload) < 65536:
         sock.sendall(head + payload)
@@ -147,7 +146,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def _recv(sock: socket.socket) -> tuple[bytes, bytes] | None:
+def recv_frame(sock: socket.socket) -> tuple[bytes, bytes] | None:
     """One frame, or None at end of stream."""
     head = _recv_exact(sock, _HEADER.size)
     if head is None:
@@ -159,7 +158,7 @@ def _recv(sock: socket.socket) -> tuple[bytes, bytes] | None:
     return kind, payload
 
 
-def _peer_uid(sock: socket.socket) -> int:
+def peer_uid(sock: socket.socket) -> int:
     _pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
     return uid
 
@@ -167,7 +166,7 @@ def _peer_uid(sock: socket.socket) -> int:
 # --- client ---------------------------------------------------------------------------------------
 
 
-def _connect(path: Path) -> socket.socket:
+def connect(path: Path) -> socket.socket:
     """A connection to the mux at path after checking the socket file and the peer's uid.
 
     Raises FileNotFoundError/ConnectionRefusedError when no mux listens there, MuxUnavailable
@@ -179,7 +178,7 @@ def _connect(path: Path) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(str(path))
-        if _peer_uid(sock) != os.getuid():
+        if peer_uid(sock) != os.getuid():
             raise MuxUnavailable(f"{path}: served by another user")
     except BaseException:
         sock.close()
@@ -195,7 +194,7 @@ def _spawn(host: HostSpec, options: "SshOptions | None", path: Path) -> None:
     env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dflashctl.mux", config],
+            [sys.executable, "-m", "dflashctl.mux_server", config],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -310,7 +309,7 @@ class _MuxProcess(Process):
     def _send(self, kind: bytes, payload: bytes = b"") -> None:
         try:
             with self._send_lock:
-                _send(self._sock, kind, payload)
+                send_frame(self._sock, kind, payload)
         except OSError as exc:  # the command ended (or was killed): like writing to a closed pipe
             raise BrokenPipeError(f"stdin closed: {exc}") from None
 
@@ -319,7 +318,7 @@ class _MuxProcess(Process):
         try:
             while True:
                 try:
-                    frame = _recv(self._sock)
+                    frame = recv_frame(self._sock)
                 except OSError:
                     frame = None
                 if frame is None:
@@ -401,8 +400,8 @@ class MuxTransport(Transport):
         for _attempt in range(3):
             sock = self._socket()
             try:
-                _send(sock, START, request)
-                frame = _recv(sock)
+                send_frame(sock, START, request)
+                frame = recv_frame(sock)
             except OSError:
                 frame = None
             if frame is None or frame[0] == GONE:
@@ -421,7 +420,7 @@ class MuxTransport(Transport):
     def _socket(self) -> socket.socket:
         path = socket_path(self.host, self.options)
         try:
-            return _connect(path)
+            return connect(path)
         except (FileNotFoundError, ConnectionRefusedError):
             pass
         except OSError as exc:
@@ -430,7 +429,7 @@ class MuxTransport(Transport):
         # others find it up once they get the lock.
         with self._lock:
             try:
-                return _connect(path)
+                return connect(path)
             except (FileNotFoundError, ConnectionRefusedError):
                 pass
             except OSError as exc:
@@ -439,7 +438,7 @@ class MuxTransport(Transport):
             deadline = time.monotonic() + SPAWN_WAIT_S
             while time.monotonic() < deadline:
                 try:
-                    return _connect(path)
+                    return connect(path)
                 except (FileNotFoundError, ConnectionRefusedError):
                     time.sleep(0.01)
                 except OSError as exc:
@@ -456,13 +455,13 @@ class MuxTransport(Transport):
 def _ask(path: Path, kind: bytes) -> dict | None:
     """Send a STATS or EXIT request to the mux at path; None when no mux answers there."""
     try:
-        sock = _connect(path)
+        sock = connect(path)
     except (FileNotFoundError, ConnectionRefusedError):
         return None
     try:
         sock.settimeout(10)
-        _send(sock, kind)
-        frame = _recv(sock)
+        send_frame(sock, kind)
+        frame = recv_frame(sock)
     except OSError:
         return None
     finally:
@@ -493,269 +492,3 @@ def stop_all_muxes() -> list[str]:
         if answer is not None:
             stopped.append(str(answer.get("host")))
     return stopped
-
-
-# --- server ---------------------------------------------------------------------------------------
-
-
-class _Dying(Exception):
-    """The mux's SSH connection died; it serves nothing more."""
-
-
-def serve(host: HostSpec, options: "SshOptions | None", path: Path) -> int:
-    """Run the mux for host at path until idle for host.persist seconds, dead, or told to stop."""
-    import fcntl
-
-    os.umask(0o077)
-    lock_fd = os.open(f"{path.with_suffix('.lock')}", os.O_RDWR | os.O_CREAT, 0o600)
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except OSError:
-            try:  # another mux holds the lock: if it answers, it serves the socket
-                _connect(path).close()
-                return 0
-            except (OSError, MuxUnavailable):
-                pass
-            if time.monotonic() > deadline:
-                return 1
-            time.sleep(0.05)
-    try:
-        path.unlink()  # stale: its mux is gone (we hold the lock)
-    except FileNotFoundError:
-        pass
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    listener.listen(64)
-    inode = os.stat(path).st_ino
-    server = _Server(host, options)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop.set())
-    try:
-        server.run(listener)
-    finally:
-        try:
-            if os.stat(path).st_ino == inode:
-                path.unlink()
-        except OSError:
-            pass
-        listener.close()
-        server.shutdown()
-        os.close(lock_fd)
-    return 0
-
-
-class _Server:
-    def __init__(self, host: HostSpec, options: "SshOptions | None"):
-        from .ssh import SshTransport
-
-        server = self
-
-        class _Counting(SshTransport):
-            def _connect_once(self):  # type: ignore[no-untyped-def]
-                if server.connects and self._client is None:
-                    raise _Dying()  # never reconnect the main connection: a new mux takes over
-                client = super()._connect_once()
-                with server.lock:  # overflow connections are made beside the main one
-                    server.connects += 1
-                return client
-
-        self.host = host
-        self.transport = _Counting(host, options)
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.active = 0
-        self.last = time.monotonic()
-        self.connects = 0
-        self.channels = 0
-        self.threads: list[threading.Thread] = []
-
-    def alive(self) -> bool:
-        """Whether the SSH connection is up (True before the first connect, False once it has dropped)."""
-        client = self.transport._client
-        if client is None:
-            return not self.connects
-        t = client.get_transport()
-        return t is not None and t.is_active()
-
-    def run(self, listener: socket.socket) -> None:
-        """Accept same-user clients, one thread each, until stopped, idle past persist, or the SSH link is down."""
-        listener.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                self.transport.trim()  # overflow connections live only as long as their commands
-                with self.lock:
-                    idle = self.active == 0 and time.monotonic() - self.last > self.host.persist
-                if idle or not self.alive():
-                    break
-                continue
-            except OSError:
-                break
-            try:
-                if _peer_uid(conn) != os.getuid():
-                    conn.close()
-                    continue
-            except OSError:
-                conn.close()
-                continue
-            conn.settimeout(None)
-            with self.lock:
-                self.active += 1
-                self.last = time.monotonic()
-            thread = threading.Thread(target=self.handle, args=(conn,), daemon=True)
-            self.threads = [t for t in self.threads if t.is_alive()] + [thread]
-            thread.start()
-
-    def shutdown(self) -> None:
-        """Stop serving, close the SSH connection (open channels fail) and give handler threads 2 s each."""
-        self.stop.set()
-        try:
-            self.transport.close()  # open channels fail: their clients hear "connection lost"
-        except Exception:  # noqa: BLE001
-            pass
-        for t in self.threads:
-            t.join(2)
-
-    def stats(self) -> bytes:
-        """The mux's pid, host, connect and channel counts, other clients active, overflow connections
-        open and persist, as JSON."""
-        overflow = self.transport.trim()
-        with self.lock:
-            data = {"pid": os.getpid(), "host": self.host.name, "connects": self.connects, "channels": self.channels,
-                    "active": self.active - 1, "overflow": overflow, "persist": self.host.persist}  # fmt: skip
-        return json.dumps(data).encode()
-
-    def handle(self, conn: socket.socket) -> None:
-        """Serve one client connection (a stats query, a stop request or a command), then close it."""
-        try:
-            frame = _recv(conn)
-            if frame is None:
-                return
-            kind, payload = frame
-            if kind == STATS:
-                _send(conn, INFO, self.stats())
-            elif kind == EXIT:
-                _send(conn, INFO, self.stats())
-                self.stop.set()
-            elif kind == START:
-                self.command(conn, json.loads(payload))
-        except OSError:
-            pass
-        finally:
-            with self.lock:
-                self.active -= 1
-                self.last = time.monotonic()
-            try:
-                conn.close()
-            except OSError:
-                pass
-
-    def command(self, conn: socket.socket, request: dict) -> None:
-        """Run the request's argv over the shared connection, relaying stdin, stdout, stderr and exit code."""
-        if self.stop.is_set():
-            _send(conn, GONE)
-            return
-        try:
-            proc = self.transport.start(request["argv"], env=request.get("env"))
-        except _Dying:
-            self.stop.set()
-            _send(conn, GONE)
-            return
-        except DflashError as exc:
-            if not self.connects:
-                self.stop.set()  # never connected: let the next call start afresh
-            _send(conn, ERROR, json.dumps({"cls": type(exc).__name__, "msg": str(exc)}).encode())
-            return
-        with self.lock:
-            self.channels += 1
-        send_lock = threading.Lock()
-
-        def send(kind: bytes, payload: bytes = b"") -> None:
-            with send_lock:
-                _send(conn, kind, payload)
-
-        send(STARTED)
-        errors: list[BaseException] = []
-
-        def pump(stream, kind: bytes) -> None:  # type: ignore[no-untyped-def]
-            try:
-                while data := stream.read1(CHUNK):
-                    send(kind, data)
-            except OSError:
-                proc.kill()  # the client hung up
-            except BaseException as exc:  # noqa: BLE001 - connection lost: wait() reports it
-                errors.append(exc)
-
-        def reader() -> None:
-            broken = False
-            while True:
-                try:
-                    frame = _recv(conn)
-                except OSError:
-                    frame = None
-                if frame is None or frame[0] == KILL:
-                    proc.kill()
-                    return
-                kind, payload = frame
-                if kind == STDIN and not broken:
-                    try:
-                        proc.stdin.write(payload)
-                    except Exception:  # noqa: BLE001 - the command stopped reading
-                        broken = True
-                elif kind == EOF:
-                    try:
-                        proc.stdin.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-
-        pumps = [threading.Thread(target=pump, args=(proc.stdout, STDOUT), daemon=True),
-                 threading.Thread(target=pump, args=(proc.stderr, STDERR), daemon=True)]  # fmt: skip
-        for t in pumps:
-            t.start()
-        threading.Thread(target=reader, daemon=True).start()
-        for t in pumps:
-            t.join()
-        try:
-            code = proc.wait()
-        except DflashError as exc:
-            send(ERROR, json.dumps({"cls": type(exc).__name__, "msg": str(exc)}).encode())
-            return
-        except Exception as exc:  # noqa: BLE001
-            send(ERROR, json.dumps({"cls": "ConnectError", "msg": f"connection to {self.host.name} lost ({exc})"}).encode())
-            return
-        send(CODE, struct.pack("!i", code))
-        try:
-            conn.shutdown(socket.SHUT_RDWR)  # wakes the reader
-        except OSError:
-            pass
-
-
-def _main(argv: list[str]) -> int:
-    """`python -m dflashctl.mux CONFIG_JSON`: detach (second fork, new session) and serve."""
-    config = json.loads(argv[0])
-    if os.fork() > 0:
-        os._exit(0)
-    try:
-        os.setsid()
-    except OSError:
-        pass
-    host = HostSpec(transport="ssh", **config["host"])
-    options = None
-    if config.get("options"):
-        from .ssh import SshOptions
-
-        opts = dict(config["options"])
-        opts["home"] = Path(opts["home"]) if opts.get("home") else None
-        options = SshOptions(**opts)
-    try:
-        code = serve(host, options, Path(config["path"]))
-    except Exception:  # noqa: BLE001 - nobody to tell: clients fall back to direct
-        code = 1
-    os._exit(code)  # cleaned up already; interpreter shutdown would wait on paramiko's threads
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

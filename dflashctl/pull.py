@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Callable, NoReturn
 
-from .containers import Dialogue, Target, remote_script
+from .agent import AgentMissing, agent_argv, is_missing, with_agent
+from .containers import Dialogue, Target
 from .errors import ConnectError, RemoteError, UsageError
-from .remote.runctl import CHECKPOINT_CHOICES
+from .remote.wire import CHECKPOINT_CHOICES
 from .runs import answer_error
 from .transport import CHUNK
 
@@ -44,10 +45,9 @@ def pull_run(target: Target, selector: str | None, dest: Path | None, checkpoint
     if dest is not None:  # known before asking the host: refuse at once
         _refuse_existing(dest)
     started = time.monotonic()
-    argv = [target.host.interpreter, "-S", "-c", remote_script("runctl"), "pack", target.host.workdir,
-            selector or "", checkpoints]
-    with _Pack(target, argv) as pack:
-        header = pack.header()
+    args = ["pack", target.host.workdir, selector or "", checkpoints]
+    pack, header = with_agent(target, lambda: _Pack.open(target, agent_argv(target, "runctl", args, ["-S"])))
+    with pack:
         if dest is None:
             dest = Path.cwd() / header["run_id"]
             _refuse_existing(dest)
@@ -79,6 +79,16 @@ class _Pack:
     def __init__(self, target: Target, argv: list[str]):
         self.target = target
         self.dialogue = Dialogue(target, argv)
+
+    @classmethod
+    def open(cls, target: Target, argv: list[str]) -> tuple["_Pack", dict]:
+        """Start `runctl pack` and read its header (the process is stopped if that fails)."""
+        pack = cls(target, argv)
+        try:
+            return pack, pack.header()
+        except BaseException as exc:
+            pack.__exit__(type(exc))
+            raise
 
     def __enter__(self) -> "_Pack":
         return self
@@ -133,4 +143,6 @@ class _Pack:
 
     def _fail(self) -> NoReturn:
         result = self.dialogue.ended()
+        if is_missing(result.exit_code, result.stderr):
+            raise AgentMissing()
         raise RemoteError(f"{self.target.label}: runs pull failed (exit {result.exit_code}): {result.err_line()}")

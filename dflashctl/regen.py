@@ -9,9 +9,11 @@ from typing import Any
 
 from .containers import Target
 from .data import check_name, list_data
+from .devices import CPU, parse_gpus
 from .errors import UsageError
 from .payload import default_source
-from .runs import CPU, RUN_DIR_TOKEN, WORKDIR_TOKEN, StartedRun, launch
+from .remote.wire import RUN_DIR_TOKEN, WORKDIR_TOKEN
+from .runs import StartedRun, launch
 from .trainer_config import check_config
 
 REGEN_MODULE = "dflash_train.regen"
@@ -75,10 +77,7 @@ def check_request(req: RegenRequest) -> None:
         raise UsageError("--endpoint and --model are for --engine openai")
     else:  # --preset and --set, by the trainer's own config code in the payload about to be pushed
         check_config(default_source(), None, req.preset, req.overrides)
-    if req.gpus is not None and req.gpus.strip().lower() != CPU:
-        items = [t.strip() for t in req.gpus.split(",")]
-        if not all(t.isdigit() for t in items) or len(set(items)) != len(items):
-            raise UsageError(f"--gpus must be distinct GPU indices like 0,1 (or cpu), got {req.gpus!r}")
+    parse_gpus(req.gpus)  # a UsageError for a bad --gpus, before anything is pushed
 
 
 def regen_argv(interpreter: str, req: RegenRequest, prompts: str, out: str, gpus: str) -> list[str]:
@@ -129,7 +128,7 @@ def start_regen(target: Target, req: RegenRequest, prompts: str, out: str, *, na
     """Start the run (pre-flight in the container, GPU check, detached start under the runs lock)
     reading data/`prompts` and writing data/`out` (names from `datasets_for`)."""
     host = target.host
-    gpus = req.gpus or (",".join(str(g) for g in host.gpus) if host.gpus else "auto")
+    gpus = parse_gpus(req.gpus, host.gpus).text()
     spec: dict[str, Any] = {
         "argv": regen_argv(host.interpreter, req, prompts, out, gpus),
         "kind": "data",

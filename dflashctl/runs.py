@@ -1,6 +1,6 @@
 """Training runs on a host: start them detached, list, show and stop them.
 
-The remote half is `dflashctl/remote/runctl.py`; this module builds its requests, turns its
+The remote half is the runctl package (`dflashctl/remote/runctl/`, installed by agent.py); this module builds its requests, turns its
 answers into results or exceptions, and renders them. Layout, states and exit codes:
 docs/runs.md.
 """
@@ -16,24 +16,23 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .agent import run_agent
 from .containers import Target
+from .devices import GpuChoice
 from .errors import ConflictError, ContainerError, Interrupted, NotFoundError, RemoteError, UsageError
 from .guard import InterruptedAfter
 from .inventory import HostSpec
 from .plot import series
+from .remote.wire import RUN_DIR_TOKEN, START_ANSWER_S, WORKDIR_TOKEN
 from .tables import Column, show
 from .transport import Completed
 
 TRAINER_MODULE = "dflash_train"
-RUN_DIR_TOKEN = "{run_dir}"  # replaced by runctl with the run's absolute directory
-WORKDIR_TOKEN = "{workdir}"  # replaced by runctl with the workdir, ~ expanded in the container
 COMPILE_CACHE = f"{WORKDIR_TOKEN}/cache/compile"  # Inductor/Triton caches kept between runs on the host
 CONFIG_NAME = "config.input.yaml"  # the --config file as given, copied into the run directory
-CPU = "cpu"  # the "GPU" a run on a host without GPUs holds, so two such runs still conflict
 
 # Exit codes of `train --follow` and `logs tail -f` for how the run ended (see docs/runs.md).
 # They sit above errors.py's 1-6 so a script can tell "the run failed" from "dflashctl failed".
-PREFLIGHT_TIMEOUT_S = 330  # runctl gives the trainer's pre-flight 300 s (CUDA start-up on every GPU)
 STATE_EXIT = {"succeeded": 0, "failed": 100, "stopped": 101, "lost": 102}
 EXIT_DETACHED = 130  # Ctrl-C while following: the run goes on
 STATE_STYLE = {"queued": "blue", "running": "cyan", "succeeded": "green", "failed": "red", "stopped": "yellow", "lost": "magenta"}
@@ -46,12 +45,12 @@ class StartedRun:
     run_id: str
     run_dir: str
     pid: int | None
-    gpus: list[str]  # what the run holds: the GPUs the trainer resolved (all of them for run.device auto), or cpu
+    gpus: list[str]  # what the run holds, as its pre-flight said: GPU indices, ["cpu"], or [] (nothing: a remote engine)
     queued_behind: list[str] | None = None  # --queue: the runs it waits for (None: it started)
 
 
 def trainer_argv(
-    host: HostSpec, run_dir: str, config_path: str | None, overrides: Sequence[str], gpus: Sequence[str],
+    host: HostSpec, run_dir: str, config_path: str | None, overrides: Sequence[str], gpus: GpuChoice,
     preset: str | None = None,
 ) -> list[str]:
     """The trainer's command line: the one place to change when the trainer's interface changes."""
@@ -65,16 +64,11 @@ def trainer_argv(
     return argv
 
 
-def trainer_sets(run_dir: str, gpus: Sequence[str], overrides: Sequence[str]) -> list[str]:
-    """The trainer's `--set` items: dflashctl's own (run directory, caches, devices), then the
-    user's overrides, which come last and so win."""
+def trainer_sets(run_dir: str, gpus: GpuChoice, overrides: Sequence[str]) -> list[str]:
+    """The trainer's `--set` items: dflashctl's own (run directory, caches, the device choice), then
+    the user's overrides, which come last and so win."""
     sets = [f"run.output_dir={run_dir}", f"run.compile_cache_dir={COMPILE_CACHE}", f"data.dir={WORKDIR_TOKEN}/data"]
-    numeric = [g for g in gpus if g != CPU]
-    if len(numeric) == 1:
-        sets.append(f"run.device=cuda:{numeric[0]}")
-    elif numeric:
-        sets.append(f"run.gpus=[{','.join(numeric)}]")
-    return [*sets, *overrides]
+    return [*sets, *gpus.trainer_sets(), *overrides]
 
 
 def restart_policy(max_restarts: int, restart_on: str | None, delay_s: float) -> dict[str, Any] | None:
@@ -94,22 +88,8 @@ def restart_policy(max_restarts: int, restart_on: str | None, delay_s: float) ->
     return {"max": max_restarts, "on": codes, "delay_s": delay_s}
 
 
-def parse_gpus(text: str | None, host: HostSpec) -> list[str]:
-    """`--gpus 0,1` (else the host's gpus, else `cpu`) as the list of GPU names a run holds."""
-    if text is None:
-        return [str(g) for g in host.gpus] or [CPU]
-    items = [t.strip() for t in text.split(",")]
-    if text.strip().lower() == CPU:
-        return [CPU]
-    if not all(t.isdigit() for t in items):
-        raise UsageError(f"--gpus must be GPU indices like 0,1 (or cpu), got {text!r}")
-    if len(set(items)) != len(items):
-        raise UsageError(f"--gpus lists an index twice: {text!r}")
-    return [str(int(t)) for t in items]
-
-
 def check_trainer_config(source: Path | None, config_file: Path | None, preset: str | None,
-                         overrides: Sequence[str], gpus: Sequence[str]) -> dict[str, Any] | None:
+                         overrides: Sequence[str], gpus: GpuChoice) -> dict[str, Any] | None:
     """The run's config as the trainer's own code in the payload about to be pushed (`source`,
     else the shipped one) resolves it, with `{run_dir}` and `{workdir}` still unfilled; a bad
     --preset, --config or --set is a UsageError here, before anything is pushed. None: that
@@ -123,7 +103,7 @@ def check_trainer_config(source: Path | None, config_file: Path | None, preset: 
 def start_run(
     target: Target,
     *,
-    gpus: Sequence[str],
+    gpus: GpuChoice,
     config_file: Path | None = None,
     overrides: Sequence[str] = (),
     name: str | None = None,
@@ -158,7 +138,7 @@ def start_run(
         "config_text": config_file.read_text(encoding="utf-8") if config_file else None,
         "overrides": list(overrides),
         "payload_hash": payload_hash,
-        "gpus": list(gpus),
+        "gpus": gpus.names(),  # what it holds unless its pre-flight says otherwise
         "force": force,
         "env": env or {},
     }
@@ -179,7 +159,7 @@ def start_run(
 def launch(target: Target, spec: dict[str, Any]) -> StartedRun:
     """`runctl start` with a run's spec (argv, cwd, kind, gpus, ...; see start_run): pre-flight,
     GPU check and start under the remote lock."""
-    answer = call(target, "start", [target.host.workdir], stdin=json.dumps(spec).encode(), timeout=PREFLIGHT_TIMEOUT_S,
+    answer = call(target, "start", [target.host.workdir], stdin=json.dumps(spec).encode(), timeout=START_ANSWER_S,
                   settle=True)
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus", list(spec["gpus"])),
                       answer.get("queued_behind"))
@@ -193,7 +173,7 @@ def resume_run(target: Target, selector: str, *, payload_hash: str | None, force
     spec = {"cwd": f"{target.host.workdir}/payload", "payload_hash": payload_hash, "force": force,
             "env": env or None, "preflight": True, "kind": kind}
     answer = call(target, "resume", [target.host.workdir, selector], stdin=json.dumps(spec).encode(),
-                  timeout=PREFLIGHT_TIMEOUT_S, settle=True)
+                  timeout=START_ANSWER_S, settle=True)
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or [])
 
 
@@ -252,9 +232,11 @@ def call(target: Target, command: str, args: Sequence[str], *, stdin: bytes | No
     settle (a start): Ctrl-C reaches runctl as SIGINT, which undoes the start or, past its last
     point, completes it; Interrupted then says which (guard.py)."""
     try:
-        result = target.python_checked("runctl", [command, *args], stdin=stdin, timeout=timeout, settle=settle)
+        result = run_agent(target, "runctl", [command, *args], stdin=stdin, timeout=timeout, settle=settle)
     except InterruptedAfter as exc:
         raise Interrupted(_interrupted_start(target, exc.result)) from None
+    if not result.ok:
+        raise RemoteError(f"{target.label}: {result.err_line()}")
     lines = result.text().strip().splitlines()
     try:
         answer = json.loads(lines[-1])

@@ -115,37 +115,10 @@ class Transport(abc.ABC):
         proc = self.start(argv, env=env)
         out, err = bytearray(), bytearray()
         errors: list[BaseException] = []
-
-        def pump(stream: IO[bytes], sink: Sink | None, buf: bytearray, tail: int = 0) -> None:
-            try:
-                while chunk := stream.read1(CHUNK):
-                    if sink is None:
-                        buf.extend(chunk)
-                        continue
-                    sink(chunk)
-                    if tail:  # keep the end of streamed stderr for error messages
-                        buf.extend(chunk)
-                        del buf[:-tail]
-            except BaseException as exc:  # surfaced to the caller below
-                errors.append(exc)
-                # Nobody drains this stream any more (a sink failed: say our stdout was closed), so
-                # the command would block on a full pipe and wait() below would never return.
-                proc.kill()
-
-        def feed() -> None:
-            try:
-                _write_stdin(proc.stdin, stdin)
-            except (BrokenPipeError, OSError, EOFError) as exc:
-                # The command may exit before reading all input; its exit code tells the story.
-                if not _is_closed_pipe(exc):
-                    errors.append(exc)
-            except BaseException as exc:
-                errors.append(exc)
-
         threads = [
-            threading.Thread(target=pump, args=(proc.stdout, on_stdout, out), daemon=True),
-            threading.Thread(target=pump, args=(proc.stderr, on_stderr, err, STDERR_TAIL), daemon=True),
-            threading.Thread(target=feed, daemon=True),
+            threading.Thread(target=_pump, args=(proc, proc.stdout, on_stdout, out, 0, errors), daemon=True),
+            threading.Thread(target=_pump, args=(proc, proc.stderr, on_stderr, err, STDERR_TAIL, errors), daemon=True),
+            threading.Thread(target=_feed, args=(proc, stdin, errors), daemon=True),
         ]
         for t in threads:
             t.start()
@@ -163,6 +136,38 @@ class Transport(abc.ABC):
             exc = errors[0]
             raise exc
         return Completed(list(argv), code, bytes(out), bytes(err))
+
+
+def _pump(proc: Process, stream: IO[bytes], sink: Sink | None, buf: bytearray, tail: int,
+          errors: list[BaseException]) -> None:
+    """Move a command's output to sink (keeping its last `tail` bytes in buf), else into buf;
+    a failure goes to errors, surfaced to the caller of run."""
+    try:
+        while chunk := stream.read1(CHUNK):
+            if sink is None:
+                buf.extend(chunk)
+                continue
+            sink(chunk)
+            if tail:  # keep the end of streamed stderr for error messages
+                buf.extend(chunk)
+                del buf[:-tail]
+    except BaseException as exc:
+        errors.append(exc)
+        # Nobody drains this stream any more (a sink failed: say our stdout was closed), so the
+        # command would block on a full pipe and run's wait() would never return.
+        proc.kill()
+
+
+def _feed(proc: Process, stdin: StdinSource, errors: list[BaseException]) -> None:
+    """Write stdin to the command and close it; a failure other than a closed pipe goes to errors."""
+    try:
+        _write_stdin(proc.stdin, stdin)
+    except (BrokenPipeError, OSError, EOFError) as exc:
+        # The command may exit before reading all input; its exit code tells the story.
+        if not _is_closed_pipe(exc):
+            errors.append(exc)
+    except BaseException as exc:
+        errors.append(exc)
 
 
 def env_argv(argv: Sequence[str], env: dict[str, str] | None) -> list[str]:

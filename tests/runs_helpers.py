@@ -55,7 +55,8 @@ def readers(workdir: Path) -> list[int]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if len(args) > 4 and args[1] == b"-c" and args[3] == b"read" and args[4] == os.fsencode(str(workdir)):
+        # python -c LAUNCHER AGENT_ROOT runctl read WORKDIR ... (dflashctl/agent.py)
+        if args[1:2] == [b"-c"] and args[4:7] == [b"runctl", b"read", os.fsencode(str(workdir))]:
             found.append(int(entry.name))
     return found
 

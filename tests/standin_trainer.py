@@ -12,12 +12,15 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
   standin.fail_once      true: fail at standin.fail_at only the first time (a marker file in run.output_dir)
   standin.checkpoint_every  write a fake checkpoint every N steps (default: only on SIGTERM)
   standin.preflight_error  --preflight answers this config error (exit 2), as the trainer does
+  standin.preflight_v1  true: --preflight answers as a trainer from before the run plan did (a `gpus` key)
   standin.preflight_signal  --preflight sends this signal (INT, TERM) to its parent, runctl start, as a
                         Ctrl-C during a slow pre-flight would, then hangs until it is killed
   standin.preflight_signal_client  the same, but to the client above runctl start (local transport; the
                         exec guard that runs runctl is passed over)
-  standin.preflight_signal_cli  the same, to the dflashctl CLI process whose command line holds this very
-                        setting (found in /proc: over SSH the client is no ancestor; the test's sshd runs here)
+  standin.preflight_signal_cli  the same, to the dflashctl CLI process whose command line holds this
+                        setting and standin.tag (found in /proc: over SSH the client is no ancestor; the
+                        test's sshd runs here)
+  standin.tag           any text; with one unique to the test, the *_signal_cli keys reach its CLI alone
   standin.start_signal_cli  the same, from a child of the trainer once the CLI follows the run's log
                         (a reader of this run exists), and the trainer trains on
   standin.hold_at       after that step, wait until run.output_dir/standin-release exists (or SIGTERM
@@ -25,8 +28,9 @@ Installed by the tests as `<workdir>/payload/dflash_train/__main__.py`, so `pyth
   standin.helper        true: start a helper process in the trainer's process group (as the compiler
                         runs ptxas) that logs any SIGTERM it gets; after its own SIGTERM the stand-in
                         then waits 0.5 s before it checkpoints, as a trainer does while a compile ends
---preflight prints the trainer's one-line JSON answer ({"ok": true, "devices": [...], "gpus": [...]},
-the GPUs from run.gpus or run.device=cuda:N as the trainer resolves them);
+  standin.visible_gpus  how many GPUs the stand-in's pre-flight pretends to see (default 0): a host with GPUs
+--preflight prints the trainer's one-line JSON answer ({"ok": true, "holds": [...], "pin": [...], ...}:
+what the run holds from run.gpus, run.device=cuda:N or cpu, else every visible GPU, pinned by `pin`);
 --resume starts after the newest fake checkpoint.
 """
 
@@ -80,11 +84,13 @@ def cmdline(pid):
 
 
 def signal_cli(opts, key):
-    """Send the signal named by setting `key` to the dflashctl CLI whose command line holds `key=VALUE`."""
-    setting = ("%s=%s" % (key, opts[key])).encode()
+    """Send the signal named by setting `key` to the dflashctl CLI whose command line holds `key=VALUE`
+    and this trainer's `standin.tag`: with a tag unique to the test, that CLI alone (not the same
+    test's CLI in another suite running on this machine)."""
+    settings = [("%s=%s" % (k, opts[k])).encode() for k in (key, "standin.tag") if k in opts]
     for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
         words = cmdline(pid).split(b"\0")
-        if setting in words and any(b"dflashctl.cli" in w for w in words):
+        if all(s in words for s in settings) and any(b"dflashctl.cli" in w for w in words):
             os.kill(pid, getattr(signal, "SIG" + opts[key]))
 
 
@@ -122,9 +128,13 @@ def main():
         if opts.get("standin.preflight_signal_cli"):
             signal_cli(opts, "standin.preflight_signal_cli")
             time.sleep(3600)
-        gpus = preflight_gpus(opts)
-        devices = ["cuda:%d" % g for g in gpus] or ["cpu"]
-        print(json.dumps({"ok": True, "devices": devices, "gpus": gpus, "summary": ["standin"]}), flush=True)
+        if opts.get("standin.preflight_v1"):  # what a trainer from before the run plan answered
+            print(json.dumps({"ok": True, "devices": ["cpu"], "gpus": [], "summary": ["standin"]}), flush=True)
+            return 0
+        holds, pin = preflight_holds(opts)
+        devices = ["cuda:%s" % g for g in holds if g != "cpu"] or ["cpu"]
+        print(json.dumps({"ok": True, "holds": holds, "pin": pin, "devices": devices, "summary": ["standin"],
+                          "plan": {}}), flush=True)
         return 0
     if opts.get("standin.start_signal_cli"):
         signal_cli_once_followed(opts, "standin.start_signal_cli")
@@ -190,12 +200,18 @@ def flag(opts, key):
     return opts.get(key, "false").lower() in ("1", "true", "yes")
 
 
-def preflight_gpus(opts):
-    """The GPUs the real trainer resolves from run.gpus / run.device=cuda:N (no CUDA here: none else)."""
+def preflight_holds(opts):
+    """(what the run holds, the argv that pins it) as the real trainer's plan has them: run.gpus,
+    run.device=cuda:N or cpu as set, else every visible GPU (standin.visible_gpus), else the CPU."""
     if opts.get("run.gpus"):
-        return [int(g) for g in opts["run.gpus"].strip("[]").split(",") if g.strip()]
-    device = opts.get("run.device", "")
-    return [int(device.split(":")[1])] if device.startswith("cuda:") else []
+        return [str(int(g)) for g in opts["run.gpus"].strip("[]").split(",") if g.strip()], []
+    device = opts.get("run.device", "auto")
+    if device.startswith("cuda:"):
+        return [str(int(device.split(":")[1]))], []
+    visible = [str(g) for g in range(int(opts.get("standin.visible_gpus", "0")))]
+    if device == "auto" and visible:
+        return visible, ["--set", "run.gpus=[%s]" % ",".join(visible)]
+    return ["cpu"], []
 
 
 def latest_checkpoint(out):

@@ -14,7 +14,7 @@ from runs_helpers import install_standin
 from sshd import SHIM_VMID
 
 from dflashctl.cli import main
-from dflashctl.remote import runctl
+from dflashctl.remote.runctl import state as runctl
 from dflashctl.runs import metrics_summary
 
 

@@ -14,7 +14,8 @@ import pytest
 from runs_helpers import install_standin, local_session
 
 from dflashctl.errors import Interrupted, RemoteError
-from dflashctl.runs import CPU, list_runs, start_run, stop_run
+from dflashctl.devices import CPU, GpuChoice
+from dflashctl.runs import list_runs, start_run, stop_run
 
 
 def preflights_left(marker: str, workdir: Path) -> list[int]:
@@ -39,10 +40,10 @@ def test_a_signal_during_the_preflight_leaves_no_run_and_no_process(tmp_path, si
     with local_session(workdir) as session:
         target = session.target(None)
         with pytest.raises(RemoteError, match="interrupted .*nothing was started"):
-            start_run(target, gpus=[CPU], overrides=[marker])
+            start_run(target, gpus=GpuChoice(cpu=True), overrides=[marker])
         assert list((workdir / "runs").iterdir()) == [workdir / "runs" / ".lock"]
         assert preflights_left(marker, workdir) == []  # runctl killed the pre-flight it was waiting for
-        run = start_run(target, gpus=[CPU], overrides=["run.steps=1"])  # the GPUs (here: cpu) are free
+        run = start_run(target, gpus=GpuChoice(cpu=True), overrides=["run.steps=1"])  # the GPUs (here: cpu) are free
         assert [r["run_id"] for r in list_runs(target)] == [run.run_id]
 
 
@@ -63,7 +64,7 @@ def test_a_start_killed_after_run_json_is_a_lost_run_that_holds_nothing(tmp_path
         target = session.target(None)
         listed = {r["run_id"]: r["state"] for r in list_runs(target)}
         assert listed == {killed.name: "lost"}  # visible, and not `running` (a young start would be)
-        run = start_run(target, gpus=[CPU], overrides=["run.steps=100000"])  # not refused: lost holds no GPU
+        run = start_run(target, gpus=GpuChoice(cpu=True), overrides=["run.steps=100000"])  # not refused: lost holds no GPU
         try:
             assert not unborn.exists()  # the next start cleared what the killed one left
         finally:
@@ -85,7 +86,7 @@ def test_ctrl_c_in_the_client_during_a_local_start_leaves_nothing(tmp_path):
     try:
         with local_session(workdir) as session:
             with pytest.raises(Interrupted):
-                start_run(session.target(None), gpus=[CPU], overrides=[marker])
+                start_run(session.target(None), gpus=GpuChoice(cpu=True), overrides=[marker])
     finally:
         signal.signal(signal.SIGINT, before)
     assert list((workdir / "runs").iterdir()) == [workdir / "runs" / ".lock"]

@@ -33,10 +33,11 @@ def runs_in(workdir) -> list[str]:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("where", ["shim", "p", "loc"])
-def test_ctrl_c_during_the_preflight_leaves_nothing_and_says_so(train, where):
+def test_ctrl_c_during_the_preflight_leaves_nothing_and_says_so(train, where, tmp_path):
     workdir, cli = train
+    tag = f"standin.tag={tmp_path}"  # the stand-in signals this test's CLI, not another suite's
     marker = "standin.preflight_signal_cli=INT"
-    res = cli("train", where, "--no-push", "--detach", "--set", marker)
+    res = cli("train", where, "--no-push", "--detach", "--set", marker, "--set", tag)
     assert res.returncode == 130 and res.stderr == "error: interrupted; nothing was started\n", res.stderr
     assert runs_in(workdir) == [] and preflights_left(marker, workdir) == []
     started = cli("train", where, "--no-push", "--detach", "--set", "run.steps=1")  # nothing holds the cpu
@@ -45,12 +46,13 @@ def test_ctrl_c_during_the_preflight_leaves_nothing_and_says_so(train, where):
 
 
 @pytest.mark.parametrize("where", ["shim", "p", "loc"])
-def test_ctrl_c_once_the_run_exists_names_it_and_how_to_stop_it(train, where):
+def test_ctrl_c_once_the_run_exists_names_it_and_how_to_stop_it(train, where, tmp_path):
     """The Ctrl-C comes once the CLI follows the started run's log: the one line names the run,
     which goes on and is stopped by the command it gives."""
     workdir, cli = train
+    tag = f"standin.tag={tmp_path}"  # the stand-in signals this test's CLI, not another suite's
     res = cli("train", where, "--no-push", "--follow", "--set", "standin.start_signal_cli=INT",
-              "--set", "run.steps=100000")
+              "--set", "run.steps=100000", "--set", tag)
     [run_id] = runs_in(workdir)
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 130, res.stderr

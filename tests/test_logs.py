@@ -17,8 +17,9 @@ from sshd import CLI, SHIM_VMID
 
 from rich.console import Console
 
+from dflashctl.devices import GpuChoice
 from dflashctl.logs import Cursor, LogView, Reconnect, parse_frames, progress_text, read_log
-from dflashctl.remote.runctl import marker
+from dflashctl.remote.runctl.common import marker
 from dflashctl.runs import start_run
 
 FAST = Reconnect(delays=(0.05, 0.1, 0.2), max_delay=0.5, give_up_s=30, stall_s=5)
@@ -127,7 +128,7 @@ def test_follow_survives_killed_ssh_connections_exactly(shim_host):
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
     with shim_host.session() as session:
-        run = start_run(session.target("shim"), gpus=["0"], overrides=[
+        run = start_run(session.target("shim"), gpus=GpuChoice((0,)), overrides=[
             "run.steps=40", "standin.step_time=0.05", "standin.lines=40"])
         got = bytearray()
         kills: list[int] = []
@@ -149,7 +150,7 @@ def test_no_reader_left_when_following_client_is_killed(shim_host):
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
     with shim_host.session() as session:
-        run = start_run(session.target("shim"), gpus=["0"], overrides=["run.steps=100000", "standin.step_time=0.2"])
+        run = start_run(session.target("shim"), gpus=GpuChoice((0,)), overrides=["run.steps=100000", "standin.step_time=0.2"])
     client = subprocess.Popen([*CLI, "logs", "tail", "shim", run.run_id, "-f"], env=shim_host.env,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:

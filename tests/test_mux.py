@@ -42,7 +42,7 @@ def _mux_pids(runtime: Path) -> list[int]:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"dflashctl.mux" in cmd and any(str(runtime).encode() in part for part in cmd):
+        if b"dflashctl.mux_server" in cmd and any(str(runtime).encode() in part for part in cmd):
             pids.append(int(entry.name))
     return pids
 

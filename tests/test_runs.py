@@ -19,16 +19,15 @@ import pytest
 from runs_helpers import install_standin, local_session, meta, readers, run_dir, wait_until
 from sshd import CLI, SHIM_VMID
 
+from dflashctl.devices import CPU, GpuChoice, parse_gpus
 from dflashctl.errors import ConflictError, NotFoundError, UsageError
 from dflashctl.inventory import HostSpec
 from dflashctl.runs import (
     COMPILE_CACHE,
-    CPU,
     RUN_DIR_TOKEN,
     list_runs,
     resume_run,
     check_trainer_config,
-    parse_gpus,
     show_run,
     start_run,
     stop_run,
@@ -72,40 +71,41 @@ def state(session, run_id: str) -> str:
 
 def test_trainer_argv_places_gpus_and_output_dir_before_user_overrides():
     host = HostSpec(name="h", python="/venv/bin/python")
-    argv = trainer_argv(host, "/w/runs/r1", "/w/runs/r1/c.yaml", ["run.steps=3"], ["0", "2"], preset="qwen3-8b")
+    argv = trainer_argv(host, "/w/runs/r1", "/w/runs/r1/c.yaml", ["run.steps=3"], GpuChoice((0, 2)), preset="qwen3-8b")
     assert argv == ["/venv/bin/python", "-m", "dflash_train", "--preset", "qwen3-8b", "--config", "/w/runs/r1/c.yaml",
                     "--set", "run.output_dir=/w/runs/r1", "--set", f"run.compile_cache_dir={COMPILE_CACHE}",
                     "--set", "data.dir={workdir}/data", "--set", "run.gpus=[0,2]", "--set", "run.steps=3"]
-    assert "--set" in trainer_argv(host, RUN_DIR_TOKEN, None, [], ["1"]) and "run.device=cuda:1" in trainer_argv(
-        host, RUN_DIR_TOKEN, None, [], ["1"])
-    assert not any("device" in a or "gpus" in a for a in trainer_argv(host, RUN_DIR_TOKEN, None, [], [CPU]))
+    assert "run.device=cuda:1" in trainer_argv(host, RUN_DIR_TOKEN, None, [], GpuChoice((1,)))
+    # No choice: the trainer's own resolution decides; `--gpus cpu` says so (it trained on every GPU).
+    assert not any("device" in a or "gpus" in a for a in trainer_argv(host, RUN_DIR_TOKEN, None, [], GpuChoice()))
+    assert "run.device=cpu" in trainer_argv(host, RUN_DIR_TOKEN, None, [], parse_gpus("cpu", (0, 1)))
 
 
 def test_parse_gpus(tmp_path):
-    host = HostSpec(name="h", gpus=(0, 1))
-    assert parse_gpus(None, host) == ["0", "1"]
-    assert parse_gpus(None, HostSpec(name="l", transport="local")) == [CPU]
-    assert parse_gpus("3, 1", host) == ["3", "1"]
-    for bad in ("0,0", "a", "1,"):
+    assert parse_gpus(None, (0, 1)) == GpuChoice((0, 1)) and parse_gpus(None, (0, 1)).text() == "0,1"
+    assert parse_gpus(None).auto and parse_gpus(None).names() == [CPU] and parse_gpus(None).text() == "auto"
+    assert parse_gpus("3, 1", (0, 1)).names() == ["3", "1"]
+    assert parse_gpus(" CPU", (0, 1)) == GpuChoice(cpu=True) and parse_gpus("cpu").text() == CPU
+    for bad in ("0,0", "a", "1,", "0,00"):
         with pytest.raises(UsageError):
-            parse_gpus(bad, host)
+            parse_gpus(bad, (0, 1))
 
 
 def test_the_trainers_own_config_code_checks_the_options(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("run: {steps: 5}\n")
-    checked = check_trainer_config(None, cfg, "tiny", ["optim.lr=0.001", "run.export_dir={run_dir}/export"], ["1"])
+    checked = check_trainer_config(None, cfg, "tiny", ["optim.lr=0.001", "run.export_dir={run_dir}/export"], GpuChoice((1,)))
     assert checked is not None and checked["run"]["steps"] == 5 and checked["optim"]["lr"] == 1e-3
     assert (checked["run"]["export_dir"], checked["run"]["output_dir"]) == ("{run_dir}/export", RUN_DIR_TOKEN)
     assert checked["run"]["device"] == "cuda:1"  # dflashctl's own --set items are checked with the user's
     for bad, message in (("novalue", "not of the form key=value"), ("run.steps=[", "run.steps: the value '['"),
                          ("run.stpes=3", "unknown config key 'run.stpes'")):
         with pytest.raises(UsageError, match=rf"^trainer config: .*{re.escape(message)}"):
-            check_trainer_config(None, None, None, [bad], [CPU])
+            check_trainer_config(None, None, None, [bad], GpuChoice())
     with pytest.raises(UsageError, match="^trainer config: unknown preset 'huge'"):
-        check_trainer_config(None, None, "huge", [], [CPU])
+        check_trainer_config(None, None, "huge", [], GpuChoice())
     # A payload without the trainer's config code (another trainer): its pre-flight decides.
-    assert check_trainer_config(install_standin(tmp_path / "standin"), None, None, ["standin.x=1"], [CPU]) is None
+    assert check_trainer_config(install_standin(tmp_path / "standin"), None, None, ["standin.x=1"], GpuChoice()) is None
 
 
 def test_a_typo_in_set_fails_before_the_push_and_the_host_keeps_its_payload(shim_host, tmp_path):
@@ -147,6 +147,31 @@ def test_train_follow_pushes_runs_and_stores_hostile_name_literally(shim, tmp_pa
     table = host.run_cli("runs", "list", "shim")
     assert "$(touch" in table.stdout and "[bold]x[/]" in table.stdout
     assert not marker.exists()
+
+
+def test_gpus_cpu_on_a_host_with_gpus_holds_the_cpu_and_tells_the_trainer(shim):
+    # The stand-in's pre-flight pretends to see 2 GPUs; left to itself it takes both and pins them.
+    host, _, workdir = shim
+    ids = {}
+    for flag in ([], ["--gpus", "cpu"]):
+        res = host.run_cli("train", "shim", "--no-push", "--detach", "--force", *flag, "--set", "run.steps=1",
+                           "--set", "standin.visible_gpus=2")
+        assert res.returncode == 0, res.stderr
+        ids[bool(flag)] = res.stdout.strip()
+    auto, cpu = meta(workdir, ids[False]), meta(workdir, ids[True])
+    assert auto["gpus"] == ["0", "1"] and auto["argv"][-2:] == ["--set", "run.gpus=[0,1]"]
+    assert cpu["gpus"] == [CPU] and "run.device=cpu" in cpu["argv"] and "run.gpus=[0,1]" not in cpu["argv"]
+    listed = {r["run_id"]: r["gpus"] for r in json.loads(host.run_cli("runs", "list", "shim", "--json").stdout)}
+    assert listed[ids[True]] == [CPU]
+
+
+def test_a_trainer_from_before_the_run_plan_is_refused_with_the_way_out(shim):
+    # --no-push kept an older trainer in the container: its pre-flight has no `holds` to lock and pin.
+    host, _, workdir = shim
+    res = host.run_cli("train", "shim", "--no-push", "--detach", "--set", "standin.preflight_v1=true")
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.count("\n") == 1 and "predates this dflashctl's run plan: push it" in res.stderr
+    assert not [p for p in (workdir / "runs").iterdir() if p.name != ".lock"]
 
 
 def test_failed_run_exit_codes_and_tail(shim):
@@ -213,7 +238,7 @@ def test_ctrl_c_detaches_and_the_run_goes_on(shim):
 
 def test_stop_sigterm_within_grace_checkpoints(shim):
     _, session, workdir = shim
-    run = start_run(session.target("shim"), gpus=["0"], overrides=LONG)
+    run = start_run(session.target("shim"), gpus=GpuChoice((0,)), overrides=LONG)
     wait_until(lambda: b"step 1/" in (run_dir(workdir, run.run_id) / "train.log").read_bytes(), what="steps")
     info = stop_run(session.target("shim"), run.run_id[:-1], grace=30)
     assert info["state"] == "stopped" and info["exit_code"] == 143
@@ -224,7 +249,7 @@ def test_stop_sigterm_within_grace_checkpoints(shim):
 
 def test_stop_kills_a_trainer_that_ignores_sigterm(shim):
     _, session, workdir = shim
-    run = start_run(session.target("shim"), gpus=["0"], overrides=[*LONG, "standin.ignore_sigterm=true"])
+    run = start_run(session.target("shim"), gpus=GpuChoice((0,)), overrides=[*LONG, "standin.ignore_sigterm=true"])
     wait_until(lambda: b"step 1/" in (run_dir(workdir, run.run_id) / "train.log").read_bytes(), what="steps")
     info = stop_run(session.target("shim"), None, grace=0.5)  # None: the latest run
     assert info["run_id"] == run.run_id and info["state"] == "stopped" and info["exit_code"] == 137
@@ -244,7 +269,7 @@ def test_stop_sigterms_the_trainer_alone_then_kills_its_group(shim, supervisor):
     """The trainer's helpers (the compiler's ptxas) keep running while it checkpoints, and die
     with its process group once it is gone; the same when `runs stop` finds the supervisor dead."""
     _, session, workdir = shim
-    run = start_run(session.target("shim"), gpus=["0"], overrides=[*LONG, "standin.helper=true"])
+    run = start_run(session.target("shim"), gpus=GpuChoice((0,)), overrides=[*LONG, "standin.helper=true"])
     log = run_dir(workdir, run.run_id) / "train.log"
     started = wait_until(lambda: b"step 1/" in log.read_bytes() and re.search(rb"helper pid (\d+)", log.read_bytes()),
                          what="the helper and steps")
@@ -264,7 +289,7 @@ def test_gpu_conflict_is_atomic_and_names_the_holder(shim):
 
     def start() -> None:
         try:
-            results.append(start_run(target, gpus=["0", "1"], overrides=LONG, name="first"))
+            results.append(start_run(target, gpus=GpuChoice((0, 1)), overrides=LONG, name="first"))
         except ConflictError as exc:
             results.append(exc)
 
@@ -277,9 +302,9 @@ def test_gpu_conflict_is_atomic_and_names_the_holder(shim):
     (refused,) = [r for r in results if isinstance(r, ConflictError)]
     assert winner.run_id in str(refused)
     with pytest.raises(ConflictError, match=winner.run_id):
-        start_run(target, gpus=["1"], overrides=LONG)
-    other = start_run(target, gpus=["2"], overrides=LONG)
-    forced = start_run(target, gpus=["0"], overrides=LONG, force=True)
+        start_run(target, gpus=GpuChoice((1,)), overrides=LONG)
+    other = start_run(target, gpus=GpuChoice((2,)), overrides=LONG)
+    forced = start_run(target, gpus=GpuChoice((0,)), overrides=LONG, force=True)
     live = {r["run_id"] for r in list_runs(target) if r["state"] == "running"}
     assert live == {winner.run_id, other.run_id, forced.run_id}
     for run in (winner, other, forced):
@@ -288,20 +313,20 @@ def test_gpu_conflict_is_atomic_and_names_the_holder(shim):
 
 def test_lost_when_supervisor_and_trainer_are_killed(shim):
     host, session, workdir = shim
-    run = start_run(session.target("shim"), gpus=["0"], overrides=LONG)
+    run = start_run(session.target("shim"), gpus=GpuChoice((0,)), overrides=LONG)
     info = meta(workdir, run.run_id)
     os.kill(info["supervisor"]["pid"], signal.SIGKILL)
     os.killpg(info["pgid"], signal.SIGKILL)
     wait_until(lambda: state(session, run.run_id) == "lost", what="state lost")
     res = host.run_cli("logs", "tail", "shim", run.run_id, "-f")
     assert res.returncode == 102 and "lost" in res.stderr
-    start_run(session.target("shim"), gpus=["0"], overrides=["run.steps=1"])  # a lost run holds no GPU
+    start_run(session.target("shim"), gpus=GpuChoice((0,)), overrides=["run.steps=1"])  # a lost run holds no GPU
 
 
 def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     host, session, _ = shim
     target = session.target("shim")
-    ids = [start_run(target, gpus=[CPU], overrides=["run.steps=2"], name=f"n{i}", force=True).run_id
+    ids = [start_run(target, gpus=GpuChoice(cpu=True), overrides=["run.steps=2"], name=f"n{i}", force=True).run_id
            for i in range(3)]
     wait_until(lambda: all(r["state"] == "succeeded" for r in list_runs(target)), what="runs to finish")
     for run_id in ids:
@@ -337,7 +362,7 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
 def test_shell_completion_offers_the_hosts_run_ids_and_names(shim):
     host, session, _ = shim
     target = session.target("shim")
-    ids = [start_run(target, gpus=[CPU], overrides=["run.steps=1"], name=name, force=True).run_id
+    ids = [start_run(target, gpus=GpuChoice(cpu=True), overrides=["run.steps=1"], name=name, force=True).run_id
            for name in ("alpha", "beta")]
     wait_until(lambda: all(r["state"] == "succeeded" for r in list_runs(target)), what="runs to finish")
 
@@ -359,10 +384,10 @@ def test_local_runs_without_gpus_conflict_unless_forced(tmp_path):
     with local_session(workdir) as session:
         target = session.target(None)
         try:
-            first = start_run(target, gpus=parse_gpus(None, target.host), overrides=LONG)
+            first = start_run(target, gpus=parse_gpus(None, target.host.gpus), overrides=LONG)
             with pytest.raises(ConflictError, match=first.run_id):
-                start_run(target, gpus=[CPU], overrides=LONG)
-            forced = start_run(target, gpus=[CPU], overrides=["run.steps=1"], force=True)
+                start_run(target, gpus=GpuChoice(cpu=True), overrides=LONG)
+            forced = start_run(target, gpus=GpuChoice(cpu=True), overrides=["run.steps=1"], force=True)
             assert forced.run_id != first.run_id
             assert stop_run(target, first.run_id, grace=10)["state"] == "stopped"
         finally:
@@ -380,7 +405,7 @@ def test_real_trainer_follow_then_stop_checkpoints(shim):
     _, session, workdir = shim
     target = session.target("shim")
     pushed = push(target)
-    run = start_run(target, gpus=[CPU], overrides=[*TINY, "run.steps=100000"], payload_hash=pushed.manifest_hash)
+    run = start_run(target, gpus=GpuChoice(cpu=True), overrides=[*TINY, "run.steps=100000"], payload_hash=pushed.manifest_hash)
     got = bytearray()
     stopped: list[dict] = []
     stopper = threading.Thread(target=lambda: stopped.append(stop_run(session.target("shim"), run.run_id, 120)))

@@ -1,9 +1,10 @@
 """`python -m dflash_train [--config run.yaml] [--preset NAME] [--set a.b=c ...] [--resume] [--preflight]`.
 
 Exit codes: 0 done, 1 a worker failed, 2 a bad config or data, 4 a module the trainer needs is
-missing, 128+N stopped by signal N (143: SIGTERM). `--preflight` resolves the config and the
-devices without building anything and prints one JSON line: {"ok": true, "devices": [...],
-"gpus": [...], "summary": [...]} or {"ok": false, "error": "config"|"missing_module", "message": ...}.
+missing, 128+N stopped by signal N (143: SIGTERM). `--preflight` resolves the run plan (plan.py)
+without building anything and prints one JSON line: {"ok": true, "holds": ["0", "1"] | ["cpu"],
+"pin": [argv pinning a run to them], "devices": [...], "summary": [...], "plan": {...}} or
+{"ok": false, "error": "config"|"missing_module", "message": ...}.
 """
 
 from __future__ import annotations
@@ -71,16 +72,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _preflight(cfg) -> int:
-    """Resolve the config and devices as a run would (ConfigError if it cannot), print the JSON answer."""
-    from .resolve import check_data_paths, resolve_config, summary, worker_devices
+    """Plan the run as a run would (ConfigError if it cannot), print the JSON answer."""
+    from .plan import preflight_answer, resolve_run
+    from .resolve import check_data_paths
 
-    notes: list[str] = []
-    resolved = resolve_config(cfg, notes)
-    check_data_paths(resolved)
-    devices = worker_devices(resolved)
-    gpus = resolved.run.gpus or sorted({int(d.split(":")[1]) for d in devices if d.startswith("cuda:")})
-    print(json.dumps({"ok": True, "devices": devices, "gpus": gpus, "summary": summary(resolved, notes)}),
-          flush=True)
+    plan = resolve_run(cfg)
+    check_data_paths(plan.cfg)
+    print(json.dumps(preflight_answer(plan.devices, plan.summary(), plan.to_json())), flush=True)
     return 0
 
 

@@ -8,7 +8,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -22,7 +22,7 @@ class TargetConfig:
     """The frozen target model: a local HF causal-LM directory, or a random one of this shape."""
 
     path: str | None = None  # HF checkpoint dir; None builds a random target from the fields below
-    backend: str = "auto"  # auto | native (our Qwen3, target.py) | transformers (any causal LM, target_hf.py)
+    backend: Literal["auto", "native", "transformers"] = "auto"  # native: our Qwen3 (target.py); transformers: any causal LM (target_hf.py)
     model_type: str = "qwen3"  # the HF architecture (read from config.json when path is set)
     seed: int = 0  # init seed of the random target
     num_layers: int = 6
@@ -55,7 +55,7 @@ class DrafterConfig:
     mask_token_id: int | None = None  # None: `<|MASK|>` from the tokenizer, or the last id of a random target
     layer_types: list[str] | None = None  # per layer full_attention | sliding_attention; None: all full
     sliding_window: int | None = None  # the sliding layers' window in positions (z-lab's config.json field)
-    attention: str = "auto"  # auto | flex | dense (auto: flex on CUDA unless run.compile off, else dense)
+    attention: Literal["auto", "flex", "dense"] = "auto"  # auto: flex on CUDA unless run.compile off, else dense
     init_std: float = 0.02
 
 
@@ -63,7 +63,7 @@ class DrafterConfig:
 class DataConfig:
     """Where sequences come from and how blocks are sampled from them."""
 
-    source: str = "demo"  # demo (greedy continuations of the random target) | jsonl | random
+    source: Literal["demo", "jsonl", "random"] = "demo"  # demo: greedy continuations of the random target
     train_path: str | None = None  # jsonl rows: {"input_ids", "loss_mask"} or {"messages"};
     # `data:NAME` is a dataset pushed with `dflashctl data push` (in data.dir)
     dir: str | None = None  # where `data:NAME` paths live; dflashctl sets <workdir>/data
@@ -114,23 +114,23 @@ class RunConfig:
     # spin-waits make 2 threads 10x slower on a busy 2-core machine; 0 keeps torch's default
     output_dir: str = "runs/tiny"
     device: str = "auto"  # auto (every visible GPU, one thread each; else cpu) | cpu | cuda (= cuda:0) | cuda:N
-    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
-    compile: str | None = None  # off | default | cudagraphs; None: off on CPU, default on CUDA
-    compile_scope: str = "auto"  # auto: layers for models of Qwen3-0.6B width and up, else step |
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    compile: Literal["off", "default", "cudagraphs"] | None = None  # None: off on CPU, default on CUDA
+    compile_scope: Literal["auto", "step", "drafter", "layers"] = "auto"  # auto: layers for models of Qwen3-0.6B width and up, else step |
     # step: the whole forward+loss as one graph (minutes to compile at 8B scale) | drafter: only
     # the drafter | layers: each draft and target layer (regional; not with cudagraphs)
     compile_cache_dir: str | None = None  # Inductor/Triton caches (TORCHINDUCTOR_CACHE_DIR); None:
     # torch's default under /tmp. dflashctl sets <workdir>/cache/compile so a second run starts warm
-    launcher: str = "auto"  # threads (one thread per device, this process) | processes (one process
+    launcher: Literal["auto", "threads", "processes"] = "auto"  # threads (one thread per device, this process) | processes (one process
     # per device, joined like the hosts of a multi-host run) | auto: processes where threads are
-    # predicted not to keep up with the GPUs (resolve.THREADS_KEEP_UP), else threads
-    parallel_warmup: str = "auto"  # auto | on | off: before the worker threads start, one short-lived
+    # predicted not to keep up with the GPUs (plan.THREADS_KEEP_UP), else threads
+    parallel_warmup: Literal["auto", "on", "off"] = "auto"  # before the worker threads start, one short-lived
     # process per device compiles the step once, in parallel, into the on-disk compile cache (the
     # threads' compiles are serialised); auto: on with more than one CUDA device and compile on
-    capture_optimizer: str = "auto"  # auto: where the step runs under CUDA graphs (run.compile
+    capture_optimizer: Literal["auto", "off"] = "auto"  # auto: where the step runs under CUDA graphs (run.compile
     # cudagraphs), gradient clipping, AdamW (capturable, lr a device tensor) and zeroing the
     # gradients replay as one captured CUDA graph per step | off: eager fused AdamW as before
-    capture_target: str = "auto"  # on: the frozen target's feature forward replays as one CUDA
+    capture_target: Literal["auto", "on", "off"] = "auto"  # on: the frozen target's feature forward replays as one CUDA
     # graph per step (target_graph.py) | off: launched layer by layer | auto: on with CUDA, compile
     # default and compile scope layers or drafter (under cudagraphs it is in the step's graph)
     warmup_timeout_s: float = 900.0  # a warm-up process still running after this is killed (the
@@ -178,25 +178,12 @@ class Config:
     preset: str = "tiny"  # the preset this config was built on (load_config chooses it)
 
 
-CHOICES = {
-    "target.backend": ("auto", "native", "transformers"),
-    "data.source": ("demo", "jsonl", "random"),
-    "drafter.attention": ("auto", "flex", "dense"),
-    "run.dtype": ("auto", "bf16", "fp32"),
-    "run.compile": ("off", "default", "cudagraphs", None),
-    "run.compile_scope": ("auto", "step", "drafter", "layers"),
-    "run.parallel_warmup": ("auto", "on", "off"),
-    "run.capture_optimizer": ("auto", "off"),
-    "run.capture_target": ("auto", "on", "off"),
-    "run.launcher": ("auto", "threads", "processes"),
-}
-
 # Presets are override dicts on top of the dataclass defaults (which are the tiny run). Without
 # --preset (or a config file's `preset:`), a run with target.path gets `real-target`, else `tiny`.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"optim": {"lr": 2e-3}},  # the tiny drafter learns faster than the paper's 6e-4 allows
     # A user's own checkpoint: block 16 as z-lab's published drafters; depth, sequence shapes and
-    # run length (None) follow the target's size and the data (recipe.py, resolve_config).
+    # run length (None) follow the target's size and the data (recipe.py, resolve.fill_config).
     "real-target": {
         "drafter": {"num_layers": None, "block_size": 16},
         "data": {"max_length": None, "anchors_per_seq": None, "batch_size": None},
@@ -317,8 +304,10 @@ def _field(cfg: Config, dotted: str) -> tuple[Any, str, Any]:
 
 
 def _takes_str(hint: Any) -> bool:
-    """Whether a field's type is str or str | None."""
-    return hint is str or (typing.get_origin(hint) in (typing.Union, types.UnionType) and str in typing.get_args(hint))
+    """Whether a field's type is str or a choice of strings (`Literal[...]`), optional or not."""
+    if hint is str or typing.get_origin(hint) is Literal:
+        return True
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and any(map(_takes_str, typing.get_args(hint)))
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -331,12 +320,29 @@ def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+def choices(hint: Any) -> tuple | None:
+    """The values a field's `Literal[...]` type allows (None among them for `Literal[...] | None`);
+    None for a field that is not a choice."""
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        literal = [a for a in args if typing.get_origin(a) is Literal]
+        if literal:
+            return typing.get_args(literal[0]) + ((None,) if type(None) in args else ())
+    return None
+
+
 def validate(cfg: Config) -> None:
     """Reject values that are well-typed but meaningless."""
-    for dotted, allowed in CHOICES.items():
-        section, name = dotted.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in allowed:
+    for section_name in _field_names(cfg):
+        section = getattr(cfg, section_name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        for name, hint in typing.get_type_hints(type(section)).items():
+            allowed, value, dotted = choices(hint), getattr(section, name), f"{section_name}.{name}"
+            if allowed is None or value in allowed:
+                continue
             shown = ", ".join("null" if a is None else a for a in allowed)
             raise ConfigError(f"{dotted} must be one of {shown}, got {value!r}")
     d, data = cfg.drafter, cfg.data
@@ -377,6 +383,9 @@ def validate(cfg: Config) -> None:
         if spec is not None and parse_fault_site(spec) is None:
             raise ConfigError(f"debug.{name} must be build, compile or step:K (K >= 1), got {spec!r}")
     if run.compile == "cudagraphs" and run.compile_scope == "layers":
+        # The one place this pair is refused. One compiled layer serves every layer with other
+        # parameters: the tree-less CUDA graph path assumes fixed parameter addresses per graph
+        # (docs/threaded-compile.md); scope auto never picks layers under cudagraphs.
         raise ConfigError("run.compile_scope layers cannot use run.compile cudagraphs (use step)")
     if cfg.debug.fail_rank < 0:
         raise ConfigError("debug.fail_rank must be >= 0")
@@ -422,6 +431,8 @@ def _coerce(value: Any, hint: Any, dotted: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], dotted)
+    if typing.get_origin(hint) is Literal:
+        hint = str  # the choice itself is checked by `validate`, which names the allowed values
     if typing.get_origin(hint) is list:
         if isinstance(value, (int, str)) and not isinstance(value, bool):
             value = [value] if isinstance(value, int) else yaml.safe_load(f"[{value}]")

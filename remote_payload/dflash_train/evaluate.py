@@ -116,37 +116,18 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
     distribution, tested statistically)."""
     import torch
 
-    from .config import load_config
-    from .export import load_exported
-    from .replica import build_target
-    from .resolve import resolve_config
     from .decode import greedy, make_decoder
+    from .export import load_exported
     from .lookup import lookup_decode
-    from .speculate import DraftDecoder, acceptance_by_position, speculate, tau_figures
-    from .train import load_data
+    from .replica import build_target
+    from .speculate import DraftDecoder, speculate
     from .workers import use_cpu_threads
 
     export = run_dir / "export"
     if not (export / "model.safetensors").is_file():
         raise EvalError(f"no export in {run_dir} yet (the run has not finished: an export is written at its last step)")
-    overrides = [f"run.spec_prompts={max(count, 1)}"] + ([f"run.device={device}", "run.gpus=[]"] if device else [])
-    cfg = resolve_config(load_config(str(run_dir / "config.resolved.yaml"), overrides=overrides))
-    # The prompts are checked before the target is built (16 GB at 8B scale).
-    if prompts is None:
-        prompts = load_data(cfg)[2]  # at most run.spec_prompts = count of them
-        if not prompts:
-            raise EvalError("the run's held-out split gives no prompts: pass --prompts FILE.jsonl")
-    else:
-        prompts = encode_prompts(prompts[:count], cfg.data.tokenizer_path or cfg.target.path, cfg.target.vocab_size)
-    limit = cfg.target.max_position_embeddings
-    for i, prompt in enumerate(prompts):
-        if len(prompt) + max_new_tokens + cfg.drafter.block_size > limit:
-            raise EvalError(f"prompt {i + 1} has {len(prompt)} tokens: with {max_new_tokens} new ones it exceeds "
-                            f"the target's context of {limit}")
-        if max(prompt) >= cfg.target.vocab_size:
-            raise EvalError(f"prompt {i + 1} has a token id beyond the target's vocabulary ({cfg.target.vocab_size})")
+    cfg, dev, prompts = eval_plan(run_dir, prompts, max_new_tokens, count, device)
     use_cpu_threads(cfg.run.cpu_threads)  # the run's own setting, as its trainer applied it
-    dev = torch.device(cfg.run.device)
     target = build_target(cfg, dev).eval()
     drafter, _ = load_exported(export, dev)
     # In the target's dtype, as a server loads it (bf16 on a GPU): no fp32 weights cast per call.
@@ -167,45 +148,100 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
         lookup_decode(target, prompts[0], max_new_tokens, lookup_tokens, decoder=decoder)
     rows, results, lookups, lookup_rows = [], [], [], []
     for i, prompt in enumerate(prompts):
-        sync()
-        t0 = time.perf_counter()
-        reference = greedy(target, prompt, max_new_tokens, decoder=decoder)
-        sync()
-        t1 = time.perf_counter()
-        spec = speculate(target, drafter, prompt, max_new_tokens, temperature=temperature, generator=generator,
-                         verifier=decoder, drafting=drafting)
-        sync()
-        t2 = time.perf_counter()
-        if lookup_tokens:
-            lookup = lookup_decode(target, prompt, max_new_tokens, lookup_tokens, decoder=decoder)
-            sync()
-            lookup_ms = 1e3 * (time.perf_counter() - t2) / len(lookup.tokens)
-            differs = first_difference(target, prompt, reference, lookup.tokens)
-            lookups.append(lookup)
-            lookup_rows.append({"tau": lookup.tau, "identical": differs is None, "first_difference": differs,
-                                "ms_per_token": lookup_ms, "new_tokens": len(lookup.tokens),
-                                "verify_steps": len(lookup.accepted)})
+        row, spec, lookup, lookup_row = decode_prompt(target, drafter, prompt, max_new_tokens, temperature,
+                                                      generator, decoder, drafting, lookup_tokens, sync)
+        rows.append(row)
         results.append(spec)
-        differs = first_difference(target, prompt, reference, spec.tokens) if temperature == 0 else None
-        rows.append({"prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
-                     "identical": differs is None if temperature == 0 else None, "first_difference": differs,
-                     "target_ms_per_token": 1e3 * (t1 - t0) / len(reference),
-                     "spec_ms_per_token": 1e3 * (t2 - t1) / len(spec.tokens),
-                     "verify_steps": len(spec.accepted)})
-        same = "" if temperature else f", identical {rows[-1]['identical']}"
-        versus = f", prompt lookup tau {lookups[-1].tau:.2f}" if lookups else ""
+        if lookup is not None:
+            lookups.append(lookup)
+            lookup_rows.append(lookup_row)
+        same = "" if temperature else f", identical {row['identical']}"
+        versus = f", prompt lookup tau {lookup.tau:.2f}" if lookup is not None else ""
         progress(f"prompt {i + 1}/{len(prompts)}: tau {spec.tau:.2f}{same}{versus}")
+    report = {"schema": "dflashctl.eval/1", "run_dir": str(run_dir), "device": str(dev), "prompts": len(rows),
+              "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
+              "block_size": cfg.drafter.block_size}
+    return {**report, **decode_figures(rows, results, cfg.drafter.block_size, temperature, lookups, lookup_rows,
+                                       lookup_tokens)}
+
+
+def eval_plan(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int, count: int,
+              device: str | None) -> tuple:
+    """(the run's config planned for this machine, the device, the prompts as token ids), the
+    prompts checked against the target before it is built (16 GB at 8B scale)."""
+    import torch
+
+    from .config import load_config
+    from .plan import resolve_run
+    from .train import load_data
+
+    overrides = [f"run.spec_prompts={max(count, 1)}"] + ([f"run.device={device}", "run.gpus=[]"] if device else [])
+    plan = resolve_run(load_config(str(run_dir / "config.resolved.yaml"), overrides=overrides))
+    cfg = plan.cfg
+    if prompts is None:
+        prompts = load_data(cfg)[2]  # at most run.spec_prompts = count of them
+        if not prompts:
+            raise EvalError("the run's held-out split gives no prompts: pass --prompts FILE.jsonl")
+    else:
+        prompts = encode_prompts(prompts[:count], cfg.data.tokenizer_path or cfg.target.path, cfg.target.vocab_size)
+    limit = cfg.target.max_position_embeddings
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + max_new_tokens + cfg.drafter.block_size > limit:
+            raise EvalError(f"prompt {i + 1} has {len(prompt)} tokens: with {max_new_tokens} new ones it exceeds "
+                            f"the target's context of {limit}")
+        if max(prompt) >= cfg.target.vocab_size:
+            raise EvalError(f"prompt {i + 1} has a token id beyond the target's vocabulary ({cfg.target.vocab_size})")
+    return cfg, torch.device(plan.devices.workers[0]), prompts  # the decoding is one process on one device
+
+
+def decode_prompt(target, drafter, prompt: list[int], max_new_tokens: int, temperature: float, generator,
+                  decoder, drafting, lookup_tokens: int, sync) -> tuple:
+    """One prompt decoded by the target, speculatively and (lookup_tokens > 0) by prompt lookup,
+    each timed: (its row, the speculative result, the lookup result or None, the lookup's row or None)."""
+    from .decode import greedy
+    from .lookup import lookup_decode
+    from .speculate import speculate
+
+    sync()
+    t0 = time.perf_counter()
+    reference = greedy(target, prompt, max_new_tokens, decoder=decoder)
+    sync()
+    t1 = time.perf_counter()
+    spec = speculate(target, drafter, prompt, max_new_tokens, temperature=temperature, generator=generator,
+                     verifier=decoder, drafting=drafting)
+    sync()
+    t2 = time.perf_counter()
+    lookup = lookup_row = None
+    if lookup_tokens:
+        lookup = lookup_decode(target, prompt, max_new_tokens, lookup_tokens, decoder=decoder)
+        sync()
+        lookup_ms = 1e3 * (time.perf_counter() - t2) / len(lookup.tokens)
+        differs = first_difference(target, prompt, reference, lookup.tokens)
+        lookup_row = {"tau": lookup.tau, "identical": differs is None, "first_difference": differs,
+                      "ms_per_token": lookup_ms, "new_tokens": len(lookup.tokens), "verify_steps": len(lookup.accepted)}
+    differs = first_difference(target, prompt, reference, spec.tokens) if temperature == 0 else None
+    row = {"prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
+           "identical": differs is None if temperature == 0 else None, "first_difference": differs,
+           "target_ms_per_token": 1e3 * (t1 - t0) / len(reference),
+           "spec_ms_per_token": 1e3 * (t2 - t1) / len(spec.tokens), "verify_steps": len(spec.accepted)}
+    return row, spec, lookup, lookup_row
+
+
+def decode_figures(rows: list[dict], results: list, block_size: int, temperature: float, lookups: list,
+                   lookup_rows: list[dict], lookup_tokens: int) -> dict:
+    """The report's figures over every prompt: tau, speed, identity, and the prompt-lookup baseline."""
+    from .speculate import acceptance_by_position, tau_figures
+
     steps = sum(len(r.accepted) for r in results)
     tau, tau_prompt_mean = tau_figures(results)
-    target_ms = sum(r["target_ms_per_token"] * r["new_tokens"] for r in rows) / sum(r["new_tokens"] for r in rows)
-    spec_ms = sum(r["spec_ms_per_token"] * r["new_tokens"] for r in rows) / sum(r["new_tokens"] for r in rows)
+    tokens = sum(r["new_tokens"] for r in rows)
+    target_ms = sum(r["target_ms_per_token"] * r["new_tokens"] for r in rows) / tokens
+    spec_ms = sum(r["spec_ms_per_token"] * r["new_tokens"] for r in rows) / tokens
     # A verify step's whole cost (draft, verify, accept) in target decode steps: speedup = tau / this.
     step_ms = sum(r["spec_ms_per_token"] * r["new_tokens"] for r in rows) / max(steps, 1)
     report = {
-        "schema": "dflashctl.eval/1", "run_dir": str(run_dir), "device": str(dev), "prompts": len(rows),
-        "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "block_size": cfg.drafter.block_size,
         "tau": tau, "tau_prompt_mean": tau_prompt_mean,
-        "acceptance_by_position": acceptance_by_position(results, cfg.drafter.block_size),
+        "acceptance_by_position": acceptance_by_position(results, block_size),
         "target_ms_per_token": target_ms, "spec_ms_per_token": spec_ms, "speedup": target_ms / spec_ms,
         "spec_ms_per_step": step_ms, "step_cost": step_ms / target_ms,
         "identical": all(r["identical"] for r in rows) if temperature == 0 else None,

@@ -308,7 +308,7 @@ class DFlashDrafter(nn.Module):
         FlexAttention (its own Triton kernel, with the batch's BlockMask as an input) are fused.
         Parameter names and `state_dict()` are unchanged (no `_orig_mod.` prefix), so export and
         checkpoints do not notice. `compile_kwargs` go to `torch.compile` (e.g. `dynamic=False`,
-        `options=` from `workers.choose_compile_policy`).
+        `options=` from `plan.choose_compile_policy`).
         """
         for layer in self.layers:
             layer.compile(**compile_kwargs)

@@ -1,5 +1,5 @@
 """The training recipe a real target gets by default: the fields the `real-target` preset leaves
-unset (None), filled from the target's size by `resolve_config`, each with its reason.
+unset (None), filled from the target's size by `resolve.fill_config`, each with its reason.
 
 Where the values come from is in docs/quality.md, with the table of recipes tried on the quality
 bench (a real-structure target) and what each gave in tau per GPU-minute; change them there first.

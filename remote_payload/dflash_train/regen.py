@@ -225,24 +225,26 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
         from .regen_openai import OpenAIEngine
 
         check_tokenizer(args, None)
-        answer = {"devices": [], "holds": [], "summary": [f"engine: openai, {args.endpoint} model {args.model}, "
-                                                          f"{args.concurrency} requests at once"]}
+        # The pre-flight's one format (plan.preflight_answer); the server holds the model, the run nothing.
+        answer = {"ok": True, "holds": [], "pin": [], "devices": [],
+                  "summary": [f"engine: openai, {args.endpoint} model {args.model}, {args.concurrency} requests at once"],
+                  "plan": {"devices": [], "holds": [], "pin": [], "reasons": ["engine openai: the server holds the model"]}}
         if preflight:
             return None, answer
         return OpenAIEngine(args.endpoint, args.model, args.concurrency, args.retries, opts, args.tokenizer), answer
+    from .plan import preflight_answer
     from .regen_builtin import BuiltinEngine, resolve_target
 
     cfg, devices = resolve_target(args.preset, args.overrides, args.gpus)
     check_tokenizer(args, cfg.target.path)
-    holds = sorted({d.split(":")[1] for d in devices if d.startswith("cuda:")}, key=int) or ["cpu"]
-    answer = {"devices": devices, "gpus": [int(g) for g in holds if g != "cpu"], "holds": holds,
-              "summary": [f"engine: builtin, target {cfg.target.path or 'random ' + str(cfg.target.num_layers) + ' layers'}"
-                          f", {cfg.run.dtype}, devices {', '.join(devices)}"]}
-    if args.gpus == "auto" and holds != ["cpu"]:
-        answer["pin"] = ["--gpus", ",".join(holds)]  # the run uses exactly what the pre-flight saw
+    summary = [f"engine: builtin, target {cfg.target.path or 'random ' + str(cfg.target.num_layers) + ' layers'}"
+               f", {cfg.run.dtype}, devices {', '.join(devices.workers)} ({devices.reason})"]
+    answer = preflight_answer(devices, summary, {"devices": list(devices.workers), "holds": list(devices.holds),
+                                                 "pin": list(devices.pin), "dtype": cfg.run.dtype,
+                                                 "reasons": [devices.reason]})
     if preflight:
         return None, answer
-    return BuiltinEngine(cfg, devices, args.tokenizer or cfg.target.path, opts), answer
+    return BuiltinEngine(cfg, list(devices.workers), args.tokenizer or cfg.target.path, opts), answer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         engine, answer = build_engine(args, args.preflight)
         if args.preflight:
-            print(json.dumps({"ok": True, **answer}), flush=True)
+            print(json.dumps(answer), flush=True)
             return 0
         return run(args, engine, log)
     except RegenError as exc:

@@ -25,6 +25,7 @@ import torch
 
 from .config import Config, ConfigError, load_config
 from .data import seeded_generator
+from .plan import DevicePlan, plan_devices
 from .regen_rows import (Done, Options, RegenError, Row, RowError, SharedTokenizer, chat_row, encode_prompt, row_kind,
                          token_ids, token_row)
 from .replica import DTYPES
@@ -32,40 +33,40 @@ from .target import build_random_target, load_hf_target, resolve_mask_token_id
 from .target_hf import build_hf_target, resolve_target_config
 from .workers import SerialLock, Stopped, ThreadedOptions, bind_device, use_cpu_threads
 
-ALLOWED_SETS = ("target.", "run.dtype=", "run.cpu_threads=")
+ALLOWED_SETS = ("target.", "run.dtype=", "run.cpu_threads=", "run.gpus=", "run.device=")  # run.*: a pre-flight pin
 CAPACITY_STEP = 1024  # cache positions are allocated in steps of this: fewer decoder shapes, each warmed up once
 
 
-def resolve_target(preset: str | None, overrides: list[str], gpus: str) -> tuple[Config, list[str]]:
-    """(config with the target and dtype resolved, one device per worker) for `--preset`,
-    `--set target.*|run.dtype|run.cpu_threads` and `--gpus auto|cpu|0,1` (RegenError if bad)."""
+def resolve_target(preset: str | None, overrides: list[str], gpus: str,
+                   cuda_count: int | None = None) -> tuple[Config, DevicePlan]:
+    """(config with the target and dtype resolved, the worker devices as the run plan resolves
+    them) for `--preset`, `--set target.*|run.dtype|run.cpu_threads` (and the pre-flight's pin,
+    `run.gpus`/`run.device`) and `--gpus auto|cpu|0,1` (RegenError if bad); `cuda_count`: the
+    visible GPUs (default: what torch sees)."""
     bad = [o for o in overrides if not o.startswith(ALLOWED_SETS)]
     if bad:
         raise RegenError(f"--set {bad[0]!r}: regen takes target.*, run.dtype and run.cpu_threads")
+    pinned = [o for o in overrides if o.startswith(("run.gpus=", "run.device="))]
+    if pinned and gpus != "auto":
+        raise RegenError(f"--gpus {gpus} and --set {pinned[0]}: choose the devices once")
+    if gpus == "cpu":
+        overrides = ["run.device=cpu", *overrides]
+    elif gpus != "auto":
+        items = [t.strip() for t in gpus.split(",")]
+        if not all(t.isdigit() for t in items) or len(set(items)) != len(items):
+            raise RegenError(f"--gpus must be auto, cpu or distinct GPU indices like 0,1, got {gpus!r}")
+        overrides = [f"run.gpus=[{','.join(items)}]", *overrides]
     try:
         cfg = load_config(None, preset, overrides)
+        cfg.run.threads = 0  # one worker per GPU, one on CPU
+        devices = plan_devices(cfg.run, cuda_count)
         cfg.target = resolve_target_config(cfg.target)
     except ConfigError as exc:
         raise RegenError(str(exc)) from None
     except (OSError, KeyError, ValueError) as exc:
         raise RegenError(f"target.path: {exc}") from None
-    cuda = torch.cuda.is_available()
-    count = torch.cuda.device_count() if cuda else 0
-    if gpus == "auto":
-        devices = [f"cuda:{i}" for i in range(count)] or ["cpu"]
-    elif gpus == "cpu":
-        devices = ["cpu"]
-    else:
-        items = [t.strip() for t in gpus.split(",")]
-        if not all(t.isdigit() for t in items) or len(set(items)) != len(items):
-            raise RegenError(f"--gpus must be auto, cpu or distinct GPU indices like 0,1, got {gpus!r}")
-        if not cuda:
-            raise RegenError(f"--gpus {gpus} requested but CUDA is not available")
-        if max(int(t) for t in items) >= count:
-            raise RegenError(f"--gpus {gpus}: torch sees {count} GPU(s)")
-        devices = [f"cuda:{int(t)}" for t in items]
     if cfg.run.dtype == "auto":
-        cfg.run.dtype = "bf16" if devices[0].startswith("cuda") else "fp32"
+        cfg.run.dtype = "bf16" if devices.type == "cuda" else "fp32"
     return cfg, devices
 
 

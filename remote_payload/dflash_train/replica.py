@@ -14,11 +14,12 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from . import workers
-from .config import Config, ConfigError
+from .compiling import CompilePolicy
+from .config import Config
 from .data import Batch
 from .loss import LossOutput, dflash_loss
 from .model import DFlashDrafter, block_input_ids
-from .resolve import capture_target_decision, drafter_spec
+from .resolve import drafter_spec
 from .sliding import drafter_masks
 from .target import Qwen3Target, build_random_target, build_tiny_target, load_hf_target
 from .target_hf import build_hf_target
@@ -66,7 +67,7 @@ class Replica:
     drafter: DFlashDrafter
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    policy: workers.CompilePolicy
+    policy: CompilePolicy
     train_loss: Callable   # (input_ids, loss_mask, anchors, anchor_valid) -> (loss, acceptance), compiled per policy
     run_drafter: Callable  # the drafter, or its compiled wrapper (run.compile_scope: drafter)
     flex_fn: Callable      # flex_attention for the eager paths (compiled on its own on CUDA)
@@ -86,16 +87,13 @@ class Replica:
     target_graph: GraphedFeatures | None = None
 
 
-def build_replica(cfg: Config, device: torch.device | str, seed: int,
-                  policy: workers.CompilePolicy | None = None) -> Replica:
+def build_replica(cfg: Config, device: torch.device | str, seed: int, policy: CompilePolicy) -> Replica:
     """Target, drafter (initialised from `seed` on CPU, so identical on every device), AdamW and
-    schedule for a resolved config; compiled through `policy` (default: the workers' policy for
-    `run.compile` on this device, `workers.choose_compile_policy`, which never uses CUDAGraph
-    Trees). `run.compile_scope: step` compiles the whole loss (target features, block mask,
-    drafter, chunked CE) as one function; `drafter` compiles only the drafter; `layers` compiles
-    each draft and target layer (regional, `compile_layers`; not with CUDA graphs)."""
+    schedule for a resolved config; compiled through the run plan's `policy` (plan.resolve_run).
+    Its scope `step` compiles the whole loss (target features, block mask, drafter, chunked CE) as
+    one function; `drafter` compiles only the drafter; `layers` compiles each draft and target
+    layer (regional, `compile_layers`; never with CUDA graphs: config.py refuses the pair)."""
     device = torch.device(device)
-    policy = policy or workers.choose_compile_policy(cfg.run.compile, device.type)
     target = build_target(cfg, device)
     with torch.device("meta"):
         drafter = DFlashDrafter(drafter_spec(cfg))
@@ -104,7 +102,7 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int,
     drafter.to(device)
     o = cfg.optim
     on_cuda = device.type == "cuda"
-    capture = captures_optimizer(cfg, policy)
+    capture = policy.capture_optimizer
     # Captured: the graph reads lr from device memory, so lr is a tensor the schedule fills in place.
     lr = torch.tensor(o.lr, device=device) if capture else o.lr
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -117,14 +115,10 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int,
     if cfg.drafter.attention == "flex" and on_cuda and policy.effective != "off":
         flex_fn = torch.compile(flex_attention, dynamic=False)  # eager flex is unfused and slow
     run_drafter = drafter
-    scope = cfg.run.compile_scope
+    scope = policy.scope
     if policy.effective != "off" and scope == "drafter":
         run_drafter = policy.compile(drafter)
     elif policy.effective != "off" and scope == "layers":
-        if policy.effective == "cudagraphs":
-            # One compiled layer serves every layer with other parameters: the tree-less CUDA
-            # graph path assumes fixed parameter addresses per graph (docs/threaded-compile.md).
-            raise ConfigError("run.compile_scope layers cannot use run.compile cudagraphs (use step)")
         drafter.compile_layers()  # regional (docs/performance.md): names and state_dict unchanged
         target.compile_layers()
     replica = Replica(cfg, device, target, drafter, optimizer, scheduler, policy, None, run_drafter, flex_fn,
@@ -135,7 +129,7 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int,
     if policy.effective == "off" or scope == "layers":
         drafter.on_layer = lambda i, n: setattr(replica, "at", ("draft layer", i + 1, n))
 
-    if policy.effective != "off" and cfg.run.compile_scope == "step":
+    if policy.effective != "off" and scope == "step":
         def train_loss(input_ids, loss_mask, anchors, anchor_valid):
             # flex_attention itself is traced into the graph (the standalone compiled one is for eager paths)
             out = _loss(replica, input_ids, loss_mask, anchors, anchor_valid, drafter, flex_attention)
@@ -200,12 +194,6 @@ def forward_backward(replica: Replica, batch: Batch) -> torch.Tensor:
     loss.backward()
     replica.last_acceptance = acceptance.detach()
     return loss.detach()
-
-
-def captures_optimizer(cfg: Config, policy: workers.CompilePolicy) -> bool:
-    """`run.capture_optimizer: auto`: capture clip + AdamW + zero grads where the step already runs
-    under CUDA graphs (the cudagraphs policy, CUDA only); elsewhere the eager path, unchanged."""
-    return cfg.run.capture_optimizer == "auto" and policy.effective == "cudagraphs"
 
 
 def scheduled_lr(replica: Replica) -> float:
@@ -292,8 +280,7 @@ def capture_target_forward(replica: Replica) -> None:
     """Capture the target's feature forward for the training batch shape (run.capture_target on;
     a no-op otherwise). Called by the worker under the warm-up lock, after the compiling forward."""
     cfg = replica.cfg
-    if capture_target_decision(cfg.run.capture_target, replica.device.type == "cuda", cfg.run.compile,
-                               cfg.run.compile_scope)[0] != "on":
+    if not replica.policy.capture_target:
         return
     shape = (cfg.data.batch_size, cfg.data.max_length)  # collate pads every batch to this
     try:

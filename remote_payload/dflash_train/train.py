@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import signal
 import threading
@@ -19,14 +18,17 @@ from pathlib import Path
 import torch
 
 from . import distributed, launcher, warmup, workers
+from .compiling import CompilePolicy, preload_compiler
 from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .data import Batch, BlockSampler, DataError, build_datasets
 from .export import export_drafter
 from .model import DFlashDrafter
 from .recipe import DEFAULT_EPOCHS
+from .metrics import Cadence, MetricsLog, TrainMeter, train_line
 from .replica import DTYPES, Replica, drafter_ops, evaluate, stop_progress_probes
-from .resolve import drafter_spec, resolve_config, summary, worker_devices
+from .plan import RunPlan, resolve_run
+from .resolve import drafter_spec, summary
 from .speculate import held_out_prompts, speculative_eval
 
 
@@ -82,25 +84,6 @@ class GlobalBatches:
         return total
 
 
-class MetricsLog:
-    """Appends JSON lines to <out>/metrics.jsonl."""
-
-    def __init__(self, path: Path, resume_step: int | None):
-        self.path = path
-        if resume_step is None:
-            path.write_text("")
-        elif path.exists():
-            # Drop what the interrupted run logged after its last checkpoint.
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
-
-    def write(self, record: dict) -> None:
-        """Append one record."""
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two config dicts."""
     keys = []
@@ -111,20 +94,6 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             keys.append(f"{prefix}{key}")
     return keys
-
-
-def _gpu_mem_gb(devices: list[torch.device]) -> float | None:
-    """Peak allocated memory of the most loaded worker GPU (None on CPU)."""
-    cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
-    if not cuda:
-        return None
-    return round(max(torch.cuda.max_memory_allocated(d) for d in cuda) / 2**30, 3)
-
-
-def warmup_steps(policy: workers.CompilePolicy) -> int:
-    """Forward/backward calls under the warm-up lock: none eager, one to compile, two to compile
-    and then capture the CUDA graphs (the tree-less path captures on the second call)."""
-    return {"off": 0, "default": 1, "cudagraphs": 2}[policy.effective]
 
 
 def use_compile_cache(path: str | None) -> str:
@@ -151,196 +120,243 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
     or stalled worker raises `workers.WorkerError` (with its traceback). `launched_at`: the
     process's start (time.monotonic), for the time-to-first-step line."""
     launched_at = time.monotonic() if launched_at is None else launched_at
-    notes: list[str] = []
-    cfg = resolve_config(cfg, notes, multi_host=distributed.NodeEnv.from_env(cfg.dist) is not None)
-    if cfg.run.launcher == "processes":  # resolve.launcher_decision: one process per device instead
+    plan = resolve_run(cfg, multi_host=distributed.NodeEnv.from_env(cfg.dist) is not None)
+    cfg, devices, notes = plan.cfg, list(plan.devices.workers), list(plan.notes)
+    if plan.launcher == "processes":  # one process per device instead
         for line in notes:
             log(line)
-        return launcher.run_processes(cfg, worker_devices(cfg), resume, overwrite, stop or StopFlag(), log)
-    if cfg.run.compile != "off":
-        workers.preload_compiler()
+        return launcher.run_processes(cfg, devices, resume, overwrite, stop or StopFlag(), log)
+    if plan.policy.effective != "off":
+        preload_compiler()
         notes.append(use_compile_cache(cfg.run.compile_cache_dir))
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    devices = worker_devices(cfg)
-    world = len(devices)
     # Several hosts (WORLD_SIZE > 1, set by `dflashctl train h1,h2`): docs/multihost.md.
-    group = distributed.init_from_env(torch.device(devices[0]).type, world, cfg.dist, log=log)
+    group = distributed.init_from_env(plan.devices.type, len(devices), cfg.dist, log=log)
     with group or contextlib.nullcontext():
-        return _train(cfg, out, devices, group, resume, overwrite, stop, log, notes, launched_at)
+        return Trainer(plan, out, group, stop or StopFlag(), log, notes, launched_at).run(resume, overwrite)
 
 
-def _train(cfg: Config, out: Path, devices: list[str], group: distributed.NodeGroup | None, resume: bool,
-           overwrite: bool, stop: StopFlag | None, log: Callable[[str], None], notes: list[str],
-           launched_at: float) -> int:
-    world = len(devices)
-    main = group is None or group.is_main  # only rank 0 writes checkpoints and the export
-    if group is not None and resume:
-        ckpt = group.sync_checkpoint(out)  # rank 0's latest, on every node
-    else:
-        ckpt = latest_checkpoint(out) if resume else None
-    if not resume and latest_checkpoint(out) is not None and not overwrite:
-        raise ConfigError(f"{out} already has checkpoints: pass --resume to continue or --overwrite")
-    torch.manual_seed(cfg.run.seed)
-    workers.use_cpu_threads(cfg.run.cpu_threads)
+class Trainer:
+    """One training run on this host's worker threads, over explicit state: `run` prepares
+    (checkpoint, data, run length, the start-up lines), warms up, and runs `workers.run_threaded`,
+    whose hooks are the methods `build` (a replica, loaded from the checkpoint), `on_start` (the
+    step-0 evaluation and the time to first step) and `on_sync` (metrics, evaluation, checkpoint,
+    the final evaluation and export); `metrics.Cadence` decides when each happens."""
 
-    sampler, eval_batches, spec_prompts = load_data(cfg, group.total_replicas if group else world)
-    if cfg.run.epochs > 0:
-        cfg.run.steps = cfg.run.epochs * sampler.steps_per_epoch
-    elif cfg.run.steps is None:  # the real-target preset: the run's length follows the data
-        cfg.run.steps = DEFAULT_EPOCHS * sampler.steps_per_epoch
-        log(f"run length: {cfg.run.steps} steps = {DEFAULT_EPOCHS} epochs of {sampler.steps_per_epoch} batches "
-            f"(run.steps unset; set run.steps or run.epochs to choose)")
+    def __init__(self, plan: RunPlan, out: Path, group: distributed.NodeGroup | None, stop: StopFlag,
+                 log: Callable[[str], None], notes: list[str], launched_at: float):
+        self.plan, self.cfg, self.out, self.group, self.stop, self.log = plan, plan.cfg, out, group, stop, log
+        self.notes, self.launched_at = notes, launched_at
+        self.devices = list(plan.devices.workers)
+        self.world = len(self.devices)
+        self.main = group is None or group.is_main  # only rank 0 writes checkpoints and the export
+        self.ckpt: Path | None = None
+        self.start = 0  # steps done before this run (resume)
+        self.untrained: float | None = None  # step 0's acceptance length
+        self.spec_tau: float | None = None  # the last evaluation's speculative tau
+        self.stopped: int | None = None  # the step a stop ended the run after
+        self.warmup_at = self.threads_at = 0.0  # when the warm-up and the worker threads started
+        # Set by `prepare`: the data, metrics.jsonl and the cadence; by `run`: what the threads use.
+        self.sampler: BlockSampler | None = None
+        self.eval_batches: list[Batch] = []
+        self.spec_prompts: list[list[int]] = []
+        self.metrics: MetricsLog | None = None
+        self.cadence: Cadence | None = None
+        self.data: GlobalBatches | None = None
+        self.ops: workers.ReplicaOps | None = None
+        self.meter: TrainMeter | None = None
+        self.should_stop: Callable[[], bool] | None = None  # across hosts a distributed.AgreedStop
 
-    (out / "config.resolved.yaml").write_text(dump_yaml(cfg))
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in DFlashDrafter(drafter_spec(cfg)).parameters())
-    policy = workers.choose_compile_policy(cfg.run.compile, torch.device(devices[0]).type)
-    for line in summary(cfg, notes, n_params):
-        log(line)
-    log(f"workers: {world} thread(s) on {', '.join(devices)}, {len(sampler.seqs)} training sequences; "
-        f"compile {policy.effective}: {policy.reason}")
-    log(f"full config: {out / 'config.resolved.yaml'}")
-    if resume and ckpt is None:
-        log(f"no checkpoint in {out}: starting from step 0")
+    def run(self, resume: bool, overwrite: bool) -> int:
+        """Train to run.steps; the exit code (128+signal if stopped)."""
+        if not self.prepare(resume, overwrite):
+            return 0
+        cfg = self.cfg
+        self.warmup_at = time.monotonic()
+        if self.plan.parallel_warmup == "on" and not warmup.warm_up(
+                self.devices, self.out / "config.resolved.yaml", self.out / "warmup", cfg.run.warmup_timeout_s,
+                lambda: self.stop.requested, self.log):
+            self.log(f"stopped by signal {self.stop.signum} before step {self.start + 1}: nothing to save")
+            return self.stop.exit_code
+        self.data = GlobalBatches(self.sampler, pin=self.plan.devices.type == "cuda")
+        self.ops = drafter_ops(cfg)
+        self.meter = TrainMeter(self.start)
+        self.threads_at = time.monotonic()
+        self.should_stop = (self.group.stop_agreement(lambda: self.stop.requested) if self.group
+                            else (lambda: self.stop.requested))
+        data = self.group.sharded(self.data) if self.group else self.data
+        result = workers.run_threaded(dataclasses.replace(self.ops, build=self.build), self.devices, data,
+                                      self.cadence.total, self.options(), self.on_sync)
+        return self.outcome(result)
 
-    start = 0
-    if ckpt is not None:
-        meta = json.loads((ckpt / "meta.json").read_text())
-        start = meta["step"]
-        log(f"resuming from {ckpt} at step {start}")
-        changed = _changed_keys(meta["config"], to_dict(cfg))
-        if changed:
-            log(f"warning: config differs from the checkpoint's in {', '.join(changed)}")
-    metrics = MetricsLog(out / "metrics.jsonl", start if ckpt is not None else None)
-    total = cfg.run.steps
-    if start >= total:
-        log(f"checkpoint step {start} is already at run.steps {total}: nothing to train")
-        return 0
-    stop = stop or StopFlag()
-    warmup_at = time.monotonic()
-    if cfg.run.parallel_warmup == "on":  # resolve.parallel_warmup_decision
-        if not warmup.warm_up(devices, out / "config.resolved.yaml", out / "warmup", cfg.run.warmup_timeout_s,
-                              lambda: stop.requested, log):
-            log(f"stopped by signal {stop.signum} before step {start + 1}: nothing to save")
-            return stop.exit_code
-    data = GlobalBatches(sampler, pin=any(torch.device(d).type == "cuda" for d in devices))
-    ops = drafter_ops(cfg)
+    def prepare(self, resume: bool, overwrite: bool) -> bool:
+        """Checkpoint, data, run length, resolved config and the start-up lines; False when the
+        checkpoint is already at the run's end (nothing to train)."""
+        cfg, out, group = self.cfg, self.out, self.group
+        if group is not None and resume:
+            self.ckpt = group.sync_checkpoint(out)  # rank 0's latest, on every node
+        else:
+            self.ckpt = latest_checkpoint(out) if resume else None
+        if not resume and latest_checkpoint(out) is not None and not overwrite:
+            raise ConfigError(f"{out} already has checkpoints: pass --resume to continue or --overwrite")
+        torch.manual_seed(cfg.run.seed)
+        workers.use_cpu_threads(cfg.run.cpu_threads)
+        self.sampler, self.eval_batches, self.spec_prompts = load_data(
+            cfg, group.total_replicas if group else self.world)
+        self._run_length()
+        (out / "config.resolved.yaml").write_text(dump_yaml(cfg))
+        self._announce(resume)
+        if self.ckpt is not None:
+            meta = json.loads((self.ckpt / "meta.json").read_text())
+            self.start = meta["step"]
+            self.log(f"resuming from {self.ckpt} at step {self.start}")
+            changed = _changed_keys(meta["config"], to_dict(cfg))
+            if changed:
+                self.log(f"warning: config differs from the checkpoint's in {', '.join(changed)}")
+        self.metrics = MetricsLog(out / "metrics.jsonl", self.start if self.ckpt is not None else None)
+        run = cfg.run
+        self.cadence = Cadence(run.log_every, run.eval_every, run.checkpoint_every, run.steps)
+        if self.start >= run.steps:
+            self.log(f"checkpoint step {self.start} is already at run.steps {run.steps}: nothing to train")
+            return False
+        return True
 
-    def build(device: torch.device, seed: int, pol: workers.CompilePolicy) -> Replica:
-        replica = ops.build(device, seed, pol)
-        if ckpt is not None:  # every replica loads the same checkpoint: still identical
-            load_checkpoint(ckpt, replica.drafter, replica.optimizer, replica.scheduler, device)
+    def _run_length(self) -> None:
+        """run.steps from run.epochs, or from the data where the preset leaves it unset."""
+        run, per_epoch = self.cfg.run, self.sampler.steps_per_epoch
+        if run.epochs > 0:
+            run.steps = run.epochs * per_epoch
+        elif run.steps is None:  # the real-target preset: the run's length follows the data
+            run.steps = DEFAULT_EPOCHS * per_epoch
+            self.log(f"run length: {run.steps} steps = {DEFAULT_EPOCHS} epochs of {per_epoch} batches "
+                     f"(run.steps unset; set run.steps or run.epochs to choose)")
+
+    def _announce(self, resume: bool) -> None:
+        """The start-up lines: the summary with every decision's reason, the workers, the config file."""
+        cfg, policy = self.cfg, self.plan.policy
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in DFlashDrafter(drafter_spec(cfg)).parameters())
+        for line in summary(cfg, self.notes, n_params):
+            self.log(line)
+        self.log(f"workers: {self.world} thread(s) on {', '.join(self.devices)}, {len(self.sampler.seqs)} training "
+                 f"sequences; compile {policy.effective}: {policy.reason}")
+        self.log(f"full config: {self.out / 'config.resolved.yaml'}")
+        if resume and self.ckpt is None:
+            self.log(f"no checkpoint in {self.out}: starting from step 0")
+
+    def options(self) -> workers.ThreadedOptions:
+        """The threaded run's options: the plan's policy and warm-up, the cadence, faults and hooks."""
+        run, debug, group, stop = self.cfg.run, self.cfg.debug, self.group, self.stop
+        return workers.ThreadedOptions(
+            policy=self.plan.policy, seed=run.seed, warmup_steps=self.plan.warmup_steps,
+            sync_every=self.cadence.sync_every, barrier_timeout_s=run.barrier_timeout_s,
+            compile_timeout_s=run.compile_timeout_s, start_step=self.start, fail_at=debug.fail_at,
+            hang_at=debug.hang_at, fail_rank=debug.fail_rank, stop_at=debug.stop_at,
+            request_stop=lambda: stop.request(signal.SIGTERM), should_stop=self.should_stop,
+            stop_before_start=lambda: stop.requested, on_start=self.on_start, on_progress=self.log,
+            cross_reduce=group.cross_reduce if group else None, cross_check=group.cross_check if group else None)
+
+    def build(self, device: torch.device, seed: int, policy: CompilePolicy) -> Replica:
+        """One worker's replica; every replica loads the same checkpoint, so they stay identical."""
+        replica = self.ops.build(device, seed, policy)
+        if self.ckpt is not None:
+            load_checkpoint(self.ckpt, replica.drafter, replica.optimizer, replica.scheduler, device)
         return replica
 
-    state = {"loss_sum": 0.0, "steps": 0, "record_step": start, "t0": time.perf_counter(),
-             "untrained": None, "stopped": None, "spec_tau": None}
-    threads_at = time.monotonic()
-    parallel_warmup_s = threads_at - warmup_at
-
-    def run_eval(replica: Replica, step: int, event: str) -> float:
-        result = evaluate(replica, eval_batches)
+    def evaluate(self, replica: Replica, step: int, event: str) -> float:
+        """The held-out evaluation (and after step 0 the speculative one), logged; its acceptance length."""
+        cfg, prompts = self.cfg, self.spec_prompts
+        result = evaluate(replica, self.eval_batches)
         spec = ""
-        if spec_prompts and step > 0:  # the untrained drafter's real tau is not worth its decode
+        if prompts and step > 0:  # the untrained drafter's real tau is not worth its decode
             t0 = time.monotonic()
-            result.update(speculative_eval(replica.target, replica.drafter, spec_prompts, cfg.run.spec_new_tokens))
+            result.update(speculative_eval(replica.target, replica.drafter, prompts, cfg.run.spec_new_tokens))
             result["spec_eval_s"] = time.monotonic() - t0
             spec = (f", speculative tau {result['spec_tau_prompt_mean']:.3f} +- {result['spec_tau_prompt_se']:.3f} "
                     f"(mean of per-prompt tau +- its standard error; pooled {result['spec_tau']:.3f}; "
-                    f"{len(spec_prompts)} held-out prompts x {cfg.run.spec_new_tokens} tokens, greedy, "
+                    f"{len(prompts)} held-out prompts x {cfg.run.spec_new_tokens} tokens, greedy, "
                     f"{result['spec_eval_s']:.1f} s)")
-        metrics.write({"event": event, "step": step, "total_steps": total, **result})
-        state["spec_tau"] = result.get("spec_tau_prompt_mean")
-        log(f"eval step {step}: held-out loss {result['loss']:.4f}, "
-            f"teacher-forced acceptance length {result['acceptance_length']:.3f}{spec}")
+        self.metrics.write({"event": event, "step": step, "total_steps": self.cadence.total, **result})
+        self.spec_tau = result.get("spec_tau_prompt_mean")
+        self.log(f"eval step {step}: held-out loss {result['loss']:.4f}, "
+                 f"teacher-forced acceptance length {result['acceptance_length']:.3f}{spec}")
         return result["acceptance_length"]
 
-    def save(replica: Replica, step: int) -> None:
-        path = save_checkpoint(out, step, replica.drafter, replica.optimizer, replica.scheduler,
-                               to_dict(cfg), replica.device, cfg.run.keep_checkpoints)
-        log(f"checkpoint: {path}")
+    def save(self, replica: Replica, step: int) -> None:
+        """A checkpoint of replica 0 after `step`."""
+        path = save_checkpoint(self.out, step, replica.drafter, replica.optimizer, replica.scheduler,
+                               to_dict(self.cfg), replica.device, self.cfg.run.keep_checkpoints)
+        self.log(f"checkpoint: {path}")
 
-    def on_start(point: workers.SyncPoint) -> None:
+    def on_start(self, point: workers.SyncPoint) -> None:
+        """Rank 0's thread after warm-up, every other worker waiting: step 0's evaluation, the time to first step."""
         ready_at = time.monotonic()
         for replica in point.replicas:  # warm-up is over: no progress probes in the steps' layer loops
             stop_progress_probes(replica)
-        if policy.effective != "off":
-            log(f"compiled and warmed up: {' / '.join(f'{s:.1f}' for s in point.warmup_s)} s per worker; "
-                f"{warmup.cache_stats()}")
-        if start == 0:
-            state["untrained"] = run_eval(point.replicas[0], 0, "eval")
+        if self.plan.policy.effective != "off":
+            self.log(f"compiled and warmed up: {' / '.join(f'{s:.1f}' for s in point.warmup_s)} s per worker; "
+                     f"{warmup.cache_stats()}")
+        if self.start == 0:
+            self.untrained = self.evaluate(point.replicas[0], 0, "eval")
         now = time.monotonic()
-        timing = {"time_to_first_step_s": now - launched_at, "before_workers_s": warmup_at - launched_at,
-                  "parallel_warmup_s": parallel_warmup_s, "workers_ready_s": ready_at - threads_at,
+        parallel_s = self.threads_at - self.warmup_at
+        timing = {"time_to_first_step_s": now - self.launched_at, "before_workers_s": self.warmup_at - self.launched_at,
+                  "parallel_warmup_s": parallel_s, "workers_ready_s": ready_at - self.threads_at,
                   "warmup_s": list(point.warmup_s), "first_eval_s": now - ready_at}
-        metrics.write({"event": "start", "step": start, **timing})
-        parallel = f"parallel warm-up {parallel_warmup_s:.1f} s; " if cfg.run.parallel_warmup == "on" else ""
-        log(f"time to first step: {timing['time_to_first_step_s']:.1f} s (start-up, config and data "
-            f"{timing['before_workers_s']:.1f} s; {parallel}build, compile and warm-up {timing['workers_ready_s']:.1f} s; "
-            f"step-{start} evaluation {timing['first_eval_s']:.1f} s)")
-        state["t0"] = time.perf_counter()
+        self.metrics.write({"event": "start", "step": self.start, **timing})
+        parallel = f"parallel warm-up {parallel_s:.1f} s; " if self.plan.parallel_warmup == "on" else ""
+        self.log(f"time to first step: {timing['time_to_first_step_s']:.1f} s (start-up, config and data "
+                 f"{timing['before_workers_s']:.1f} s; {parallel}build, compile and warm-up "
+                 f"{timing['workers_ready_s']:.1f} s; step-{self.start} evaluation {timing['first_eval_s']:.1f} s)")
+        self.meter.restart_clock()
 
-    def on_sync(point: workers.SyncPoint) -> bool:
-        """Rank 0's thread, every other worker waiting: metrics, eval, checkpoint, export."""
-        replica, done = point.replicas[0], point.step
-        state["loss_sum"] += group.mean(point.loss_sums) if group else sum(point.loss_sums) / world
-        state["steps"] += point.steps_since_last
-        stopping = should_stop.requested if group else stop.requested
-        eval_now = done % cfg.run.eval_every == 0 and done < total
-        if done % cfg.run.log_every == 0 or done == total or eval_now or stopping:
-            elapsed = time.perf_counter() - state["t0"]
-            steps = max(state["steps"], 1)
-            tokens = data.take_tokens(state["record_step"], done)
-            record = {"event": "train", "step": done, "total_steps": total,
-                      "loss": state["loss_sum"] / steps, "acceptance_length": None,
-                      "lr": replica.last_lr, "grad_norm": float(replica.last_grad_norm),
-                      "tokens_per_s": tokens / elapsed, "step_time_s": elapsed / steps,
-                      "gpu_mem_gb": _gpu_mem_gb([r.device for r in point.replicas]),
-                      "train_acceptance_length": float(replica.last_acceptance)}
-            if eval_now:
-                record["acceptance_length"] = run_eval(replica, done, "eval")
-            metrics.write(record)
-            log(f"step {done}/{total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-                f"gnorm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s "
-                f"{record['step_time_s'] * 1000:.1f} ms/step")
-            state.update(loss_sum=0.0, steps=0, record_step=done)
-        if main and (done % cfg.run.checkpoint_every == 0 or done == total or stopping):
-            save(replica, done)
+    def on_sync(self, point: workers.SyncPoint) -> bool:
+        """Rank 0's thread, every other worker waiting: metrics, eval, checkpoint, export; True stops the run."""
+        replica, done, cadence = point.replicas[0], point.step, self.cadence
+        losses = self.group.mean(point.loss_sums) if self.group else sum(point.loss_sums) / self.world
+        self.meter.add(losses, point.steps_since_last)
+        stopping = self.should_stop.requested if self.group else self.stop.requested
+        if cadence.logs(done, stopping):
+            tokens = self.data.take_tokens(self.meter.record_step, done)
+            record = self.meter.record(done, cadence.total, tokens, replica, [r.device for r in point.replicas])
+            if cadence.evaluates(done):
+                record["acceptance_length"] = self.evaluate(replica, done, "eval")
+            self.metrics.write(record)
+            self.log(train_line(record))
+        if self.main and cadence.checkpoints(done, stopping):
+            self.save(replica, done)
         if stopping:
-            state["stopped"] = done
+            self.stopped = done
             return True
-        if done == total:
-            log(f"workers: {world} replica(s) in sync at step {done} (parameter checksum {point.checksum})")
-            final = run_eval(replica, total, "final")
-            if main:
-                export_dir = export_drafter(replica.drafter, cfg.target, cfg.run.export_dir, DTYPES[cfg.run.dtype])
-                log(f"exported drafter to {export_dir}")
-            before = f" (untrained: {state['untrained']:.3f})" if state["untrained"] is not None else ""
-            real = (f"; speculative tau {state['spec_tau']:.3f} (mean of per-prompt tau: real draft-and-verify decoding, greedy)"
-                    if state["spec_tau"] is not None else
-                    " (a proxy: real speculative decoding accepts fewer tokens per step)")
-            log(f"final held-out teacher-forced acceptance length: {final:.3f}{before}{real}")
-        state["t0"] = time.perf_counter()
+        if done == cadence.total:
+            self.finish(replica, point.checksum)
+        self.meter.restart_clock()
         return False
 
-    run = cfg.run
-    should_stop = group.stop_agreement(lambda: stop.requested) if group else (lambda: stop.requested)
-    options = workers.ThreadedOptions(
-        compile=run.compile, seed=run.seed, warmup_steps=warmup_steps(policy),
-        sync_every=math.gcd(run.log_every, run.eval_every, run.checkpoint_every),
-        barrier_timeout_s=run.barrier_timeout_s, compile_timeout_s=run.compile_timeout_s, start_step=start,
-        fail_at=cfg.debug.fail_at, hang_at=cfg.debug.hang_at, fail_rank=cfg.debug.fail_rank,
-        stop_at=cfg.debug.stop_at, request_stop=lambda: stop.request(signal.SIGTERM),
-        should_stop=should_stop, stop_before_start=lambda: stop.requested, on_start=on_start,
-        on_progress=log,
-        cross_reduce=group.cross_reduce if group else None, cross_check=group.cross_check if group else None)
-    result = workers.run_threaded(dataclasses.replace(ops, build=build), devices,
-                                  group.sharded(data) if group else data, total, options, on_sync)
-    if result.stopped_before_start:
-        log(f"stopped by signal {stop.signum} before step {start + 1}: nothing to save")
-        return stop.exit_code
-    if state["stopped"] is not None:
-        by = f"signal {stop.signum}" if stop.requested else "another node's stop request"
-        log(f"stopped by {by} after step {state['stopped']}; to continue, run again with --resume")
-        return stop.exit_code if stop.requested else 128 + signal.SIGTERM
-    return 0
+    def finish(self, replica: Replica, checksum: int) -> None:
+        """After the last step: the final evaluation and (rank 0) the export."""
+        total = self.cadence.total
+        self.log(f"workers: {self.world} replica(s) in sync at step {total} (parameter checksum {checksum})")
+        final = self.evaluate(replica, total, "final")
+        if self.main:
+            export_dir = export_drafter(replica.drafter, self.cfg.target, self.cfg.run.export_dir,
+                                        DTYPES[self.cfg.run.dtype])
+            self.log(f"exported drafter to {export_dir}")
+        before = f" (untrained: {self.untrained:.3f})" if self.untrained is not None else ""
+        real = (f"; speculative tau {self.spec_tau:.3f} (mean of per-prompt tau: real draft-and-verify decoding, "
+                f"greedy)" if self.spec_tau is not None else
+                " (a proxy: real speculative decoding accepts fewer tokens per step)")
+        self.log(f"final held-out teacher-forced acceptance length: {final:.3f}{before}{real}")
+
+    def outcome(self, result: workers.ThreadedResult) -> int:
+        """The exit code of a finished threaded run, with its last line where it stopped early."""
+        stop = self.stop
+        if result.stopped_before_start:
+            self.log(f"stopped by signal {stop.signum} before step {self.start + 1}: nothing to save")
+            return stop.exit_code
+        if self.stopped is not None:
+            by = f"signal {stop.signum}" if stop.requested else "another node's stop request"
+            self.log(f"stopped by {by} after step {self.stopped}; to continue, run again with --resume")
+            return stop.exit_code if stop.requested else 128 + signal.SIGTERM
+        return 0

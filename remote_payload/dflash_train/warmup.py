@@ -194,17 +194,18 @@ def child_main(argv: list[str] | None = None) -> int:
     from .config import load_config
     from .data import BlockSampler, random_sequences
     from .replica import drafter_ops
-    from .resolve import resolve_config
+    from .plan import resolve_run
 
     over = [f"run.device={args.device}", "run.gpus=[]", "run.threads=1", "run.parallel_warmup=off"]
     cfg = load_config(args.config, overrides=over)
     fail_rank, cfg.debug.fail_rank = cfg.debug.fail_rank, 0  # this process has one worker: args.rank
-    cfg = resolve_config(cfg)
+    plan = resolve_run(cfg)  # this process's one worker on args.device, planned as the trainer plans it
+    cfg = plan.cfg
     device = torch.device(args.device)
     workers.use_cpu_threads(cfg.run.cpu_threads)  # as the trainer: CPU kernels are built for it
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    policy = workers.choose_compile_policy(cfg.run.compile, device.type)
+    policy = plan.policy
     torch.manual_seed(cfg.run.seed)
     ops = drafter_ops(cfg)
     replica = ops.build(device, cfg.run.seed, policy)

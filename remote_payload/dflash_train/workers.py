@@ -19,7 +19,6 @@ import dataclasses
 import threading
 import time
 import traceback
-import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,15 +26,7 @@ from typing import Any
 
 import torch
 
-COMPILE_MODES = ("off", "default", "cudagraphs")
-
-# Inductor options for "cudagraphs": reduce-overhead's CUDA graphs without CUDAGraph Trees.
-# Passed to every torch.compile call, never set in torch._inductor.config: from torch 2.12 config
-# overrides are per-thread, so a value set by the main thread is not seen by the workers.
-# Graph partitions off: the tree-less path treats every non-tangent backward input as a static
-# address, which only holds when the whole forward is one captured graph (docs/threaded-compile.md).
-CUDAGRAPH_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_trees": False, "graph_partition": False}
-
+from .compiling import EAGER, CompilePolicy
 
 class WorkerError(RuntimeError):
     """A worker thread failed (or stalled); the message holds its traceback."""
@@ -52,85 +43,6 @@ class DivergenceError(RuntimeError):
 
 class InjectedFault(RuntimeError):
     """Raised on purpose by `ThreadedOptions.fail_at` (tests of the failure paths)."""
-
-
-@dataclass(frozen=True)
-class CompilePolicy:
-    """What `torch.compile` does in the workers, and why."""
-
-    requested: str
-    effective: str  # off | default | cudagraphs
-    options: dict[str, Any] | None
-    reason: str
-
-    def compile(self, fn: Callable) -> Callable:
-        """Wrap a module or function according to the policy (under CUDA graphs, a function gets a
-        compiled graph of its own: see `private_code`)."""
-        if self.effective == "off":
-            return fn
-        if self.effective == "default":
-            return torch.compile(fn)
-        if isinstance(fn, torch.nn.Module):
-            module = fn
-            fn = lambda *args, **kwargs: module(*args, **kwargs)  # noqa: E731 - a function to copy
-        # CUDA graphs replay fixed shapes: static shapes avoid a dynamic-shape graph that would be
-        # re-captured (outside the warm-up lock) whenever a new size shows up.
-        return torch.compile(private_code(fn), dynamic=False, options=dict(self.options))
-
-
-def private_code(fn: Callable) -> Callable:
-    """`fn` with a code object of its own, so that Dynamo, which caches compiled graphs per code
-    object, compiles it apart from every other copy.
-
-    Two replicas on one GPU build their step from the same closure code; guards do not tell their
-    (equal-shaped, same-device) parameters apart, so the second would replay the first one's CUDA
-    graph, whose static inputs are the first replica's parameters: tree-less cudagraphify then
-    fails with `dst.data_ptr() == src.data_ptr()` (compile_fx.py, torch 2.11). With a code object
-    each, every replica captures its own graph (a warm FX cache keeps the second compile short)."""
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
-    return copy
-
-
-def torch_version_tuple(version: str) -> tuple[int, int]:
-    """(major, minor) of a torch version string such as '2.11.0+cu130'."""
-    major, minor = version.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
-def choose_compile_policy(mode: str, device_type: str, version: str = torch.__version__) -> CompilePolicy:
-    """The compile policy for worker threads, from the config's `compile` and the torch version."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
-    if mode == "off":
-        return CompilePolicy(mode, "off", None, "eager")
-    if mode == "default" or device_type != "cuda":
-        why = "inductor without CUDA graphs" if mode == "default" else "CUDA graphs need CUDA: default compile"
-        return CompilePolicy(mode, "default", None, why)
-    ver = torch_version_tuple(version)
-    if ver < (2, 12):
-        why = ("CUDAGraph Trees keep their state in TLS stashed only by the importing thread "
-               "(AssertionError in workers, measured on 2.11): trees off, per call")
-    elif ver < (2, 13):
-        why = ("trees not thread-aware yet and inductor config is per-thread: trees off, "
-               "passed per torch.compile call")
-    else:
-        why = ("trees initialise per-thread state since 2.13, but are unmeasured in worker "
-               "threads here: trees off (measured safe), passed per torch.compile call")
-    return CompilePolicy(mode, "cudagraphs", dict(CUDAGRAPH_OPTIONS), why)
-
-
-def preload_compiler() -> None:
-    """Import Dynamo and Inductor in a background thread: the first `torch.compile` pays for it
-    otherwise, in the worker, after everything else (7.7 s of the 8B preset's start-up on an H200
-    box with a cold page cache, bench/startup_profile.py). Started before the config, data,
-    CUDA context and weights are set up, it overlaps them; a worker that compiles first waits on
-    the import lock."""
-    def load() -> None:
-        import torch._dynamo  # noqa: F401
-        import torch._inductor.compile_fx  # noqa: F401
-
-    threading.Thread(target=load, name="dflash-preload-compiler", daemon=True).start()
 
 
 @dataclass(frozen=True)
@@ -152,7 +64,7 @@ class ReplicaOps:
 class ThreadedOptions:
     """Knobs of the threaded run. The trainer fills them from the run config (train.py)."""
 
-    compile: str = "off"  # off | default | cudagraphs
+    policy: CompilePolicy = EAGER  # the run plan's (plan.resolve_run); eager by default
     seed: int = 0
     warmup_steps: int = 2  # fwd+bwd calls per worker under the warm-up lock (compile + capture)
     sync_every: int = 10  # compare checksums and call on_sync every this many steps (and at the end)
@@ -395,7 +307,7 @@ class Coordinator:
         kinds = {d.type for d in self.devices}
         if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
             raise ValueError(f"workers need devices of one kind, cpu or cuda: {self.devices}")
-        self.policy = choose_compile_policy(options.compile, self.devices[0].type)
+        self.policy = options.policy
         if len(set(self.devices)) == 1:
             self.reduce = _average_local  # CPU "devices", or one GPU shared by several replicas
         elif kinds == {"cuda"} and len(set(self.devices)) == self.world:

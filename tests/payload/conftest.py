@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "remote_payload"))
 import torch  # noqa: E402
 
 from dflash_train.config import load_config  # noqa: E402
-from dflash_train.resolve import resolve_config  # noqa: E402
+from dflash_train.plan import resolve_run  # noqa: E402
 
 # Tiny ops gain nothing from intra-op threads, and OpenMP spin-waits on a busy 2-core runner
 # make 2 threads an order of magnitude slower than 1.
@@ -29,6 +29,12 @@ def regen_golden(request) -> bool:
 
 
 @pytest.fixture
-def tiny_cfg(tmp_path):
-    """The resolved tiny config, writing into a temporary output dir."""
-    return resolve_config(load_config(overrides=[f"run.output_dir={tmp_path / 'run'}"]))
+def tiny_plan(tmp_path):
+    """The tiny run's plan on this CPU, writing into a temporary output dir."""
+    return resolve_run(load_config(overrides=[f"run.output_dir={tmp_path / 'run'}"]), cuda_count=0)
+
+
+@pytest.fixture
+def tiny_cfg(tiny_plan):
+    """The resolved tiny config (the plan's)."""
+    return tiny_plan.cfg

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "remote_payload"))
 from dflash_train.config import TargetConfig, load_config  # noqa: E402
 from dflash_train.data import BlockSampler, build_datasets  # noqa: E402
 from dflash_train.target import build_tiny_target, load_hf_target  # noqa: E402
-from dflash_train.resolve import resolve_config  # noqa: E402
+from dflash_train.plan import resolve_run  # noqa: E402
 from dflash_train.replica import build_replica, forward_loss, train_step  # noqa: E402
 from dflash_train.train import run_training  # noqa: E402
 
@@ -66,10 +66,11 @@ def check_paths() -> None:
     """Flex vs dense on CUDA in fp32: loss and every gradient."""
     grads = {}
     for attention in ("dense", "flex"):
-        cfg = resolve_config(load_config(overrides=["run.device=cuda", "run.dtype=fp32", "run.compile=off",
+        plan = resolve_run(load_config(overrides=["run.device=cuda", "run.dtype=fp32", "run.compile=off",
                                                     f"drafter.attention={attention}", "drafter.num_layers=2"]))
+        cfg = plan.cfg
         train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
-        replica = build_replica(cfg, "cuda", 0)
+        replica = build_replica(cfg, "cuda", 0, plan.policy)
         batch = BlockSampler(train, cfg.data, cfg.drafter.block_size, 0).batch(0)
         out = forward_loss(replica, batch)
         out.loss.backward()
@@ -92,11 +93,12 @@ def check_tiny() -> None:
 def check_8b() -> None:
     """Qwen3-8B-shaped step: ms/step and peak memory."""
     for policy in ("off", "default"):
-        cfg = resolve_config(load_config(preset="qwen3-8b", overrides=[f"run.compile={policy}"]))
+        plan = resolve_run(load_config(preset="qwen3-8b", overrides=[f"run.compile={policy}"]))
+        cfg = plan.cfg
         train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
         sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, 0)
         t0 = time.perf_counter()
-        replica = build_replica(cfg, "cuda", 0)
+        replica = build_replica(cfg, "cuda", 0, plan.policy)
         print(f"8b compile={policy}: built in {time.perf_counter() - t0:.1f} s", flush=True)
         for step in range(3):
             t0 = time.perf_counter()
@@ -124,12 +126,13 @@ def check_graphstep() -> None:
     gpus = list(range(torch.cuda.device_count()))
     params = {}
     for capture in ("auto", "off"):
-        cfg = resolve_config(load_config(overrides=[
+        plan = resolve_run(load_config(overrides=[
             "data.source=random", f"data.batch_size={2 * len(gpus)}", "data.num_train=64", "run.steps=30",
             "run.compile=cudagraphs", f"run.capture_optimizer={capture}", f"run.gpus={gpus}"]))
+        cfg = plan.cfg
         train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
         sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, 0)
-        opts = workers.ThreadedOptions(compile="cudagraphs", seed=0, sync_every=10)
+        opts = workers.ThreadedOptions(policy=plan.policy, seed=0, warmup_steps=plan.warmup_steps, sync_every=10)
         res = workers.run_threaded(drafter_ops(cfg), [f"cuda:{g}" for g in gpus], workers.sharded(sampler.batch),
                                    30, opts)
         replica = res.replicas[0]
@@ -149,8 +152,9 @@ def check_graphtarget() -> None:
     gpus = list(range(torch.cuda.device_count()))
     over = ["data.source=random", "data.batch_size=2", "data.num_train=64", "run.steps=30",
             "run.compile=default", "run.compile_scope=layers"]
-    cfg = resolve_config(load_config(overrides=over + ["run.device=cuda:0"]))
-    replica = build_replica(cfg, "cuda:0", 0)
+    plan = resolve_run(load_config(overrides=over + ["run.device=cuda:0"]))
+    cfg = plan.cfg
+    replica = build_replica(cfg, "cuda:0", 0, plan.policy)
     capture_target_forward(replica)
     layer_ids = replica.drafter.spec.target_layer_ids
     same = []
@@ -162,10 +166,11 @@ def check_graphtarget() -> None:
     print(f"graphtarget: graph features equal to eager on 3 inputs: {same}", flush=True)
     results = {}
     for capture in ("on", "off"):
-        cfg = resolve_config(load_config(overrides=over + [f"run.capture_target={capture}", f"run.gpus={gpus}"]))
+        plan = resolve_run(load_config(overrides=over + [f"run.capture_target={capture}", f"run.gpus={gpus}"]))
+        cfg = plan.cfg
         train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
         sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, 0)
-        opts = workers.ThreadedOptions(compile="default", seed=0, warmup_steps=1, sync_every=10)
+        opts = workers.ThreadedOptions(policy=plan.policy, seed=0, warmup_steps=plan.warmup_steps, sync_every=10)
         res = workers.run_threaded(drafter_ops(cfg), [f"cuda:{g}" for g in gpus], workers.sharded(sampler.batch),
                                    30, opts)
         results[capture] = (res.losses, res.checksums)

@@ -26,7 +26,7 @@ from dflash_train.config import load_config  # noqa: E402
 from dflash_train.data import BlockSampler, build_datasets  # noqa: E402
 from dflash_train.decode import generate  # noqa: E402
 from dflash_train.replica import build_replica, forward_loss  # noqa: E402
-from dflash_train.resolve import resolve_config  # noqa: E402
+from dflash_train.plan import resolve_run  # noqa: E402
 from dflash_train.target_hf import build_hf_target, read_target_config  # noqa: E402
 
 SLIDING = ["drafter.num_layers=2", 'drafter.layer_types=["sliding_attention","full_attention"]',
@@ -37,10 +37,11 @@ def check_sliding() -> None:
     """Flex vs dense sliding masks (fp32 loss and gradients), then a compiled bf16 run."""
     results = {}
     for attention in ("flex", "dense"):
-        cfg = resolve_config(load_config(preset="tiny", overrides=SLIDING + [
+        plan = resolve_run(load_config(preset="tiny", overrides=SLIDING + [
             "run.device=cuda:0", "run.dtype=fp32", "run.compile=off", f"drafter.attention={attention}"]))
+        cfg = plan.cfg
         train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
-        replica = build_replica(cfg, "cuda", 0)
+        replica = build_replica(cfg, "cuda:0", 0, plan.policy)
         out = forward_loss(replica, BlockSampler(train, cfg.data, cfg.drafter.block_size, 0).batch(0).to("cuda"))
         out.loss.backward()
         results[attention] = (out.loss.item(), [p.grad.clone() for p in replica.drafter.parameters()])

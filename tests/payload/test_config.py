@@ -9,7 +9,7 @@ import pytest
 from dflash_train.__main__ import main
 from dflash_train.config import ConfigError, load_config
 from dflash_train.distributed import NodeEnv
-from dflash_train.resolve import auto_attention, resolve_config
+from dflash_train.plan import auto_attention, resolve_run
 
 PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 
@@ -129,7 +129,7 @@ def test_bad_data_file_is_one_line_in_a_fresh_process(tmp_path, rows, expected):
 
 
 def test_qwen3_8b_preset_resolves_to_the_published_recipe():
-    cfg = resolve_config(load_config(preset="qwen3-8b", overrides=["run.device=cpu"]))
+    cfg = resolve_run(load_config(preset="qwen3-8b", overrides=["run.device=cpu"])).cfg
     assert cfg.drafter.target_layer_ids == [1, 9, 17, 25, 33]
     assert (cfg.drafter.num_layers, cfg.drafter.block_size, cfg.drafter.mask_token_id) == (5, 16, 151669)
     assert (cfg.data.max_length, cfg.data.anchors_per_seq) == (3072, 512)
@@ -146,4 +146,4 @@ def test_auto_attention_compiles_nothing_when_compile_is_off(on_cuda, compile_mo
 
 def test_resolve_rejects_layer_ids_outside_the_target():
     with pytest.raises(ConfigError, match="target_layer_ids"):
-        resolve_config(load_config(overrides=["drafter.target_layer_ids=[1, 6]"]))
+        resolve_run(load_config(overrides=["drafter.target_layer_ids=[1, 6]"])).cfg

@@ -11,7 +11,7 @@ import torch
 from dflash_train.config import DataConfig
 from dflash_train.config import load_config
 from dflash_train.data import BlockSampler, build_datasets, load_jsonl, sample_anchors, seeded_generator
-from dflash_train.resolve import resolve_config
+from dflash_train.plan import resolve_run
 from dflash_train.train import run_training
 
 
@@ -186,7 +186,7 @@ def test_chat_jsonl_trains_end_to_end(tmp_path):
     cfg = load_config(overrides=sets + ["run.steps=4", "run.log_every=1", "run.eval_every=2",
                                         "run.checkpoint_every=4"])
     # MASK is the tokenizer's <|MASK|>, not the random target's last id (a real BPE token here).
-    assert resolve_config(cfg).drafter.mask_token_id == tok_mask["id"]
+    assert resolve_run(cfg).cfg.drafter.mask_token_id == tok_mask["id"]
     logs = []
     assert run_training(cfg, log=logs.append) == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

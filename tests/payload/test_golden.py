@@ -16,16 +16,17 @@ GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 STEPS = 20
 
 
-def tiny_losses(cfg) -> list[float]:
+def tiny_losses(plan) -> list[float]:
     """Losses of the first STEPS steps of the default tiny run (seed 0, its 300-step schedule)."""
+    cfg = plan.cfg
     train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
     sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
-    replica = build_replica(cfg, "cpu", cfg.run.seed)
+    replica = build_replica(cfg, "cpu", cfg.run.seed, plan.policy)
     return [float(train_step(replica, sampler.batch(step))[0]) for step in range(STEPS)]
 
 
-def test_tiny_losses_match_golden(tiny_cfg, regen_golden):
-    losses = tiny_losses(tiny_cfg)
+def test_tiny_losses_match_golden(tiny_plan, regen_golden):
+    losses = tiny_losses(tiny_plan)
     if regen_golden:
         GOLDEN.write_text(json.dumps({"steps": STEPS, "config": "tiny preset, seed 0, CPU fp32",
                                       "losses": losses}, indent=1) + "\n")

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_train.config import ConfigError, load_config
-from dflash_train.resolve import THREADS_KEEP_UP, launcher_decision, resolve_config, threads_keep_up
+from dflash_train.plan import THREADS_KEEP_UP, launcher_decision, resolve_run, threads_keep_up
 
 PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 GPUS = [f"cuda:{i}" for i in range(9)]
@@ -46,13 +46,13 @@ def test_the_table_and_multi_host_runs():
 
 
 def test_processes_turn_the_parallel_warm_up_off_and_cpu_defaults_to_threads():
-    notes: list[str] = []
-    cfg = resolve_config(load_config(overrides=["run.threads=2", "run.compile=default", "run.launcher=processes",
-                                                "run.parallel_warmup=on"]), notes)
+    plan = resolve_run(load_config(overrides=["run.threads=2", "run.compile=default", "run.launcher=processes",
+                                              "run.parallel_warmup=on"]))
+    cfg, notes = plan.cfg, plan.notes
     assert cfg.run.launcher == "processes" and cfg.run.parallel_warmup == "off"
     assert "launcher: processes (run.launcher processes)" in notes
     assert "parallel warm-up: off (one process per device: they compile in parallel anyway)" in notes
-    assert resolve_config(load_config(overrides=["run.threads=2"])).run.launcher == "threads"
+    assert resolve_run(load_config(overrides=["run.threads=2"])).cfg.run.launcher == "threads"
 
 
 # Small and fast: random tokens, 2 CPU workers of 2 sequences each.

@@ -12,7 +12,7 @@ from dflash_train.config import load_config
 from dflash_train.decode import Decoder, greedy
 from dflash_train.lookup import NgramIndex, lookup_decode, lookup_eval, prompt_lookup
 from dflash_train.replica import build_target
-from dflash_train.resolve import resolve_config
+from dflash_train.plan import resolve_run
 from dflash_train.speculate import Decoded, tau_figures
 
 
@@ -68,7 +68,7 @@ def test_tau_pooled_and_mean_per_prompt_on_known_runs():
 
 @pytest.fixture(scope="module")
 def target():
-    cfg = resolve_config(load_config(preset="tiny"))
+    cfg = resolve_run(load_config(preset="tiny")).cfg
     return build_target(cfg, torch.device("cpu")).eval()
 
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train import workers as W
 from dflash_train.config import load_config
 from dflash_train.data import BlockSampler, build_datasets
-from dflash_train.replica import (build_replica, captures_optimizer, forward_backward, optimizer_step,
-                                  optimizer_tensors, rehearse_optimizer_step, scheduled_lr)
-from dflash_train.resolve import resolve_config
+from dflash_train.plan import resolve_run
+from dflash_train.replica import (build_replica, forward_backward, optimizer_step, optimizer_tensors,
+                                  rehearse_optimizer_step, scheduled_lr)
 
 # Weight decay on: a rehearsal on zero gradients then still moves the parameters, so undoing it is tested.
 TINY = ["data.source=random", "data.num_train=16", "data.num_eval=4", "target.num_layers=4", "data.batch_size=4",
@@ -22,23 +21,24 @@ TINY = ["data.source=random", "data.num_train=16", "data.num_eval=4", "target.nu
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = resolve_config(load_config(overrides=TINY))
+    plan = resolve_run(load_config(overrides=TINY), cuda_count=0)
+    cfg = plan.cfg
     train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
-    return cfg, BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
+    return plan, BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
 
 
 def test_captured_only_where_the_step_runs_under_cuda_graphs(setup):
-    cfg, _ = setup
-    graphs, plain = W.choose_compile_policy("cudagraphs", "cuda"), W.choose_compile_policy("default", "cuda")
-    assert captures_optimizer(cfg, graphs)
-    assert not captures_optimizer(cfg, plain)
-    assert not captures_optimizer(cfg, W.choose_compile_policy("cudagraphs", "cpu"))  # default compile on CPU
-    cfg.run.capture_optimizer = "off"
-    try:
-        assert not captures_optimizer(cfg, graphs)
-    finally:
-        cfg.run.capture_optimizer = "auto"
-    replica = build_replica(cfg, "cpu", cfg.run.seed)  # the CPU path: float lr, as before (golden losses)
+    plan, _ = setup
+
+    def captures(*over: str, gpus: int = 1) -> bool:
+        return resolve_run(load_config(overrides=TINY + list(over)), cuda_count=gpus).policy.capture_optimizer
+
+    assert captures("run.compile=cudagraphs")
+    assert not captures("run.compile=default")
+    assert not captures("run.compile=cudagraphs", gpus=0)  # default compile on CPU
+    assert not captures("run.compile=cudagraphs", "run.capture_optimizer=off")
+    cfg = plan.cfg
+    replica = build_replica(cfg, "cpu", cfg.run.seed, plan.policy)  # the CPU path: float lr, as before (golden losses)
     assert not replica.capture_step and isinstance(replica.optimizer.param_groups[0]["lr"], float)
 
 
@@ -53,8 +53,9 @@ def train(replica, sampler, steps):
 
 @pytest.mark.parametrize("trained_first", [0, 3])  # a fresh optimizer, and one with state (resume)
 def test_the_rehearsal_before_capture_leaves_no_trace(setup, trained_first):
-    cfg, sampler = setup
-    rehearsed, twin = build_replica(cfg, "cpu", cfg.run.seed), build_replica(cfg, "cpu", cfg.run.seed)
+    plan, sampler = setup
+    seed = plan.cfg.run.seed
+    rehearsed, twin = build_replica(plan.cfg, "cpu", seed, plan.policy), build_replica(plan.cfg, "cpu", seed, plan.policy)
     train(rehearsed, sampler, trained_first)
     train(twin, sampler, trained_first)
     before = [t.detach().clone() for t in optimizer_tensors(rehearsed)]

@@ -22,7 +22,7 @@ from dflash_train.config import load_config
 from dflash_train.decode import generate
 from dflash_train.evaluate import encode_prompts, evaluate_run, read_prompts
 from dflash_train.regen_rows import token_row
-from dflash_train.resolve import resolve_config
+from dflash_train.plan import resolve_run
 from dflash_train.target import load_hf_target, read_hf_config
 from dflash_train.train import run_training
 
@@ -97,7 +97,7 @@ def test_the_built_target_loads_in_the_trainer_as_in_transformers(tiny_real_targ
 
     from dflash_train.data import tokenize_chat
 
-    cfg = resolve_config(load_config(overrides=[f"target.path={tiny_real_target}", "run.output_dir=unused"]))
+    cfg = resolve_run(load_config(overrides=[f"target.path={tiny_real_target}", "run.output_dir=unused"])).cfg
     ids = json.loads((tiny_real_target / "build.json").read_text())["special_ids"]
     assert cfg.drafter.mask_token_id == ids[build_target.MASK]
     assert cfg.target.num_layers == 2 and not cfg.target.tie_word_embeddings

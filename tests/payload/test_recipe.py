@@ -8,7 +8,8 @@ import pytest
 
 from dflash_train.config import ConfigError, load_config
 from dflash_train.recipe import recipe_for_target
-from dflash_train.resolve import resolve_config, summary
+from dflash_train.plan import resolve_run
+from dflash_train.resolve import summary
 
 
 def hf_dir(tmp_path, hidden: int, layers: int = 4):
@@ -22,11 +23,11 @@ def hf_dir(tmp_path, hidden: int, layers: int = 4):
 
 
 def resolved(*sets, preset=None):
-    notes: list[str] = []
     if any(s.startswith("target.path=") for s in sets):  # the config.json has no tokenizer beside it
         sets = ["drafter.mask_token_id=999", *sets]
     sets = ["run.device=cpu", *sets]
-    return resolve_config(load_config(preset=preset, overrides=sets), notes), notes
+    plan = resolve_run(load_config(preset=preset, overrides=sets))
+    return plan.cfg, list(plan.notes)
 
 
 def test_a_real_target_without_a_preset_gets_the_recipe_for_its_size(tmp_path):

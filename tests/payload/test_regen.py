@@ -122,8 +122,11 @@ def test_bad_options_are_one_line_exit_2(tmp_path, capsys):
         "ok": False, "error": "config",
         "message": f"{chats} has messages rows, which need a tokenizer: --tokenizer DIR, or target.path"}
     assert regen.main(["--prompts", str(src), "--out", str(tmp_path / "o.jsonl"), "--preflight"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"ok": True, "devices": ["cpu"], "gpus": [], "holds": ["cpu"],
-                                                   "summary": ["engine: builtin, target random 6 layers, fp32, devices cpu"]}
+    answer = json.loads(capsys.readouterr().out)  # the trainer's pre-flight format (plan.preflight_answer)
+    assert {k: answer[k] for k in ("ok", "holds", "pin", "devices")} == {"ok": True, "holds": ["cpu"], "pin": [],
+                                                                          "devices": ["cpu"]}
+    assert answer["summary"] == ["engine: builtin, target random 6 layers, fp32, devices cpu (run.device auto: no CUDA)"]
+    assert answer["plan"]["devices"] == ["cpu"] and "gpus" not in answer
 
 
 THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -14,14 +14,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.config import ConfigError, load_config
+from dflash_train.config import Config, ConfigError, load_config
 from dflash_train.data import BlockSampler, build_datasets
 from dflash_train.decode import greedy
 from dflash_train.model import attend, block_input_ids
 from dflash_train.replica import build_replica, forward_loss, train_step
-from dflash_train.resolve import drafter_spec, resolve_config
+from dflash_train.plan import resolve_run
+from dflash_train.resolve import drafter_spec
 from dflash_train.sliding import check_layer_types, dense_sliding_mask, drafter_masks, flex_sliding_mask
 from dflash_train.speculate import DraftDecoder, speculate
+
+
+def resolved(cfg: Config, notes: list[str] | None = None) -> Config:
+    """The config as the run plan fills it on a machine without CUDA (its decisions' lines into `notes`)."""
+    plan = resolve_run(cfg, cuda_count=0)
+    if notes is not None:
+        notes.extend(plan.notes)
+    return plan.cfg
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 WINDOW = 3  # the trained drafter's: well inside the 8-token prompts
@@ -76,12 +85,13 @@ def trained(tmp_path_factory):
     """A tiny drafter of one sliding and one full layer, trained briefly on the demo data; the
     loss on a fixed batch before and after."""
     out = tmp_path_factory.mktemp("sliding") / "run"
-    cfg = resolve_config(load_config(preset="tiny", overrides=[
+    plan = resolve_run(load_config(preset="tiny", overrides=[
         f"run.output_dir={out}", "drafter.num_layers=2", f"drafter.layer_types={json.dumps(TYPES)}",
-        f"drafter.sliding_window={WINDOW}"]))
+        f"drafter.sliding_window={WINDOW}"]), cuda_count=0)
+    cfg = plan.cfg
     train, held_out = build_datasets(cfg, cfg.drafter.mask_token_id)
     sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
-    replica = build_replica(cfg, "cpu", cfg.run.seed)
+    replica = build_replica(cfg, "cpu", cfg.run.seed, plan.policy)
     batch = sampler.batch(0)
     before = forward_loss(replica, batch).loss.item()
     for step in range(60):
@@ -176,8 +186,8 @@ def test_the_export_has_the_published_layout_and_loads_strictly_with_the_same_st
 
 
 def test_the_resolved_spec_carries_the_layer_types():
-    cfg = resolve_config(load_config(overrides=["drafter.num_layers=2", f"drafter.layer_types={json.dumps(TYPES)}",
-                                                "drafter.sliding_window=64"]))
+    cfg = resolved(load_config(overrides=["drafter.num_layers=2", f"drafter.layer_types={json.dumps(TYPES)}",
+                                          "drafter.sliding_window=64"]))
     spec = drafter_spec(cfg)
     assert (spec.layer_type(0), spec.layer_type(1), spec.sliding_window) == (*TYPES, 64)
 

@@ -18,8 +18,9 @@ from safetensors.torch import save_file
 from dflash_train.config import load_config
 from dflash_train.data import BlockSampler, build_datasets
 from dflash_train.model import block_input_ids, block_mask
+from dflash_train.compiling import EAGER  # what the plan picks on the CPU: run.compile off
 from dflash_train.replica import build_replica, train_step
-from dflash_train.resolve import resolve_config
+from dflash_train.plan import resolve_run
 from dflash_train.decode import greedy
 from dflash_train.speculate import DraftDecoder, acceptance_by_position, held_out_prompts, speculate
 
@@ -31,10 +32,10 @@ NEW_TOKENS = 40
 def trained(tmp_path_factory):
     """A tiny drafter trained for 150 steps on its target's greedy text (the demo data)."""
     out = tmp_path_factory.mktemp("spec") / "run"
-    cfg = resolve_config(load_config(preset="tiny", overrides=[f"run.output_dir={out}"]))
+    cfg = resolve_run(load_config(preset="tiny", overrides=[f"run.output_dir={out}"])).cfg
     train, held_out = build_datasets(cfg, cfg.drafter.mask_token_id)
     sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
-    replica = build_replica(cfg, "cpu", cfg.run.seed)
+    replica = build_replica(cfg, "cpu", cfg.run.seed, EAGER)
     for step in range(150):
         train_step(replica, sampler.batch(step))
     prompts = [[int(t) for t in ids[: cfg.data.prompt_length]] for ids, _ in (held_out + train)[:PROMPTS]]

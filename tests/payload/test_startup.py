@@ -17,7 +17,8 @@ import torch
 
 from dflash_train import workers as W
 from dflash_train.config import ConfigError, load_config
-from dflash_train.resolve import auto_compile_scope, capture_target_decision, resolve_config, worker_devices
+from dflash_train.compiling import private_code
+from dflash_train.plan import auto_compile_scope, capture_target_decision, resolve_run
 
 PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 
@@ -32,16 +33,20 @@ def gpus(monkeypatch):
 
 
 def resolved(*overrides: str):
-    notes: list[str] = []
-    cfg = resolve_config(load_config(overrides=list(overrides)), notes)
-    return cfg, notes
+    plan = resolve_run(load_config(overrides=list(overrides)))
+    return plan.cfg, list(plan.notes)
+
+
+def worker_devices(*overrides: str) -> list[str]:
+    """The plan's worker devices."""
+    return list(resolve_run(load_config(overrides=list(overrides))).devices.workers)
 
 
 def test_auto_device_takes_every_gpu_with_indexed_devices(gpus):
     gpus(4)
     cfg, notes = resolved()
     assert cfg.run.gpus == [0, 1, 2, 3] and cfg.run.threads == 4
-    assert worker_devices(cfg) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert worker_devices() == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert any("every visible GPU" in n for n in notes)
 
 
@@ -49,15 +54,13 @@ def test_auto_device_takes_every_gpu_with_indexed_devices(gpus):
 def test_cuda_devices_always_carry_an_index(gpus, device, expected):
     """`torch.cuda.set_device` refuses a bare `cuda`: the crash of issue 14 item 1."""
     gpus(4)
-    cfg, _ = resolved(f"run.device={device}")
-    assert worker_devices(cfg) == expected
-    assert all(torch.device(d).index is not None for d in worker_devices(cfg))
+    assert worker_devices(f"run.device={device}") == expected
+    assert all(torch.device(d).index is not None for d in worker_devices(f"run.device={device}"))
 
 
 def test_auto_with_threads_puts_the_replicas_on_gpu_0(gpus):
     gpus(2)
-    cfg, _ = resolved("run.threads=2")
-    assert worker_devices(cfg) == ["cuda:0", "cuda:0"]
+    assert worker_devices("run.threads=2") == ["cuda:0", "cuda:0"]
 
 
 @pytest.mark.parametrize("over, message", [
@@ -73,7 +76,7 @@ def test_impossible_devices_are_config_errors(gpus, over, message):
 
 def test_no_cuda_auto_is_cpu_and_cuda_is_refused(gpus):
     gpus(0)
-    assert worker_devices(resolved()[0]) == ["cpu"]
+    assert worker_devices() == ["cpu"]
     with pytest.raises(ConfigError, match="CUDA is not available"):
         resolved("run.device=cuda")
 
@@ -137,7 +140,7 @@ def test_closures_of_one_code_share_a_compiled_graph_unless_given_their_own():
     assert len(graphs) == 1  # the second replica reuses the first one's graph (and would its CUDA graph)
     graphs.clear()
     torch._dynamo.reset()
-    mine, theirs = torch.compile(W.private_code(first), backend=backend), torch.compile(W.private_code(second), backend=backend)
+    mine, theirs = torch.compile(private_code(first), backend=backend), torch.compile(private_code(second), backend=backend)
     assert (float(mine(x)), float(theirs(x))) == (3.0, 6.0)
     assert len(graphs) == 2
 
@@ -239,7 +242,8 @@ def test_preflight_answers_one_json_line(tmp_path, args, code, error):
     assert proc.returncode == code, out
     answer = json.loads(out.strip().splitlines()[-1])
     if error is None:
-        assert answer["ok"] and answer["devices"] == ["cpu"] and answer["gpus"] == []
+        assert answer["ok"] and answer["devices"] == ["cpu"] and (answer["holds"], answer["pin"]) == (["cpu"], [])
+        assert "gpus" not in answer and answer["plan"]["launcher"] == "threads"
         assert any(line.startswith("devices: cpu") for line in answer["summary"])
     else:
         assert answer == {"ok": False, "error": "config", "message": answer["message"]} and error in answer["message"]

@@ -13,15 +13,24 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from dflash_train.__main__ import main  # noqa: E402
-from dflash_train.config import ConfigError, TargetConfig, load_config  # noqa: E402
+from dflash_train.config import Config, ConfigError, TargetConfig, load_config  # noqa: E402
 from dflash_train.data import BlockSampler, build_datasets  # noqa: E402
 from dflash_train.decode import generate, greedy, make_decoder  # noqa: E402
 from dflash_train.model import DFlashDrafter, rope_inv_freq  # noqa: E402
 from dflash_train.replica import build_replica, forward_loss, train_step  # noqa: E402
-from dflash_train.resolve import drafter_spec, resolve_config  # noqa: E402
+from dflash_train.plan import resolve_run  # noqa: E402
+from dflash_train.resolve import drafter_spec  # noqa: E402
 from dflash_train.speculate import speculate  # noqa: E402
 from dflash_train.target import load_hf_target  # noqa: E402
 from dflash_train.target_hf import HFDecoder, HFTarget, build_hf_target, choose_backend, read_target_config  # noqa: E402
+
+
+def resolved(cfg: Config, notes: list[str] | None = None) -> Config:
+    """The config as the run plan fills it on a machine without CUDA (its decisions' lines into `notes`)."""
+    plan = resolve_run(cfg, cuda_count=0)
+    if notes is not None:
+        notes.extend(plan.notes)
+    return plan.cfg
 
 VOCAB = 160
 COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -99,8 +108,8 @@ def test_greedy_speculative_decoding_is_lossless(checkpoint):
     """The speculative loop with this target (verify steps of B tokens through the model's cache,
     rejected drafts cropped off it) emits exactly the target's greedy text."""
     arch, path, _ = checkpoint
-    cfg = resolve_config(load_config(overrides=[f"target.path={path}", "drafter.mask_token_id=1",
-                                                "drafter.num_layers=1", "drafter.block_size=4"]))
+    cfg = resolved(load_config(overrides=[f"target.path={path}", "drafter.mask_token_id=1",
+                                          "drafter.num_layers=1", "drafter.block_size=4"]))
     assert cfg.target.backend == ("native" if arch == "qwen3" else "transformers")
     target = build_hf_target(cfg.target, [], whole=True)
     drafter = DFlashDrafter(drafter_spec(cfg))
@@ -126,13 +135,14 @@ def test_a_short_training_run_lowers_the_loss(checkpoint, tmp_path):
     rows = greedy_rows(build_hf_target(read_target_config(path), [], whole=True), 16, 40)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = resolve_config(load_config(preset="tiny", overrides=[
+    plan = resolve_run(load_config(preset="tiny", overrides=[
         f"target.path={path}", "target.backend=transformers", "drafter.mask_token_id=1", "data.source=jsonl",
         f"data.train_path={data}", "data.max_length=40", "data.anchors_per_seq=6", "data.batch_size=4",
-        "drafter.block_size=4", "run.spec_prompts=0", f"run.output_dir={tmp_path / 'run'}"]))
+        "drafter.block_size=4", "run.spec_prompts=0", f"run.output_dir={tmp_path / 'run'}"]), cuda_count=0)
+    cfg = plan.cfg
     train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
     sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
-    replica = build_replica(cfg, "cpu", cfg.run.seed)
+    replica = build_replica(cfg, "cpu", cfg.run.seed, plan.policy)
     assert isinstance(replica.target, HFTarget) and len(replica.target.layers) == max(cfg.drafter.target_layer_ids) + 1
     batch = sampler.batch(0)
     before = forward_loss(replica, batch).loss.item()
@@ -146,7 +156,7 @@ def test_auto_backend_keeps_the_native_qwen3_and_says_why(tmp_path):
     path's); a Llama one through transformers; the reason is among the run's notes."""
     model = save_tiny(tmp_path / "qwen3", "qwen3")
     notes: list[str] = []
-    cfg = resolve_config(load_config(overrides=[f"target.path={tmp_path / 'qwen3'}", "drafter.mask_token_id=1"]), notes)
+    cfg = resolved(load_config(overrides=[f"target.path={tmp_path / 'qwen3'}", "drafter.mask_token_id=1"]), notes)
     assert cfg.target.backend == "native"
     assert any(n.startswith("target backend: native (auto: a dense Qwen3") for n in notes)
     ids = torch.randint(0, VOCAB, (1, 9))
@@ -155,12 +165,13 @@ def test_auto_backend_keeps_the_native_qwen3_and_says_why(tmp_path):
     torch.testing.assert_close(native.features(ids, [1, 2]), generic.features(ids, [1, 2]), rtol=1e-5, atol=1e-5)
     save_tiny(tmp_path / "llama", "llama")
     notes.clear()
-    cfg = resolve_config(load_config(overrides=[f"target.path={tmp_path / 'llama'}", "drafter.mask_token_id=1"]), notes)
-    assert cfg.target.backend == "transformers"
-    assert "target backend: transformers (auto: model_type llama is not qwen3)" in notes
+    plan = resolve_run(load_config(overrides=[f"target.path={tmp_path / 'llama'}", "drafter.mask_token_id=1"]),
+                       cuda_count=0)
+    assert plan.cfg.target.backend == plan.to_json()["target_backend"] == "transformers"
+    assert "target backend: transformers (auto: model_type llama is not qwen3)" in plan.notes
     with pytest.raises(ConfigError, match="target.backend native cannot run this target: model_type llama"):
-        resolve_config(load_config(overrides=[f"target.path={tmp_path / 'llama'}", "target.backend=native",
-                                              "drafter.mask_token_id=1"]))
+        resolved(load_config(overrides=[f"target.path={tmp_path / 'llama'}", "target.backend=native",
+                                        "drafter.mask_token_id=1"]))
     del model
 
 
@@ -175,7 +186,7 @@ def test_the_drafter_takes_the_targets_shape_rope_scaling_and_eps(tmp_path):
     """The drafter's width, heads, head_dim, norm eps and rope (Llama 3's scaled frequencies,
     as transformers computes them) come from the target's config.json."""
     model = save_tiny(tmp_path / "llama", "llama")
-    cfg = resolve_config(load_config(overrides=[f"target.path={tmp_path / 'llama'}", "drafter.mask_token_id=1"]))
+    cfg = resolved(load_config(overrides=[f"target.path={tmp_path / 'llama'}", "drafter.mask_token_id=1"]))
     shape = drafter_spec(cfg).shape
     c = model.config
     assert (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps) == (
@@ -208,7 +219,7 @@ def test_a_vocabulary_without_a_spare_row_needs_a_mask_id(tmp_path, capsys):
 def test_the_large_presets_resolve_to_the_transformers_backend(preset, model_type, active):
     """The GPU presets (real shapes, random weights): resolved here, built on the GPU."""
     notes: list[str] = []
-    cfg = resolve_config(load_config(preset=preset), notes)
+    cfg = resolved(load_config(preset=preset), notes)
     assert cfg.target.backend == "transformers" and cfg.target.model_type == model_type
     assert (cfg.target.num_experts_per_tok or None) == active
     assert drafter_spec(cfg).shape.rope_scaling == (() if preset != "llama3-8b" else
@@ -277,8 +288,8 @@ def test_an_export_with_the_targets_rope_scaling_loads_with_the_same_states(tmp_
     from dflash_train.model import block_input_ids, block_mask
 
     save_tiny(tmp_path / "llama", "llama")
-    cfg = resolve_config(load_config(overrides=[f"target.path={tmp_path / 'llama'}", "drafter.mask_token_id=1",
-                                                "drafter.block_size=4"]))
+    cfg = resolved(load_config(overrides=[f"target.path={tmp_path / 'llama'}", "drafter.mask_token_id=1",
+                                          "drafter.block_size=4"]))
     target = build_hf_target(cfg.target, cfg.drafter.target_layer_ids)
     drafter = DFlashDrafter(drafter_spec(cfg))
     drafter.init_weights(0.05, 0)

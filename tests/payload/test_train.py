@@ -19,6 +19,7 @@ from dflash_train.data import BlockSampler, build_datasets
 from dflash_train.export import load_exported, spec_from_config
 from dflash_train.model import DFlashDrafter, block_mask
 from dflash_train.target import build_tiny_target
+from dflash_train.compiling import EAGER  # what the plan picks on the CPU: run.compile off
 from dflash_train.replica import build_replica, train_step
 from dflash_train.train import run_training
 
@@ -150,7 +151,7 @@ def test_export_round_trip(tiny_run):
 
 
 def test_target_and_embeddings_stay_frozen(tiny_cfg):
-    replica = build_replica(tiny_cfg, "cpu", seed=0)
+    replica = build_replica(tiny_cfg, "cpu", 0, EAGER)
     train, _ = build_datasets(tiny_cfg, tiny_cfg.drafter.mask_token_id)
     sampler = BlockSampler(train, tiny_cfg.data, tiny_cfg.drafter.block_size, 0)
     target_before = {k: v.clone() for k, v in replica.target.state_dict().items()}

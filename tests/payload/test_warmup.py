@@ -15,7 +15,7 @@ import pytest
 
 from dflash_train import warmup as WU
 from dflash_train.config import load_config
-from dflash_train.resolve import parallel_warmup_decision, resolve_config
+from dflash_train.plan import parallel_warmup_decision, resolve_run
 
 PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 PY = sys.executable
@@ -37,13 +37,11 @@ def test_the_decision_and_its_reason(setting, devices, compile_mode, expected, w
 
 
 def test_the_decision_is_printed_with_the_other_start_up_decisions(tmp_path):
-    notes: list[str] = []
-    cfg = resolve_config(load_config(overrides=["run.compile=default", "run.threads=2",
-                                                f"run.output_dir={tmp_path}"]), notes)
+    plan = resolve_run(load_config(overrides=["run.compile=default", "run.threads=2", f"run.output_dir={tmp_path}"]))
+    cfg, notes = plan.cfg, plan.notes
     assert cfg.run.parallel_warmup == "off"
     assert "parallel warm-up: off (one device: nothing to compile in parallel)" in notes
-    quiet: list[str] = []
-    resolve_config(load_config(), quiet)  # the CPU default compiles nothing: no warm-up line at all
+    quiet = resolve_run(load_config(), cuda_count=0).notes  # the CPU default compiles nothing: no warm-up line at all
     assert not any("parallel warm-up" in n for n in quiet)
 
 

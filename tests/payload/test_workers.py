@@ -23,7 +23,8 @@ sys.path.insert(0, str(PAYLOAD))
 from dflash_train import workers as W  # noqa: E402
 from dflash_train.config import load_config  # noqa: E402
 from dflash_train.data import BlockSampler, build_datasets  # noqa: E402
-from dflash_train.resolve import resolve_config  # noqa: E402
+from dflash_train.plan import resolve_run  # noqa: E402
+from dflash_train.compiling import EAGER  # what the plan picks on the CPU: run.compile off
 from dflash_train.replica import build_replica, drafter_ops, forward_backward, optimizer_step  # noqa: E402
 
 STEPS = 6
@@ -36,7 +37,7 @@ TINY = ["data.source=random", "data.batch_size=6", "data.num_train=36", "data.nu
 @pytest.fixture(scope="module")
 def setup():
     """Resolved tiny config and its deterministic sampler."""
-    cfg = resolve_config(load_config(overrides=TINY))
+    cfg = resolve_run(load_config(overrides=TINY)).cfg
     train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
     return cfg, BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
 
@@ -104,7 +105,7 @@ def test_replicas_stay_identical_and_match_one_replica_on_the_global_batch(setup
         assert all(torch.equal(a, b) for a, b in zip(threaded, replica.drafter.parameters()))
         assert all(torch.equal(a, b) for a, b in zip(first_grads[id(result.replicas[0])], first_grads[id(replica)]))
 
-    single = build_replica(cfg, "cpu", cfg.run.seed)
+    single = build_replica(cfg, "cpu", cfg.run.seed, EAGER)
     lrs = []
     for step_index in range(STEPS):
         forward_backward(single, sampler.batch(step_index))
@@ -124,7 +125,7 @@ def test_replicas_stay_identical_and_match_one_replica_on_the_global_batch(setup
     diffs = torch.cat([(a - b.detach()).abs().flatten() for a, b in zip(threaded, single.drafter.parameters())])
     assert (diffs > 1e-6).float().mean().item() < 1e-3
     assert diffs.max().item() < sum(lrs)
-    moved = max((a - b).abs().max().item() for a, b in zip(threaded, build_replica(cfg, "cpu", cfg.run.seed)
+    moved = max((a - b).abs().max().item() for a, b in zip(threaded, build_replica(cfg, "cpu", cfg.run.seed, EAGER)
                                                            .drafter.parameters()))
     assert moved > 10 * 1e-6  # training moved the parameters by far more than the tight tolerance
 
@@ -272,18 +273,28 @@ def test_bad_fault_spec_is_rejected(setup):
 @pytest.mark.parametrize("version,expected", [("2.11.0+cu130", "TLS"), ("2.12.1", "per-thread"),
                                               ("2.13.0", "unmeasured")])
 def test_cudagraphs_policy_turns_trees_off_per_call_on_every_version(version, expected):
-    policy = W.choose_compile_policy("cudagraphs", "cuda", version)
-    assert policy.effective == "cudagraphs" and expected in policy.reason
-    assert policy.options == {"triton.cudagraphs": True, "triton.cudagraph_trees": False, "graph_partition": False}
-    assert W.choose_compile_policy("cudagraphs", "cpu", version).effective == "default"
-    assert W.choose_compile_policy("off", "cuda", version).options is None
+    def policy(mode: str, gpus: int):
+        over = TINY + [f"run.compile={mode}"]
+        return resolve_run(load_config(overrides=over), cuda_count=gpus, torch_version=version).policy
+
+    graphs = policy("cudagraphs", 1)
+    assert graphs.effective == "cudagraphs" and expected in graphs.reason
+    assert graphs.options == {"triton.cudagraphs": True, "triton.cudagraph_trees": False, "graph_partition": False}
+    assert policy("cudagraphs", 0).effective == "default"
+    assert policy("off", 1).options is None
+
+
+def compiled_policy(*over: str):
+    """The plan's compile policy for TINY with run.compile default on this CPU."""
+    return resolve_run(load_config(overrides=TINY + ["run.compile=default", *over]), cuda_count=0).policy
 
 
 @pytest.mark.slow
 def test_compiled_drafter_in_two_threads(setup):
     cfg, sampler = setup
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, compile_scope="drafter"))
-    result = run(cfg, sampler, world=2, steps=2, compile="default", warmup_steps=1)
+    policy = compiled_policy("run.compile_scope=drafter")
+    assert policy.scope == "drafter"
+    result = run(cfg, sampler, world=2, steps=2, policy=policy, warmup_steps=1)
     assert result.policy.effective == "default"
     assert len(set(result.checksums)) == 1
     assert all(torch.isfinite(torch.tensor(result.losses)))
@@ -295,7 +306,7 @@ def test_compiled_whole_step_in_two_threads_matches_eager(setup):
     # compiled function. Cold compile on 2 CPU cores: about 1.5 min; cached afterwards.
     cfg, sampler = setup
     eager = run(cfg, sampler, world=2, steps=2)
-    compiled = run(cfg, sampler, world=2, steps=2, compile="default", warmup_steps=1)
+    compiled = run(cfg, sampler, world=2, steps=2, policy=compiled_policy(), warmup_steps=1)
     assert len(set(compiled.checksums)) == 1
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
 

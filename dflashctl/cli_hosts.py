@@ -1,0 +1,191 @@
+"""`dflashctl hosts ...`, `exec`, `push` and `inspect`: the inventory and the containers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from .cli_common import app, app_state, complete_host, hosts_or_all
+from .cli_common import hosts_app
+from .errors import UsageError
+
+
+# --- hosts -------------------------------------------------------------------------------------
+
+
+@hosts_app.command("list")
+def hosts_list(ctx: typer.Context) -> None:
+    """List the inventory's hosts."""
+    from .hosts import print_host_table
+
+    session = app_state(ctx).session()
+    print_host_table(Console(), session.inventory)
+
+
+@hosts_app.command("check")
+def hosts_check(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(
+        None, help="Host, `h1,h2` or a group (default host if omitted).",
+        autocompletion=complete_host,
+    ),
+    all_hosts: bool = typer.Option(False, "--all", help="Check every host in the inventory."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Check reachability, container, interpreter, torch and GPUs of a host (several at once)."""
+    from .hosts import check_host, check_hosts, render_checks, render_many
+
+    session = app_state(ctx).session()
+    hosts = hosts_or_all(session, host, all_hosts)
+    if len(hosts) == 1:
+        checks = check_host(session, hosts[0].name)
+        render_checks(checks, json_out=json_out)
+        ok = all(c.ok for c in checks)
+    else:
+        results = check_hosts(session, hosts)
+        render_many(results, json_out=json_out)
+        ok = all(c.ok for checks in results.values() for c in checks)
+    if not ok:
+        raise typer.Exit(1)
+
+
+@hosts_app.command("trust")
+def hosts_trust(
+    ctx: typer.Context,
+    host: str = typer.Argument(
+        ..., help="Host whose SSH key to record in ~/.ssh/known_hosts.",
+        autocompletion=complete_host,
+    ),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation (scripts)."),
+) -> None:
+    """Show a host's SSH key fingerprint and record it as trusted."""
+    from .ssh import trust_host
+
+    session = app_state(ctx).session()
+    trust_host(session.host(host), confirm=None if yes else _confirm)
+
+
+@hosts_app.command("disconnect")
+def hosts_disconnect(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(
+        None, help="Host whose persistent connection to close (default host if omitted).",
+        autocompletion=complete_host,
+    ),
+    all_hosts: bool = typer.Option(False, "--all", help="Close every persistent connection of this user."),
+) -> None:
+    """Stop the background connection (mux) kept by `persist:`, like `ssh -O exit`."""
+    from .mux import MuxUnavailable, stop_all_muxes, stop_mux
+
+    out = Console(highlight=False)
+    try:
+        if all_hosts:
+            if host:
+                raise UsageError("give a HOST or --all, not both")
+            stopped = stop_all_muxes()
+            out.print(f"closed {len(stopped)} connection(s)" + (f": {', '.join(stopped)}" if stopped else ""))
+            return
+        spec = app_state(ctx).session().host(host)
+        if spec.transport != "ssh":
+            out.print(f"{spec.name}: transport {spec.transport}, no connection to close")
+            return
+        out.print(f"{spec.name}: " + ("connection closed" if stop_mux(spec) else "no persistent connection"))
+    except MuxUnavailable as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _confirm(question: str) -> bool:
+    return typer.confirm(question, default=False)
+
+
+@app.command("exec", context_settings={"allow_interspersed_args": False})
+def exec_cmd(
+    ctx: typer.Context,
+    host: str = typer.Argument(
+        ..., help="Host to run on.",
+        autocompletion=complete_host,
+    ),
+    command: List[str] = typer.Argument(..., help="Command and arguments (put them after --)."),
+) -> None:
+    """Run a command inside the host's container; its exit code is passed through."""
+    from .passthrough import run_passthrough
+
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("exec needs a command: dflashctl exec HOST -- CMD [ARGS...]")
+    target = app_state(ctx).session().target(host)
+    raise typer.Exit(run_passthrough(target, command))
+
+
+# --- push --------------------------------------------------------------------------------------
+
+
+@app.command("push")
+def push_cmd(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(
+        None, help="Host to push to (default host if omitted).",
+        autocompletion=complete_host,
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List what would be sent and deleted; change nothing."),
+    source: Optional[str] = typer.Option(None, "--source", help="Payload directory (default: the trainer that ships with dflashctl, remote_payload/ in a checkout)."),
+) -> None:
+    """Send remote_payload/ to <workdir>/payload in the container: incremental, atomic, verified."""
+    from pathlib import Path
+
+    from .payload import BarProgress, push
+
+    target = app_state(ctx).session().target(host)
+    console = Console()
+    src = Path(source).expanduser() if source else None
+    if dry_run:
+        result = push(target, src, dry_run=True)
+        for path in result.sent_paths:
+            console.print(Text(f"send    {path}"), soft_wrap=True)  # never wrap a path: scripts read these
+        for path in result.deleted_paths:
+            console.print(Text(f"delete  {path}"), soft_wrap=True)
+    elif console.is_terminal:
+        with BarProgress(console) as bar:
+            result = push(target, src, progress=bar)
+    else:
+        result = push(target, src)
+    console.print(Text(result.summary()), soft_wrap=True)
+
+
+# --- inspect -----------------------------------------------------------------------------------
+
+
+@app.command("inspect")
+def inspect_cmd(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., help="Alias (compile_fx, inductor.config, ...), dotted module, symbol or config key."),
+    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host to read from (default host if omitted).",
+                                        autocompletion=complete_host),
+    lines: Optional[str] = typer.Option(None, "--lines", "-l", help="A:B, A:+N (A and N more) or A (with --context)."),
+    context: int = typer.Option(0, "--context", "-C", help="Lines around --lines A or around --grep matches."),
+    grep: Optional[str] = typer.Option(None, "--grep", "-g", help="Regex; show matching lines (config: matching keys)."),
+    path: bool = typer.Option(False, "--path", help="Print the remote file path and package version."),
+    source: bool = typer.Option(False, "--source", help="For config modules: show source instead of live values."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Read remote PyTorch source (lines, symbols, grep) or live config, exactly and fast."""
+    from .introspect import InspectOptions, run_inspect
+
+    opts = InspectOptions(target, lines, context, grep, path, source, json_out)
+    remote = app_state(ctx).session().target(host)
+    console = Console()
+    out = sys.stdout.buffer
+
+    def write(text: str) -> None:
+        out.write(text.encode("utf-8"))
+        out.flush()
+
+    run_inspect(remote, opts, write, pretty=console if console.is_terminal and not json_out else None)
+
+

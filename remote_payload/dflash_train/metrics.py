@@ -1,0 +1,101 @@
+"""The training run's metrics: when a sync point logs, evaluates and checkpoints (`Cadence`), the
+running training figures between two records (`TrainMeter`), and metrics.jsonl (`MetricsLog`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """`run.log_every`, `run.eval_every` and `run.checkpoint_every` over a run of `total` steps."""
+
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+    total: int
+
+    @property
+    def sync_every(self) -> int:
+        """The workers' sync-point interval: every step that logs, evaluates or checkpoints is one."""
+        return math.gcd(self.log_every, self.eval_every, self.checkpoint_every)
+
+    def evaluates(self, step: int) -> bool:
+        """A held-out evaluation after `step` (the last step's is the final one, told apart)."""
+        return step % self.eval_every == 0 and step < self.total
+
+    def logs(self, step: int, stopping: bool) -> bool:
+        """A train record after `step`: on schedule, with an evaluation, at the end or at a stop."""
+        return step % self.log_every == 0 or step == self.total or self.evaluates(step) or stopping
+
+    def checkpoints(self, step: int, stopping: bool) -> bool:
+        """A checkpoint after `step`: on schedule, at the end or at a stop."""
+        return step % self.checkpoint_every == 0 or step == self.total or stopping
+
+
+class TrainMeter:
+    """The mean loss and the time of the steps since the last train record."""
+
+    def __init__(self, record_step: int):
+        self.loss_sum, self.steps, self.record_step = 0.0, 0, record_step
+        self.t0 = time.perf_counter()
+
+    def add(self, mean_loss_sum: float, steps: int) -> None:
+        """One sync point's loss (summed over its steps, averaged over replicas) and step count."""
+        self.loss_sum += mean_loss_sum
+        self.steps += steps
+
+    def restart_clock(self) -> None:
+        """Time from now on (after an evaluation or a checkpoint, which are not step time)."""
+        self.t0 = time.perf_counter()
+
+    def record(self, step: int, total: int, tokens: int, replica, devices: list[torch.device]) -> dict:
+        """The train record of the steps up to `step`; the meter starts over."""
+        elapsed = time.perf_counter() - self.t0
+        steps = max(self.steps, 1)
+        record = {"event": "train", "step": step, "total_steps": total, "loss": self.loss_sum / steps,
+                  "acceptance_length": None, "lr": replica.last_lr, "grad_norm": float(replica.last_grad_norm),
+                  "tokens_per_s": tokens / elapsed, "step_time_s": elapsed / steps, "gpu_mem_gb": gpu_mem_gb(devices),
+                  "train_acceptance_length": float(replica.last_acceptance)}
+        self.loss_sum, self.steps, self.record_step = 0.0, 0, step
+        return record
+
+
+def train_line(record: dict) -> str:
+    """The log line of a train record."""
+    return (f"step {record['step']}/{record['total_steps']} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+            f"gnorm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s "
+            f"{record['step_time_s'] * 1000:.1f} ms/step")
+
+
+def gpu_mem_gb(devices: list[torch.device]) -> float | None:
+    """Peak allocated memory of the most loaded worker GPU (None on CPU)."""
+    cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
+    if not cuda:
+        return None
+    return round(max(torch.cuda.max_memory_allocated(d) for d in cuda) / 2**30, 3)
+
+
+class MetricsLog:
+    """Appends JSON lines to <out>/metrics.jsonl."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        if resume_step is None:
+            path.write_text("")
+        elif path.exists():
+            # Drop what the interrupted run logged after its last checkpoint.
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        """Append one record."""
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
