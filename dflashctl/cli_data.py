@@ -82,7 +82,7 @@ def data_regen(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Rows per batch (builtin 32, openai 1)."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer directory in the container "
                                                                       "(default: target.path)."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="builtin: the target's shape preset (tiny, qwen3-8b)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="builtin: the target's shape preset (tiny, qwen3-8b, llama3-8b, qwen3-30b-a3b)."),
     overrides: List[str] = typer.Option([], "--set", help="builtin: target.path=DIR, another target.* key, run.dtype "
                                                           "or run.cpu_threads (repeatable)."),
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="openai: base URL, e.g. http://127.0.0.1:8000."),

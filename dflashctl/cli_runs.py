@@ -33,7 +33,7 @@ def train_cmd(
     ),
     gpus: Optional[str] = typer.Option(
         None, "--gpus", help="GPU indices like 0,1, or cpu (default: the host's gpus, else every GPU the trainer sees)."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="Trainer preset: real-target (default with target.path), tiny (default without), qwen3-8b (random weights: speed only) (docs/trainer.md)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Trainer preset: real-target (default with target.path), tiny (default without), qwen3-8b, llama3-8b, qwen3-30b-a3b (random weights: speed only) (docs/trainer.md)."),
     config: Optional[Path] = typer.Option(None, "--config", help="Trainer config (YAML); copied into the run directory."),
     overrides: List[str] = typer.Option(
         [], "--set", help="Config override key=value (repeatable). Out of GPU memory? --set data.max_length=2048 "

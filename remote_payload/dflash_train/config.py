@@ -19,9 +19,11 @@ class ConfigError(ValueError):
 
 @dataclass
 class TargetConfig:
-    """The frozen target model: a local HF Qwen3 directory, or a random one of this shape."""
+    """The frozen target model: a local HF causal-LM directory, or a random one of this shape."""
 
     path: str | None = None  # HF checkpoint dir; None builds a random target from the fields below
+    backend: Literal["auto", "native", "transformers"] = "auto"  # native: our Qwen3 (target.py); transformers: any causal LM (target_hf.py)
+    model_type: str = "qwen3"  # the HF architecture (read from config.json when path is set)
     seed: int = 0  # init seed of the random target
     num_layers: int = 6
     hidden_size: int = 64
@@ -35,6 +37,11 @@ class TargetConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = True
     init_std: float = 0.07  # random target only: 0.07 gives greedy text with runs and jumps (learnable)
+    rope_scaling: dict[str, Any] | None = None  # HF rope parameters beyond theta (e.g. Llama 3's rope_type llama3)
+    attention_bias: bool = False  # Qwen2-style q/k/v biases (transformers backend only)
+    num_experts: int = 0  # > 0: a mixture-of-experts target (random qwen3_moe-style shapes)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
 
 @dataclass
@@ -46,6 +53,8 @@ class DrafterConfig:
     target_layer_ids: list[int] | None = None  # None: `num_target_features` spread evenly (see target.py)
     num_target_features: int = 5
     mask_token_id: int | None = None  # None: `<|MASK|>` from the tokenizer, or the last id of a random target
+    layer_types: list[str] | None = None  # per layer full_attention | sliding_attention; None: all full
+    sliding_window: int | None = None  # the sliding layers' window in positions (z-lab's config.json field)
     attention: Literal["auto", "flex", "dense"] = "auto"  # auto: flex on CUDA unless run.compile off, else dense
     init_std: float = 0.02
 
@@ -192,6 +201,36 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data": {"source": "random", "max_length": 3072, "anchors_per_seq": 512, "batch_size": 1,
                  "num_train": 64, "num_eval": 4},
         "run": {"output_dir": "runs/qwen3-8b", "dtype": "bf16", "eval_every": 1000,
+                "checkpoint_every": 1000},
+    },
+    # Llama-3.1-8B's shape through the transformers backend (random weights, random tokens, as
+    # qwen3-8b): its rope scaling goes into the drafter's rope; MASK is <|reserved_special_token_0|>.
+    "llama3-8b": {
+        "target": {
+            "model_type": "llama", "num_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+            "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "vocab_size": 128256, "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192},
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": False, "init_std": 0.02,
+        },
+        "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 128002},
+        "data": {"source": "random", "max_length": 3072, "anchors_per_seq": 512, "batch_size": 1,
+                 "num_train": 64, "num_eval": 4},
+        "run": {"output_dir": "runs/llama3-8b", "dtype": "bf16", "eval_every": 1000,
+                "checkpoint_every": 1000},
+    },
+    # Qwen3-30B-A3B's shape (128 experts, 8 active) through the transformers backend, likewise.
+    "qwen3-30b-a3b": {
+        "target": {
+            "model_type": "qwen3_moe", "num_layers": 48, "hidden_size": 2048, "intermediate_size": 6144,
+            "num_heads": 32, "num_kv_heads": 4, "head_dim": 128, "vocab_size": 151936, "rope_theta": 1000000.0,
+            "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+            "max_position_embeddings": 40960, "tie_word_embeddings": False, "init_std": 0.02,
+        },
+        "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
+        "data": {"source": "random", "max_length": 3072, "anchors_per_seq": 512, "batch_size": 1,
+                 "num_train": 64, "num_eval": 4},
+        "run": {"output_dir": "runs/qwen3-30b-a3b", "dtype": "bf16", "eval_every": 1000,
                 "checkpoint_every": 1000},
     },
 }
@@ -384,6 +423,10 @@ def _apply_dict(obj: Any, data: dict[str, Any], prefix: str) -> None:
 def _coerce(value: Any, hint: Any, dotted: str) -> Any:
     """Coerce a YAML value to a field's annotated type, or raise a one-line ConfigError."""
     args = typing.get_args(hint)
+    if typing.get_origin(hint) is dict:  # a mapping field (target.rope_scaling) takes a YAML mapping as is
+        if not isinstance(value, dict):
+            raise ConfigError(f"{dotted} must be a mapping, got {value!r}")
+        return value
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None

@@ -273,6 +273,8 @@ def build_datasets(cfg: Config, mask_token_id: int) -> tuple[list[Sequence], lis
     if d.source == "demo":
         if cfg.target.path is not None:
             raise DataError("data.source demo needs the random target (unset target.path)")
+        if cfg.target.backend == "transformers":
+            raise DataError("data.source demo needs the native random target: use data.source random or jsonl")
         # Generated on CPU in fp32 so the data do not depend on where training runs.
         return demo_sequences(build_tiny_target(cfg.target, cfg.target.seed), d, mask_token_id, seed)
     if d.source == "random":

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from .model import DecoderLayer, apply_rope, rope_cos_sin
 from .target import Qwen3Target
+from .target_hf import HFDecoder, HFTarget
 
 WINDOW = 256  # attention window granularity under CUDA graphs: one captured graph per multiple
 
@@ -191,6 +192,15 @@ class CachedLayers:
         return after(layer, x, out)
 
 
+def make_decoder(target, batch: int, capacity: int, feature_layers: tuple[int, ...] = (),
+                 graphs: bool | None = None, compile: bool | None = None):
+    """The KV-cached decoder for `target`: `Decoder` for the native Qwen3, target_hf.HFDecoder
+    (the model's own cache, eager) for a transformers target."""
+    if isinstance(target, HFTarget):
+        return HFDecoder(target, batch, capacity, feature_layers)
+    return Decoder(target, batch, capacity, feature_layers, graphs, compile)
+
+
 def window_for(need: int, capacity: int, graphs: bool) -> int:
     """Slots a step attends over: exactly those written, or under graphs a multiple of WINDOW."""
     return min(capacity, -(-need // WINDOW) * WINDOW) if graphs else need
@@ -260,7 +270,7 @@ def generate(target: Qwen3Target, prompts: list[list[int]], max_new_tokens: int,
     if not prompts or max_new_tokens < 1:
         return [[] for _ in prompts]
     if decoder is None:
-        decoder = Decoder(target, len(prompts), max(map(len, prompts)) + max_new_tokens, graphs=graphs)
+        decoder = make_decoder(target, len(prompts), max(map(len, prompts)) + max_new_tokens, graphs=graphs)
     banned = torch.tensor(banned_ids, dtype=torch.long, device=decoder.device)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=decoder.device)
 

@@ -116,7 +116,7 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
     distribution, tested statistically)."""
     import torch
 
-    from .decode import Decoder, greedy
+    from .decode import greedy, make_decoder
     from .export import load_exported
     from .lookup import lookup_decode
     from .replica import build_target
@@ -137,7 +137,7 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
     # One decoder for every prompt and both loops: its compiled steps and CUDA graphs are made
     # once, in a warm-up decode of the first prompt that the timings leave out.
     room = max(map(len, prompts)) + max_new_tokens + 2 * cfg.drafter.block_size
-    decoder = Decoder(target, 1, room, cfg.drafter.target_layer_ids)
+    decoder = make_decoder(target, 1, room, cfg.drafter.target_layer_ids)
     drafting = DraftDecoder(drafter, target, room)
     progress("warm-up decode (compiles the decode steps and captures their CUDA graphs on a GPU)")
     greedy(target, prompts[0], max_new_tokens, decoder=decoder)

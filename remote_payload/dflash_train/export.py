@@ -34,13 +34,13 @@ def drafter_config(spec: DrafterSpec, target: TargetConfig, dtype: torch.dtype) 
         "head_dim": s.head_dim,
         "rms_norm_eps": s.rms_norm_eps,
         "rope_theta": s.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": dict(s.rope_scaling) or None,
         "max_position_embeddings": target.max_position_embeddings,
         "vocab_size": target.vocab_size,
         "tie_word_embeddings": target.tie_word_embeddings,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "layer_types": ["full_attention"] * spec.num_layers,
+        "use_sliding_window": bool(spec.layer_types),
+        "sliding_window": spec.sliding_window if spec.layer_types else None,
+        "layer_types": [spec.layer_type(i) for i in range(spec.num_layers)],
         "initializer_range": 0.02,
         "torch_dtype": DTYPE_NAMES[dtype],
         "block_size": spec.block_size,
@@ -77,10 +77,13 @@ def spec_from_config(config: dict) -> DrafterSpec:
     """The DrafterSpec an exported config.json describes."""
     shape = Shape(config["hidden_size"], config["intermediate_size"], config["num_attention_heads"],
                   config["num_key_value_heads"], config["head_dim"], config["rms_norm_eps"],
-                  config["rope_theta"])
+                  config["rope_theta"], tuple(sorted((config.get("rope_scaling") or {}).items())))
     dflash = config["dflash_config"]
+    types = tuple(config.get("layer_types") or ())
+    sliding = "sliding_attention" in types
     return DrafterSpec(shape, config["num_hidden_layers"], config["block_size"],
-                       tuple(dflash["target_layer_ids"]), dflash["mask_token_id"])
+                       tuple(dflash["target_layer_ids"]), dflash["mask_token_id"],
+                       types if sliding else (), config.get("sliding_window") if sliding else None)
 
 
 def load_exported(path: str | Path, device: str | torch.device = "cpu") -> tuple[DFlashDrafter, dict]:

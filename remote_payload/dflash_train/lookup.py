@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .decode import Decoder
+from .decode import Decoder, make_decoder
 from .speculate import Decoded, accept, tau_figures
 from .target import Qwen3Target
 
@@ -72,7 +72,7 @@ def lookup_decode(target: Qwen3Target, prompt: list[int], max_new_tokens: int, n
     batch-1 Decoder with room for the prompt, the new tokens and one block of num_tokens + 1, to
     reuse (with its CUDA graphs) across prompts and with the drafter's loop."""
     device = target.embed_tokens.weight.device
-    decoder = decoder or Decoder(target, 1, len(prompt) + max_new_tokens + num_tokens + 1)
+    decoder = decoder or make_decoder(target, 1, len(prompt) + max_new_tokens + num_tokens + 1)
     logits, _ = decoder.prefill([prompt])
     out = Decoded([int(logits[0].argmax())])
     index = NgramIndex(max_ngram)
@@ -103,7 +103,7 @@ def lookup_eval(target: Qwen3Target, prompts: list[list[int]], new_tokens: int, 
     """Prompt lookup's tau over prompts, greedy, in the keys speculate.speculative_eval uses for
     the drafter (with `lookup_` for `spec_`): the baseline to compare a drafter's figures with."""
     room = max(map(len, prompts)) + new_tokens + num_tokens + 1
-    decoder = Decoder(target, 1, room, compile=False)
+    decoder = make_decoder(target, 1, room, compile=False)
     with torch.compiler.set_stance("force_eager"):
         results = [lookup_decode(target, p, new_tokens, num_tokens, max_ngram, decoder=decoder) for p in prompts]
     pooled, per_prompt = tau_figures(results)

@@ -13,6 +13,7 @@ the context strictly before a and bidirectionally to its own B tokens, never to 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,7 @@ class Shape:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
+    rope_scaling: tuple = ()  # sorted (key, value) pairs of the target's rope scaling; () for plain rope
 
 
 class RMSNorm(nn.Module):
@@ -51,11 +53,32 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for integer positions [..., T] -> two [..., T, d] tensors (HF Qwen3 layout)."""
-    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple = (), device=None) -> torch.Tensor:
+    """The rotation frequencies [d/2]: theta^(-2i/d), rescaled as the target's rope scaling says
+    (`linear`: all divided by `factor`; `llama3`: long wavelengths divided by `factor`, short ones
+    kept, a linear blend between the two cut-offs)."""
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponent)                       # [d/2]
+    params = dict(scaling)
+    kind = params.get("rope_type", "default")
+    if kind == "linear":
+        return inv_freq / params["factor"]
+    if kind == "llama3":
+        factor, old_context = params["factor"], params["original_max_position_embeddings"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        # In units of the original context: how many turns a frequency makes over it.
+        turns = old_context * inv_freq / (2 * math.pi)
+        blend = ((turns - low) / (high - low)).clamp(0.0, 1.0)  # 0: slow (scaled), 1: fast (kept)
+        return inv_freq / factor * (1 - blend) + inv_freq * blend
+    if kind != "default":
+        raise ValueError(f"rope_type {kind!r} is not implemented for the drafter")
+    return inv_freq
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype, scaling: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for integer positions [..., T] -> two [..., T, d] tensors (HF Qwen3 layout)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)  # [d/2]
     freqs = positions.float()[..., None] * inv_freq            # [..., T, d/2], fp32 so large positions stay exact
     emb = torch.cat([freqs, freqs], dim=-1)                    # [..., T, d]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -206,6 +229,12 @@ class DrafterSpec:
     block_size: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
+    layer_types: tuple[str, ...] = ()  # per layer full_attention | sliding_attention; () = all full
+    sliding_window: int | None = None  # the sliding layers' window (sliding.py)
+
+    def layer_type(self, i: int) -> str:
+        """Layer i's attention: full_attention or sliding_attention."""
+        return self.layer_types[i] if self.layer_types else "full_attention"
 
 
 class DraftLayer(DecoderLayer):
@@ -286,20 +315,23 @@ class DFlashDrafter(nn.Module):
         return self
 
     def forward(self, target_hidden: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
-                mask: torch.Tensor | BlockMask, flex_fn=flex_attention) -> torch.Tensor:
-        """Hidden states of all block tokens after the final norm: [N, Q, H]."""
+                mask, flex_fn=flex_attention) -> torch.Tensor:
+        """Hidden states of all block tokens after the final norm: [N, Q, H]. `mask`: one block
+        mask for every layer, or {layer type: mask} (sliding.drafter_masks)."""
         # target_hidden: [N, S, L*H]; block_embeds: [N, Q, H]; anchors: [N, A]
         n, s, _ = target_hidden.shape
         ctx = self.hidden_norm(self.fc(target_hidden))                                   # [N, S, H]
         ctx_pos = torch.arange(s, device=anchors.device).expand(n, s)                     # [N, S]
         positions = torch.cat([ctx_pos, block_positions(anchors, self.spec.block_size)], 1)  # [N, S+Q]
-        cos, sin = rope_cos_sin(positions, self.spec.shape.head_dim, self.spec.shape.rope_theta,
-                                ctx.dtype)                                                # [N, S+Q, d]
+        shape = self.spec.shape
+        cos, sin = rope_cos_sin(positions, shape.head_dim, shape.rope_theta, ctx.dtype,
+                                shape.rope_scaling)                                       # [N, S+Q, d]
         x = block_embeds.to(ctx.dtype)
         for i, layer in enumerate(self.layers):
             if self.on_layer is not None:
                 self.on_layer(i, len(self.layers))
-            x = layer(x, ctx, cos, sin, mask, flex_fn)
+            layer_mask = mask[self.spec.layer_type(i)] if isinstance(mask, dict) else mask
+            x = layer(x, ctx, cos, sin, layer_mask, flex_fn)
         return self.norm(x)
 
 

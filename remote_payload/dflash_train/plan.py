@@ -84,7 +84,8 @@ class RunPlan:
                 "compile_requested": p.requested, "compile_scope": p.scope, "capture_target": p.capture_target,
                 "capture_optimizer": p.capture_optimizer, "launcher": self.launcher,
                 "parallel_warmup": self.parallel_warmup, "warmup_steps": self.warmup_steps,
-                "attention": self.cfg.drafter.attention, "reasons": list(self.notes)}
+                "attention": self.cfg.drafter.attention, "target_backend": self.cfg.target.backend,
+                "reasons": list(self.notes)}
 
 
 def preflight_answer(devices: DevicePlan, summary_lines: list[str], plan: dict) -> dict:

@@ -1,6 +1,7 @@
-"""The `builtin` engine of `dflash_train.regen`: the project's own Qwen3 target, one replica per
-worker thread (one thread per GPU, one on CPU), each batch generated at once by decode.generate
-(left-padded, static KV cache): the same decode path as `dflashctl eval`'s target-only decode.
+"""The `builtin` engine of `dflash_train.regen`: the trainer's target (native Qwen3, or any causal
+LM through transformers: target_hf.py), one replica per worker thread (one thread per GPU, one on
+CPU), each batch generated at once by decode.generate (left-padded, KV-cached): the same decode
+path as `dflashctl eval`'s target-only decode.
 A batch with failed rows (or the short last one) is filled up to --batch-size with one-token
 filler prompts whose output is dropped; they run to --max-new-tokens, so such a batch never
 ends early.
@@ -28,7 +29,8 @@ from .plan import DevicePlan, plan_devices
 from .regen_rows import (Done, Options, RegenError, Row, RowError, SharedTokenizer, chat_row, encode_prompt, row_kind,
                          token_ids, token_row)
 from .replica import DTYPES
-from .target import build_random_target, load_hf_target, read_hf_config, resolve_mask_token_id
+from .target import build_random_target, load_hf_target, resolve_mask_token_id
+from .target_hf import build_hf_target, resolve_target_config
 from .workers import SerialLock, Stopped, ThreadedOptions, bind_device, use_cpu_threads
 
 ALLOWED_SETS = ("target.", "run.dtype=", "run.cpu_threads=", "run.gpus=", "run.device=")  # run.*: a pre-flight pin
@@ -58,10 +60,7 @@ def resolve_target(preset: str | None, overrides: list[str], gpus: str,
         cfg = load_config(None, preset, overrides)
         cfg.run.threads = 0  # one worker per GPU, one on CPU
         devices = plan_devices(cfg.run, cuda_count)
-        if cfg.target.path is not None:
-            loaded = read_hf_config(cfg.target.path)
-            loaded.seed, loaded.init_std = cfg.target.seed, cfg.target.init_std
-            cfg.target = loaded
+        cfg.target = resolve_target_config(cfg.target)
     except ConfigError as exc:
         raise RegenError(str(exc)) from None
     except (OSError, KeyError, ValueError) as exc:
@@ -111,7 +110,9 @@ class BuiltinEngine:
         if device == "cpu":
             use_cpu_threads(self.cfg.run.cpu_threads)
         dtype = DTYPES[self.cfg.run.dtype]
-        if t.path is not None:
+        if t.backend == "transformers":
+            target = build_hf_target(t, [], device, dtype, whole=True)
+        elif t.path is not None:
             target = load_hf_target(t.path, [], device, dtype, whole=True)
         else:
             target = build_random_target(t, t.seed, None, device, dtype)
@@ -133,7 +134,7 @@ class BuiltinEngine:
 
     def decoder(self, worker: int, rows: int, need: int):
         """This worker's decoder for `rows` prompts needing `need` positions (see the module docstring)."""
-        from .decode import Decoder
+        from .decode import make_decoder
 
         limit = self.cfg.target.max_position_embeddings
         key = (rows, min(limit, -(-need // CAPACITY_STEP) * CAPACITY_STEP))
@@ -142,7 +143,7 @@ class BuiltinEngine:
             return held[1]
         self.decoders[worker] = held = None  # the old cache goes before the new one is allocated
         target = self.targets[worker]
-        decoder = Decoder(target, rows, key[1])
+        decoder = make_decoder(target, rows, key[1])
         if decoder.graphs:
             with self.serial.held(f"regen worker {worker} ({self.devices[worker]}) warm-up"):
                 decoder.warm_up()  # compiles, and captures every step graph up to the capacity

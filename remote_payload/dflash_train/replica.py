@@ -18,9 +18,11 @@ from .compiling import CompilePolicy
 from .config import Config
 from .data import Batch
 from .loss import LossOutput, dflash_loss
-from .model import DFlashDrafter, block_input_ids, block_mask
+from .model import DFlashDrafter, block_input_ids
 from .resolve import drafter_spec
+from .sliding import drafter_masks
 from .target import Qwen3Target, build_random_target, build_tiny_target, load_hf_target
+from .target_hf import build_hf_target
 from .target_graph import GraphedFeatures
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -30,6 +32,8 @@ def build_target(cfg: Config, device: torch.device) -> Qwen3Target:
     """The frozen target on `device` in the run dtype (loaded, or random from the config seed)."""
     dtype, t = DTYPES[cfg.run.dtype], cfg.target
     whole = cfg.run.spec_prompts > 0  # speculative decoding needs every layer; features stop early anyway
+    if t.backend == "transformers":
+        return build_hf_target(t, cfg.drafter.target_layer_ids, device, dtype, whole)
     if t.path is not None:
         return load_hf_target(t.path, cfg.drafter.target_layer_ids, device, dtype, whole)
     if cfg.data.source == "demo":
@@ -157,7 +161,7 @@ def _loss(replica: Replica, input_ids: torch.Tensor, loss_mask: torch.Tensor, an
     feats = (features or replica.target.features)(input_ids, spec.target_layer_ids)      # [N, S, L*H]
     block_ids = block_input_ids(input_ids, anchors, bs, spec.mask_token_id)              # [N, A*B]
     embeds = replica.target.embed_tokens(block_ids)                                       # [N, A*B, H]
-    mask = block_mask(anchors, s, bs, cfg.drafter.attention)                              # once per batch
+    mask = drafter_masks(anchors, s, spec, cfg.drafter.attention)                         # once per batch
     use_bf16 = cfg.run.dtype == "bf16"
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
         hidden = drafter(feats, embeds, anchors, mask, flex_fn)                           # [N, A*B, H]

@@ -4,13 +4,16 @@ launcher, captures) are the run plan's (plan.py), which calls `fill_config`."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from .config import Config, ConfigError
 from .loss import default_gamma
 from .model import DrafterSpec
 from .recipe import recipe_for_target
-from .target import default_target_layer_ids, read_hf_config, resolve_mask_token_id, shape_of
+from .sliding import check_layer_types
+from .target import default_target_layer_ids, resolve_mask_token_id, shape_of
+from .target_hf import drafter_rope, resolve_target_config
 
 DATASET_PREFIX = "data:"  # data.train_path: data:NAME is <data.dir>/NAME (`dflashctl data push`)
 
@@ -20,13 +23,7 @@ def fill_config(cfg: Config, notes: list[str]) -> None:
     shape, recipe, feature layers, MASK id, dataset paths, gamma, export dir); ConfigError on
     inconsistencies. The machine's decisions are plan.resolve_run's, which calls this."""
     d = cfg.drafter
-    if cfg.target.path is not None:
-        try:
-            loaded = read_hf_config(cfg.target.path)
-        except (OSError, KeyError, ValueError) as exc:
-            raise ConfigError(f"target.path: {exc}") from None
-        loaded.seed, loaded.init_std = cfg.target.seed, cfg.target.init_std
-        cfg.target = loaded
+    cfg.target = resolve_target_config(cfg.target, notes)
     _fill_recipe(cfg, notes)
     if d.target_layer_ids is None:
         d.target_layer_ids = default_target_layer_ids(cfg.target.num_layers, d.num_target_features)
@@ -37,6 +34,7 @@ def fill_config(cfg: Config, notes: list[str]) -> None:
         d.mask_token_id = resolve_mask_token_id(cfg.target, d.mask_token_id, cfg.data.tokenizer_path)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    check_layer_types(d.layer_types, d.sliding_window, d.num_layers)
     for key in ("train_path", "eval_path"):
         path = getattr(cfg.data, key)
         if path is not None and path.startswith(DATASET_PREFIX):
@@ -69,14 +67,17 @@ PRESET_MEANING = {
     "real-target": "the recipe for a real checkpoint: target.path set, no --preset",
     "qwen3-8b": ("random weights on random tokens at Qwen3-8B's shape: measures speed and memory, never quality "
                  "(tau is 1.0 by construction); train on your checkpoint with --set target.path=DIR"),
+    "llama3-8b": "random weights at Llama-3.1-8B's shape through transformers: speed and memory only",
+    "qwen3-30b-a3b": "random weights at Qwen3-30B-A3B's shape (MoE) through transformers: speed and memory only",
 }
 
 
 def drafter_spec(cfg: Config) -> DrafterSpec:
     """The drafter's architecture from a resolved config."""
     d = cfg.drafter
-    return DrafterSpec(shape_of(cfg.target), d.num_layers, d.block_size, tuple(d.target_layer_ids),
-                       d.mask_token_id)
+    shape = dataclasses.replace(shape_of(cfg.target), rope_scaling=drafter_rope(cfg.target))
+    return DrafterSpec(shape, d.num_layers, d.block_size, tuple(d.target_layer_ids), d.mask_token_id,
+                       check_layer_types(d.layer_types, d.sliding_window, d.num_layers), d.sliding_window)
 
 
 def check_data_paths(cfg: Config) -> None:
@@ -92,7 +93,8 @@ def check_data_paths(cfg: Config) -> None:
 def summary(cfg: Config, notes: list[str], n_params: int | None = None) -> list[str]:
     """The few lines a run starts with: model, data, devices, compile policy and why."""
     t, d, data, run = cfg.target, cfg.drafter, cfg.data, cfg.run
-    target = t.path or f"random Qwen3 shape ({t.num_layers} layers, hidden {t.hidden_size}, vocab {t.vocab_size})"
+    target = t.path or (f"random {t.model_type} shape ({t.num_layers} layers, hidden {t.hidden_size}, "
+                        f"vocab {t.vocab_size})")
     source = data.train_path if data.source == "jsonl" else f"{data.source} ({data.num_train} sequences)"
     params = "" if n_params is None else f", {n_params / 1e6:.2f}M trainable parameters"
     meaning = PRESET_MEANING.get(cfg.preset, "")

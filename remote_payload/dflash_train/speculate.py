@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decode import CachedLayers, Decoder, StepGraphs, grouped_mask, pick, window_for
+from .decode import CachedLayers, Decoder, StepGraphs, grouped_mask, make_decoder, pick, window_for
 from .model import DFlashDrafter, apply_rope, rope_cos_sin
+from .sliding import draft_masks
 from .target import Qwen3Target
 
 
@@ -77,7 +78,7 @@ class DraftDecoder:
 
     def _rope(self, slots: torch.Tensor, dtype: torch.dtype):
         shape = self.drafter.spec.shape
-        return rope_cos_sin(slots[None], shape.head_dim, shape.rope_theta, dtype)     # [1, T, d] each
+        return rope_cos_sin(slots[None], shape.head_dim, shape.rope_theta, dtype, shape.rope_scaling)  # [1, T, d] each
 
     @torch.no_grad()
     def add_context(self, features: torch.Tensor, start: int) -> None:
@@ -124,13 +125,14 @@ class DraftDecoder:
         d, t = self.drafter, self.target
         bs = d.spec.block_size
         slots = start + torch.arange(bs, device=self.device)                             # [B]
-        mask = (torch.arange(window, device=self.device) < start + bs).expand(1, 1, bs, window)
-        mask = grouped_mask(mask, d.spec.shape.num_heads // d.spec.shape.num_kv_heads)
+        group = d.spec.shape.num_heads // d.spec.shape.num_kv_heads
+        masks = {kind: grouped_mask(m, group) for kind, m in draft_masks(d.spec, start, window).items()}
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
             x = t.embed_tokens(block).to(self.keys[0].dtype)                              # [1, B, H]
             cos, sin = self._rope(slots, x.dtype)
             for i, layer in enumerate(d.layers):
-                x = self._layers(layer, x, cos, sin, self.keys[i], self.values[i], slots, window, mask)
+                x = self._layers(layer, x, cos, sin, self.keys[i], self.values[i], slots, window,
+                                 masks[d.spec.layer_type(i)])
             hidden = d.norm(x)
         return t.lm_head(hidden[0, 1:].to(t.lm_head.weight.dtype)).float()                # [B-1, V]
 
@@ -171,7 +173,7 @@ def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], ma
     with their CUDA graphs, across prompts."""
     device = next(target.parameters()).device
     room = len(prompt) + max_new_tokens + 2 * drafter.spec.block_size
-    verifier = verifier or Decoder(target, 1, room, drafter.spec.target_layer_ids)
+    verifier = verifier or make_decoder(target, 1, room, drafter.spec.target_layer_ids)
     drafting = drafting or DraftDecoder(drafter, target, room)
     logits, context = verifier.prefill([prompt])                                  # [1, V], [1, P, L*H]
     drafting.add_context(context, 0)
@@ -230,7 +232,7 @@ def speculative_eval(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[
     compiled layers run eagerly here (its shapes change every step: no recompiles), and the
     target's decode steps are not compiled (no compile in the middle of training)."""
     room = max(map(len, prompts)) + new_tokens + 2 * drafter.spec.block_size
-    verifier = Decoder(target, 1, room, drafter.spec.target_layer_ids, compile=False)
+    verifier = make_decoder(target, 1, room, drafter.spec.target_layer_ids, compile=False)
     drafting = DraftDecoder(drafter, target, room, compile=False)
     with torch.compiler.set_stance("force_eager"):
         results = [speculate(target, drafter, p, new_tokens, verifier=verifier, drafting=drafting) for p in prompts]

@@ -29,12 +29,19 @@ class DFlashDraftModel(PreTrainedModel):
 
     def __init__(self, config):
         super().__init__(config)
-        rope_theta = getattr(config, "rope_theta", None) or (config.rope_parameters or {})["rope_theta"]
+        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        rope_theta = getattr(config, "rope_theta", None) or rope["rope_theta"]
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+        scaling = () if kind == "default" else tuple(sorted({"rope_type": kind, **scaling}.items()))
         shape = Shape(config.hidden_size, config.intermediate_size, config.num_attention_heads,
-                      config.num_key_value_heads, config.head_dim, config.rms_norm_eps, rope_theta)
+                      config.num_key_value_heads, config.head_dim, config.rms_norm_eps, rope_theta, scaling)
         dflash = config.dflash_config
+        types = tuple(getattr(config, "layer_types", None) or ())
+        sliding = "sliding_attention" in types
         self.spec = DrafterSpec(shape, config.num_hidden_layers, config.block_size,
-                                tuple(dflash["target_layer_ids"]), dflash["mask_token_id"])
+                                tuple(dflash["target_layer_ids"]), dflash["mask_token_id"],
+                                types if sliding else (), config.sliding_window if sliding else None)
         self.target_layer_ids = list(self.spec.target_layer_ids)
         self.block_size = self.spec.block_size
         self.mask_token_id = self.spec.mask_token_id
@@ -62,7 +69,8 @@ class DFlashDraftModel(PreTrainedModel):
         x = noise_embedding.to(dtype)                                               # [N, Q, H]
         q_len = x.shape[1]
         shape = self.spec.shape
-        cos, sin = rope_cos_sin(position_ids, shape.head_dim, shape.rope_theta, dtype)  # [N, C+Q, d]
+        cos, sin = rope_cos_sin(position_ids, shape.head_dim, shape.rope_theta, dtype,
+                                shape.rope_scaling)                                 # [N, C+Q, d]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -73,7 +81,10 @@ class DFlashDraftModel(PreTrainedModel):
             v = torch.cat([v_ctx, v_blk], dim=2)
             if past_key_values is not None:
                 k, v = past_key_values.update(k, v, i)
-            x = x + attn.output(attend(q, k, v, attention_mask))
+            mask = attention_mask
+            if self.spec.layer_type(i) == "sliding_attention":
+                mask = _window(mask, position_ids, q_len, k.shape[2], self.spec.sliding_window)
+            x = x + attn.output(attend(q, k, v, mask))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
@@ -127,6 +138,23 @@ class DFlashDraftModel(PreTrainedModel):
         """The drafter's context: the target's hidden states after each layer of
         `target_layer_ids` (hidden_states[0] is the embeddings), concatenated."""
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+
+
+def _window(mask, position_ids, q_len, k_len, window):
+    """A sliding layer's mask: `mask` (None, boolean, or additive over the k_len keys) where the
+    block's queries also see only the context within `window` positions (q - k < window) and
+    their whole block. The keys are contiguous positions ending at the block's last one."""
+    last = position_ids[:, -1:]                                                     # [N, 1]
+    keys = last - (k_len - 1) + torch.arange(k_len, device=position_ids.device)     # [N, K]
+    queries = position_ids[:, -q_len:]                                              # [N, Q]
+    near = (queries[:, :, None] - keys[:, None, :]) < window                        # [N, Q, K]
+    near[:, :, k_len - q_len:] = True                                               # the block itself
+    near = near[:, None]                                                            # [N, 1, Q, K]
+    if mask is None:
+        return near
+    if mask.dtype == torch.bool:
+        return mask & near
+    return mask.masked_fill(~near, torch.finfo(mask.dtype).min)
 
 
 def _cache_keyword(target):
