@@ -128,7 +128,8 @@ def resolve_run(cfg: Config, cuda_count: int | None = None, multi_host: bool = F
             notes.append(f"compile scope: {run.compile_scope} ({why})")
     # run.capture_target stays `auto` in the resolved config: an eval or resume on another device
     # or compile mode plans it afresh.
-    capture, why = capture_target_decision(run.capture_target, on_cuda, run.compile, run.compile_scope)
+    capture, why = capture_target_decision(run.capture_target, on_cuda, run.compile, run.compile_scope,
+                                           cfg.target.backend)
     if on_cuda and run.compile != "off":
         notes.append(f"target forward: {'one CUDA graph' if capture == 'on' else 'layer by layer'} ({why})")
     policy = dataclasses.replace(
@@ -264,11 +265,16 @@ def launcher_decision(setting: str, devices: list[str], hidden_size: int, multi_
                        f"target hidden size {hidden_size}: one thread per GPU")
 
 
-def capture_target_decision(setting: str, on_cuda: bool, compile_mode: str, scope: str) -> tuple[str, str]:
+def capture_target_decision(setting: str, on_cuda: bool, compile_mode: str, scope: str,
+                            backend: str = "native") -> tuple[str, str]:
     """(on | off, reason) for `run.capture_target`: the target's feature forward as one CUDA graph
     per step where it otherwise launches layer by layer from Python."""
     why_not = None
-    if not on_cuda:
+    if backend == "transformers":
+        # On an H200 (2026-12-02) the llama3-8b preset's captured forward compiled its first layer
+        # inside the capture, which CUDA refuses (cudaErrorStreamCaptureUnsupported).
+        why_not = "a transformers target: its compiled layers are not warmed before a capture"
+    elif not on_cuda:
         why_not = "CUDA graphs need CUDA"
     elif compile_mode == "off":
         why_not = "run.compile off: the plain eager path"

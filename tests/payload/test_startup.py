@@ -112,6 +112,11 @@ def test_capture_target_is_on_where_the_target_launches_layer_by_layer(gpus):
         resolved("run.capture_target=on")
     gpus(0)
     assert capture_target_decision("auto", False, "default", "layers")[0] == "off"
+    # A transformers target is never captured (it failed so on an H200); `on` is refused, not ignored.
+    assert capture_target_decision("auto", True, "default", "layers", "transformers")[0] == "off"
+    assert capture_target_decision("auto", True, "default", "layers", "native")[0] == "on"
+    with pytest.raises(ConfigError, match="a transformers target"):
+        capture_target_decision("on", True, "default", "layers", "transformers")
     with pytest.raises(ConfigError, match="CUDA graphs need CUDA"):
         resolved(*wide, "run.capture_target=on")
 
