@@ -1,6 +1,6 @@
 """Shared fixtures: real OpenSSH servers on loopback with the `pct` and `docker` test shims behind them.
 
-The suite runs in two pytest-xdist worker processes (`-n 2 --dist loadfile`, pyproject.toml): each
+The suite runs in four pytest-xdist worker processes (`-n 4 --dist loadfile`, pyproject.toml): each
 file's tests run in order in one worker, beside another file's. So a test may scan /proc or signal
 processes only by what is unique to it (its workdir, tmp path, port or run id, or a setting used by
 one file alone: standin_trainer.signal_cli), and session fixtures (each sshd) exist once per worker.
