@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .model import DecoderLayer, apply_rope, rope_cos_sin
 from .target import Qwen3Target
-from .target_hf import HFDecoder, HFTarget
+from .target_hf import HFDecoder, HFTarget, left_padded
 
 WINDOW = 256  # attention window granularity under CUDA graphs: one captured graph per multiple
 
@@ -91,16 +91,8 @@ class Decoder:
     def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompts (left-padded to the longest) from slot 0: (the last position's logits
         [N, V] in fp32, features [N, P, L*H] or None). Eager: its shape is the prompts'."""
-        if len(prompts) != self.pad.numel():
-            raise ValueError(f"{len(prompts)} prompts for a decoder of batch {self.pad.numel()}")
-        p = max(len(q) for q in prompts)
-        if p > self.capacity:
-            raise ValueError(f"a prompt of {p} tokens does not fit the cache ({self.capacity})")
-        ids = torch.zeros(len(prompts), p, dtype=torch.long)
-        for n, q in enumerate(prompts):
-            ids[n, p - len(q):] = torch.tensor(q, dtype=torch.long)
-        self.pad.copy_(torch.tensor([p - len(q) for q in prompts]))
-        self.length = p
+        ids = left_padded(prompts, self.pad, self.capacity)
+        p = self.length = ids.shape[1]
         logits, feats = self._forward(ids.to(self.device), torch.zeros(1, dtype=torch.long, device=self.device), p,
                                       prefill=True)
         return logits[:, -1], feats

@@ -288,6 +288,21 @@ class _Recording:
         self.target._record, self.target._outputs = set(), {}
 
 
+def left_padded(prompts: list[list[int]], pad: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The prompts left-padded to the longest as ids [N, P] (on the CPU); each row's padding
+    written into `pad` [N]. A decoder's prefill, native or transformers, starts here."""
+    if len(prompts) != pad.numel():
+        raise ValueError(f"{len(prompts)} prompts for a decoder of batch {pad.numel()}")
+    p = max(len(q) for q in prompts)
+    if p > capacity:
+        raise ValueError(f"a prompt of {p} tokens does not fit the cache ({capacity})")
+    ids = torch.zeros(len(prompts), p, dtype=torch.long)
+    for n, q in enumerate(prompts):
+        ids[n, p - len(q):] = torch.tensor(q, dtype=torch.long)
+    pad.copy_(torch.tensor([p - len(q) for q in prompts]))
+    return ids
+
+
 class HFDecoder:
     """decode.Decoder's interface (prefill, step, crop, length) over the model's own KV cache, for
     a batch of N left-padded rows and at most C positions. Eager (no CUDA graphs of our own)."""
@@ -318,15 +333,7 @@ class HFDecoder:
     def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompts (left-padded) from position 0: (last logits [N, V] fp32, features
         [N, P, L*H] or None)."""
-        if len(prompts) != self.pad.numel():
-            raise ValueError(f"{len(prompts)} prompts for a decoder of batch {self.pad.numel()}")
-        p = max(len(q) for q in prompts)
-        if p > self.capacity:
-            raise ValueError(f"a prompt of {p} tokens does not fit the cache ({self.capacity})")
-        ids = torch.zeros(len(prompts), p, dtype=torch.long)
-        for n, q in enumerate(prompts):
-            ids[n, p - len(q):] = torch.tensor(q, dtype=torch.long)
-        self.pad.copy_(torch.tensor([p - len(q) for q in prompts]))
+        ids = left_padded(prompts, self.pad, self.capacity)
         self.crop(0)
         logits, feats = self._forward(ids.to(self.device))
         return logits[:, -1], feats
