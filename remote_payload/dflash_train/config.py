@@ -181,6 +181,10 @@ class Config:
 
 # Presets are override dicts on top of the dataclass defaults (which are the tiny run). Without
 # --preset (or a config file's `preset:`), a run with target.path gets `real-target`, else `tiny`.
+# The random-token data of the speed presets at real width (qwen3-8b, llama3-8b, qwen3-30b-a3b).
+_SPEED_DATA = {"source": "random", "max_length": 3072, "anchors_per_seq": 512, "batch_size": 1, "num_train": 64,
+               "num_eval": 4}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"optim": {"lr": 2e-3}},  # the tiny drafter learns faster than the paper's 6e-4 allows
     # A user's own checkpoint: block 16 as z-lab's published drafters; depth, sequence shapes and
@@ -198,8 +202,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "max_position_embeddings": 40960, "tie_word_embeddings": False, "init_std": 0.02,
         },
         "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
-        "data": {"source": "random", "max_length": 3072, "anchors_per_seq": 512, "batch_size": 1,
-                 "num_train": 64, "num_eval": 4},
+        "data": {**_SPEED_DATA},
         "run": {"output_dir": "runs/qwen3-8b", "dtype": "bf16", "eval_every": 1000,
                 "checkpoint_every": 1000},
     },
@@ -214,8 +217,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": False, "init_std": 0.02,
         },
         "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 128002},
-        "data": {"source": "random", "max_length": 3072, "anchors_per_seq": 512, "batch_size": 1,
-                 "num_train": 64, "num_eval": 4},
+        "data": {**_SPEED_DATA},
         "run": {"output_dir": "runs/llama3-8b", "dtype": "bf16", "eval_every": 1000,
                 "checkpoint_every": 1000},
     },
@@ -228,8 +230,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "max_position_embeddings": 40960, "tie_word_embeddings": False, "init_std": 0.02,
         },
         "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
-        "data": {"source": "random", "max_length": 3072, "anchors_per_seq": 512, "batch_size": 1,
-                 "num_train": 64, "num_eval": 4},
+        "data": {**_SPEED_DATA},
         "run": {"output_dir": "runs/qwen3-30b-a3b", "dtype": "bf16", "eval_every": 1000,
                 "checkpoint_every": 1000},
     },
