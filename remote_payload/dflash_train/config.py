@@ -179,12 +179,12 @@ class Config:
     preset: str = "tiny"  # the preset this config was built on (load_config chooses it)
 
 
-# Presets are override dicts on top of the dataclass defaults (which are the tiny run). Without
-# --preset (or a config file's `preset:`), a run with target.path gets `real-target`, else `tiny`.
 # The random-token data of the speed presets at real width (qwen3-8b, llama3-8b, qwen3-30b-a3b).
 _SPEED_DATA = {"source": "random", "max_length": 3072, "anchors_per_seq": 512, "batch_size": 1, "num_train": 64,
                "num_eval": 4}
 
+# Presets are override dicts on top of the dataclass defaults (which are the tiny run). Without
+# --preset (or a config file's `preset:`), a run with target.path gets `real-target`, else `tiny`.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"optim": {"lr": 2e-3}},  # the tiny drafter learns faster than the paper's 6e-4 allows
     # A user's own checkpoint: block 16 as z-lab's published drafters; depth, sequence shapes and
