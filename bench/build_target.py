@@ -9,7 +9,8 @@ its standard library and its site-packages (hundreds of MB on a machine with tor
 model sees each file about once and cannot memorise it), `--corpus stdlib` the standard library
 alone (the CPU sizes). A few standard-library packages are held out for evaluation prompts
 (`--held-out`, their tests included); files of the same name anywhere else, and known copies of
-them (`simplejson` is the stdlib `json`'s origin), are left out of training. The directory written is what a user's own checkpoint looks like to the
+them (`simplejson` is the stdlib `json`'s origin), are left out of training. The directory written is what a
+user's own checkpoint looks like to the
 trainer and to transformers: `config.json` + `model.safetensors` (a `transformers`
 Qwen3ForCausalLM, untied head, no attention bias), `generation_config.json`, and a byte-level BPE
 `tokenizer.json` (trained here with `tokenizers`, with `<|MASK|>` and ChatML specials) with
@@ -69,9 +70,9 @@ class ModelSize:
 
 
 SIZES = {
-    "gpu": ModelSize(8192, 12, 768, 2304, 12, 4, 64),   # ~95M parameters, untied head
-    "small": ModelSize(4096, 4, 256, 768, 4, 2, 64),    # CPU dry runs of the bench (~5M)
-    "tiny": ModelSize(1024, 2, 64, 192, 4, 2, 16),      # the CI check (~0.2M)
+    "gpu": ModelSize(8192, 12, 768, 2304, 12, 4, 64),  # ~95M parameters, untied head
+    "small": ModelSize(4096, 4, 256, 768, 4, 2, 64),  # CPU dry runs of the bench (~5M)
+    "tiny": ModelSize(1024, 2, 64, 192, 4, 2, 16),  # the CI check (~0.2M)
 }
 
 
@@ -130,8 +131,7 @@ def read_python(root: Path) -> list[tuple[Path, str]]:
     return found
 
 
-def python_files(root: Path, held_out: tuple[str, ...],
-                 extra: tuple[Path, ...] = ()) -> tuple[list[str], list[str]]:
+def python_files(root: Path, held_out: tuple[str, ...], extra: tuple[Path, ...] = ()) -> tuple[list[str], list[str]]:
     """(training texts, held-out texts): root's files split by `is_held_out`, then the training
     files of the `extra` trees (site-packages), whose held-out namesakes and copies are dropped."""
     train, held = [], []
@@ -181,7 +181,7 @@ def prompt_rows(texts: list[str], count: int, chars: int, seed: int) -> list[dic
         offset = at - (ends[doc - 1] if doc else 0)
         start = text.find("\n", offset) + 1 if offset else 0
         stop = text.find("\n", start + chars)
-        piece = text[start:stop + 1] if stop >= 0 else ""
+        piece = text[start : stop + 1] if stop >= 0 else ""
         # A generated file's one long line (data tables in site-packages) would make a prompt longer
         # than the target's context: such a row only fails in `data regen`.
         if start and chars // 2 <= len(piece.strip()) and len(piece) <= 4 * chars and piece not in seen:
@@ -207,8 +207,13 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer, length=len(texts))
     return tok
 
@@ -218,14 +223,16 @@ def save_tokenizer(tok, out: Path) -> dict[str, int]:
     transformers; the special tokens' ids."""
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=EOT,
-                                   additional_special_tokens=[IM_START, MASK])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=IM_END, pad_token=EOT, additional_special_tokens=[IM_START, MASK]
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
     # transformers 5 keeps the template in chat_template.jinja; 4.x reads it from here.
     config_file = out / "tokenizer_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": CHAT_TEMPLATE},
-                                      indent=2) + "\n")
+    config_file.write_text(
+        json.dumps({**json.loads(config_file.read_text()), "chat_template": CHAT_TEMPLATE}, indent=2) + "\n"
+    )
     return {name: tok.token_to_id(name) for name in SPECIALS}
 
 
@@ -237,11 +244,21 @@ def qwen3_config(size: ModelSize, max_positions: int, ids: dict[str, int]):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=size.vocab_size, hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
-        num_hidden_layers=size.num_layers, num_attention_heads=size.num_heads,
-        num_key_value_heads=size.num_kv_heads, head_dim=size.head_dim, max_position_embeddings=max_positions,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-        attention_bias=False, eos_token_id=ids[IM_END], pad_token_id=ids[EOT], bos_token_id=None)
+        vocab_size=size.vocab_size,
+        hidden_size=size.hidden_size,
+        intermediate_size=size.intermediate_size,
+        num_hidden_layers=size.num_layers,
+        num_attention_heads=size.num_heads,
+        num_key_value_heads=size.num_kv_heads,
+        head_dim=size.head_dim,
+        max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        attention_bias=False,
+        eos_token_id=ids[IM_END],
+        pad_token_id=ids[EOT],
+        bos_token_id=None,
+    )
 
 
 def token_stream(tok, texts: list[str], eot: int):
@@ -261,7 +278,7 @@ def windows(stream, batch: int, seq_len: int, gen):
     import torch
 
     starts = torch.randint(0, len(stream) - seq_len, (batch,), generator=gen)
-    return torch.stack([stream[s:s + seq_len] for s in starts.tolist()])
+    return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
 
 
 def lr_at(progress: float, peak: float, warmup: float) -> float:
@@ -282,8 +299,9 @@ def train_model(config, stream, opts: BuildOptions, device, deadline: float, log
     model = Qwen3ForCausalLM(config).to(device)
     model.train()
     cuda = device.type == "cuda"
-    optim = torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                              **({"fused": True} if cuda else {}))
+    optim = torch.optim.AdamW(
+        model.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.1, **({"fused": True} if cuda else {})
+    )
     gen = torch.Generator().manual_seed(opts.seed)
     t0, step, loss_value = time.monotonic(), 0, float("nan")
     budget = max(deadline - t0, 1e-3)
@@ -341,8 +359,13 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print) -> dict:
     size = SIZES[opts.size]
     if opts.cpu_threads > 0:
         torch.set_num_threads(opts.cpu_threads)
-    device = torch.device("cuda" if opts.device == "auto" and torch.cuda.is_available()
-                          else "cpu" if opts.device == "auto" else opts.device)
+    device = torch.device(
+        "cuda"
+        if opts.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if opts.device == "auto"
+        else opts.device
+    )
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     out = Path(opts.out)
@@ -352,42 +375,61 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print) -> dict:
     found_mb = sum(map(len, train_texts)) / 1e6
     train_texts = capped(train_texts, opts.max_corpus_mb, opts.seed)
     if not train_texts or not held_texts:
-        raise SystemExit(f"build_target: no training or held-out .py files under {root} "
-                         f"(held out: {', '.join(opts.held_out)})")
-    log(f"build: {len(train_texts)} training files ({sum(map(len, train_texts)) / 1e6:.1f} MB of {found_mb:.1f} "
-        f"found), {len(held_texts)} held-out files, from {root}" + "".join(f" + {tree}" for tree in extra))
+        raise SystemExit(
+            f"build_target: no training or held-out .py files under {root} (held out: {', '.join(opts.held_out)})"
+        )
+    log(
+        f"build: {len(train_texts)} training files ({sum(map(len, train_texts)) / 1e6:.1f} MB of {found_mb:.1f} "
+        f"found), {len(held_texts)} held-out files, from {root}" + "".join(f" + {tree}" for tree in extra)
+    )
     tok = train_tokenizer(capped(train_texts, opts.tokenizer_mb, opts.seed + 2), size.vocab_size)
     ids = save_tokenizer(tok, out)
     stream, held_stream = token_stream(tok, train_texts, ids[EOT]), token_stream(tok, held_texts, ids[EOT])
     tokenized = time.monotonic()
-    log(f"build: tokenizer of {tok.get_vocab_size()} ids, {len(stream):,} training tokens "
-        f"({len(held_stream):,} held out) after {tokenized - started:.1f} s")
+    log(
+        f"build: tokenizer of {tok.get_vocab_size()} ids, {len(stream):,} training tokens "
+        f"({len(held_stream):,} held out) after {tokenized - started:.1f} s"
+    )
     config = qwen3_config(size, 4096, ids)
     # Saving and the prompt files take seconds: keep them inside the budget.
     model, steps, loss = train_model(config, stream, opts, device, deadline - 10, log)
     trained = time.monotonic()
     held_loss = mean_loss(model, held_stream, opts, device)
     model.to(torch.float32).save_pretrained(str(out))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [ids[IM_END], ids[EOT]], "pad_token_id": ids[EOT]}, indent=1) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [ids[IM_END], ids[EOT]], "pad_token_id": ids[EOT]}, indent=1) + "\n"
+    )
     train_rows = prompt_rows(train_texts, opts.train_prompts, opts.prompt_chars, opts.seed + 3)
     held_rows = prompt_rows(held_texts, opts.eval_prompts, opts.prompt_chars, opts.seed + 4)
     write_jsonl(out / "train-prompts.jsonl", train_rows)
     write_jsonl(out / "heldout-prompts.jsonl", held_rows)
     summary = {
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()},
-        "size": dataclasses.asdict(size), "parameters": sum(p.numel() for p in model.parameters()),
-        "device": str(device), "source": [str(root), *map(str, extra)], "python": sys.version.split()[0],
-        "torch": torch.__version__, "special_ids": ids, "training_tokens": len(stream),
-        "held_out_tokens": len(held_stream), "steps": steps, "tokens_seen": steps * opts.batch_size * opts.seq_len,
-        "train_loss": loss, "held_out_loss": held_loss, "train_prompts": len(train_rows),
-        "heldout_prompts": len(held_rows), "tokenizer_s": round(tokenized - started, 1),
-        "train_s": round(trained - tokenized, 1), "total_s": round(time.monotonic() - started, 1),
+        "size": dataclasses.asdict(size),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "device": str(device),
+        "source": [str(root), *map(str, extra)],
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "special_ids": ids,
+        "training_tokens": len(stream),
+        "held_out_tokens": len(held_stream),
+        "steps": steps,
+        "tokens_seen": steps * opts.batch_size * opts.seq_len,
+        "train_loss": loss,
+        "held_out_loss": held_loss,
+        "train_prompts": len(train_rows),
+        "heldout_prompts": len(held_rows),
+        "tokenizer_s": round(tokenized - started, 1),
+        "train_s": round(trained - tokenized, 1),
+        "total_s": round(time.monotonic() - started, 1),
     }
     (out / "build.json").write_text(json.dumps(summary, indent=1) + "\n")
-    log(f"build: {summary['parameters'] / 1e6:.1f}M parameters, {steps} steps in {summary['train_s']} s, "
+    log(
+        f"build: {summary['parameters'] / 1e6:.1f}M parameters, {steps} steps in {summary['train_s']} s, "
         f"loss {loss:.3f}, held-out loss {held_loss if held_loss is None else round(held_loss, 3)}; "
-        f"{len(train_rows)} + {len(held_rows)} prompt rows; {out} in {summary['total_s']} s")
+        f"{len(train_rows)} + {len(held_rows)} prompt rows; {out} in {summary['total_s']} s"
+    )
     return summary
 
 
@@ -404,11 +446,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--source", type=Path, default=None, help="one tree of .py files instead of --corpus")
-    ap.add_argument("--corpus", choices=CORPORA, default=None,
-                    help="python: stdlib + site-packages; stdlib: the standard library alone "
-                         "(default: python for --size gpu, stdlib for the CPU sizes)")
+    ap.add_argument(
+        "--corpus",
+        choices=CORPORA,
+        default=None,
+        help="python: stdlib + site-packages; stdlib: the standard library alone "
+        "(default: python for --size gpu, stdlib for the CPU sizes)",
+    )
     ap.add_argument("--held-out", default=",".join(HELD_OUT), help="packages left out for evaluation prompts")
-    ap.add_argument("--max-corpus-mb", type=float, default=None, help="default 160 for --corpus python, all of the stdlib")
+    ap.add_argument(
+        "--max-corpus-mb", type=float, default=None, help="default 160 for --corpus python, all of the stdlib"
+    )
     ap.add_argument("--tokenizer-mb", type=float, default=8.0)
     ap.add_argument("--prompt-chars", type=int, default=400)
     ap.add_argument("--train-prompts", type=int, default=16384)
@@ -417,10 +465,28 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     corpus = a.corpus or ("python" if a.size == "gpu" else "stdlib")
     corpus_mb = a.max_corpus_mb if a.max_corpus_mb is not None else 160.0 if corpus == "python" else None
-    build(BuildOptions(out=a.out, size=a.size, minutes=a.minutes, steps=a.steps, seq_len=a.seq_len,
-                       batch_size=a.batch_size, lr=a.lr, seed=a.seed, device=a.device, source=a.source,
-                       corpus=corpus, held_out=tuple(filter(None, a.held_out.split(","))), max_corpus_mb=corpus_mb,
-                       tokenizer_mb=a.tokenizer_mb, prompt_chars=a.prompt_chars, train_prompts=a.train_prompts, eval_prompts=a.eval_prompts, cpu_threads=a.cpu_threads))
+    build(
+        BuildOptions(
+            out=a.out,
+            size=a.size,
+            minutes=a.minutes,
+            steps=a.steps,
+            seq_len=a.seq_len,
+            batch_size=a.batch_size,
+            lr=a.lr,
+            seed=a.seed,
+            device=a.device,
+            source=a.source,
+            corpus=corpus,
+            held_out=tuple(filter(None, a.held_out.split(","))),
+            max_corpus_mb=corpus_mb,
+            tokenizer_mb=a.tokenizer_mb,
+            prompt_chars=a.prompt_chars,
+            train_prompts=a.train_prompts,
+            eval_prompts=a.eval_prompts,
+            cpu_threads=a.cpu_threads,
+        )
+    )
     return 0
 
 

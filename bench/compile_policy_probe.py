@@ -6,6 +6,7 @@ recorded as a finding instead of ending the probe. Also records facts about the
 installed torch (thread-local trees, per-thread inductor config) and times the
 in-process NCCL all-reduce that the threaded trainer uses for gradients.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,10 +62,23 @@ def dump_source(path: str) -> None:
     import torch._inductor.cudagraph_trees as cgt
     import torch.utils._config_module as cm
 
-    keys = ("_is_key_in_tls", "_stash_obj_in_tls", "_initialize_tls", "graph_capture_lock",
-            "threading.local", "def get_obj", "def get_container", "local = ",
-            "cudagraph_trees", "def cudagraphify", "capture_error_mode", "synchronize()",
-            "compile_lock", "ContextVar", "thread")
+    keys = (
+        "_is_key_in_tls",
+        "_stash_obj_in_tls",
+        "_initialize_tls",
+        "graph_capture_lock",
+        "threading.local",
+        "def get_obj",
+        "def get_container",
+        "local = ",
+        "cudagraph_trees",
+        "def cudagraphify",
+        "capture_error_mode",
+        "synchronize()",
+        "compile_lock",
+        "ContextVar",
+        "thread",
+    )
     with open(path, "w") as f:
         for mod in (cgt, cfx, cf, cm):
             f.write(f"==== {mod.__file__}\n")
@@ -73,12 +87,12 @@ def dump_source(path: str) -> None:
                     f.write(f"{n}: {line}\n")
         f.write("==== cgt head (1-60 of get_obj/get_container region)\n")
         src = inspect.getsource(cgt).splitlines()
-        start = next(i for i, l in enumerate(src) if "def get_obj" in l)
-        f.write("\n".join(f"{start - 40 + i + 1}: {l}" for i, l in enumerate(src[start - 40:start + 30])))
+        start = next(i for i, ln in enumerate(src) if "def get_obj" in ln)
+        f.write("\n".join(f"{start - 40 + i + 1}: {ln}" for i, ln in enumerate(src[start - 40 : start + 30])))
         src = inspect.getsource(cfx).splitlines()
-        start = next(i for i, l in enumerate(src) if l.startswith("def cudagraphify("))
+        start = next(i for i, ln in enumerate(src) if ln.startswith("def cudagraphify("))
         f.write("\n==== compile_fx cudagraphify\n")
-        f.write("\n".join(f"{start + i + 1}: {l}" for i, l in enumerate(src[start:start + 130])))
+        f.write("\n".join(f"{start + i + 1}: {ln}" for i, ln in enumerate(src[start : start + 130])))
 
 
 def make_model(torch, d: int = 512, layers: int = 2):
@@ -161,13 +175,21 @@ def run_variant(name: str) -> None:
                 loss = step()
             torch.cuda.synchronize(dev)
             ms = (time.time() - t0) / STEPS * 1e3
-            results[i] = {"ok": True, "warm_s": round(warm, 1), "ms": round(ms, 2),
-                          "loss": float(loss), "checksum": checksum(torch, model)}
+            results[i] = {
+                "ok": True,
+                "warm_s": round(warm, 1),
+                "ms": round(ms, 2),
+                "loss": float(loss),
+                "checksum": checksum(torch, model),
+            }
         except BaseException as e:  # a finding, recorded for the table
             barrier.abort()
             tb = traceback.format_exc().splitlines()
-            results[i] = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
-                          "where": [l for l in tb if l.strip().startswith("File")][-2:]}
+            results[i] = {
+                "ok": False,
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                "where": [ln for ln in tb if ln.strip().startswith("File")][-2:],
+            }
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(ngpu)]
     for t in threads:
@@ -198,14 +220,18 @@ def run_nccl() -> None:
             for i in range(2):
                 torch.cuda.synchronize(i)
             ms = (time.time() - t0) / reps * 1e3
-            ok = all(float(b[0]) == 2.0 ** reps for b in bufs)  # sum of two equal buffers doubles them
+            ok = all(float(b[0]) == 2.0**reps for b in bufs)  # sum of two equal buffers doubles them
             same = bool(torch.equal(bufs[0].cpu(), bufs[1].cpu()))
             nbytes = numel * bufs[0].element_size()
-            out[f"{numel >> 20}M_{str(dtype)[6:]}"] = {"ms": round(ms, 3), "algbw_GBs": round(nbytes / ms / 1e6, 1),
-                                                      "equal_across_gpus": same, "ok": ok}
+            out[f"{numel >> 20}M_{str(dtype)[6:]}"] = {
+                "ms": round(ms, 3),
+                "algbw_GBs": round(nbytes / ms / 1e6, 1),
+                "equal_across_gpus": same,
+                "ok": ok,
+            }
     # threads: each worker fills its buffer, the barrier action (one thread) reduces for all
     bufs = [torch.randn(1 << 20, device=f"cuda:{i}", generator=None) for i in range(2)]
-    expect = (bufs[0].cpu().double() + bufs[1].cpu().double())
+    expect = bufs[0].cpu().double() + bufs[1].cpu().double()
     barrier = threading.Barrier(2, action=lambda: torch.cuda.nccl.all_reduce(bufs))
     errs = []
 
@@ -222,8 +248,11 @@ def run_nccl() -> None:
     [t.start() for t in ts]
     [t.join() for t in ts]
     err = float((bufs[1].cpu().double() - expect).abs().max())
-    out["from_barrier_action"] = {"errors": errs, "max_abs_err": err,
-                                  "equal_across_gpus": bool(torch.equal(bufs[0].cpu(), bufs[1].cpu()))}
+    out["from_barrier_action"] = {
+        "errors": errs,
+        "max_abs_err": err,
+        "equal_across_gpus": bool(torch.equal(bufs[0].cpu(), bufs[1].cpu())),
+    }
     print("RESULT " + json.dumps({"variant": "nccl", "nccl": out}), flush=True)
 
 
@@ -243,8 +272,10 @@ def main() -> None:
     procs = {}
     for v in VARIANTS + ["nccl"]:  # in parallel: timings are indicative only, outcomes are the point
         log = open(os.path.join(args.out, f"probe_{v}.log"), "w")  # merged into one file below
-        procs[v] = (subprocess.Popen([sys.executable, __file__, "--variant", v], stdout=log,
-                                     stderr=subprocess.STDOUT, env=env), log)
+        procs[v] = (
+            subprocess.Popen([sys.executable, __file__, "--variant", v], stdout=log, stderr=subprocess.STDOUT, env=env),
+            log,
+        )
     deadline = time.time() + args.timeout
     rows = []
     for v, (p, log) in procs.items():
@@ -255,9 +286,15 @@ def main() -> None:
             rc = "HANG(killed)"
         log.close()
         text = open(log.name).read()
-        res = [l[7:] for l in text.splitlines() if l.startswith("RESULT ")]
-        rows.append({"variant": v, "rc": rc, "result": json.loads(res[-1]) if res else None,
-                     "tail": text.splitlines()[-3:] if not res else []})
+        res = [ln[7:] for ln in text.splitlines() if ln.startswith("RESULT ")]
+        rows.append(
+            {
+                "variant": v,
+                "rc": rc,
+                "result": json.loads(res[-1]) if res else None,
+                "tail": text.splitlines()[-3:] if not res else [],
+            }
+        )
     with open(os.path.join(args.out, "probe_results.json"), "w") as f:
         json.dump({"facts": facts, "rows": rows}, f, indent=1)
     with open(os.path.join(args.out, "probe_logs.txt"), "w") as f:  # one file: few files come back
@@ -270,8 +307,13 @@ def main() -> None:
         if res and "workers" in res:
             w = res["workers"]
             cell = " | ".join(
-                (f"ok {x['ms']}ms warm {x['warm_s']}s loss {x['loss']:.5f} ck {x['checksum']}" if x["ok"]
-                 else f"FAIL {x['error'][:90]}") for _, x in sorted(w.items()))
+                (
+                    f"ok {x['ms']}ms warm {x['warm_s']}s loss {x['loss']:.5f} ck {x['checksum']}"
+                    if x["ok"]
+                    else f"FAIL {x['error'][:90]}"
+                )
+                for _, x in sorted(w.items())
+            )
         elif res:
             cell = json.dumps(res["nccl"])
         else:

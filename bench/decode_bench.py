@@ -98,8 +98,17 @@ class Bench:
             generate(self.target, prompt, count, decoder=decoder)  # warm-up: compiles, captures the graphs
             times = [self.timed(lambda: generate(self.target, prompt, count, decoder=decoder))[0] for _ in range(3)]
             ms = 1e3 * statistics.median(times) / count
-            self.add({"stage": "decode", "row": label, "batch": 1, "new_tokens": count, "ms_per_token": round(ms, 2),
-                      "of_bandwidth": round(floor_ms / ms, 3), "floor_ms": round(floor_ms, 2)})
+            self.add(
+                {
+                    "stage": "decode",
+                    "row": label,
+                    "batch": 1,
+                    "new_tokens": count,
+                    "ms_per_token": round(ms, 2),
+                    "of_bandwidth": round(floor_ms / ms, 3),
+                    "floor_ms": round(floor_ms, 2),
+                }
+            )
         self.reference = generate(self.target, prompt, 32)[0]
         self.reference_prompt = prompt
 
@@ -111,11 +120,20 @@ class Bench:
             self.add({"stage": "hf", "row": f"skipped: {exc}"})
             return
         t = self.cfg.target
-        hf_cfg = Qwen3Config(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                             num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads,
-                             num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
-                             rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings,
-                             tie_word_embeddings=t.tie_word_embeddings, attention_bias=False)
+        hf_cfg = Qwen3Config(
+            vocab_size=t.vocab_size,
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_hidden_layers=t.num_layers,
+            num_attention_heads=t.num_heads,
+            num_key_value_heads=t.num_kv_heads,
+            head_dim=t.head_dim,
+            rope_theta=t.rope_theta,
+            rms_norm_eps=t.rms_norm_eps,
+            max_position_embeddings=t.max_position_embeddings,
+            tie_word_embeddings=t.tie_word_embeddings,
+            attention_bias=False,
+        )
         with torch.device("meta"):
             model = Qwen3ForCausalLM(hf_cfg)
         ours = {(k if k.startswith("lm_head") else f"model.{k}"): v for k, v in self.target.state_dict().items()}
@@ -125,8 +143,9 @@ class Bench:
         model.generation_config.pad_token_id = 0
         prompt_len, new, batch, _ = self.sizes
         for rows in (1, batch):
-            ids = torch.tensor(self.reference_prompt if rows == 1 else self.prompts(rows, prompt_len),
-                               device=self.device)
+            ids = torch.tensor(
+                self.reference_prompt if rows == 1 else self.prompts(rows, prompt_len), device=self.device
+            )
             for cache, count in (("default", 64 if not self.dry else 8), ("static", 32 if not self.dry else 8)):
                 kwargs = dict(max_new_tokens=count, min_new_tokens=count, do_sample=False)
                 if cache == "static":
@@ -134,11 +153,16 @@ class Bench:
                 with torch.no_grad():
                     model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
                     secs, out = self.timed(lambda: model.generate(ids, **kwargs))
-                row = {"stage": "hf", "row": f"transformers {transformers.__version__} generate, {cache} cache",
-                       "batch": rows, "new_tokens": count, "ms_per_token": round(1e3 * secs / count, 2),
-                       "tokens_per_s": round(rows * count / secs, 1)}
+                row = {
+                    "stage": "hf",
+                    "row": f"transformers {transformers.__version__} generate, {cache} cache",
+                    "batch": rows,
+                    "new_tokens": count,
+                    "ms_per_token": round(1e3 * secs / count, 2),
+                    "tokens_per_s": round(rows * count / secs, 1),
+                }
                 if rows == 1:
-                    got = out[0, ids.shape[1]:].tolist()
+                    got = out[0, ids.shape[1] :].tolist()
                     same = next((i for i, (a, b) in enumerate(zip(got, self.reference)) if a != b), min(len(got), 32))
                     row["agrees_with_ours_tokens"] = same
                 self.add(row)
@@ -158,9 +182,16 @@ class Bench:
                 if i >= 3:  # the first ones capture the graph
                     times.append(secs)
             results[t] = 1e3 * statistics.median(times)
-        self.add({"stage": "verify", "row": f"step after {context} cached tokens", "decode_ms": round(results[1], 2),
-                  "verify_ms": round(results[block], 2), "block": block,
-                  "verify_over_decode": round(results[block] / results[1], 3)})
+        self.add(
+            {
+                "stage": "verify",
+                "row": f"step after {context} cached tokens",
+                "decode_ms": round(results[1], 2),
+                "verify_ms": round(results[block], 2),
+                "block": block,
+                "verify_over_decode": round(results[block] / results[1], 3),
+            }
+        )
 
     def batch(self) -> None:
         prompt_len, _, batch, new = self.sizes
@@ -169,9 +200,17 @@ class Bench:
         generate(self.target, prompts, new, decoder=decoder)  # warm-up: the graphs of every window
         secs, out = self.timed(lambda: generate(self.target, prompts, new, decoder=decoder))
         produced = sum(len(r) for r in out)
-        self.add({"stage": "batch", "row": "ours, CUDA graphs" if not self.dry else "ours, eager (CPU)", "batch": batch,
-                  "new_tokens": new, "seconds": round(secs, 2), "tokens_per_s": round(produced / secs, 1),
-                  "ms_per_step": round(1e3 * secs / new, 2)})
+        self.add(
+            {
+                "stage": "batch",
+                "row": "ours, CUDA graphs" if not self.dry else "ours, eager (CPU)",
+                "batch": batch,
+                "new_tokens": new,
+                "seconds": round(secs, 2),
+                "tokens_per_s": round(produced / secs, 1),
+                "ms_per_step": round(1e3 * secs / new, 2),
+            }
+        )
 
     def e2e(self, work: Path) -> None:
         prompt_len, new = (8, 24) if self.dry else (128, 256)
@@ -191,20 +230,31 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         inventory = work / "hosts.yaml"
-        inventory.write_text(f"default: local\nhosts:\n  local:\n    transport: local\n"
-                             f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n")
+        inventory.write_text(
+            f"default: local\nhosts:\n  local:\n    transport: local\n"
+            f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n"
+        )
         env = dict(os.environ, DFLASHCTL_INVENTORY=str(inventory), PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         steps = 60 if self.dry else 300
-        sets = ["data.source=jsonl", f"data.train_path={data}", f"data.max_length={prompt_len + new}",
-                f"data.anchors_per_seq={16 if self.dry else 64}", "data.eval_fraction=0.1", f"run.steps={steps}",
-                f"run.eval_every={steps}", f"run.checkpoint_every={steps}", "run.log_every=50"]
+        sets = [
+            "data.source=jsonl",
+            f"data.train_path={data}",
+            f"data.max_length={prompt_len + new}",
+            f"data.anchors_per_seq={16 if self.dry else 64}",
+            "data.eval_fraction=0.1",
+            f"run.steps={steps}",
+            f"run.eval_every={steps}",
+            f"run.checkpoint_every={steps}",
+            "run.log_every=50",
+        ]
         if self.dry:
             sets.append("data.batch_size=4")
         args = ["train", "local", "--preset", self.preset, *[a for s in sets for a in ("--set", s)], "--follow"]
         t0 = time.perf_counter()
-        train = subprocess.run([sys.executable, "-m", "dflashctl", *args], capture_output=True, text=True, env=env,
-                               cwd=work, timeout=400)
+        train = subprocess.run(
+            [sys.executable, "-m", "dflashctl", *args], capture_output=True, text=True, env=env, cwd=work, timeout=400
+        )
         train_s = time.perf_counter() - t0
         (self.out / "e2e_train.txt").write_text(train.stdout + train.stderr)
         match = re.search(r"started run (\S+)", train.stderr)
@@ -214,9 +264,26 @@ class Bench:
         run_id = match.group(1)
         shutil.rmtree(work / "dflashctl" / "runs" / run_id / "checkpoints", ignore_errors=True)  # GBs at 8B
         t0 = time.perf_counter()
-        ev = subprocess.run([sys.executable, "-m", "dflashctl", "eval", "local", run_id, "--max-new-tokens",
-                             str(new), "--count", "8", "--json"], capture_output=True, text=True, env=env, cwd=work,
-                            timeout=300)
+        ev = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dflashctl",
+                "eval",
+                "local",
+                run_id,
+                "--max-new-tokens",
+                str(new),
+                "--count",
+                "8",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=work,
+            timeout=300,
+        )
         eval_s = time.perf_counter() - t0
         (self.out / "e2e_eval.txt").write_text(ev.stdout + ev.stderr)
         try:
@@ -224,18 +291,33 @@ class Bench:
         except ValueError:
             self.add({"stage": "e2e", "ok": False, "note": f"eval exit {ev.returncode}: {ev.stderr[-400:]}"})
             return
-        records = [json.loads(line) for line in
-                   (work / "dflashctl" / "runs" / run_id / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        records = [
+            json.loads(line)
+            for line in (work / "dflashctl" / "runs" / run_id / "metrics.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
         last = [r for r in records if r.get("event") in ("eval", "final")][-1:]
-        self.add({"stage": "e2e", "ok": ev.returncode == 0, "data_rows": rows, "data_s": round(gen_s, 1),
-                  "train_s": round(train_s, 1), "train_steps": steps, "eval_s": round(eval_s, 1),
-                  "teacher_forced": last[0].get("acceptance_length") if last else None,
-                  "spec_tau_in_training": last[0].get("spec_tau") if last else None,
-                  "tau": round(report["tau"], 3), "identical": report["identical"],
-                  "target_ms_per_token": round(report["target_ms_per_token"], 2),
-                  "spec_ms_per_token": round(report["spec_ms_per_token"], 2), "speedup": round(report["speedup"], 3),
-                  "spec_ms_per_step": round(report["spec_ms_per_step"], 2), "step_cost": round(report["step_cost"], 3),
-                  "by_position": [round(a, 2) for a in report["acceptance_by_position"]]})
+        self.add(
+            {
+                "stage": "e2e",
+                "ok": ev.returncode == 0,
+                "data_rows": rows,
+                "data_s": round(gen_s, 1),
+                "train_s": round(train_s, 1),
+                "train_steps": steps,
+                "eval_s": round(eval_s, 1),
+                "teacher_forced": last[0].get("acceptance_length") if last else None,
+                "spec_tau_in_training": last[0].get("spec_tau") if last else None,
+                "tau": round(report["tau"], 3),
+                "identical": report["identical"],
+                "target_ms_per_token": round(report["target_ms_per_token"], 2),
+                "spec_ms_per_token": round(report["spec_ms_per_token"], 2),
+                "speedup": round(report["speedup"], 3),
+                "spec_ms_per_step": round(report["spec_ms_per_step"], 2),
+                "step_cost": round(report["step_cost"], 3),
+                "by_position": [round(a, 2) for a in report["acceptance_by_position"]],
+            }
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,8 +342,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - a broken stage is a failed row, the others still run
             failed = True
             bench.add({"stage": name, "ok": False, "note": f"{type(exc).__name__}: {exc}"})
-    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.dry_run else "cpu"}
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.dry_run else "cpu",
+    }
     (out / "decode_bench.json").write_text(json.dumps({**meta, "rows": bench.rows}, indent=1))
     return 1 if failed or any(r.get("ok") is False for r in bench.rows) else 0
 

@@ -35,10 +35,24 @@ from pathlib import Path
 
 from userpath import ROOT, LocalHostBench
 
-SMALL = ["target.hidden_size=256", "target.intermediate_size=768", "target.num_heads=4", "target.num_kv_heads=2",
-         "target.head_dim=64", "target.num_layers=6", "target.vocab_size=4096", "drafter.num_layers=2",
-         "drafter.block_size=16", "data.max_length=256", "data.anchors_per_seq=16", "data.source=random",
-         "run.steps=50", "run.log_every=10", "run.eval_every=50", "run.checkpoint_every=50"]
+SMALL = [
+    "target.hidden_size=256",
+    "target.intermediate_size=768",
+    "target.num_heads=4",
+    "target.num_kv_heads=2",
+    "target.head_dim=64",
+    "target.num_layers=6",
+    "target.vocab_size=4096",
+    "drafter.num_layers=2",
+    "drafter.block_size=16",
+    "data.max_length=256",
+    "data.anchors_per_seq=16",
+    "data.source=random",
+    "run.steps=50",
+    "run.log_every=10",
+    "run.eval_every=50",
+    "run.checkpoint_every=50",
+]
 
 
 class Acceptance(LocalHostBench):
@@ -115,8 +129,17 @@ class Acceptance(LocalHostBench):
         """`train local --preset PRESET --set run.steps=30 [--set K=V ...] --follow`: start, step and exit figures."""
         steps = 30
         extra = [a for item in sets for a in ("--set", item)]
-        code, out, err, secs = self.cli("train", "local", "--preset", preset, "--set", f"run.steps={steps}", *extra,
-                                        "--follow", timeout=self.left(300))
+        code, out, err, secs = self.cli(
+            "train",
+            "local",
+            "--preset",
+            preset,
+            "--set",
+            f"run.steps={steps}",
+            *extra,
+            "--follow",
+            timeout=self.left(300),
+        )
         match = re.search(r"started run (\S+)", err)
         if not match:
             return {"ok": False, "run": None, "note": f"exit {code}: {err.strip()[-300:]}"}
@@ -127,12 +150,18 @@ class Acceptance(LocalHostBench):
         final = [r for r in recs if r.get("event") == "train"]
         ok = code == 0 and bool(final) and final[-1]["step"] == steps and bool(start)
         gpus = re.search(r"on local, (GPUs? [\d,]+|CPU)", err)
-        row = {"ok": ok, "exit": code, "run": run_id, "held": gpus.group(1) if gpus else "?",
-               "time_to_first_step_s": round(start.get("time_to_first_step_s", float("nan")), 1),
-               "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1),
-               "first_eval_s": round(start.get("first_eval_s", float("nan")), 1),
-               "ms_per_step": self.steady_ms(recs), "tokens_per_s": final[-1].get("tokens_per_s") if final else None,
-               "cli_s": round(secs, 1)}
+        row = {
+            "ok": ok,
+            "exit": code,
+            "run": run_id,
+            "held": gpus.group(1) if gpus else "?",
+            "time_to_first_step_s": round(start.get("time_to_first_step_s", float("nan")), 1),
+            "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1),
+            "first_eval_s": round(start.get("first_eval_s", float("nan")), 1),
+            "ms_per_step": self.steady_ms(recs),
+            "tokens_per_s": final[-1].get("tokens_per_s") if final else None,
+            "cli_s": round(secs, 1),
+        }
         shutil.rmtree(self.run_dir(run_id) / "checkpoints", ignore_errors=True)  # GBs at 8B scale
         return row
 
@@ -153,8 +182,9 @@ class Acceptance(LocalHostBench):
 
     def evaluate_run(self, run_id: str) -> dict:
         """`dflashctl eval local RUN --count 4 --max-new-tokens 128`: tau, greedy identity (or ties), step cost."""
-        code, out, err, secs = self.cli("eval", "local", run_id, "--count", "4", "--max-new-tokens", "128",
-                                        "--json", timeout=self.left(200))
+        code, out, err, secs = self.cli(
+            "eval", "local", run_id, "--count", "4", "--max-new-tokens", "128", "--json", timeout=self.left(200)
+        )
         self.log(err[-3000:])
         try:
             report = json.loads(out)
@@ -162,34 +192,63 @@ class Acceptance(LocalHostBench):
             return {"ok": False, "exit": code, "note": (out + err)[-300:]}
         # Random weights make near-ties common: a difference must be a tie, never a real one.
         fair = report["identical"] or report.get("differences_are_ties")
-        return {"ok": code == 0 and bool(fair), "exit": code, "eval_s": round(secs, 1), "tau": round(report["tau"], 3),
-                "identical": report["identical"], "ties_only": report.get("differences_are_ties"),
-                "gaps": [r["first_difference"]["logit_gap"] for r in report["per_prompt"] if r.get("first_difference")],
-                "target_ms_per_token": round(report["target_ms_per_token"], 2),
-                "spec_ms_per_step": round(report["spec_ms_per_step"], 2), "step_cost": round(report["step_cost"], 3)}
+        return {
+            "ok": code == 0 and bool(fair),
+            "exit": code,
+            "eval_s": round(secs, 1),
+            "tau": round(report["tau"], 3),
+            "identical": report["identical"],
+            "ties_only": report.get("differences_are_ties"),
+            "gaps": [r["first_difference"]["logit_gap"] for r in report["per_prompt"] if r.get("first_difference")],
+            "target_ms_per_token": round(report["target_ms_per_token"], 2),
+            "spec_ms_per_step": round(report["spec_ms_per_step"], 2),
+            "step_cost": round(report["step_cost"], 3),
+        }
 
     def bench(self) -> dict:
         if self.dry:
             return {"ok": True, "note": "n/a on CPU"}
         out = self.work / "bench"
-        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "step_bench.py"), "--plan", "8b:fast:1",
-                               "--steps", "6", "--warmup", "2", "--out", str(out)], capture_output=True, text=True,
-                              timeout=self.left(150))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "bench" / "step_bench.py"),
+                "--plan",
+                "8b:fast:1",
+                "--steps",
+                "6",
+                "--warmup",
+                "2",
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=self.left(150),
+        )
         self.log(proc.stdout[-3000:] + proc.stderr[-2000:])
         data = json.loads((out / "step_bench.json").read_text())
         row = data["rows"][0]
-        return {"ok": proc.returncode == 0, "peak_tflops": round(data["peak_tflops"], 1),
-                "ms_per_step": row.get("ms_per_step"), "tflop_per_sample": row.get("tflop_per_sample"),
-                "mfu": row.get("mfu")}
+        return {
+            "ok": proc.returncode == 0,
+            "peak_tflops": round(data["peak_tflops"], 1),
+            "ms_per_step": row.get("ms_per_step"),
+            "tflop_per_sample": row.get("tflop_per_sample"),
+            "mfu": row.get("mfu"),
+        }
 
     def warm_stop(self) -> dict:
-        code, out, err, _ = self.cli("train", "local", "--preset", self.preset, "--set", "run.steps=100000",
-                                     "--detach", timeout=self.left(120))
+        code, out, err, _ = self.cli(
+            "train", "local", "--preset", self.preset, "--set", "run.steps=100000", "--detach", timeout=self.left(120)
+        )
         if code != 0:
             return {"ok": False, "note": f"exit {code}: {err.strip()[-300:]}"}
         run_id = out.strip()
-        reached = self.wait_for(lambda: any(r.get("event") == "train" and r["step"] >= 10 for r in self.records(run_id)),
-                                self.left(150), "step 10")
+        reached = self.wait_for(
+            lambda: any(r.get("event") == "train" and r["step"] >= 10 for r in self.records(run_id)),
+            self.left(150),
+            "step 10",
+        )
         code, said, secs = self.stop(run_id)
         self.keep_log(run_id, "8b-warm-stop")
         text, recs = self.log_text(run_id), self.records(run_id)
@@ -197,16 +256,30 @@ class Acceptance(LocalHostBench):
         saved = list((self.run_dir(run_id) / "checkpoints").glob("step_*"))
         ok = reached and code == 0 and "stopped (143)" in said and bool(saved)
         shutil.rmtree(self.run_dir(run_id) / "checkpoints", ignore_errors=True)
-        return {"ok": ok, "run": run_id, "time_to_first_step_s": round(start.get("time_to_first_step_s", float("nan")), 1),
-                "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1),
-                "ms_per_step": self.steady_ms(recs), "stop_latency_s": round(secs, 1),
-                "checkpoint_saved": bool(saved), "stopped_after": re.findall(r"stopped by signal \d+ after step \d+", text)[-1:],
-                "said": said[-200:]}
+        return {
+            "ok": ok,
+            "run": run_id,
+            "time_to_first_step_s": round(start.get("time_to_first_step_s", float("nan")), 1),
+            "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1),
+            "ms_per_step": self.steady_ms(recs),
+            "stop_latency_s": round(secs, 1),
+            "checkpoint_saved": bool(saved),
+            "stopped_after": re.findall(r"stopped by signal \d+ after step \d+", text)[-1:],
+            "said": said[-200:],
+        }
 
     def stop_compile(self) -> dict:
         cold = self.work / "cold-cache"
-        code, out, err, _ = self.cli("train", "local", "--preset", self.preset, "--set",
-                                     f"run.compile_cache_dir={cold}", "--detach", timeout=self.left(120))
+        code, out, err, _ = self.cli(
+            "train",
+            "local",
+            "--preset",
+            self.preset,
+            "--set",
+            f"run.compile_cache_dir={cold}",
+            "--detach",
+            timeout=self.left(120),
+        )
         if code != 0:
             return {"ok": False, "note": f"exit {code}: {err.strip()[-300:]}"}
         run_id = out.strip()
@@ -233,8 +306,11 @@ class Acceptance(LocalHostBench):
                 self.keep_log(run_id.group(1), f"small-cg {label}")
             else:
                 self.log(err[-2000:])
-            results[label] = {"exit": code, "ms_per_step": self.steady_ms(recs),
-                              "time_to_first_step_s": round(self.start_record(recs).get("time_to_first_step_s", float("nan")), 1)}
+            results[label] = {
+                "exit": code,
+                "ms_per_step": self.steady_ms(recs),
+                "time_to_first_step_s": round(self.start_record(recs).get("time_to_first_step_s", float("nan")), 1),
+            }
         return {"ok": all(r["exit"] == 0 for r in results.values()), **results}
 
     def small_pair(self) -> dict:
@@ -243,18 +319,25 @@ class Acceptance(LocalHostBench):
         pair = {}
         for label in ("cold", "warm"):
             sets = [a for item in SMALL + [f"run.compile_cache_dir={cache}"] for a in ("--set", item)]
-            code, out, err, secs = self.cli("train", "local", *sets, "--gpus", "0" if not self.dry else "cpu",
-                                            "--follow", timeout=self.left(150))
+            code, out, err, secs = self.cli(
+                "train", "local", *sets, "--gpus", "0" if not self.dry else "cpu", "--follow", timeout=self.left(150)
+            )
             run_id = re.search(r"started run (\S+)", err)
             start = self.start_record(self.records(run_id.group(1))) if run_id else {}
             if not run_id:
                 self.log(err[-2000:])
-            pair[label] = {"exit": code, "cli_s": round(secs, 1),
-                           "time_to_first_step_s": round(start.get("time_to_first_step_s", float("nan")), 1),
-                           "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1)}
+            pair[label] = {
+                "exit": code,
+                "cli_s": round(secs, 1),
+                "time_to_first_step_s": round(start.get("time_to_first_step_s", float("nan")), 1),
+                "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1),
+            }
         cold, warm = pair["cold"]["time_to_first_step_s"], pair["warm"]["time_to_first_step_s"]
-        return {"ok": all(r["exit"] == 0 for r in pair.values()), **pair,
-                "warm_over_cold": round(warm / cold, 3) if cold == cold and cold > 0 else None}
+        return {
+            "ok": all(r["exit"] == 0 for r in pair.values()),
+            **pair,
+            "warm_over_cold": round(warm / cold, 3) if cold == cold and cold > 0 else None,
+        }
 
     def doctor(self) -> dict:
         code, out, err, secs = self.cli("doctor", "local", "--json", timeout=self.left(240))
@@ -267,16 +350,25 @@ class Acceptance(LocalHostBench):
         rows = {c["id"]: c for c in doc.get("checks", [])}
         smoke = {k: f"{c['status']}: {c['result']}" for k, c in rows.items() if k.startswith("smoke:")}
         verdict = rows.get("verdict", {})
-        return {"ok": code == 0 and doc.get("ok"), "exit": code, "doctor_s": round(secs, 1),
-                "devices": doc.get("devices"), "verdict": f"{verdict.get('result')}; {verdict.get('hint')}", **smoke}
+        return {
+            "ok": code == 0 and doc.get("ok"),
+            "exit": code,
+            "doctor_s": round(secs, 1),
+            "devices": doc.get("devices"),
+            "verdict": f"{verdict.get('result')}; {verdict.get('hint')}",
+            **smoke,
+        }
 
     # -- report ----------------------------------------------------------------------------
 
     def table(self) -> str:
         by = {r["stage"]: r for r in self.rows}
         bench = by.get("bench", {})
-        lines = ["| stage | ok | time to first step (s) | ms/step | vs bench fast row | MFU vs peak here | stop latency (s) | notes |",
-                 "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines = [
+            "| stage | ok | time to first step (s) | ms/step | vs bench fast row | MFU vs peak here "
+            "| stop latency (s) | notes |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
         for r in self.rows:
             ms, vs, mfu = r.get("ms_per_step"), "-", "-"
             if isinstance(ms, (int, float)) and bench.get("ms_per_step"):
@@ -285,11 +377,16 @@ class Acceptance(LocalHostBench):
                     mfu = f"{100 * bench['tflop_per_sample'] / (ms / 1e3) / bench['peak_tflops']:.1f}%"
             if r["stage"] == "bench" and bench.get("mfu"):
                 mfu = f"{100 * bench['mfu']:.1f}%"
-            notes = {k: v for k, v in r.items() if k not in ("stage", "ok", "time_to_first_step_s", "ms_per_step",
-                                                               "stop_latency_s", "run", "said")}
-            lines.append(f"| {r['stage']} | {'yes' if r.get('ok') else 'NO'} | {r.get('time_to_first_step_s', '-')} | "
-                         f"{ms if ms is not None else '-'} | {vs} | {mfu} | {r.get('stop_latency_s', '-')} | "
-                         f"{json.dumps(notes)[:300]} |")
+            notes = {
+                k: v
+                for k, v in r.items()
+                if k not in ("stage", "ok", "time_to_first_step_s", "ms_per_step", "stop_latency_s", "run", "said")
+            }
+            lines.append(
+                f"| {r['stage']} | {'yes' if r.get('ok') else 'NO'} | {r.get('time_to_first_step_s', '-')} | "
+                f"{ms if ms is not None else '-'} | {vs} | {mfu} | {r.get('stop_latency_s', '-')} | "
+                f"{json.dumps(notes)[:300]} |"
+            )
         return "\n".join(lines)
 
 
@@ -308,12 +405,20 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # only for the header: which machine, which torch
 
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    acc.log(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {name}; torch {torch.__version__}; "
-            f"python {sys.version.split()[0]}")
-    stages = {"cold": ("8b-cold", acc.cold_follow), "eval": ("8b-eval", acc.evaluate), "bench": ("bench", acc.bench),
-              "warm": ("8b-warm-stop", acc.warm_stop), "stopcompile": ("8b-stop-compile", acc.stop_compile),
-              "cudagraphs": ("small-cudagraphs", acc.small_cudagraphs), "smallpair": ("small-pair", acc.small_pair),
-              "doctor": ("doctor", acc.doctor)}
+    acc.log(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {name}; torch {torch.__version__}; "
+        f"python {sys.version.split()[0]}"
+    )
+    stages = {
+        "cold": ("8b-cold", acc.cold_follow),
+        "eval": ("8b-eval", acc.evaluate),
+        "bench": ("bench", acc.bench),
+        "warm": ("8b-warm-stop", acc.warm_stop),
+        "stopcompile": ("8b-stop-compile", acc.stop_compile),
+        "cudagraphs": ("small-cudagraphs", acc.small_cudagraphs),
+        "smallpair": ("small-pair", acc.small_pair),
+        "doctor": ("doctor", acc.doctor),
+    }
     for key in args.stages.split(","):
         if key.startswith("preset:"):
             spec = key.split(":", 1)[1]
@@ -322,8 +427,9 @@ def main(argv: list[str] | None = None) -> int:
             acc.stage(*stages[key])
     table = acc.table()
     acc.log(table)
-    (out / "acceptance.json").write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": acc.rows},
-                                                    indent=1))
+    (out / "acceptance.json").write_text(
+        json.dumps({"device": name, "torch": torch.__version__, "rows": acc.rows}, indent=1)
+    )
     return 0 if all(r.get("ok") for r in acc.rows) else 1
 
 

@@ -56,14 +56,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 SYNC_EVERY = 10
 PER_GPU_BATCH = 2  # small and mid, as bench/threads_vs_procs.py
 ROWS = {  # config -> (host-timed steps, free-running steps, timeout s)
-    "small": (40, 200, 240), "mid": (20, 60, 300), "8b": (10, 20, 420), "tiny": (10, 40, 240),
+    "small": (40, 200, 240),
+    "mid": (20, 60, 300),
+    "8b": (10, 20, 420),
+    "tiny": (10, 40, 240),
 }
 
 
 def overrides(config: str, variant: str, device: str) -> tuple[str | None, list[str]]:
     """(preset, --set overrides) of one row."""
-    captures = [f"run.capture_optimizer={'auto' if variant == 'after' else 'off'}",
-                f"run.capture_target={'auto' if variant == 'after' else 'off'}"]
+    captures = [
+        f"run.capture_optimizer={'auto' if variant == 'after' else 'off'}",
+        f"run.capture_target={'auto' if variant == 'after' else 'off'}",
+    ]
     common = [f"run.device={device}", *captures, "run.spec_prompts=0"]
     if config == "8b":
         return "qwen3-8b", common + ["data.num_train=32"]
@@ -71,9 +76,14 @@ def overrides(config: str, variant: str, device: str) -> tuple[str | None, list[
         return None, common + ["data.source=random", "data.num_train=64", "data.num_eval=4"]
     from threads_vs_procs import CONFIGS
 
-    return None, CONFIGS[config] + common + ["data.source=random", f"data.batch_size={PER_GPU_BATCH}",
-                                              "data.num_train=512", "data.num_eval=4", "run.dtype=bf16",
-                                              "run.compile=cudagraphs"]
+    return None, CONFIGS[config] + common + [
+        "data.source=random",
+        f"data.batch_size={PER_GPU_BATCH}",
+        "data.num_train=512",
+        "data.num_eval=4",
+        "run.dtype=bf16",
+        "run.compile=cudagraphs",
+    ]
 
 
 def child(args) -> dict:
@@ -94,8 +104,9 @@ def child(args) -> dict:
     cfg = plan.cfg
     torch.set_num_threads(cfg.run.cpu_threads)  # as the trainer
     train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
-    batches = GlobalBatches(BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed),
-                            pin=device.startswith("cuda"))
+    batches = GlobalBatches(
+        BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed), pin=device.startswith("cuda")
+    )
     sync = (lambda: torch.cuda.synchronize(device)) if device.startswith("cuda") else (lambda: None)
     ops = drafter_ops(cfg)
     started: dict[str, float] = {}
@@ -138,23 +149,43 @@ def child(args) -> dict:
         windows.append((point.step, point.steps_since_last, point.seconds_since_last))
         return False
 
-    opts = W.ThreadedOptions(policy=plan.policy, seed=cfg.run.seed, warmup_steps=plan.warmup_steps,
-                             sync_every=SYNC_EVERY, barrier_timeout_s=600, compile_timeout_s=600)
-    res = W.run_threaded(dataclasses.replace(ops, optimizer_step=optimizer_step), [device], data,
-                         cfg.run.steps, opts, on_sync)
+    opts = W.ThreadedOptions(
+        policy=plan.policy,
+        seed=cfg.run.seed,
+        warmup_steps=plan.warmup_steps,
+        sync_every=SYNC_EVERY,
+        barrier_timeout_s=600,
+        compile_timeout_s=600,
+    )
+    res = W.run_threaded(
+        dataclasses.replace(ops, optimizer_step=optimizer_step), [device], data, cfg.run.steps, opts, on_sync
+    )
     host_ms = host_ms[1:]  # step 1 pays one-off costs (allocator growth, the first scheduler step)
     free = [(n, s) for step, n, s in windows if step > host_steps + SYNC_EVERY]
     ms = sum(s for _, s in free) / sum(n for n, _ in free) * 1e3
     host = statistics.median(host_ms)
     replica = res.replicas[0]
-    return {"config": args.config, "variant": args.variant, "ms_per_step": ms, "host_ms_per_step": host,
-            "host_ms_mean": statistics.mean(host_ms), "host_ms_min": min(host_ms), "host_steps": len(host_ms),
-            "free_steps": sum(n for n, _ in free), "warmup_s": res.warmup_s[0], "policy": res.policy.reason,
-            "compile": cfg.run.compile, "scope": cfg.run.compile_scope,
-            "captured_optimizer": replica.step_graph is not None,
-            "captured_target": replica.target_graph is not None, "final_loss": res.losses[0],
-            "checksum": res.checksums[0], "n_max": n_max(ms, host), "syncs": len(syncs),
-            "sync_calls": sorted(set(syncs))[:8]}
+    return {
+        "config": args.config,
+        "variant": args.variant,
+        "ms_per_step": ms,
+        "host_ms_per_step": host,
+        "host_ms_mean": statistics.mean(host_ms),
+        "host_ms_min": min(host_ms),
+        "host_steps": len(host_ms),
+        "free_steps": sum(n for n, _ in free),
+        "warmup_s": res.warmup_s[0],
+        "policy": res.policy.reason,
+        "compile": cfg.run.compile,
+        "scope": cfg.run.compile_scope,
+        "captured_optimizer": replica.step_graph is not None,
+        "captured_target": replica.target_graph is not None,
+        "final_loss": res.losses[0],
+        "checksum": res.checksums[0],
+        "n_max": n_max(ms, host),
+        "syncs": len(syncs),
+        "sync_calls": sorted(set(syncs))[:8],
+    }
 
 
 def n_max(device_ms: float, host_ms: float) -> int:
@@ -180,18 +211,22 @@ def run_row(config: str, variant: str, args, log) -> dict:
 
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table, with the prediction per row."""
-    lines = ["| config | variant | compile | captured graphs | ms/step | host ms/step (median; min) | "
-             "syncs in host windows | predicted N_max | warm-up s | final loss | status |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| config | variant | compile | captured graphs | ms/step | host ms/step (median; min) | "
+        "syncs in host windows | predicted N_max | warm-up s | final loss | status |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in rows:
         if "ms_per_step" not in r:
             lines.append(f"| {r['config']} | {r['variant']} | - | - | - | - | - | - | - | - | {r['status']} |")
             continue
-        lines.append(f"| {r['config']} | {r['variant']} | {r['compile']} ({r['scope']}) | "
-                     f"{captured(r)} | {r['ms_per_step']:.2f} | "
-                     f"{r['host_ms_per_step']:.2f}; {r['host_ms_min']:.2f} | {r['syncs']} | {r['n_max']} | "
-                     f"{r['warmup_s']:.1f} | "
-                     f"{r['final_loss']:.4f} | {r['status']} |")
+        lines.append(
+            f"| {r['config']} | {r['variant']} | {r['compile']} ({r['scope']}) | "
+            f"{captured(r)} | {r['ms_per_step']:.2f} | "
+            f"{r['host_ms_per_step']:.2f}; {r['host_ms_min']:.2f} | {r['syncs']} | {r['n_max']} | "
+            f"{r['warmup_s']:.1f} | "
+            f"{r['final_loss']:.4f} | {r['status']} |"
+        )
     return "\n".join(lines)
 
 
@@ -206,8 +241,10 @@ def predictions(rows: list[dict]) -> list[str]:
     out = []
     for r in rows:
         if r.get("variant") == "after" and "n_max" in r:
-            out.append(f"{r['config']}: threads keep up with the GPU up to about {r['n_max']} GPU(s) "
-                       f"({r['ms_per_step']:.2f} ms/step on the device / {r['host_ms_per_step']:.2f} ms/step of host work)")
+            out.append(
+                f"{r['config']}: threads keep up with the GPU up to about {r['n_max']} GPU(s) "
+                f"({r['ms_per_step']:.2f} ms/step on the device / {r['host_ms_per_step']:.2f} ms/step of host work)"
+            )
     return out
 
 
@@ -245,8 +282,16 @@ def main(argv=None) -> int:
     for r in rows:
         for where in r.get("sync_calls", []):
             print(f"sync in a host window ({r['config']} {r['variant']}): {where}")
-    print("\n".join(["", "predicted largest GPU count at which threads keep up (GIL-bound; N_max ~= device "
-                     "ms/step / host ms/step):"] + predictions(rows)))
+    print(
+        "\n".join(
+            [
+                "",
+                "predicted largest GPU count at which threads keep up (GIL-bound; N_max ~= device "
+                "ms/step / host ms/step):",
+            ]
+            + predictions(rows)
+        )
+    )
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -67,8 +67,10 @@ def one_liner(host: SshdHost, first: int, last: int) -> list[str]:
 
 def bare_read(host: SshdHost, path: str, first: int, last: int) -> list[str]:
     """The floor: ssh + pct exec + a python that only reads the lines of the known file (no torch)."""
-    script = (f"lines = open({path!r}).read().splitlines()\n"
-              f"for i in range({first}, {last + 1}): print(f'{{i}}: {{lines[i - 1]}}')")
+    script = (
+        f"lines = open({path!r}).read().splitlines()\n"
+        f"for i in range({first}, {last + 1}): print(f'{{i}}: {{lines[i - 1]}}')"
+    )
     remote = shlex.join([str(host.pct_path), "exec", str(SHIM_VMID), "--", sys.executable, "-S", "-c", script])
     return one_liner(host, first, last)[:-1] + [remote]
 
@@ -79,8 +81,11 @@ def cli_argv(spec: str) -> list[str]:
     return [str(script), "inspect", "compile_fx", "--lines", spec]
 
 
-def timed(argv: list[str], env: dict[str, str],  # type: ignore[no-untyped-def]
-          before=None) -> tuple[float, float, str]:
+def timed(
+    argv: list[str],
+    env: dict[str, str],  # type: ignore[no-untyped-def]
+    before=None,
+) -> tuple[float, float, str]:
     """Wall time, client CPU time and stdout of one run (before() runs first, untimed)."""
     if before:
         before()
@@ -109,7 +114,7 @@ def measure_paired(variants: dict, runs: int) -> tuple[dict, dict, dict, list[fl
     load = []
     for i in range(runs):
         load.append(os.getloadavg()[0])
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             argv, env, before = variants[name]
             wall, cpu, outs[name] = timed(argv, env, before)
             walls[name].append(wall)
@@ -142,8 +147,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--lines", default="1825:1888")
-    parser.add_argument("--persist", type=int, default=60,
-                        help="also time the host with `persist: N` (a mux; 60 is hosts.yaml's default; 0: not)")
+    parser.add_argument(
+        "--persist",
+        type=int,
+        default=60,
+        help="also time the host with `persist: N` (a mux; 60 is hosts.yaml's default; 0: not)",
+    )
     args = parser.parse_args()
     compileall.compile_dir(str(ROOT / "dflashctl"), quiet=1)
     first, last = (int(x) for x in args.lines.split(":"))
@@ -156,10 +165,13 @@ def main() -> None:
             timed(one_liner(host, first, last), env)  # warm the page cache for torch's files
             # (b)/(d) share the client cache directory with (c)/(e): each cold run empties it,
             # and each warm run first fills it (untimed), so the rotation cannot mix them up.
-            fill = lambda e: (lambda: timed(cli_argv(args.lines), e))  # noqa: E731
-            variants = {"a": (one_liner(host, first, last), env, None), "b": (cli_argv(args.lines), env, clear),
-                        "c": (cli_argv(args.lines), env, fill(env)),
-                        "f": (bare_read(host, compile_fx_path(), first, last), env, None)}
+            fill = lambda e: lambda: timed(cli_argv(args.lines), e)  # noqa: E731
+            variants = {
+                "a": (one_liner(host, first, last), env, None),
+                "b": (cli_argv(args.lines), env, clear),
+                "c": (cli_argv(args.lines), env, fill(env)),
+                "f": (bare_read(host, compile_fx_path(), first, last), env, None),
+            }
             penv = env
             if args.persist:
                 runtime = Path(tmp) / "rt"
@@ -186,23 +198,33 @@ def main() -> None:
           f"{statistics.median(load):.1f})\n")  # fmt: skip
     print("| run | median wall time | client CPU | speed-up vs (a) | against the floor (f) | goal |")
     print("|---|---|---|---|---|---|")
-    print(f"| (a) ssh + pct exec + bash -lc + python importing torch | {a * 1000:.0f} ms | {cpu['a'] * 1000:.0f} ms "
-          f"| 1.0x | {a / f:.2f}x | |")
-    rows = [("b", "(b) dflashctl inspect, cold cache, persist: 0", "cold"),
-            ("c", "(c) dflashctl inspect, warm cache, persist: 0", "warm")]
+    print(
+        f"| (a) ssh + pct exec + bash -lc + python importing torch | {a * 1000:.0f} ms | {cpu['a'] * 1000:.0f} ms "
+        f"| 1.0x | {a / f:.2f}x | |"
+    )
+    rows = [
+        ("b", "(b) dflashctl inspect, cold cache, persist: 0", "cold"),
+        ("c", "(c) dflashctl inspect, warm cache, persist: 0", "warm"),
+    ]
     if args.persist:
-        rows += [("d", f"(d) dflashctl inspect, cold cache, persist: {args.persist}", "cold"),
-                 ("e", f"(e) dflashctl inspect, warm cache, persist: {args.persist}", "warm")]
+        rows += [
+            ("d", f"(d) dflashctl inspect, cold cache, persist: {args.persist}", "cold"),
+            ("e", f"(e) dflashctl inspect, warm cache, persist: {args.persist}", "warm"),
+        ]
     for key, label, goal in rows:
         ratio, floor = a / wall[key], wall[key] / f
         verdict = "met" if ratio >= GOALS[goal] else "MISSED"
         goals = f">= {GOALS[goal]:.0f}x {verdict}"
         if key == "e":
             goals += f"; <= {FLOOR_GOAL}x the floor {'met' if floor <= FLOOR_GOAL else 'MISSED'}"
-        print(f"| {label} | {wall[key] * 1000:.0f} ms | {cpu[key] * 1000:.0f} ms | {ratio:.1f}x | {floor:.2f}x "
-              f"| {goals} |")
-    print(f"| (f) bare ssh + pct exec + python -S reading the file's lines (no torch) | {f * 1000:.0f} ms | "
-          f"{cpu['f'] * 1000:.0f} ms | {a / f:.1f}x | 1.00x | the floor |")
+        print(
+            f"| {label} | {wall[key] * 1000:.0f} ms | {cpu[key] * 1000:.0f} ms | {ratio:.1f}x | {floor:.2f}x "
+            f"| {goals} |"
+        )
+    print(
+        f"| (f) bare ssh + pct exec + python -S reading the file's lines (no torch) | {f * 1000:.0f} ms | "
+        f"{cpu['f'] * 1000:.0f} ms | {a / f:.1f}x | 1.00x | the floor |"
+    )
 
 
 if __name__ == "__main__":

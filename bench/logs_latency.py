@@ -57,8 +57,12 @@ def measure(session, host: str | None, workdir: Path, lines: int) -> list[float]
         partial[:] = rest
         latencies.extend(now - float(line.split()[1]) for line in done if line.startswith(b"t "))
 
-    reader = threading.Thread(target=read_log, args=(session, host, RUN_ID), daemon=True, kwargs=dict(
-        on_data=on_data, follow=True, lines=-1, policy=Reconnect()))
+    reader = threading.Thread(
+        target=read_log,
+        args=(session, host, RUN_ID),
+        daemon=True,
+        kwargs=dict(on_data=on_data, follow=True, lines=-1, policy=Reconnect()),
+    )
     reader.start()
     with open(rdir / "train.log", "ab", buffering=0) as log:
         log.write(b"hello\n")
@@ -78,8 +82,7 @@ def report(name: str, lat: list[float]) -> str:
     """One markdown table row: line count, then p50, p90, p99 and max latency in ms."""
     ms = sorted(x * 1000 for x in lat)
     pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
-    return (f"| {name} | {len(ms)} | {statistics.median(ms):.0f} | {pick(0.9):.0f} | {pick(0.99):.0f} "
-            f"| {ms[-1]:.0f} |")
+    return f"| {name} | {len(ms)} | {statistics.median(ms):.0f} | {pick(0.9):.0f} | {pick(0.99):.0f} | {ms[-1]:.0f} |"
 
 
 def main() -> None:
@@ -99,8 +102,10 @@ def main() -> None:
                 rows.append(report("sshd + pct shim", measure(session, "shim", workdir, args.lines)))
         finally:
             host.stop()
-    print(f"{time.strftime('%Y-%m-%d')} {platform.node()} {platform.machine()} {os.cpu_count()} CPUs, "
-          f"Python {platform.python_version()}, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"{time.strftime('%Y-%m-%d')} {platform.node()} {platform.machine()} {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}, load {os.getloadavg()[0]:.1f}"
+    )
     print("| path | lines | p50 ms | p90 ms | p99 ms | max ms |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))

@@ -131,9 +131,12 @@ def run(repeats: int, files: int, total_mb: int, persist: int) -> None:
         bench.env.update(DFLASHCTL_INVENTORY=str(inventory), XDG_RUNTIME_DIR=str(runtime))
         tools: dict[str, Callable[[], None]] = {
             f"dflashctl push (default: persist {DEFAULT_PERSIST_S})": lambda: bench.push_cli("d"),
-            "rsync": bench.rsync, "dflashctl push, persist 0": bench.push_cli, "in-process": bench.push,
+            "rsync": bench.rsync,
+            "dflashctl push, persist 0": bench.push_cli,
+            "in-process": bench.push,
             # The floor of any Python CLI: the same interpreter and environment starting and exiting.
-            "python -c pass": lambda: subprocess.run([sys.executable, "-c", "pass"], env=bench.env, check=True)}
+            "python -c pass": lambda: subprocess.run([sys.executable, "-c", "pass"], env=bench.env, check=True),
+        }
         if persist:
             tools[f"push, persist {persist}"] = lambda: bench.push_cli("p")
         muxed = {name: fn for name, fn in tools.items() if "default" in name or name.startswith("push, persist")}
@@ -142,7 +145,7 @@ def run(repeats: int, files: int, total_mb: int, persist: int) -> None:
         load: dict[str, list[float]] = {c: [] for c in times}
         names = list(tools)
         for i in range(repeats):
-            order = names[i % len(names):] + names[:i % len(names)]  # none always goes first
+            order = names[i % len(names) :] + names[: i % len(names)]  # none always goes first
             for case in times:
                 load[case].append(os.getloadavg()[0])
                 if case == "one file":
@@ -166,21 +169,35 @@ def run(repeats: int, files: int, total_mb: int, persist: int) -> None:
 
 def report(times: dict, cpu: dict, load: dict, repeats: int, files: int, total_mb: int) -> None:
     """Print the median times per case as markdown tables, each tool against rsync, with the load."""
-    print(f"push vs rsync -a over ssh: {files} files, {total_mb} MB, median of {repeats} (paired: each round "
-          f"runs every tool, in rotating order)")
-    print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-          f"{platform.system()} {platform.release()}, load average (1 min) at the end "
-          f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min)")
+    print(
+        f"push vs rsync -a over ssh: {files} files, {total_mb} MB, median of {repeats} (paired: each round "
+        f"runs every tool, in rotating order)"
+    )
+    print(
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()}, load average (1 min) at the end "
+        f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min)"
+    )
     print()
     tools = list(next(iter(times.values())))
     others = [t for t in tools if t != "rsync"]
-    print("| case | load (1 min) | " + " | ".join(f"{t} (s)" for t in tools) + " | "
-          + " | ".join(f"{t} / rsync" for t in others) + " |")
+    print(
+        "| case | load (1 min) | "
+        + " | ".join(f"{t} (s)" for t in tools)
+        + " | "
+        + " | ".join(f"{t} / rsync" for t in others)
+        + " |"
+    )
     print("|---" * (2 + len(tools) + len(others)) + "|")
     for case, by_tool in times.items():
         med = {t: statistics.median(v) for t, v in by_tool.items()}
-        print(f"| {case} | {statistics.median(load[case]):.1f} | " + " | ".join(f"{med[t]:.3f}" for t in tools)
-              + " | " + " | ".join(f"{med[t] / med['rsync']:.2f}" for t in others) + " |")
+        print(
+            f"| {case} | {statistics.median(load[case]):.1f} | "
+            + " | ".join(f"{med[t]:.3f}" for t in tools)
+            + " | "
+            + " | ".join(f"{med[t] / med['rsync']:.2f}" for t in others)
+            + " |"
+        )
     print()
     print("client CPU time, user + system (median, s):")
     print()
@@ -188,8 +205,13 @@ def report(times: dict, cpu: dict, load: dict, repeats: int, files: int, total_m
     print("|---" * (1 + len(tools) + len(others)) + "|")
     for case, by_tool in cpu.items():
         med = {t: statistics.median(v) for t, v in by_tool.items()}
-        print(f"| {case} | " + " | ".join(f"{med[t]:.3f}" for t in tools) + " | "
-              + " | ".join(f"{med[t] / med['rsync']:.2f}" for t in others) + " |")
+        print(
+            f"| {case} | "
+            + " | ".join(f"{med[t]:.3f}" for t in tools)
+            + " | "
+            + " | ".join(f"{med[t] / med['rsync']:.2f}" for t in others)
+            + " |"
+        )
 
 
 def main() -> None:

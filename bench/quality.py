@@ -49,11 +49,15 @@ REGEN_NAME = "quality-regen"
 # The product's own defaults for this target (the real-target preset: no overrides).
 DEFAULT_RECIPE = "default"
 # What a run with target.path trained before the recipe followed the target (the tiny preset).
-OLD_DEFAULTS = ("old-defaults drafter.num_layers=1 drafter.block_size=8 data.max_length=64 data.anchors_per_seq=8 "
-                "data.batch_size=8 optim.lr=2e-3 run.spec_prompts=16 run.spec_new_tokens=64")
+OLD_DEFAULTS = (
+    "old-defaults drafter.num_layers=1 drafter.block_size=8 data.max_length=64 data.anchors_per_seq=8 "
+    "data.batch_size=8 optim.lr=2e-3 run.spec_prompts=16 run.spec_new_tokens=64"
+)
 # A point's time beside its steps: start-up and compile (a warm cache), evaluations, export, `eval`.
 POINT_OVERHEAD_S = 150.0
-DRY_RECIPE = "tiny drafter.num_layers=1 drafter.block_size=8 data.max_length=160 data.anchors_per_seq=16 data.batch_size=8"
+DRY_RECIPE = (
+    "tiny drafter.num_layers=1 drafter.block_size=8 data.max_length=160 data.anchors_per_seq=16 data.batch_size=8"
+)
 
 
 @dataclass(frozen=True)
@@ -70,13 +74,51 @@ class Plan:
     gpus: tuple[str, ...]  # --gpus for train, regen and eval
 
 
-GPU = Plan(build=("--size", "gpu", "--minutes", "3.5"), regen_new_tokens=256, regen_batch=256, eval_count=64,
-           eval_new_tokens=128, calibrate_steps=300, minutes="1,2,4", gpus=())
-DRY = Plan(build=("--size", "tiny", "--steps", "150", "--seq-len", "128", "--batch-size", "16", "--lr", "3e-3",
-                  "--max-corpus-mb", "1", "--tokenizer-mb", "1", "--train-prompts", "96", "--eval-prompts", "8",
-                  "--prompt-chars", "160", "--cpu-threads", "1", "--device", "cpu"),
-           regen_new_tokens=48, regen_batch=32, eval_count=8, eval_new_tokens=32, calibrate_steps=10,
-           minutes="0.05,0.1,0.2", gpus=("--gpus", "cpu"))
+GPU = Plan(
+    build=("--size", "gpu", "--minutes", "3.5"),
+    regen_new_tokens=256,
+    regen_batch=256,
+    eval_count=64,
+    eval_new_tokens=128,
+    calibrate_steps=300,
+    minutes="1,2,4",
+    gpus=(),
+)
+DRY = Plan(
+    build=(
+        "--size",
+        "tiny",
+        "--steps",
+        "150",
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "16",
+        "--lr",
+        "3e-3",
+        "--max-corpus-mb",
+        "1",
+        "--tokenizer-mb",
+        "1",
+        "--train-prompts",
+        "96",
+        "--eval-prompts",
+        "8",
+        "--prompt-chars",
+        "160",
+        "--cpu-threads",
+        "1",
+        "--device",
+        "cpu",
+    ),
+    regen_new_tokens=48,
+    regen_batch=32,
+    eval_count=8,
+    eval_new_tokens=32,
+    calibrate_steps=10,
+    minutes="0.05,0.1,0.2",
+    gpus=("--gpus", "cpu"),
+)
 
 
 def fmt(value, spec: str = ".2f") -> str:
@@ -102,16 +144,33 @@ class Bench(LocalHostBench):
         """`python -m dflashctl ARGS`."""
         return self.run([sys.executable, "-m", "dflashctl", *args], what, timeout)
 
-    def train(self, target: Path, recipe: list[str], steps: int, name: str,
-              evals: int = 1) -> tuple[str | None, list[dict], float]:
+    def train(
+        self, target: Path, recipe: list[str], steps: int, name: str, evals: int = 1
+    ) -> tuple[str | None, list[dict], float]:
         """One `train local ... --follow` of `steps` steps, evaluated `evals` times in training:
         (run id or None, its records, CLI seconds)."""
         every = max(1, steps // 20)
-        sets = [f"target.path={target}", "data.source=jsonl", f"data.train_path=data:{REGEN_NAME}.jsonl", *recipe,
-                f"run.steps={steps}", f"run.log_every={every}", f"run.eval_every={max(1, steps // evals)}",
-                f"run.checkpoint_every={steps}"]
-        code, out, err, secs = self.cli("train", "local", *self.plan.gpus, *[a for s in sets for a in ("--set", s)],
-                                        "--name", name, "--follow", what=f"train {name}", timeout=self.left(1800))
+        sets = [
+            f"target.path={target}",
+            "data.source=jsonl",
+            f"data.train_path=data:{REGEN_NAME}.jsonl",
+            *recipe,
+            f"run.steps={steps}",
+            f"run.log_every={every}",
+            f"run.eval_every={max(1, steps // evals)}",
+            f"run.checkpoint_every={steps}",
+        ]
+        code, out, err, secs = self.cli(
+            "train",
+            "local",
+            *self.plan.gpus,
+            *[a for s in sets for a in ("--set", s)],
+            "--name",
+            name,
+            "--follow",
+            what=f"train {name}",
+            timeout=self.left(1800),
+        )
         found = re.search(r"started run (\S+)", err)
         if code == 124 and found:  # `--follow` killed, the run detached: free the GPU for the next one
             self.cli("runs", "stop", "local", found.group(1), what=f"stop {found.group(1)}", timeout=120)
@@ -152,26 +211,53 @@ def main(argv: list[str] | None = None) -> int:
     """Build, push, regenerate, train and evaluate; print the table; 1 if a step failed."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "quality_out")
-    ap.add_argument("--work", type=Path, default=None,
-                    help="scratch workdir, wiped first (default: a new directory under the temp dir)")
-    ap.add_argument("--reuse", action="store_true",
-                    help="keep --work from an earlier call: its target, regenerated data and compile cache")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="scratch workdir, wiped first (default: a new directory under the temp dir)",
+    )
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep --work from an earlier call: its target, regenerated data and compile cache",
+    )
     ap.add_argument("--rows", type=int, default=None, help="regenerate only the first N training prompts")
-    ap.add_argument("--target", type=Path, default=None,
-                    help="the target directory: reused when it holds a build, else built there (default: in --work)")
+    ap.add_argument(
+        "--target",
+        type=Path,
+        default=None,
+        help="the target directory: reused when it holds a build, else built there (default: in --work)",
+    )
     ap.add_argument("--minutes", default=None, help="training minutes per point, e.g. 2,5,10 (default 1,2,4)")
-    ap.add_argument("--steps", default=None,
-                    help="training steps per point instead of --minutes (no calibration run), e.g. 2500,6000")
-    ap.add_argument("--evals", type=int, default=1,
-                    help="in-training evaluations per run (held-out split, the trainer's own decode)")
-    ap.add_argument("--agreement", action="store_true",
-                    help="at each recipe's last point, also `eval` the run's held-out split as the trainer did "
-                         "(its spec_prompts x spec_new_tokens): in-training tau against eval's")
-    ap.add_argument("--recipe", action="append", default=[],
-                    help="'NAME key=value ...' trainer overrides of one recipe (repeatable: each is trained at "
-                         "every point)")
-    ap.add_argument("--old-defaults", action="store_true",
-                    help="also train what target.path got before the recipe followed the target (the tiny recipe)")
+    ap.add_argument(
+        "--steps",
+        default=None,
+        help="training steps per point instead of --minutes (no calibration run), e.g. 2500,6000",
+    )
+    ap.add_argument(
+        "--evals",
+        type=int,
+        default=1,
+        help="in-training evaluations per run (held-out split, the trainer's own decode)",
+    )
+    ap.add_argument(
+        "--agreement",
+        action="store_true",
+        help="at each recipe's last point, also `eval` the run's held-out split as the trainer did "
+        "(its spec_prompts x spec_new_tokens): in-training tau against eval's",
+    )
+    ap.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        help="'NAME key=value ...' trainer overrides of one recipe (repeatable: each is trained at every point)",
+    )
+    ap.add_argument(
+        "--old-defaults",
+        action="store_true",
+        help="also train what target.path got before the recipe followed the target (the tiny recipe)",
+    )
     ap.add_argument("--set", dest="sets", action="append", default=[], help="key=value for every recipe's runs")
     ap.add_argument("--budget-min", type=float, default=60.0, help="stop starting steps after this many minutes")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script itself")
@@ -203,8 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     if (target / "build.json").is_file():
         bench.log(f"reusing the target in {target}")
     else:
-        code, *_ = bench.run([sys.executable, str(ROOT / "bench" / "build_target.py"), "--out", str(target),
-                              *plan.build], "build", timeout=bench.left(900))
+        code, *_ = bench.run(
+            [sys.executable, str(ROOT / "bench" / "build_target.py"), "--out", str(target), *plan.build],
+            "build",
+            timeout=bench.left(900),
+        )
         if code != 0:
             return finish(1)
     result["build"] = json.loads((target / "build.json").read_text())
@@ -212,14 +301,29 @@ def main(argv: list[str] | None = None) -> int:
         bench.log(f"reusing the regenerated dataset {REGEN_NAME}.jsonl in {work}")
     else:
         prompts = work / "quality-prompts.jsonl"
-        prompts.write_text("".join((target / "train-prompts.jsonl").read_text().splitlines(True)[:args.rows]))
+        prompts.write_text("".join((target / "train-prompts.jsonl").read_text().splitlines(True)[: args.rows]))
         code, *_ = bench.cli("data", "push", "local", str(prompts), what="push", timeout=bench.left(300))
         if code != 0:
             return finish(1)
-        code, _, _, secs = bench.cli("data", "regen", "local", "--prompts", prompts.name, "--out", REGEN_NAME,
-                                     "--set", f"target.path={target}", "--max-new-tokens", str(plan.regen_new_tokens),
-                                     "--batch-size", str(plan.regen_batch), *plan.gpus, "--follow", what="regen",
-                                     timeout=bench.left(1800))
+        code, _, _, secs = bench.cli(
+            "data",
+            "regen",
+            "local",
+            "--prompts",
+            prompts.name,
+            "--out",
+            REGEN_NAME,
+            "--set",
+            f"target.path={target}",
+            "--max-new-tokens",
+            str(plan.regen_new_tokens),
+            "--batch-size",
+            str(plan.regen_batch),
+            *plan.gpus,
+            "--follow",
+            what="regen",
+            timeout=bench.left(1800),
+        )
         result["regen_s"] = round(secs, 1)
         if code != 0:
             return finish(1)
@@ -242,8 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         for i, (point, steps) in enumerate(points):
             need = steps * step_s + POINT_OVERHEAD_S if step_s else None
             if need and bench.left(1e9) < need:
-                bench.log(f"{name}-{steps}: skipped, about {need:.0f} s needed and {bench.left(1e9):.0f} s of "
-                          f"--budget-min left (a cut-off run leaves no row)")
+                bench.log(
+                    f"{name}-{steps}: skipped, about {need:.0f} s needed and {bench.left(1e9):.0f} s of "
+                    f"--budget-min left (a cut-off run leaves no row)"
+                )
                 continue
             run_id, records, cli_s = bench.train(target, recipe, steps, f"{name}-{steps}", args.evals)
             if records:
@@ -255,19 +361,38 @@ def main(argv: list[str] | None = None) -> int:
                 bench.log("ROW " + json.dumps(row))
                 result["rows"].append(row)
                 continue
-            row.update(train_min=round(train_seconds(records) / 60, 2), held_out_loss=final.get("loss"),
-                       teacher_forced=final.get("acceptance_length"), in_training_tau=final.get("spec_tau"),
-                       in_training_tau_mean=final.get("spec_tau_prompt_mean"),
-                       in_training_tau_se=final.get("spec_tau_prompt_se"), spec_eval_s=final.get("spec_eval_s"),
-                       in_training=[{k: r.get(k) for k in ("step", "loss", "spec_tau_prompt_mean", "spec_tau")}
-                                    for r in records if r.get("event") in ("eval", "final") and r.get("step")])
+            row.update(
+                train_min=round(train_seconds(records) / 60, 2),
+                held_out_loss=final.get("loss"),
+                teacher_forced=final.get("acceptance_length"),
+                in_training_tau=final.get("spec_tau"),
+                in_training_tau_mean=final.get("spec_tau_prompt_mean"),
+                in_training_tau_se=final.get("spec_tau_prompt_se"),
+                spec_eval_s=final.get("spec_eval_s"),
+                in_training=[
+                    {k: r.get(k) for k in ("step", "loss", "spec_tau_prompt_mean", "spec_tau")}
+                    for r in records
+                    if r.get("event") in ("eval", "final") and r.get("step")
+                ],
+            )
             # Prompt lookup needs no drafter: its figures on these prompts are the same for every run, so
             # only the call's first eval decodes it (the later rows show that eval's, labelled so).
-            eval_code, text, _, _ = bench.cli("eval", "local", run_id, "--prompts", str(target / "heldout-prompts.jsonl"),
-                                         "--max-new-tokens", str(plan.eval_new_tokens), "--count",
-                                         str(plan.eval_count), *plan.gpus, "--json",
-                                         *(["--no-baseline"] if baseline else []), what=f"eval {run_id}",
-                                         timeout=bench.left(900))
+            eval_code, text, _, _ = bench.cli(
+                "eval",
+                "local",
+                run_id,
+                "--prompts",
+                str(target / "heldout-prompts.jsonl"),
+                "--max-new-tokens",
+                str(plan.eval_new_tokens),
+                "--count",
+                str(plan.eval_count),
+                *plan.gpus,
+                "--json",
+                *(["--no-baseline"] if baseline else []),
+                what=f"eval {run_id}",
+                timeout=bench.left(900),
+            )
             try:
                 report = json.loads(text)
             except ValueError:
@@ -277,37 +402,77 @@ def main(argv: list[str] | None = None) -> int:
             lookup = baseline or {}
             if args.agreement and i == len(points) - 1:
                 spec = yaml.safe_load((bench.run_dir(run_id) / "config.resolved.yaml").read_text())["run"]
-                code, text, _, _ = bench.cli("eval", "local", run_id, "--max-new-tokens", str(spec["spec_new_tokens"]),
-                                             "--count", str(spec["spec_prompts"]), "--no-baseline", *plan.gpus,
-                                             "--json", what=f"eval {run_id} (the trainer's held-out split)",
-                                             timeout=bench.left(600))
+                code, text, _, _ = bench.cli(
+                    "eval",
+                    "local",
+                    run_id,
+                    "--max-new-tokens",
+                    str(spec["spec_new_tokens"]),
+                    "--count",
+                    str(spec["spec_prompts"]),
+                    "--no-baseline",
+                    *plan.gpus,
+                    "--json",
+                    what=f"eval {run_id} (the trainer's held-out split)",
+                    timeout=bench.left(600),
+                )
                 try:
                     same = json.loads(text)
                     row.update(agreement_eval_tau_mean=same.get("tau_prompt_mean"), agreement_eval_tau=same.get("tau"))
                 except ValueError:
                     failed = True
-            row.update(tau_mean=report.get("tau_prompt_mean"), tau=report.get("tau"), speedup=report.get("speedup"),
-                       step_cost=report.get("step_cost"), identical=report.get("identical"),
-                       lookup_tau_mean=lookup.get("tau_prompt_mean"), lookup_tau=lookup.get("tau"),
-                       lookup_speedup=lookup.get("speedup"), lookup_from_run=lookup.get("from_run"),
-                       tau_over_lookup=(report["tau"] / lookup["tau"]) if lookup.get("tau") and report.get("tau")
-                       else None, eval_exit=eval_code)
+            row.update(
+                tau_mean=report.get("tau_prompt_mean"),
+                tau=report.get("tau"),
+                speedup=report.get("speedup"),
+                step_cost=report.get("step_cost"),
+                identical=report.get("identical"),
+                lookup_tau_mean=lookup.get("tau_prompt_mean"),
+                lookup_tau=lookup.get("tau"),
+                lookup_speedup=lookup.get("speedup"),
+                lookup_from_run=lookup.get("from_run"),
+                tau_over_lookup=(report["tau"] / lookup["tau"]) if lookup.get("tau") and report.get("tau") else None,
+                eval_exit=eval_code,
+            )
             failed |= eval_code != 0
             bench.log("ROW " + json.dumps(row))
             result["rows"].append(row)
 
-    head = ("recipe", "steps", "train min", "tau mean/pooled", "speedup", "lookup tau mean/pooled", "lookup speedup",
-            "tau/lookup", "held-out loss", "tf accept", "in-training tau mean +- se", "eval on that split")
+    head = (
+        "recipe",
+        "steps",
+        "train min",
+        "tau mean/pooled",
+        "speedup",
+        "lookup tau mean/pooled",
+        "lookup speedup",
+        "tau/lookup",
+        "held-out loss",
+        "tf accept",
+        "in-training tau mean +- se",
+        "eval on that split",
+    )
     bench.log("")
     bench.log(" | ".join(head))
     for r in result["rows"]:
-        bench.log(" | ".join([r["recipe"], str(r["steps"]), fmt(r.get("train_min")),
-                              f"{fmt(r.get('tau_mean'))}/{fmt(r.get('tau'))}", fmt(r.get("speedup")),
-                              f"{fmt(r.get('lookup_tau_mean'))}/{fmt(r.get('lookup_tau'))}",
-                              fmt(r.get("lookup_speedup")), fmt(r.get("tau_over_lookup")),
-                              fmt(r.get("held_out_loss"), ".3f"), fmt(r.get("teacher_forced"), ".2f"),
-                              f"{fmt(r.get('in_training_tau_mean'))} +- {fmt(r.get('in_training_tau_se'))}",
-                              fmt(r.get("agreement_eval_tau_mean"))]))
+        bench.log(
+            " | ".join(
+                [
+                    r["recipe"],
+                    str(r["steps"]),
+                    fmt(r.get("train_min")),
+                    f"{fmt(r.get('tau_mean'))}/{fmt(r.get('tau'))}",
+                    fmt(r.get("speedup")),
+                    f"{fmt(r.get('lookup_tau_mean'))}/{fmt(r.get('lookup_tau'))}",
+                    fmt(r.get("lookup_speedup")),
+                    fmt(r.get("tau_over_lookup")),
+                    fmt(r.get("held_out_loss"), ".3f"),
+                    fmt(r.get("teacher_forced"), ".2f"),
+                    f"{fmt(r.get('in_training_tau_mean'))} +- {fmt(r.get('in_training_tau_se'))}",
+                    fmt(r.get("agreement_eval_tau_mean")),
+                ]
+            )
+        )
     return finish(1 if failed else 0)
 
 

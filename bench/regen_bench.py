@@ -36,30 +36,55 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work, ignore_errors=True)  # a scratch workdir: the output name must be free
     work.mkdir(parents=True)
-    preset, vocab, rows, new, batch = (("tiny", 511, 16, 16, 4) if args.dry_run else ("qwen3-8b", 151600, 256, 512, 64))
+    preset, vocab, rows, new, batch = ("tiny", 511, 16, 16, 4) if args.dry_run else ("qwen3-8b", 151600, 256, 512, 64)
     inventory = work / "hosts.yaml"
-    inventory.write_text(f"default: local\nhosts:\n  local:\n    transport: local\n"
-                         f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n")
+    inventory.write_text(
+        f"default: local\nhosts:\n  local:\n    transport: local\n    workdir: {json.dumps(str(work / 'dflashctl'))}\n"
+    )
     env = dict(os.environ, DFLASHCTL_INVENTORY=str(inventory), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     rng = random.Random(0)
     prompts = work / "bench-prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input_ids": [rng.randrange(vocab) for _ in range(128 if not args.dry_run
-                                                                                                  else 8)]}) + "\n"
-                               for _ in range(rows)))
+    prompts.write_text(
+        "".join(
+            json.dumps({"input_ids": [rng.randrange(vocab) for _ in range(128 if not args.dry_run else 8)]}) + "\n"
+            for _ in range(rows)
+        )
+    )
 
     def cli(*cmd: str, timeout: float) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dflashctl", *cmd], capture_output=True, text=True, env=env,
-                              cwd=work, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "dflashctl", *cmd],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=work,
+            timeout=timeout,
+        )
 
     pushed = cli("data", "push", "local", str(prompts), timeout=120)
     if pushed.returncode != 0:
         print(f"push failed ({pushed.returncode}): {pushed.stderr[-500:]}")
         return 1
     t0 = time.perf_counter()
-    regen = cli("data", "regen", "local", "--prompts", prompts.name, "--out", "bench-regen", "--preset", preset,
-                "--batch-size", str(batch), "--max-new-tokens", str(new),
-                *(["--gpus", "cpu"] if args.dry_run else []), "--follow", timeout=1200)
+    regen = cli(
+        "data",
+        "regen",
+        "local",
+        "--prompts",
+        prompts.name,
+        "--out",
+        "bench-regen",
+        "--preset",
+        preset,
+        "--batch-size",
+        str(batch),
+        "--max-new-tokens",
+        str(new),
+        *(["--gpus", "cpu"] if args.dry_run else []),
+        "--follow",
+        timeout=1200,
+    )
     wall = time.perf_counter() - t0
     (out / "regen_bench.txt").write_text(regen.stdout + regen.stderr)
     run = re.search(r"started regen run (\S+)", regen.stderr)
@@ -70,11 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steady = next((r.get("tokens_per_s") for r in reversed(records) if r.get("tokens_per_s")), None)
     made = work / "dflashctl" / "data" / "bench-regen.jsonl"
-    tokens = sum(len(row["input_ids"]) - sum(1 for m in row["loss_mask"] if not m)
-                 for row in map(json.loads, made.read_text().splitlines()))
-    row = {"preset": preset, "rows": rows, "batch": batch, "max_new_tokens": new, "output_tokens": tokens,
-           "wall_s": round(wall, 1), "whole_command_tokens_per_s": round(tokens / wall, 1),
-           "last_progress_tokens_per_s": steady}
+    tokens = sum(
+        len(row["input_ids"]) - sum(1 for m in row["loss_mask"] if not m)
+        for row in map(json.loads, made.read_text().splitlines())
+    )
+    row = {
+        "preset": preset,
+        "rows": rows,
+        "batch": batch,
+        "max_new_tokens": new,
+        "output_tokens": tokens,
+        "wall_s": round(wall, 1),
+        "whole_command_tokens_per_s": round(tokens / wall, 1),
+        "last_progress_tokens_per_s": steady,
+    }
     print("ROW " + json.dumps(row), flush=True)
     (out / "regen_bench.json").write_text(json.dumps(row, indent=1))
     return 0

@@ -33,6 +33,7 @@ def main() -> int:
         mark[0] = now
 
     import torch
+
     lap("import torch")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -44,6 +45,7 @@ def main() -> int:
     lap("CUDA context")
     import torch._dynamo  # noqa: F401 - what the first torch.compile call imports
     import torch._inductor.compile_fx  # noqa: F401
+
     lap("import dynamo + inductor")
     from dflash_train.config import load_config
     from dflash_train.model import DFlashDrafter
@@ -51,6 +53,7 @@ def main() -> int:
     from dflash_train.resolve import drafter_spec
     from dflash_train.replica import build_replica, build_target
     from dflash_train.train import load_data
+
     plan = resolve_run(load_config(preset=args.preset, overrides=[f"run.device={args.device}"]))
     cfg = plan.cfg
     lap("config")
@@ -80,8 +83,17 @@ def main() -> int:
     lap("build_replica, all of it")
     del replica
     times["total"] = round(time.perf_counter() - T0, 2)
-    print(json.dumps({"preset": args.preset, "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-                      "seconds": times}), flush=True)
+    print(
+        json.dumps(
+            {
+                "preset": args.preset,
+                "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+                "torch": torch.__version__,
+                "seconds": times,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

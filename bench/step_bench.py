@@ -49,15 +49,47 @@ from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
 # Target shapes (Qwen3 configs). Drafter: 5 layers of the target's width, 5 feature layers.
 SHAPES = {
-    "8b": dict(num_layers=36, hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8,
-               head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-    "4b": dict(num_layers=36, hidden_size=2560, intermediate_size=9728, num_heads=32, num_kv_heads=8,
-               head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "0.6b": dict(num_layers=28, hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=8,
-                 head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "8b": dict(
+        num_layers=36,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+    "4b": dict(
+        num_layers=36,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "0.6b": dict(
+        num_layers=28,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
     # --dry-run only: a CPU-sized stand-in with the same structure.
-    "tiny": dict(num_layers=8, hidden_size=64, intermediate_size=192, num_heads=4, num_kv_heads=2,
-                 head_dim=16, vocab_size=512, tie_word_embeddings=False),
+    "tiny": dict(
+        num_layers=8,
+        hidden_size=64,
+        intermediate_size=192,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    ),
 }
 PHASES = ("target_fwd", "mask_embed", "drafter_fwd_loss", "backward", "optimizer")
 
@@ -74,8 +106,9 @@ def log(msg: str, fh=None) -> None:
 # FLOPs
 
 
-def count_flops(t: dict, n_draft_layers: int, layer_ids: list[int], seq_len: int, block_size: int,
-                anchors: torch.Tensor) -> dict[str, float]:
+def count_flops(
+    t: dict, n_draft_layers: int, layer_ids: list[int], seq_len: int, block_size: int, anchors: torch.Tensor
+) -> dict[str, float]:
     """Matmul FLOPs of ONE training step for the sequences in `anchors` [N, A], per sample.
 
     Counted (2 FLOP per multiply-add):
@@ -94,22 +127,30 @@ def count_flops(t: dict, n_draft_layers: int, layer_ids: list[int], seq_len: int
       2*R*H*V (frozen head: no weight gradient). Padding anchors are computed, so counted.
     Not counted: norms, RoPE, softmax/CE elementwise, embedding gathers, the optimizer.
     """
-    h, inter, nh, nkv, d, v = (t["hidden_size"], t["intermediate_size"], t["num_heads"],
-                               t["num_kv_heads"], t["head_dim"], t["vocab_size"])
+    h, inter, nh, nkv, d, v = (
+        t["hidden_size"],
+        t["intermediate_size"],
+        t["num_heads"],
+        t["num_kv_heads"],
+        t["head_dim"],
+        t["vocab_size"],
+    )
     n, a = anchors.shape
     s, b = seq_len, block_size
     q_tok = a * b
     n_tgt = max(layer_ids) + 1
 
     def layer_linear(tokens_q: int, tokens_kv: int) -> float:
-        return 2.0 * (tokens_q * h * nh * d            # q_proj
-                      + 2 * tokens_kv * h * nkv * d   # k_proj, v_proj
-                      + tokens_q * nh * d * h         # o_proj
-                      + 3 * tokens_q * h * inter)     # gate, up, down
+        return 2.0 * (
+            tokens_q * h * nh * d  # q_proj
+            + 2 * tokens_kv * h * nkv * d  # k_proj, v_proj
+            + tokens_q * nh * d * h  # o_proj
+            + 3 * tokens_q * h * inter
+        )  # gate, up, down
 
     tgt_linear = n_tgt * layer_linear(s, s)
-    tgt_attn = n_tgt * 2 * (2.0 * nh * d * (s * (s + 1) // 2))          # QK^T + PV, visible pairs
-    pairs = (b * (anchors.double() + b)).sum().item() / n                # per sample
+    tgt_attn = n_tgt * 2 * (2.0 * nh * d * (s * (s + 1) // 2))  # QK^T + PV, visible pairs
+    pairs = (b * (anchors.double() + b)).sum().item() / n  # per sample
     d_attn_fwd = n_draft_layers * 2 * (2.0 * nh * d * pairs)
     d_linear_fwd = n_draft_layers * layer_linear(q_tok, s + q_tok)
     fc_fwd = 2.0 * s * len(layer_ids) * h * h
@@ -139,7 +180,7 @@ class BenchConfig:
     target: TargetConfig
     data: DataConfig
     shape: str
-    num_layers: int = 5          # drafter layers
+    num_layers: int = 5  # drafter layers
     block_size: int = 16
     layer_ids: tuple = ()
     mask_token_id: int = 0
@@ -170,17 +211,31 @@ def make_config(shape: str, batch: int, dry: bool) -> BenchConfig:
     """BenchConfig for shape and batch: 3072 tokens, bf16, flex attention; dry run: 64 tokens, fp32, dense."""
     t = TargetConfig(**SHAPES[shape], rope_theta=1e6, init_std=0.02)
     seq, anchors = (64, 8) if dry else (3072, 512)
-    data = DataConfig(source="random", max_length=seq, anchors_per_seq=anchors, batch_size=batch,
-                      num_train=max(8, batch * 4), num_eval=0)
-    return BenchConfig(t, data, shape, layer_ids=tuple(default_target_layer_ids(t.num_layers, 5)),
-                       mask_token_id=t.vocab_size - 1, dtype="fp32" if dry else "bf16",
-                       attention="dense" if dry else "flex", gamma=default_gamma(16))
+    data = DataConfig(
+        source="random",
+        max_length=seq,
+        anchors_per_seq=anchors,
+        batch_size=batch,
+        num_train=max(8, batch * 4),
+        num_eval=0,
+    )
+    return BenchConfig(
+        t,
+        data,
+        shape,
+        layer_ids=tuple(default_target_layer_ids(t.num_layers, 5)),
+        mask_token_id=t.vocab_size - 1,
+        dtype="fp32" if dry else "bf16",
+        attention="dense" if dry else "flex",
+        gamma=default_gamma(16),
+    )
 
 
 def compile_policy(mode: str, device_type: str):
     """plan.choose_compile_policy if importable, else the equivalent plain choice."""
     try:
         from dflash_train.plan import choose_compile_policy
+
         p = choose_compile_policy(mode, device_type)
         return p.effective, dict(p.options or {}), p.reason
     except Exception as exc:  # noqa: BLE001 (a concurrent edit of plan.py must not stop a GPU run)
@@ -198,8 +253,14 @@ def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, 
     drafter.to_empty(device="cpu")
     drafter.init_weights(0.02, 0)  # as the trainer does: drawn on the CPU, in parallel
     drafter.to(device)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=cfg.betas, eps=1e-8,
-                                  weight_decay=0.0, fused=True if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(),
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=1e-8,
+        weight_decay=0.0,
+        fused=True if device.type == "cuda" else None,
+    )
     warm = 40  # 4% of 1000 steps, then cosine (replica.WarmupCosine); the values do not affect speed
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warm))
     run_drafter, flex_fn = drafter, flex_attention
@@ -224,14 +285,25 @@ def dry_check_against_trainer(rig: Rig, batch, fh) -> None:
     from dflash_train.config import load_config
     from dflash_train.plan import resolve_run
     from dflash_train.replica import build_replica, forward_loss
+
     t = rig.cfg.target
-    over = [f"target.{f.name}={json.dumps(getattr(t, f.name))}" for f in dataclasses.fields(t)
-            if f.name not in ("path",)]
+    over = [
+        f"target.{f.name}={json.dumps(getattr(t, f.name))}" for f in dataclasses.fields(t) if f.name not in ("path",)
+    ]
     d = rig.cfg.data
-    over += [f"data.max_length={d.max_length}", f"data.anchors_per_seq={d.anchors_per_seq}",
-             f"data.batch_size={d.batch_size}", f"data.num_train={d.num_train}", "data.num_eval=1",
-             f"drafter.mask_token_id={rig.cfg.mask_token_id}", "run.device=cpu", "run.compile=off",
-             "run.dtype=fp32", "drafter.attention=dense", "run.steps=1000"]
+    over += [
+        f"data.max_length={d.max_length}",
+        f"data.anchors_per_seq={d.anchors_per_seq}",
+        f"data.batch_size={d.batch_size}",
+        f"data.num_train={d.num_train}",
+        "data.num_eval=1",
+        f"drafter.mask_token_id={rig.cfg.mask_token_id}",
+        "run.device=cpu",
+        "run.compile=off",
+        "run.dtype=fp32",
+        "drafter.attention=dense",
+        "run.steps=1000",
+    ]
     plan = resolve_run(load_config(preset="qwen3-8b", overrides=over))
     cfg = plan.cfg
     assert tuple(cfg.drafter.target_layer_ids) == rig.cfg.layer_ids and cfg.optim.gamma == rig.cfg.gamma
@@ -247,9 +319,11 @@ def dry_check_against_trainer(rig: Rig, batch, fh) -> None:
 def step(rep: Rig, b, fused: bool, events: list | None):
     """One training step = replica.forward_loss + backward + replica.optimizer_step, split into the
     phases of PHASES with an event before each. Returns the detached loss."""
+
     def mark(i):
         if events is not None:
             events[i].record()
+
     cfg, dev = rep.cfg, rep.device
     spec = rep.drafter.spec
     bs = spec.block_size
@@ -268,8 +342,9 @@ def step(rep: Rig, b, fused: bool, events: list | None):
     label_pos = (b.anchors[:, :, None] + torch.arange(1, bs, device=dev)).flatten(1)
     labels = b.input_ids.gather(1, label_pos).view(n, a, bs - 1)
     label_mask = b.loss_mask.gather(1, label_pos).view(n, a, bs - 1) & b.anchor_valid[:, :, None]
-    out = dflash_loss(hidden, rep.target.lm_head.weight, labels, label_mask, b.anchor_valid,
-                      cfg.gamma, cfg.loss_chunk_rows, fused)
+    out = dflash_loss(
+        hidden, rep.target.lm_head.weight, labels, label_mask, b.anchor_valid, cfg.gamma, cfg.loss_chunk_rows, fused
+    )
     mark(3)
     out.loss.backward()
     mark(4)
@@ -289,8 +364,10 @@ def matmul_peak(device: torch.device, n: int, reps: int) -> float:
     """bf16 n x n x n matmul TFLOP/s on random data: median over reps, rotating 2 input sets."""
     if device.type != "cuda":
         return float("nan")
-    xs = [(torch.randn(n, n, device=device, dtype=torch.bfloat16),
-           torch.randn(n, n, device=device, dtype=torch.bfloat16)) for _ in range(2)]
+    xs = [
+        (torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16))
+        for _ in range(2)
+    ]
     out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
     for i in range(3):
         torch.matmul(*xs[i % 2], out=out)
@@ -303,7 +380,7 @@ def matmul_peak(device: torch.device, n: int, reps: int) -> float:
         e1.synchronize()
         times.append(e0.elapsed_time(e1) / 1e3)
     del xs, out
-    return 2.0 * n ** 3 / statistics.median(times) / 1e12
+    return 2.0 * n**3 / statistics.median(times) / 1e12
 
 
 def run_row(shape: str, mode: str, batch: int, args, device: torch.device, peak: float, fh) -> dict:
@@ -312,8 +389,7 @@ def run_row(shape: str, mode: str, batch: int, args, device: torch.device, peak:
     cfg = make_config(shape, batch, dry)
     t0 = time.perf_counter()
     rep = build(cfg, mode, args.compile, device, fh)
-    seqs = random_sequences(cfg.target.vocab_size, cfg.data.num_train, cfg.data.max_length,
-                            cfg.mask_token_id, 0)
+    seqs = random_sequences(cfg.target.vocab_size, cfg.data.num_train, cfg.data.max_length, cfg.mask_token_id, 0)
     sampler = BlockSampler(seqs, cfg.data, cfg.block_size, 0)
     n_steps = args.warmup + args.steps
     batches = [sampler.batch(i).to(device) for i in range(n_steps)]
@@ -321,8 +397,14 @@ def run_row(shape: str, mode: str, batch: int, args, device: torch.device, peak:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     build_s = time.perf_counter() - t0
-    row = {"shape": shape, "mode": mode, "compile": args.compile, "batch": batch, "fused_ce": fused,
-           "build_s": round(build_s, 1)}
+    row = {
+        "shape": shape,
+        "mode": mode,
+        "compile": args.compile,
+        "batch": batch,
+        "fused_ce": fused,
+        "build_s": round(build_s, 1),
+    }
     if dry:
         dry_check_against_trainer(rep, batches[0], fh)
         row["loss_matches_forward_loss"] = True
@@ -353,31 +435,39 @@ def run_row(shape: str, mode: str, batch: int, args, device: torch.device, peak:
         for i in range(args.steps):
             step(rep, batches[args.warmup + i], fused, None)
         total_ms = (time.perf_counter() - t1) * 1e3 / args.steps
-    flops = [count_flops(SHAPES[shape], cfg.num_layers, list(cfg.layer_ids),
-                         cfg.data.max_length, cfg.block_size, b.anchors)
-             for b in batches[args.warmup:]]
+    flops = [
+        count_flops(SHAPES[shape], cfg.num_layers, list(cfg.layer_ids), cfg.data.max_length, cfg.block_size, b.anchors)
+        for b in batches[args.warmup :]
+    ]
     f = {k: statistics.mean(x[k] for x in flops) for k in flops[0]}
     step_flops = f["total"] * batch
-    row.update({
-        "ms_per_step": round(total_ms, 2),
-        "samples_per_s": round(batch * 1e3 / total_ms, 3),
-        "tflop_per_sample": round(f["total"] / 1e12, 3),
-        "tflops": round(step_flops / (total_ms / 1e3) / 1e12, 1),
-        "mfu": round(step_flops / (total_ms / 1e3) / (peak * 1e12), 4) if peak == peak else None,
-        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
-        "flops_per_sample": {k: v for k, v in f.items()},
-    })
+    row.update(
+        {
+            "ms_per_step": round(total_ms, 2),
+            "samples_per_s": round(batch * 1e3 / total_ms, 3),
+            "tflop_per_sample": round(f["total"] / 1e12, 3),
+            "tflops": round(step_flops / (total_ms / 1e3) / 1e12, 1),
+            "mfu": round(step_flops / (total_ms / 1e3) / (peak * 1e12), 4) if peak == peak else None,
+            "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            if device.type == "cuda"
+            else None,
+            "flops_per_sample": {k: v for k, v in f.items()},
+        }
+    )
     if per_step:
         med = [statistics.median(x[j] for x in per_step) for j in range(5)]
         row["phases_ms"] = dict(zip(PHASES, [round(m, 2) for m in med]))
-        fl = {"target_fwd": f["target_fwd"] * batch,
-              "drafter_fwd_loss": (f["drafter_fwd"] + f["lm_head_fwd_bwd"]) * batch,
-              "backward": f["drafter_bwd"] * batch}
+        fl = {
+            "target_fwd": f["target_fwd"] * batch,
+            "drafter_fwd_loss": (f["drafter_fwd"] + f["lm_head_fwd_bwd"]) * batch,
+            "backward": f["drafter_bwd"] * batch,
+        }
         row["phase_tflops"] = {k: round(fl[k] / (row["phases_ms"][k] / 1e3) / 1e12, 1) for k in fl}
     if args.profile and device.type == "cuda" and shape == args.profile_shape and not getattr(args, "_profiled", False):
         args._profiled = True
         try:
             from torch.profiler import ProfilerActivity, profile
+
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 step(rep, batches[-1], fused, None)
                 torch.cuda.synchronize()
@@ -399,10 +489,12 @@ def run_row(shape: str, mode: str, batch: int, args, device: torch.device, peak:
 
 def table(rows: list[dict], peak: float) -> str:
     """The rows so far as a markdown table, headed by the measured matmul peak."""
-    lines = [f"peak bf16 matmul (measured, median): {peak:.0f} TFLOP/s",
-             "| shape | mode | batch | ms/step | samples/s | TFLOP/sample | TFLOP/s | MFU | peak GiB | "
-             "target fwd | mask+embed | drafter fwd+LM head | backward | optimizer | first loss |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"peak bf16 matmul (measured, median): {peak:.0f} TFLOP/s",
+        "| shape | mode | batch | ms/step | samples/s | TFLOP/sample | TFLOP/s | MFU | peak GiB | "
+        "target fwd | mask+embed | drafter fwd+LM head | backward | optimizer | first loss |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['mode']} | {r['batch']} | failed: {r['error'][:80]} |")
@@ -413,24 +505,35 @@ def table(rows: list[dict], peak: float) -> str:
             f"| {r['shape']} | {r['mode']} | {r['batch']} | {r['ms_per_step']:.1f} | {r['samples_per_s']:.2f} | "
             f"{r['tflop_per_sample']:.1f} | {r['tflops']:.0f} | {mfu} | {r['peak_mem_gib']} | "
             + " | ".join(f"{ph[p]:.1f}" if p in ph else "-" for p in PHASES)
-            + f" | {r['first_loss']:.4f} |")
+            + f" | {r['first_loss']:.4f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     """Run the plan's rows within the deadline, logging each; write step_bench.json; 0 if all rows ran."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"], default=None,
-                   help="one row of this shape (default: the plan)")
+    p.add_argument(
+        "--shape",
+        choices=[s for s in SHAPES if s != "tiny"],
+        default=None,
+        help="one row of this shape (default: the plan)",
+    )
     p.add_argument("--mode", choices=("fast", "trainer", "eager"), default="fast")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--compile", choices=("off", "default", "cudagraphs"), default=None,
-                   help="compile policy, through plan.choose_compile_policy (default: default; "
-                        "off for --dry-run)")
-    p.add_argument("--plan", default="8b:fast:1,4b:fast:1,0.6b:fast:1",
-                   help="rows shape:mode:batch, run in order while the deadline allows")
+    p.add_argument(
+        "--compile",
+        choices=("off", "default", "cudagraphs"),
+        default=None,
+        help="compile policy, through plan.choose_compile_policy (default: default; off for --dry-run)",
+    )
+    p.add_argument(
+        "--plan",
+        default="8b:fast:1,4b:fast:1,0.6b:fast:1",
+        help="rows shape:mode:batch, run in order while the deadline allows",
+    )
     p.add_argument("--deadline", type=float, default=0, help="seconds of wall time for all rows (0: none)")
     p.add_argument("--profile", action="store_true", help="torch.profiler of one step of the first row")
     p.add_argument("--profile-shape", default="8b")
@@ -451,12 +554,18 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cuda")
         torch.backends.cuda.matmul.allow_tf32 = True
-        plan = ([(args.shape, args.mode, args.batch)] if args.shape else
-                [(x.split(":")[0], x.split(":")[1], int(x.split(":")[2])) for x in args.plan.split(",")])
+        plan = (
+            [(args.shape, args.mode, args.batch)]
+            if args.shape
+            else [(x.split(":")[0], x.split(":")[1], int(x.split(":")[2])) for x in args.plan.split(",")]
+        )
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    log(f"torch {torch.__version__}, triton "
+    log(
+        f"torch {torch.__version__}, triton "
         f"{getattr(sys.modules.get('triton'), '__version__', 'n/a')}, device {name}; "
-        f"steps {args.steps} (+{args.warmup} warm-up); compile {args.compile}", fh)
+        f"steps {args.steps} (+{args.warmup} warm-up); compile {args.compile}",
+        fh,
+    )
     peak = matmul_peak(device, args.peak_n, 20)
     log(f"peak bf16 matmul {args.peak_n}^3: {peak:.0f} TFLOP/s", fh)
     rows: list[dict] = []
@@ -482,12 +591,20 @@ def main(argv=None) -> int:
         rows.append(r)
         log(json.dumps(r), fh)
         log(table(rows, peak), fh)
-    result = {"torch": torch.__version__, "device": name, "peak_tflops": peak, "rows": rows,
-              "wall_s": round(time.perf_counter() - t_start, 1)}
+    result = {
+        "torch": torch.__version__,
+        "device": name,
+        "peak_tflops": peak,
+        "rows": rows,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
     (Path(args.out) / "step_bench.json").write_text(json.dumps(result, indent=1))
-    log("\nFLOPs counted: matmuls only (see count_flops): target fwd to the last feature layer with causal "
+    log(
+        "\nFLOPs counted: matmuls only (see count_flops): target fwd to the last feature layer with causal "
         "attention over visible pairs; drafter fwd + 2x bwd (fc: weight grad only; attention over the "
-        "block mask's visible pairs, no recompute); LM head fwd + input grad over A*(B-1) rows.", fh)
+        "block mask's visible pairs, no recompute); LM head fwd + input grad over A*(B-1) rows.",
+        fh,
+    )
     log(table(rows, peak), fh)
     return 0 if rows and all("error" not in r for r in rows) else 1
 

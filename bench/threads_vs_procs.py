@@ -28,13 +28,33 @@ PER_GPU_BATCH = 2
 SYNC_EVERY = 10  # checksum + host sync cadence; also the timing windows of the steady-state figure
 CONFIGS = {
     # launch-bound: a tiny drafter whose step is mostly kernel launches and Python
-    "small": ["target.hidden_size=256", "target.intermediate_size=768", "target.num_heads=4",
-              "target.num_kv_heads=2", "target.head_dim=64", "target.num_layers=6", "target.vocab_size=4096",
-              "drafter.num_layers=2", "drafter.block_size=16", "data.max_length=256", "data.anchors_per_seq=16"],
+    "small": [
+        "target.hidden_size=256",
+        "target.intermediate_size=768",
+        "target.num_heads=4",
+        "target.num_kv_heads=2",
+        "target.head_dim=64",
+        "target.num_layers=6",
+        "target.vocab_size=4096",
+        "drafter.num_layers=2",
+        "drafter.block_size=16",
+        "data.max_length=256",
+        "data.anchors_per_seq=16",
+    ],
     # mid-size: hidden 2048, 5 draft layers, seq 1024, 128 anchors, block 16; target cut at 6 layers
-    "mid": ["target.hidden_size=2048", "target.intermediate_size=6144", "target.num_heads=16",
-            "target.num_kv_heads=8", "target.head_dim=128", "target.num_layers=8", "target.vocab_size=32768",
-            "drafter.num_layers=5", "drafter.block_size=16", "data.max_length=1024", "data.anchors_per_seq=128"],
+    "mid": [
+        "target.hidden_size=2048",
+        "target.intermediate_size=6144",
+        "target.num_heads=16",
+        "target.num_kv_heads=8",
+        "target.head_dim=128",
+        "target.num_layers=8",
+        "target.vocab_size=32768",
+        "drafter.num_layers=5",
+        "drafter.block_size=16",
+        "data.max_length=1024",
+        "data.anchors_per_seq=128",
+    ],
 }
 STEPS = {"small": 50, "mid": 30}
 TIMEOUT_S = {"small": 180, "mid": 300}
@@ -45,10 +65,16 @@ def make_config(name: str, world: int, compile_mode: str, device: str, steps: in
     from dflash_train.config import load_config
     from dflash_train.plan import resolve_run
 
-    over = CONFIGS[name] + ["data.source=random", f"data.batch_size={PER_GPU_BATCH * world}",
-                            "data.num_train=512", "data.num_eval=4", f"run.device={device}",
-                            f"run.dtype={'bf16' if device == 'cuda' else 'fp32'}",
-                            f"run.compile='{compile_mode}'", f"run.steps={steps or STEPS[name]}"]
+    over = CONFIGS[name] + [
+        "data.source=random",
+        f"data.batch_size={PER_GPU_BATCH * world}",
+        "data.num_train=512",
+        "data.num_eval=4",
+        f"run.device={device}",
+        f"run.dtype={'bf16' if device == 'cuda' else 'fp32'}",
+        f"run.compile='{compile_mode}'",
+        f"run.steps={steps or STEPS[name]}",
+    ]
     plan = resolve_run(load_config(overrides=over))
     cfg = plan.cfg
     import torch
@@ -101,12 +127,25 @@ def child_threads(args) -> dict:
 
     devices = [f"cuda:{i}" if args.device == "cuda" else "cpu" for i in range(args.world)]
     t0 = time.monotonic()
-    res = W.run_threaded(drafter_ops(cfg), devices, GlobalBatches(sampler, pin=args.device == "cuda" and args.pin),
-                         cfg.run.steps, opts, on_sync)
+    res = W.run_threaded(
+        drafter_ops(cfg),
+        devices,
+        GlobalBatches(sampler, pin=args.device == "cuda" and args.pin),
+        cfg.run.steps,
+        opts,
+        on_sync,
+    )
     batch = W.shard_batch(sampler.batch(0), 0, args.world)
-    return {"warmup_s": res.warmup_s, "step_ms": res.step_ms, "steady_ms": steady_ms(windows), "checksums": res.checksums,
-            "train_losses": res.losses, "eval_losses": [eval_loss(r, batch) for r in res.replicas],
-            "wall_s": time.monotonic() - t0, "policy": res.policy.reason}
+    return {
+        "warmup_s": res.warmup_s,
+        "step_ms": res.step_ms,
+        "steady_ms": steady_ms(windows),
+        "checksums": res.checksums,
+        "train_losses": res.losses,
+        "eval_losses": [eval_loss(r, batch) for r in res.replicas],
+        "wall_s": time.monotonic() - t0,
+        "policy": res.policy.reason,
+    }
 
 
 def child_process(args) -> dict:
@@ -164,8 +203,11 @@ def child_process(args) -> dict:
     sync(device)
     step_ms = (time.monotonic() - t0) / cfg.run.steps * 1e3
     fixed = W.shard_batch(sampler.batch(0), 0, world)
-    mine = torch.tensor([warmup, step_ms, float(loss), eval_loss(replica, fixed), steady_ms(windows) or float("nan")],
-                        dtype=torch.float64, device=device)
+    mine = torch.tensor(
+        [warmup, step_ms, float(loss), eval_loss(replica, fixed), steady_ms(windows) or float("nan")],
+        dtype=torch.float64,
+        device=device,
+    )
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     ck = torch.tensor([int(W.param_checksum(params))], dtype=torch.int64, device=device)
@@ -174,9 +216,15 @@ def child_process(args) -> dict:
     dist.destroy_process_group()
     rows = [e.tolist() for e in every]
     checksums = [int(c.item()) for c in cks]
-    return {"warmup_s": [r[0] for r in rows], "step_ms": [r[1] for r in rows], "steady_ms": max(r[4] for r in rows),
-            "train_losses": [r[2] for r in rows],
-            "eval_losses": [r[3] for r in rows], "checksums": checksums, "policy": policy.reason}
+    return {
+        "warmup_s": [r[0] for r in rows],
+        "step_ms": [r[1] for r in rows],
+        "steady_ms": max(r[4] for r in rows),
+        "train_losses": [r[2] for r in rows],
+        "eval_losses": [r[3] for r in rows],
+        "checksums": checksums,
+        "policy": policy.reason,
+    }
 
 
 def sync(device) -> None:
@@ -189,8 +237,9 @@ def sync(device) -> None:
 
 def launch(argv: list[str], timeout: float, log, env: dict) -> tuple[str, list[str]]:
     """Run a child in its own process group; returns (status, output lines)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
@@ -205,8 +254,22 @@ def launch(argv: list[str], timeout: float, log, env: dict) -> tuple[str, list[s
 
 def run_variant(cfg_name: str, kind: str, compile_mode: str, world: int, timeout: float, log, args) -> dict:
     """One variant: threads (one child) or processes (world children); parsed results."""
-    base = [sys.executable, __file__, "--config", cfg_name, "--compile", compile_mode, "--world", str(world),
-            "--device", args.device, "--steps", str(args.steps), "--hang-dump-s", str(max(10.0, timeout - 10))]
+    base = [
+        sys.executable,
+        __file__,
+        "--config",
+        cfg_name,
+        "--compile",
+        compile_mode,
+        "--world",
+        str(world),
+        "--device",
+        args.device,
+        "--steps",
+        str(args.steps),
+        "--hang-dump-s",
+        str(max(10.0, timeout - 10)),
+    ]
     base += [] if args.pin else ["--no-pin"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_LOGS=args.torch_logs)
     if not args.torch_logs:
@@ -214,14 +277,21 @@ def run_variant(cfg_name: str, kind: str, compile_mode: str, world: int, timeout
     t0 = time.monotonic()
     if kind == "threads":
         status, lines = launch(base + ["--child", "threads"], timeout, log, env)
-        results = [json.loads(l[7:]) for l in lines if l.startswith("RESULT ")]
+        results = [json.loads(ln[7:]) for ln in lines if ln.startswith("RESULT ")]
     else:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + int(time.time()) % 1000), WORLD_SIZE=str(world))
         procs = []
         for rank in range(world):
-            procs.append(subprocess.Popen(base + ["--child", "process"], stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, env=dict(env, RANK=str(rank)),
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    base + ["--child", "process"],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=dict(env, RANK=str(rank)),
+                    start_new_session=True,
+                )
+            )
         status, results, skipped = "ok", [], 0
         for rank, proc in enumerate(procs):
             try:
@@ -235,12 +305,18 @@ def run_variant(cfg_name: str, kind: str, compile_mode: str, world: int, timeout
                 out, _ = proc.communicate()
                 status = "HANG (killed)"
             log.write(f"$ rank {rank}: {' '.join(base[2:])} --child process\n{out}\n")
-            results += [json.loads(l[7:]) for l in out.splitlines() if l.startswith("RESULT ")][:1]
+            results += [json.loads(ln[7:]) for ln in out.splitlines() if ln.startswith("RESULT ")][:1]
             skipped += out.count("skipping cudagraphs")
-    row = {"config": cfg_name, "kind": kind, "compile": compile_mode, "world": world, "status": status,
-           "wall_s": round(time.monotonic() - t0, 1)}
+    row = {
+        "config": cfg_name,
+        "kind": kind,
+        "compile": compile_mode,
+        "world": world,
+        "status": status,
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
     # perf_hints names every graph that inductor refused to capture; 0 means all were CUDA graphs
-    row["skipped_cudagraphs"] = sum("skipping cudagraphs" in l for l in lines) if kind == "threads" else skipped
+    row["skipped_cudagraphs"] = sum("skipping cudagraphs" in ln for ln in lines) if kind == "threads" else skipped
     if results:
         r = results[0]
         row.update(r)
@@ -253,32 +329,52 @@ def run_variant(cfg_name: str, kind: str, compile_mode: str, world: int, timeout
     return row
 
 
-PLAN = [("threads", "cudagraphs", 1), ("threads", "off", 2), ("threads", "default", 2),
-        ("threads", "cudagraphs", 2), ("procs", "cudagraphs", 2)]
+PLAN = [
+    ("threads", "cudagraphs", 1),
+    ("threads", "off", 2),
+    ("threads", "default", 2),
+    ("threads", "cudagraphs", 2),
+    ("procs", "cudagraphs", 2),
+]
 REPEATED = [("threads", "cudagraphs", 2), ("procs", "cudagraphs", 2)]  # the chosen policy vs its reference
 
 
 def table(rows: list[dict]) -> str:
     """Markdown table of every run, then the ratios the goals are about."""
-    head = "| config | variant | GPUs | rep | status | ms/step per GPU | steady ms/step | samples/s | warm-up s per GPU | params equal | eval loss equal | graphs not captured |"
+    head = (
+        "| config | variant | GPUs | rep | status | ms/step per GPU | steady ms/step | samples/s | warm-up s per GPU "
+        "| params equal | eval loss equal | graphs not captured |"
+    )
     out = [head, "|" + " --- |" * 12]
     for r in rows:
         ms = " / ".join(f"{x:.2f}" for x in r.get("step_ms", [])) or "-"
         warm = " / ".join(f"{x:.1f}" for x in r.get("warmup_s", [])) or "-"
         sps = f"{r['samples_per_s']:.1f}" if "samples_per_s" in r else "-"
         steady = f"{r['steady_ms']:.2f}" if r.get("steady_ms") else "-"
-        out.append(f"| {r['config']} | {r['kind']} {r['compile']} | {r['world']} | {r.get('rep', 1)} | {r['status']} | "
-                   f"{ms} | {steady} | {sps} | {warm} | {r.get('params_equal', '-')} | {r.get('eval_loss_equal', '-')} | "
-                   f"{r.get('skipped_cudagraphs', '-')} |")
+        out.append(
+            f"| {r['config']} | {r['kind']} {r['compile']} | {r['world']} | {r.get('rep', 1)} | {r['status']} | "
+            f"{ms} | {steady} | {sps} | {warm} | {r.get('params_equal', '-')} | {r.get('eval_loss_equal', '-')} | "
+            f"{r.get('skipped_cudagraphs', '-')} |"
+        )
     out.append("")
     for cfg in CONFIGS:
+
         def best(kind, comp, world, key):
-            ms = [r[key] for r in rows if (r["config"], r["kind"], r["compile"], r["world"]) == (cfg, kind, comp, world)
-                  and r["status"] == "ok" and r.get(key)]
+            ms = [
+                r[key]
+                for r in rows
+                if (r["config"], r["kind"], r["compile"], r["world"]) == (cfg, kind, comp, world)
+                and r["status"] == "ok"
+                and r.get(key)
+            ]
             return sorted(ms)[len(ms) // 2] if ms else None  # median over repeats
+
         for key, label in (("ms", "all steps"), ("steady_ms", "steady state")):
-            t2, p2, t1 = (best("threads", "cudagraphs", 2, key), best("procs", "cudagraphs", 2, key),
-                          best("threads", "cudagraphs", 1, key))
+            t2, p2, t1 = (
+                best("threads", "cudagraphs", 2, key),
+                best("procs", "cudagraphs", 2, key),
+                best("threads", "cudagraphs", 1, key),
+            )
             if t2 and p2:
                 out.append(f"{cfg}: threads/procs per-GPU throughput (cudagraphs, {label}) = {p2 / t2:.3f}x")
             if t2 and t1:
@@ -297,13 +393,20 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default="small,mid")
-    ap.add_argument("--plan", default="", help="runs to do, in order: config:kind:compile:world,... "
-                    "(default: every config x PLAN, then REPEATED for repeats 2..)")
+    ap.add_argument(
+        "--plan",
+        default="",
+        help="runs to do, in order: config:kind:compile:world,... "
+        "(default: every config x PLAN, then REPEATED for repeats 2..)",
+    )
     ap.add_argument("--hang-dump-s", type=float, default=0, help="child: dump all threads and exit after this")
     ap.add_argument("--steps", type=int, default=0, help="timed steps (0: the config's default)")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="feed pageable batches (A/B of pinning)")
-    ap.add_argument("--torch-logs", default="perf_hints", help="TORCH_LOGS of the children (perf_hints: "
-                    "'skipping cudagraphs' lines are counted)")
+    ap.add_argument(
+        "--torch-logs",
+        default="perf_hints",
+        help="TORCH_LOGS of the children (perf_hints: 'skipping cudagraphs' lines are counted)",
+    )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the logic")
     args = ap.parse_args()
     if args.child:
@@ -331,8 +434,16 @@ def main() -> None:
         for cfg_name, (kind, comp, world), rep in jobs:
             left = deadline - time.monotonic()
             if left < 30:
-                rows.append({"config": cfg_name, "kind": kind, "compile": comp, "world": world, "rep": rep,
-                             "status": "skipped (budget)"})
+                rows.append(
+                    {
+                        "config": cfg_name,
+                        "kind": kind,
+                        "compile": comp,
+                        "world": world,
+                        "rep": rep,
+                        "status": "skipped (budget)",
+                    }
+                )
                 continue
             row = run_variant(cfg_name, kind, comp, world, min(TIMEOUT_S[cfg_name], left), log, args)
             row["rep"] = rep

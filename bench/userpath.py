@@ -25,8 +25,10 @@ class LocalHostBench:
             shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True, exist_ok=True)
         self.inventory = work / "hosts.yaml"
-        self.inventory.write_text(f"default: local\nhosts:\n  local:\n    transport: local\n"
-                                  f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n")
+        self.inventory.write_text(
+            f"default: local\nhosts:\n  local:\n    transport: local\n"
+            f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n"
+        )
 
     def log(self, text: str) -> None:
         """Print and keep a line."""
@@ -50,8 +52,10 @@ class LocalHostBench:
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env(), cwd=self.work)
         except subprocess.TimeoutExpired as exc:
-            out, err = (text.decode(errors="replace") if isinstance(text, bytes) else (text or "")
-                        for text in (exc.stdout, exc.stderr))
+            out, err = (
+                text.decode(errors="replace") if isinstance(text, bytes) else (text or "")
+                for text in (exc.stdout, exc.stderr)
+            )
             # What it printed before the kill stays: a detached run's id is in it (the caller stops it).
             return 124, out, f"{err}timed out after {timeout:.0f} s", time.monotonic() - t0
         return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0

@@ -32,8 +32,11 @@ class AgentMissing(Exception):
 @lru_cache(maxsize=1)
 def bundle() -> tuple[str, bytes]:
     """(content hash, the files as the launcher's --install reads them): sha256 over paths and texts."""
-    files = {f"{PACKAGE}/{p.relative_to(REMOTE).as_posix()}": p.read_text(encoding="utf-8")
-             for pattern in FILES for p in sorted(REMOTE.glob(pattern))}
+    files = {
+        f"{PACKAGE}/{p.relative_to(REMOTE).as_posix()}": p.read_text(encoding="utf-8")
+        for pattern in FILES
+        for p in sorted(REMOTE.glob(pattern))
+    }
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:20]
     return digest, json.dumps(files).encode()
 
@@ -58,8 +61,9 @@ def install(target: Target) -> None:
     argv = [target.host.interpreter, "-S", "-c", remote_script("agent"), "--install", agent_root(target)]
     result = target.run(argv, stdin=bundle()[1], timeout=INSTALL_TIMEOUT_S)
     if not result.ok:
-        raise RemoteError(f"{target.label}: cannot install dflashctl's agent in {agent_root(target)}: "
-                          f"{result.err_line()}")
+        raise RemoteError(
+            f"{target.label}: cannot install dflashctl's agent in {agent_root(target)}: {result.err_line()}"
+        )
 
 
 def with_agent(target: Target, call: Callable[[], T]) -> T:
@@ -71,9 +75,9 @@ def with_agent(target: Target, call: Callable[[], T]) -> T:
     return call()
 
 
-def run_agent(target: Target, module: str, args: Sequence[str], *, flags: Sequence[str] = (),
-              **kw: Any) -> Completed:
+def run_agent(target: Target, module: str, args: Sequence[str], *, flags: Sequence[str] = (), **kw: Any) -> Completed:
     """Target.run of one agent module (kw as for Target.run), installing the agent when missing."""
+
     def call() -> Completed:
         result = target.run(agent_argv(target, module, args, flags), **kw)
         if is_missing(result.exit_code, result.stderr):

@@ -31,10 +31,15 @@ def _version(value: bool) -> None:
 def _root(
     ctx: typer.Context,
     inventory: Optional[str] = typer.Option(
-        None, "--inventory", "-i", help="hosts.yaml to use (else $DFLASHCTL_INVENTORY, ./hosts.yaml, ~/.config/dflashctl/hosts.yaml)."
+        None,
+        "--inventory",
+        "-i",
+        help="hosts.yaml to use (else $DFLASHCTL_INVENTORY, ./hosts.yaml, ~/.config/dflashctl/hosts.yaml).",
     ),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
     state = app_state(ctx)
     state.inventory = inventory

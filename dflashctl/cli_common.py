@@ -30,9 +30,11 @@ runs_app = typer.Typer(help="Training runs: list, show, stop, pull.", no_args_is
 app.add_typer(runs_app, name="runs")
 logs_app = typer.Typer(help="Run logs: tail and follow.", no_args_is_help=True)
 app.add_typer(logs_app, name="logs")
-data_app = typer.Typer(help="Datasets in the container: push, list, and regenerate responses with the target "
-                            "(a run names one as data:NAME).",
-                       no_args_is_help=True)
+data_app = typer.Typer(
+    help="Datasets in the container: push, list, and regenerate responses with the target "
+    "(a run names one as data:NAME).",
+    no_args_is_help=True,
+)
 app.add_typer(data_app, name="data")
 
 
@@ -65,8 +67,7 @@ def detaches(state: AppState, host: str, run_id: str, err: Console) -> Iterator[
     except DflashError as exc:
         if not (isinstance(exc, Interrupted) or state.interrupted):
             raise
-        err.print(Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {host} {run_id} -f"),
-                  soft_wrap=True)
+        err.print(Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {host} {run_id} -f"), soft_wrap=True)
         raise typer.Exit(Interrupted.exit_code) from None
 
 
@@ -94,8 +95,10 @@ def complete_run(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
 
 
 # HOST and RUN of `runs show/stop/pull` and `logs tail`: `CMD RUN` alone means RUN on the default host.
-HOST_THEN_RUN = {"help": "Host (default host if omitted; a single non-host argument is a RUN).",
-                  "autocompletion": complete_host}
+HOST_THEN_RUN = {
+    "help": "Host (default host if omitted; a single non-host argument is a RUN).",
+    "autocompletion": complete_host,
+}
 RUN_ARG = {"help": "Run id, unique prefix, or name (default: the latest run).", "autocompletion": complete_run}
 
 
@@ -133,8 +136,9 @@ def word_is_host_or_run(session: Session, host: Optional[str], run: Optional[str
     except NotFoundError as exc:
         if host is None and run is not None and run not in session.inventory.hosts and "no run matches" in str(exc):
             known = ", ".join(sorted(session.inventory.hosts)) or "none"
-            raise NotFoundError(f"'{run}' is neither a host in the inventory (hosts: {known}) nor a run on "
-                                f"{session.host(None).name}") from None
+            raise NotFoundError(
+                f"'{run}' is neither a host in the inventory (hosts: {known}) nor a run on {session.host(None).name}"
+            ) from None
         raise
 
 
@@ -170,8 +174,15 @@ def held(gpus: List[str]) -> str:
     return f"GPU{'s' if len(numeric) > 1 else ''} {','.join(numeric)}" if numeric else "CPU"
 
 
-def follow_or_detach(state: AppState, session: Session, target, run_id: str, what: str,  # type: ignore[no-untyped-def]
-                     follow: Optional[bool], err: Console) -> Optional[int]:
+def follow_or_detach(
+    state: AppState,
+    session: Session,
+    target,
+    run_id: str,
+    what: str,  # type: ignore[no-untyped-def]
+    follow: Optional[bool],
+    err: Console,
+) -> Optional[int]:
     """After a start (`what`: `started run ID on HOST, GPUs 0,1`): print the run id and how to
     follow it (None), or follow its log until the run ends (its exit code). --follow defaults to
     whether stdout is a terminal."""
@@ -180,10 +191,20 @@ def follow_or_detach(state: AppState, session: Session, target, run_id: str, wha
     with detaches(state, target.host.name, run_id, err):
         if not (sys.stdout.isatty() if follow is None else follow):
             typer.echo(run_id)
-            err.print(Text(f"{what}; follow it: dflashctl logs tail {target.host.name} {run_id} -f", style="dim"),
-                      soft_wrap=True)
+            err.print(
+                Text(f"{what}; follow it: dflashctl logs tail {target.host.name} {run_id} -f", style="dim"),
+                soft_wrap=True,
+            )
             return None
         err.print(Text(f"{what} (Ctrl-C detaches; the run goes on)", style="dim"), soft_wrap=True)
         out = Console()
-        return attach(session, target.host.name, run_id, follow=True, lines=-1, out=sys.stdout.buffer,
-                      console=out if out.is_terminal else None, err=err)
+        return attach(
+            session,
+            target.host.name,
+            run_id,
+            follow=True,
+            lines=-1,
+            out=sys.stdout.buffer,
+            console=out if out.is_terminal else None,
+            err=err,
+        )

@@ -35,8 +35,13 @@ def data_push(
     out = Console()
     for done in push_data(target, [f.expanduser() for f in files], as_name):
         verb = "sent" if done.sent else "unchanged"
-        out.print(Text(f"{done.name}: {verb}, {fmt_bytes(done.size)}, {done.rows} rows, sha256 {done.sha256[:12]} "
-                       f"(use it as data.train_path=data:{done.name})"), soft_wrap=True)
+        out.print(
+            Text(
+                f"{done.name}: {verb}, {fmt_bytes(done.size)}, {done.rows} rows, sha256 {done.sha256[:12]} "
+                f"(use it as data.train_path=data:{done.name})"
+            ),
+            soft_wrap=True,
+        )
 
 
 @data_app.command("list")
@@ -55,61 +60,104 @@ def data_list(
     if json_out:
         typer.echo(json.dumps(datasets, indent=2))
         return
-    show(Console(), [Column("name"), Column("size", "right"), Column("rows", "right"), Column("sha256")],
-         [[d["name"], fmt_bytes(d["size"]), str(d["rows"]), d["sha256"][:12]] for d in datasets],
-         title=f"datasets on {target.label}")
+    show(
+        Console(),
+        [Column("name"), Column("size", "right"), Column("rows", "right"), Column("sha256")],
+        [[d["name"], fmt_bytes(d["size"]), str(d["rows"]), d["sha256"][:12]] for d in datasets],
+        title=f"datasets on {target.label}",
+    )
 
 
 @data_app.command("regen")
 def data_regen(
     ctx: typer.Context,
-    host: str = typer.Argument(..., help="Host whose container generates (and holds the datasets).",
-                               autocompletion=complete_host),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="Pushed dataset of prompts: chat `messages`, "
-                                                                  "a `prompt` string or `input_ids` per row."),
-    out: Optional[str] = typer.Option(None, "--out", help="Name of the dataset to write (.jsonl is added); "
-                                                          "a run then uses data.train_path=data:NAME.jsonl."),
-    engine: str = typer.Option("builtin", "--engine", help="builtin (the project's Qwen3 target on the GPUs) or "
-                                                           "openai (a server reachable from the container)."),
-    gpus: Optional[str] = typer.Option(None, "--gpus", help="builtin: GPU indices like 0,1 (one worker each) or cpu "
-                                                            "(default: the host's gpus, else every GPU there)."),
+    host: str = typer.Argument(
+        ..., help="Host whose container generates (and holds the datasets).", autocompletion=complete_host
+    ),
+    prompts: Optional[str] = typer.Option(
+        None, "--prompts", help="Pushed dataset of prompts: chat `messages`, a `prompt` string or `input_ids` per row."
+    ),
+    out: Optional[str] = typer.Option(
+        None,
+        "--out",
+        help="Name of the dataset to write (.jsonl is added); a run then uses data.train_path=data:NAME.jsonl.",
+    ),
+    engine: str = typer.Option(
+        "builtin",
+        "--engine",
+        help="builtin (the project's Qwen3 target on the GPUs) or openai (a server reachable from the container).",
+    ),
+    gpus: Optional[str] = typer.Option(
+        None,
+        "--gpus",
+        help="builtin: GPU indices like 0,1 (one worker each) or cpu (default: the host's gpus, else every GPU there).",
+    ),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Tokens per response at most."),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling (with --temperature > 0)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling (per batch; openai: per row)."),
-    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking",
-                                            help="enable_thinking of Qwen3 chat templates (default: the template's)."),
+    thinking: Optional[bool] = typer.Option(
+        None, "--thinking/--no-thinking", help="enable_thinking of Qwen3 chat templates (default: the template's)."
+    ),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Rows per batch (builtin 32, openai 1)."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer directory in the container "
-                                                                      "(default: target.path)."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="builtin: the target's shape preset (tiny, qwen3-8b, llama3-8b, qwen3-30b-a3b)."),
-    overrides: List[str] = typer.Option([], "--set", help="builtin: target.path=DIR, another target.* key, run.dtype "
-                                                          "or run.cpu_threads (repeatable)."),
+    tokenizer: Optional[str] = typer.Option(
+        None, "--tokenizer", help="Tokenizer directory in the container (default: target.path)."
+    ),
+    preset: Optional[str] = typer.Option(
+        None, "--preset", help="builtin: the target's shape preset (tiny, qwen3-8b, llama3-8b, qwen3-30b-a3b)."
+    ),
+    overrides: List[str] = typer.Option(
+        [], "--set", help="builtin: target.path=DIR, another target.* key, run.dtype or run.cpu_threads (repeatable)."
+    ),
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="openai: base URL, e.g. http://127.0.0.1:8000."),
     model: Optional[str] = typer.Option(None, "--model", help="openai: the served model's name."),
     concurrency: int = typer.Option(8, "--concurrency", help="openai: requests at once."),
-    retries: int = typer.Option(8, "--retries", help="openai: retries of a 429, 5xx, connection error or non-JSON answer."),
+    retries: int = typer.Option(
+        8, "--retries", help="openai: retries of a 429, 5xx, connection error or non-JSON answer."
+    ),
     name: Optional[str] = typer.Option(None, "--name", help="A label for the run (default: the output's name)."),
-    resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN",
-                                         help="Continue a stopped or failed regen run where it stopped."),
-    follow: Optional[bool] = typer.Option(None, "--follow/--detach", help="Stream the log until the run ends "
-                                                                          "(default on a terminal)."),
+    resume: Optional[str] = typer.Option(
+        None, "--resume", metavar="RUN", help="Continue a stopped or failed regen run where it stopped."
+    ),
+    follow: Optional[bool] = typer.Option(
+        None, "--follow/--detach", help="Stream the log until the run ends (default on a terminal)."
+    ),
     force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),
 ) -> None:
     """Regenerate responses with the target: a detached run (kind data) writing data/NAME.jsonl."""
     from .regen import RegenRequest, check_request
 
     fixed = ("host", "resume", "follow", "force")
-    given = [f"--{p.replace('_', '-')}" for p in ctx.params if p not in fixed
-             and ctx.get_parameter_source(p) is click.core.ParameterSource.COMMANDLINE]
+    given = [
+        f"--{p.replace('_', '-')}"
+        for p in ctx.params
+        if p not in fixed and ctx.get_parameter_source(p) is click.core.ParameterSource.COMMANDLINE
+    ]
     if resume is not None and given:
         raise UsageError(f"--resume continues a regen with its own options: drop {', '.join(given)}")
     request = None
     if resume is None:
         if not prompts or not out:
             raise UsageError("data regen needs --prompts NAME and --out NAME (or --resume RUN)")
-        request = RegenRequest(prompts, out, engine, gpus, max_new_tokens, temperature, top_p, seed, thinking,
-                               batch_size, tokenizer, preset, tuple(overrides), endpoint, model, concurrency, retries)
+        request = RegenRequest(
+            prompts,
+            out,
+            engine,
+            gpus,
+            max_new_tokens,
+            temperature,
+            top_p,
+            seed,
+            thinking,
+            batch_size,
+            tokenizer,
+            preset,
+            tuple(overrides),
+            endpoint,
+            model,
+            concurrency,
+            retries,
+        )
         check_request(request)  # before anything is pushed
     session = app_state(ctx).session()
     target = session.target(host)
@@ -118,13 +166,24 @@ def data_regen(
     what = f"{verb} regen run {run.run_id} on {target.label}, {held(run.gpus)}, writing data:{dataset}"
     code = follow_or_detach(app_state(ctx), session, target, run.run_id, what, follow, err)
     if code == 0:
-        err.print(Text(f"wrote data:{dataset}; train on it with --set data.source=jsonl "
-                       f"--set data.train_path=data:{dataset}"), soft_wrap=True)
+        err.print(
+            Text(
+                f"wrote data:{dataset}; train on it with --set data.source=jsonl --set data.train_path=data:{dataset}"
+            ),
+            soft_wrap=True,
+        )
     raise typer.Exit(code or 0)
 
 
-def _start_regen(target, request, resume: Optional[str], *, name: Optional[str],  # type: ignore[no-untyped-def]
-                 force: bool, err: Console):
+def _start_regen(
+    target,
+    request,
+    resume: Optional[str],
+    *,
+    name: Optional[str],  # type: ignore[no-untyped-def]
+    force: bool,
+    err: Console,
+):
     """Start the regen run (or resume one): (StartedRun, verb, the output dataset's name)."""
     from .regen import datasets_for, start_regen
     from .runs import push_payload, resume_run
@@ -144,5 +203,3 @@ def _regen_output(target, run_id: str) -> str:  # type: ignore[no-untyped-def]
     from .runs import show_run
 
     return str((show_run(target, run_id, metrics=False).get("config") or {}).get("out", "?"))
-
-

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -31,7 +30,8 @@ def hosts_list(ctx: typer.Context) -> None:
 def hosts_check(
     ctx: typer.Context,
     host: Optional[str] = typer.Argument(
-        None, help="Host, `h1,h2` or a group (default host if omitted).",
+        None,
+        help="Host, `h1,h2` or a group (default host if omitted).",
         autocompletion=complete_host,
     ),
     all_hosts: bool = typer.Option(False, "--all", help="Check every host in the inventory."),
@@ -58,7 +58,8 @@ def hosts_check(
 def hosts_trust(
     ctx: typer.Context,
     host: str = typer.Argument(
-        ..., help="Host whose SSH key to record in ~/.ssh/known_hosts.",
+        ...,
+        help="Host whose SSH key to record in ~/.ssh/known_hosts.",
         autocompletion=complete_host,
     ),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation (scripts)."),
@@ -74,7 +75,8 @@ def hosts_trust(
 def hosts_disconnect(
     ctx: typer.Context,
     host: Optional[str] = typer.Argument(
-        None, help="Host whose persistent connection to close (default host if omitted).",
+        None,
+        help="Host whose persistent connection to close (default host if omitted).",
         autocompletion=complete_host,
     ),
     all_hosts: bool = typer.Option(False, "--all", help="Close every persistent connection of this user."),
@@ -107,7 +109,8 @@ def _confirm(question: str) -> bool:
 def exec_cmd(
     ctx: typer.Context,
     host: str = typer.Argument(
-        ..., help="Host to run on.",
+        ...,
+        help="Host to run on.",
         autocompletion=complete_host,
     ),
     command: List[str] = typer.Argument(..., help="Command and arguments (put them after --)."),
@@ -130,11 +133,16 @@ def exec_cmd(
 def push_cmd(
     ctx: typer.Context,
     host: Optional[str] = typer.Argument(
-        None, help="Host to push to (default host if omitted).",
+        None,
+        help="Host to push to (default host if omitted).",
         autocompletion=complete_host,
     ),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List what would be sent and deleted; change nothing."),
-    source: Optional[str] = typer.Option(None, "--source", help="Payload directory (default: the trainer that ships with dflashctl, remote_payload/ in a checkout)."),
+    source: Optional[str] = typer.Option(
+        None,
+        "--source",
+        help="Payload directory (default: the trainer that ships with dflashctl, remote_payload/ in a checkout).",
+    ),
 ) -> None:
     """Send remote_payload/ to <workdir>/payload in the container: incremental, atomic, verified."""
     from pathlib import Path
@@ -164,12 +172,17 @@ def push_cmd(
 @app.command("inspect")
 def inspect_cmd(
     ctx: typer.Context,
-    target: str = typer.Argument(..., help="Alias (compile_fx, inductor.config, ...), dotted module, symbol or config key."),
-    host: Optional[str] = typer.Option(None, "--host", "-H", help="Host to read from (default host if omitted).",
-                                        autocompletion=complete_host),
+    target: str = typer.Argument(
+        ..., help="Alias (compile_fx, inductor.config, ...), dotted module, symbol or config key."
+    ),
+    host: Optional[str] = typer.Option(
+        None, "--host", "-H", help="Host to read from (default host if omitted).", autocompletion=complete_host
+    ),
     lines: Optional[str] = typer.Option(None, "--lines", "-l", help="A:B, A:+N (A and N more) or A (with --context)."),
     context: int = typer.Option(0, "--context", "-C", help="Lines around --lines A or around --grep matches."),
-    grep: Optional[str] = typer.Option(None, "--grep", "-g", help="Regex; show matching lines (config: matching keys)."),
+    grep: Optional[str] = typer.Option(
+        None, "--grep", "-g", help="Regex; show matching lines (config: matching keys)."
+    ),
     path: bool = typer.Option(False, "--path", help="Print the remote file path and package version."),
     source: bool = typer.Option(False, "--source", help="For config modules: show source instead of live values."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -187,5 +200,3 @@ def inspect_cmd(
         out.flush()
 
     run_inspect(remote, opts, write, pretty=console if console.is_terminal and not json_out else None)
-
-

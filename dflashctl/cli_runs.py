@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
@@ -12,8 +13,23 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from .cli_common import (HOST_THEN_RUN, RUN_ARG, AppState, app, app_state, complete_host, detaches, first_host, held,
-                         host_and_run, hosts_or_all, parse_env, run_target, split_command, word_is_host_or_run)
+from .cli_common import (
+    HOST_THEN_RUN,
+    RUN_ARG,
+    AppState,
+    app,
+    app_state,
+    complete_host,
+    detaches,
+    first_host,
+    held,
+    host_and_run,
+    hosts_or_all,
+    parse_env,
+    run_target,
+    split_command,
+    word_is_host_or_run,
+)
 from .cli_common import logs_app, runs_app
 from .cli_common import follow_or_detach
 from .errors import NotFoundError, UsageError
@@ -28,95 +44,179 @@ from .session import Session
 def train_cmd(
     ctx: typer.Context,
     host: Optional[str] = typer.Argument(
-        None, help="Host to train on (default host if omitted); `h1,h2` or a group: one run across those hosts.",
+        None,
+        help="Host to train on (default host if omitted); `h1,h2` or a group: one run across those hosts.",
         autocompletion=complete_host,
     ),
     gpus: Optional[str] = typer.Option(
-        None, "--gpus", help="GPU indices like 0,1, or cpu (default: the host's gpus, else every GPU the trainer sees)."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="Trainer preset: real-target (default with target.path), tiny (default without), qwen3-8b, llama3-8b, qwen3-30b-a3b (random weights: speed only) (docs/trainer.md)."),
-    config: Optional[Path] = typer.Option(None, "--config", help="Trainer config (YAML); copied into the run directory."),
+        None, "--gpus", help="GPU indices like 0,1, or cpu (default: the host's gpus, else every GPU the trainer sees)."
+    ),
+    preset: Optional[str] = typer.Option(
+        None,
+        "--preset",
+        help="Trainer preset: real-target (default with target.path), tiny (default without), qwen3-8b, llama3-8b, "
+        "qwen3-30b-a3b (random weights: speed only) (docs/trainer.md).",
+    ),
+    config: Optional[Path] = typer.Option(
+        None, "--config", help="Trainer config (YAML); copied into the run directory."
+    ),
     overrides: List[str] = typer.Option(
-        [], "--set", help="Config override key=value (repeatable). Out of GPU memory? --set data.max_length=2048 "
-                          "or fewer data.anchors_per_seq."),
+        [],
+        "--set",
+        help="Config override key=value (repeatable). Out of GPU memory? --set data.max_length=2048 "
+        "or fewer data.anchors_per_seq.",
+    ),
     name: Optional[str] = typer.Option(None, "--name", help="A label for the run (stored as given)."),
     resume: Optional[str] = typer.Option(
-        None, "--resume", metavar="RUN", help="Continue an ended run (id, prefix or name) from its newest checkpoint, "
-                                             "in its directory with its config."),
+        None,
+        "--resume",
+        metavar="RUN",
+        help="Continue an ended run (id, prefix or name) from its newest checkpoint, in its directory with its config.",
+    ),
     max_restarts: int = typer.Option(
-        0, "--max-restarts", help="Restart the trainer from its newest checkpoint after a crash or stall, up to N times."),
+        0,
+        "--max-restarts",
+        help="Restart the trainer from its newest checkpoint after a crash or stall, up to N times.",
+    ),
     restart_on: Optional[str] = typer.Option(
-        None, "--restart-on", help="Exit codes that restart it, e.g. 1,75,137 (default: any but 0, 2, 4 and a stop)."),
+        None, "--restart-on", help="Exit codes that restart it, e.g. 1,75,137 (default: any but 0, 2, 4 and a stop)."
+    ),
     restart_delay: float = typer.Option(10.0, "--restart-delay", help="Seconds before the first restart (doubling)."),
     on_event: Optional[str] = typer.Option(
-        None, "--on-event", help="Command run in the container at each run event (started, restarted, succeeded, "
-                                 "failed, stopped, lost), split like a shell line; its environment says which "
-                                 "(DFLASHCTL_EVENT, DFLASHCTL_RUN_ID, ...). Default: hosts.yaml's on_event."),
-    follow: Optional[bool] = typer.Option(None, "--follow/--detach", help="Stream the log until the run ends (default on a terminal)."),
+        None,
+        "--on-event",
+        help="Command run in the container at each run event (started, restarted, succeeded, "
+        "failed, stopped, lost), split like a shell line; its environment says which "
+        "(DFLASHCTL_EVENT, DFLASHCTL_RUN_ID, ...). Default: hosts.yaml's on_event.",
+    ),
+    follow: Optional[bool] = typer.Option(
+        None, "--follow/--detach", help="Stream the log until the run ends (default on a terminal)."
+    ),
     force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),
-    queue: bool = typer.Option(False, "--queue", help="If the GPUs are busy, wait for them (FIFO, in the container: "
-                                                    "no client needs to stay connected) instead of refusing."),
+    queue: bool = typer.Option(
+        False,
+        "--queue",
+        help="If the GPUs are busy, wait for them (FIFO, in the container: "
+        "no client needs to stay connected) instead of refusing.",
+    ),
     no_push: bool = typer.Option(False, "--no-push", help="Use the payload already in the container."),
-    source: Optional[Path] = typer.Option(None, "--source", help="Payload directory to push (default: the trainer that ships with dflashctl)."),
-    rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Several hosts: the rendezvous (MASTER_PORT) on the first host."),
-    env_items: List[str] = typer.Option([], "--env", help="NAME=VALUE for the trainer's environment (repeatable), e.g. NCCL_SOCKET_IFNAME=eth0."),
+    source: Optional[Path] = typer.Option(
+        None, "--source", help="Payload directory to push (default: the trainer that ships with dflashctl)."
+    ),
+    rdzv_port: int = typer.Option(
+        29500, "--rdzv-port", help="Several hosts: the rendezvous (MASTER_PORT) on the first host."
+    ),
+    env_items: List[str] = typer.Option(
+        [], "--env", help="NAME=VALUE for the trainer's environment (repeatable), e.g. NCCL_SOCKET_IFNAME=eth0."
+    ),
 ) -> None:
     """Push the payload if it changed, pre-flight the config and devices, start the trainer
     detached, and (optionally) follow it. `--resume RUN` continues an ended run instead."""
     from .runs import restart_policy
 
     session = app_state(ctx).session()
-    env = parse_env(env_items)
-    restart = restart_policy(max_restarts, restart_on, restart_delay)
-    hook = split_command(on_event, "--on-event") if on_event is not None else []
+    opts = TrainOptions(
+        gpus=gpus,
+        config=config,
+        overrides=tuple(overrides),
+        preset=preset,
+        name=name,
+        force=force,
+        no_push=no_push,
+        source=source.expanduser() if source else None,
+        env=parse_env(env_items),
+        follow=follow,
+        resume=resume,
+        restart=restart_policy(max_restarts, restart_on, restart_delay),
+        hook=split_command(on_event, "--on-event") if on_event is not None else [],
+        queue=queue,
+        rdzv_port=rdzv_port,
+    )
     if config is not None and not config.is_file():
         raise UsageError(f"--config: no such file: {config}")
-    _refuse_with_resume(resume, (("--config", config), ("--set", overrides), ("--preset", preset), ("--name", name),
-                                 ("--gpus", gpus), ("--max-restarts", max_restarts)))
+    given = (("--config", config), ("--set", overrides), ("--preset", preset), ("--name", name), ("--gpus", gpus))
+    _refuse_with_resume(resume, (*given, ("--max-restarts", max_restarts)))
     hosts = session.inventory.resolve_many(host)
     if len(hosts) > 1:
-        if resume is not None or restart or queue:
-            raise UsageError("--resume, --max-restarts and --queue take one host (a run across several hosts restarts as a whole: "
-                             "start it again with train)")
-        raise typer.Exit(_train_group(session, hosts, gpus=gpus, config=config, overrides=overrides, name=name,
-                                      follow=follow, force=force, no_push=no_push, source=source,
-                                      rdzv_port=rdzv_port, env=env, preset=preset, state=app_state(ctx)))
-    code = _train_one(app_state(ctx), session, hosts[0].name, resume=resume, gpus=gpus, config=config,
-                      overrides=overrides, preset=preset, name=name, force=force, no_push=no_push, source=source,
-                      env=env, restart=restart, hook=hook, queue=queue, follow=follow)
-    raise typer.Exit(code)
+        if resume is not None or opts.restart or queue:
+            raise UsageError(
+                "--resume, --max-restarts and --queue take one host (a run across several hosts restarts as a whole: "
+                "start it again with train)"
+            )
+        raise typer.Exit(_train_group(app_state(ctx), session, hosts, opts))
+    raise typer.Exit(_train_one(app_state(ctx), session, hosts[0].name, opts))
 
 
-def _train_one(state: AppState, session: Session, host: str, *, resume: Optional[str], gpus: Optional[str],
-               config: Optional[Path], overrides: List[str], preset: Optional[str], name: Optional[str], force: bool,
-               no_push: bool, source: Optional[Path], env: dict, restart: Optional[dict], hook: list, queue: bool,
-               follow: Optional[bool]) -> int:
+@dataclass(frozen=True)
+class TrainOptions:
+    """`train`'s options, parsed once by the command and handed to the one-host or several-host path."""
+
+    gpus: Optional[str]
+    config: Optional[Path]
+    overrides: tuple[str, ...]
+    preset: Optional[str]
+    name: Optional[str]
+    force: bool
+    no_push: bool
+    source: Optional[Path]  # the payload directory to push (None: the one that ships with dflashctl)
+    env: dict
+    follow: Optional[bool]
+    resume: Optional[str] = None  # one host only, like the three below
+    restart: Optional[dict] = None
+    hook: list = field(default_factory=list)
+    queue: bool = False
+    rdzv_port: int = 29500  # several hosts only
+
+
+def _train_one(state: AppState, session: Session, host: str, opts: TrainOptions) -> int:
     """`train HOST` (or `--resume RUN`) on one host, options checked; the exit code."""
     from .devices import parse_gpus
     from .runs import check_trainer_config, push_payload, resume_run, start_run
 
     target = session.target(host)
     err = Console(stderr=True)
-    gpu_choice = parse_gpus(gpus, target.host.gpus)
-    payload_dir = source.expanduser() if source else None
+    gpu_choice = parse_gpus(opts.gpus, target.host.gpus)
+    overrides = list(opts.overrides)
     # A bad --preset, --config or --set fails here, before anything is pushed (--no-push: the
     # payload in the container is not here to ask; its pre-flight decides).
-    checked = None if no_push or resume is not None else check_trainer_config(payload_dir, config, preset,
-                                                                             overrides, gpu_choice)
-    payload_hash = None if no_push else push_payload(target, payload_dir, err)
-    if resume is not None:
-        run = resume_run(target, resume, payload_hash=payload_hash, force=force, env=env)
+    checked = (
+        None
+        if opts.no_push or opts.resume is not None
+        else check_trainer_config(opts.source, opts.config, opts.preset, overrides, gpu_choice)
+    )
+    payload_hash = None if opts.no_push else push_payload(target, opts.source, err)
+    if opts.resume is not None:
+        run = resume_run(target, opts.resume, payload_hash=payload_hash, force=opts.force, env=opts.env)
         verb = "resumed"
     else:
-        run = start_run(target, gpus=gpu_choice, config_file=config, overrides=overrides, name=name, force=force,
-                        payload_hash=payload_hash, env=env, preset=preset, restart=restart, on_event=hook,
-                        queue=queue, config=checked)
+        run = start_run(
+            target,
+            gpus=gpu_choice,
+            config_file=opts.config,
+            overrides=overrides,
+            name=opts.name,
+            force=opts.force,
+            payload_hash=payload_hash,
+            env=opts.env,
+            preset=opts.preset,
+            restart=opts.restart,
+            on_event=opts.hook,
+            queue=opts.queue,
+            config=checked,
+        )
         verb = "started"
         if run.queued_behind is not None:
             verb = "queued"
-            err.print(Text(f"GPUs busy: queued behind {', '.join(run.queued_behind)}; it starts by itself when they "
-                           f"are free (runs stop cancels it)", style="dim"), soft_wrap=True)
+            err.print(
+                Text(
+                    f"GPUs busy: queued behind {', '.join(run.queued_behind)}; it starts by itself when they "
+                    f"are free (runs stop cancels it)",
+                    style="dim",
+                ),
+                soft_wrap=True,
+            )
     what = f"{verb} run {run.run_id} on {target.label}, {held(run.gpus)}"
-    return follow_or_detach(state, session, target, run.run_id, what, follow, err) or 0
+    return follow_or_detach(state, session, target, run.run_id, what, opts.follow, err) or 0
 
 
 def _refuse_with_resume(resume: Optional[str], flags: tuple) -> None:
@@ -126,49 +226,92 @@ def _refuse_with_resume(resume: Optional[str], flags: tuple) -> None:
         raise UsageError(f"--resume continues a run with its own config and GPUs: drop {', '.join(given)}")
 
 
-def _train_group(session: Session, hosts: list, *, gpus: Optional[str], config: Optional[Path], overrides: List[str],
-                 name: Optional[str], follow: Optional[bool], force: bool, no_push: bool, source: Optional[Path],
-                 rdzv_port: int, env: dict, preset: Optional[str], state: AppState) -> int:
+def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOptions) -> int:
     """`train h1,h2`: one run across hosts (docs/multihost.md); returns the exit code."""
-    from functools import partial
-
-    from .logs import attach
-    from .multihost import check_hosts, final_state, push_all, start_group
+    from .multihost import check_hosts, push_all, start_group
     from .devices import parse_gpus
     from .runs import check_trainer_config
 
     check_hosts(hosts)
     err = Console(stderr=True)
-    gpu_lists = {h.name: parse_gpus(gpus, h.gpus) for h in hosts}
-    payload_dir = source.expanduser() if source else None
+    gpu_lists = {h.name: parse_gpus(opts.gpus, h.gpus) for h in hosts}
+    overrides = list(opts.overrides)
     # Before anything is pushed, as for one host.
-    configs = {} if no_push else {h.name: check_trainer_config(payload_dir, config, preset, overrides,
-                                                               gpu_lists[h.name]) for h in hosts}
-    hashes = {} if no_push else push_all(session, hosts, payload_dir, err)
-    group = start_group(session, hosts, gpus=gpu_lists, config_file=config, overrides=overrides, name=name,
-                        force=force, payload_hashes=hashes, rdzv_port=rdzv_port, env=env, preset=preset,
-                        configs=configs)
+    configs = (
+        {}
+        if opts.no_push
+        else {
+            h.name: check_trainer_config(opts.source, opts.config, opts.preset, overrides, gpu_lists[h.name])
+            for h in hosts
+        }
+    )
+    hashes = {} if opts.no_push else push_all(session, hosts, opts.source, err)
+    group = start_group(
+        session,
+        hosts,
+        gpus=gpu_lists,
+        config_file=opts.config,
+        overrides=overrides,
+        name=opts.name,
+        force=opts.force,
+        payload_hashes=hashes,
+        rdzv_port=opts.rdzv_port,
+        env=opts.env,
+        preset=opts.preset,
+        configs=configs,
+    )
+    return _follow_group(state, session, hosts, group, opts.follow, err)
+
+
+def _follow_group(state: AppState, session: Session, hosts: list, group, follow: Optional[bool], err: Console) -> int:
+    """Print a started group's id and how to follow it, or follow its first node until the run ends."""
+    from functools import partial
+
+    from .logs import attach
+    from .multihost import final_state
+
     names = ", ".join(f"{h.name} (rank {i})" for i, h in enumerate(hosts))
     first = hosts[0].name
     if not (sys.stdout.isatty() if follow is None else follow):
         typer.echo(group.run_id)
-        err.print(Text(f"started run {group.run_id} on {names}, rendezvous {group.rendezvous}; follow it: "
-                       f"dflashctl logs tail {first} {group.run_id} -f (--all: every node)", style="dim"),
-                  soft_wrap=True)
+        err.print(
+            Text(
+                f"started run {group.run_id} on {names}, rendezvous {group.rendezvous}; follow it: "
+                f"dflashctl logs tail {first} {group.run_id} -f (--all: every node)",
+                style="dim",
+            ),
+            soft_wrap=True,
+        )
         return 0
     with detaches(state, first, group.run_id, err):
-        err.print(Text(f"started run {group.run_id} on {names}, rendezvous {group.rendezvous}; following {first} "
-                       f"(Ctrl-C detaches; the run goes on)", style="dim"), soft_wrap=True)
+        err.print(
+            Text(
+                f"started run {group.run_id} on {names}, rendezvous {group.rendezvous}; following {first} "
+                f"(Ctrl-C detaches; the run goes on)",
+                style="dim",
+            ),
+            soft_wrap=True,
+        )
         out = Console()
-        return attach(session, first, group.run_id, follow=True, lines=-1, out=sys.stdout.buffer,
-                      console=out if out.is_terminal else None, err=err, final=partial(final_state, session, first))
+        return attach(
+            session,
+            first,
+            group.run_id,
+            follow=True,
+            lines=-1,
+            out=sys.stdout.buffer,
+            console=out if out.is_terminal else None,
+            err=err,
+            final=partial(final_state, session, first),
+        )
 
 
 @runs_app.command("list")
 def runs_list(
     ctx: typer.Context,
     host: Optional[str] = typer.Argument(
-        None, help="Host, `h1,h2` or a group (default host if omitted).",
+        None,
+        help="Host, `h1,h2` or a group (default host if omitted).",
         autocompletion=complete_host,
     ),
     all_hosts: bool = typer.Option(False, "--all", help="List the runs of every host in the inventory."),
@@ -200,7 +343,11 @@ def runs_show(
     ctx: typer.Context,
     host: Optional[str] = typer.Argument(None, **HOST_THEN_RUN),
     run: Optional[str] = typer.Argument(None, **RUN_ARG),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the curves to this PNG (needs the plot extra: pip install 'dflashctl\\[plot]')."),
+    plot: Optional[Path] = typer.Option(
+        None,
+        "--plot",
+        help="Also write the curves to this PNG (needs the plot extra: pip install 'dflashctl\\[plot]').",
+    ),
     curves: bool = typer.Option(True, "--curves/--no-curves", help="Draw loss and acceptance length in the terminal."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
@@ -235,7 +382,8 @@ def runs_stop(
     run: Optional[str] = typer.Argument(None, **RUN_ARG),
     grace: float = typer.Option(60.0, "--grace", help="Seconds between SIGTERM (trainer checkpoints) and SIGKILL."),
 ) -> None:
-    """Stop a run: SIGTERM to its trainer, SIGKILL to the trainer's process group after the grace period; state `stopped`."""
+    """Stop a run: SIGTERM to its trainer, SIGKILL to the trainer's process group after the grace period; state
+    `stopped`."""
     from .multihost import stop_group
     from .runs import check_grace, show_run, state_text
 
@@ -272,10 +420,15 @@ def runs_pull(
     run: Optional[str] = typer.Argument(None, **RUN_ARG),
     to: Optional[Path] = typer.Option(None, "--to", help="Directory to create (default: ./RUN_ID); must not exist."),
     checkpoints: str = typer.Option("none", "--checkpoints", help="Also copy checkpoints: none, latest or all."),
-    base_model: Optional[str] = typer.Option(None, "--base-model", help="The model card's base_model (Hub ORG/NAME); default: the run's target.path if it is one."),
+    base_model: Optional[str] = typer.Option(
+        None,
+        "--base-model",
+        help="The model card's base_model (Hub ORG/NAME); default: the run's target.path if it is one.",
+    ),
     license_id: str = typer.Option("other", "--license", help="The model card's license (a Hub license id)."),
 ) -> None:
-    """Copy a run's directory here: exported drafter with a model card, config, logs, metrics (and checkpoints if asked)."""
+    """Copy a run's directory here: exported drafter with a model card, config, logs, metrics (and checkpoints if
+    asked)."""
     from rich.filesize import decimal
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
@@ -286,14 +439,31 @@ def runs_pull(
     target, host, run = run_target(session, host, run)
     err = Console(stderr=True)
     guard = word_is_host_or_run(session, host, run)
-    bar = Progress(TextColumn("pulling"), BarColumn(), DownloadColumn(binary_units=False), TransferSpeedColumn(),
-                   console=err, transient=True, disable=not err.is_terminal)
+    bar = Progress(
+        TextColumn("pulling"),
+        BarColumn(),
+        DownloadColumn(binary_units=False),
+        TransferSpeedColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
+    )
     with guard, bar:
         task = bar.add_task("pull", total=None)
-        pulled = pull_run(target, run, to.expanduser() if to else None, checkpoints,
-                          on_bytes=lambda done, total: bar.update(task, completed=done, total=total))
-    err.print(Text(f"pulled run {pulled.run_id} ({pulled.state}) from {target.label} to {pulled.dest}: "
-                   f"{pulled.files} files, {decimal(pulled.bytes)} in {pulled.seconds:.1f} s"), soft_wrap=True)
+        pulled = pull_run(
+            target,
+            run,
+            to.expanduser() if to else None,
+            checkpoints,
+            on_bytes=lambda done, total: bar.update(task, completed=done, total=total),
+        )
+    err.print(
+        Text(
+            f"pulled run {pulled.run_id} ({pulled.state}) from {target.label} to {pulled.dest}: "
+            f"{pulled.files} files, {decimal(pulled.bytes)} in {pulled.seconds:.1f} s"
+        ),
+        soft_wrap=True,
+    )
     card = card_after_pull(pulled.dest, base_model, license_id)
     if card is not None:
         err.print(Text(card), soft_wrap=True)
@@ -304,12 +474,24 @@ def logs_tail(
     ctx: typer.Context,
     host: Optional[str] = typer.Argument(None, **HOST_THEN_RUN),
     run: Optional[str] = typer.Argument(None, **RUN_ARG),
-    lines: int = typer.Option(50, "--lines", "-n", help="How many lines from the end to show first (-1: the whole log)."),
-    follow: bool = typer.Option(False, "--follow", "-f", help="Keep following until the run ends; exit with its state's code."),
-    since_step: Optional[int] = typer.Option(None, "--since-step", help="Start at the first log line of step K or later."),
-    node: Optional[str] = typer.Option(None, "--host", help="Multi-host run: the node whose log to show (default: the rank-0 node).",
-                                        autocompletion=complete_host),
-    all_nodes: bool = typer.Option(False, "--all", help="Multi-host run: every node's log, each line prefixed with its host name."),
+    lines: int = typer.Option(
+        50, "--lines", "-n", help="How many lines from the end to show first (-1: the whole log)."
+    ),
+    follow: bool = typer.Option(
+        False, "--follow", "-f", help="Keep following until the run ends; exit with its state's code."
+    ),
+    since_step: Optional[int] = typer.Option(
+        None, "--since-step", help="Start at the first log line of step K or later."
+    ),
+    node: Optional[str] = typer.Option(
+        None,
+        "--host",
+        help="Multi-host run: the node whose log to show (default: the rank-0 node).",
+        autocompletion=complete_host,
+    ),
+    all_nodes: bool = typer.Option(
+        False, "--all", help="Multi-host run: every node's log, each line prefixed with its host name."
+    ),
 ) -> None:
     """Print a run's last lines; with -f follow it (surviving dropped connections) to the end."""
     from functools import partial
@@ -325,13 +507,25 @@ def logs_tail(
     if all_nodes:
         if node is not None:
             raise UsageError("--all and --host exclude each other")
-        raise typer.Exit(attach_all(session, host, run, follow=follow, lines=lines, since_step=since_step,
-                                    out=sys.stdout.buffer, err=err))
+        raise typer.Exit(
+            attach_all(
+                session, host, run, follow=follow, lines=lines, since_step=since_step, out=sys.stdout.buffer, err=err
+            )
+        )
     with word_is_host_or_run(session, host, run):
         where, run = pick_node(session, host, run, node)
     out = Console()
-    raise typer.Exit(attach(session, where, run, follow=follow, lines=lines, since_step=since_step,
-                            out=sys.stdout.buffer, console=out if out.is_terminal else None,
-                            err=err, final=partial(final_state, session, where)))  # several hosts: the whole run's state
-
-
+    raise typer.Exit(
+        attach(
+            session,
+            where,
+            run,
+            follow=follow,
+            lines=lines,
+            since_step=since_step,
+            out=sys.stdout.buffer,
+            console=out if out.is_terminal else None,
+            err=err,
+            final=partial(final_state, session, where),
+        )
+    )  # several hosts: the whole run's state

@@ -30,8 +30,10 @@ def tunnel_cmd(
     target = app_state(ctx).session().target(host)
     err = Console(stderr=True)
     tunnel = Tunnel(target, remote, local, notice=lambda line: err.print(Text(line, style="dim"), soft_wrap=True))
-    err.print(Text(f"forwarding 127.0.0.1:{tunnel.local_port} -> port {remote} in {target.label} "
-                   f"(Ctrl-C closes it)"), soft_wrap=True)
+    err.print(
+        Text(f"forwarding 127.0.0.1:{tunnel.local_port} -> port {remote} in {target.label} (Ctrl-C closes it)"),
+        soft_wrap=True,
+    )
     try:
         tunnel.serve()
     except (Interrupted, KeyboardInterrupt):
@@ -50,16 +52,20 @@ def eval_cmd(
     host: Optional[str] = typer.Argument(None, **HOST_THEN_RUN),
     run: Optional[str] = typer.Argument(None, **RUN_ARG),
     prompts: Optional[Path] = typer.Option(
-        None, "--prompts", help="JSONL of input_ids, messages (chat) or prompt (text) rows "
-                                "(default: the run's held-out split)."),
+        None,
+        "--prompts",
+        help="JSONL of input_ids, messages (chat) or prompt (text) rows (default: the run's held-out split).",
+    ),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate per prompt."),
     count: int = typer.Option(16, "--count", help="At most this many prompts."),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy, checked lossless; > 0: sampled."),
-    gpus: Optional[str] = typer.Option(None, "--gpus", help="The one GPU to decode on, e.g. 3, or cpu "
-                                                            "(default: the run's first device)."),
+    gpus: Optional[str] = typer.Option(
+        None, "--gpus", help="The one GPU to decode on, e.g. 3, or cpu (default: the run's first device)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the report (eval.json) as JSON."),
-    baseline: bool = typer.Option(True, "--baseline/--no-baseline",
-                                  help="Also decode by prompt lookup, the free baseline (greedy only)."),
+    baseline: bool = typer.Option(
+        True, "--baseline/--no-baseline", help="Also decode by prompt lookup, the free baseline (greedy only)."
+    ),
 ) -> None:
     """Measure a finished run's real acceptance length (tau) and speedup by speculative decoding."""
     from .evaluation import render, run_eval
@@ -68,17 +74,27 @@ def eval_cmd(
     target, host, run = run_target(session, host, run)
     err = Console(stderr=True)
     with word_is_host_or_run(session, host, run):
-        report = run_eval(target, run, prompts.expanduser() if prompts else None, max_new_tokens, count, temperature,
-                          progress=lambda line: err.print(Text(line, style="dim"), soft_wrap=True), gpus=gpus,
-                          baseline=baseline)
+        report = run_eval(
+            target,
+            run,
+            prompts.expanduser() if prompts else None,
+            max_new_tokens,
+            count,
+            temperature,
+            progress=lambda line: err.print(Text(line, style="dim"), soft_wrap=True),
+            gpus=gpus,
+            baseline=baseline,
+        )
     if json_out:
         typer.echo(json.dumps(report, indent=2))
     else:
         render(report, Console())
     for what, figures in (("speculative", report), ("prompt-lookup", report.get("baseline") or {})):
         if figures.get("identical") is False and not figures.get("differences_are_ties"):
-            raise RemoteError(f"run {report['run_id']}: the {what} output differs from the target's greedy "
-                              f"decode (a bug: please report it with eval.json)")
+            raise RemoteError(
+                f"run {report['run_id']}: the {what} output differs from the target's greedy "
+                f"decode (a bug: please report it with eval.json)"
+            )
 
 
 # --- doctor ------------------------------------------------------------------------------------
@@ -88,17 +104,30 @@ def eval_cmd(
 def doctor_cmd(
     ctx: typer.Context,
     host: Optional[str] = typer.Argument(
-        None, help="Host to diagnose (default host if omitted).",
+        None,
+        help="Host to diagnose (default host if omitted).",
         autocompletion=complete_host,
     ),
-    gpus: Optional[str] = typer.Option(None, "--gpus", help="GPU indices for the smoke tests, e.g. 0,1 (default: the host's gpus, else all)."),
+    gpus: Optional[str] = typer.Option(
+        None, "--gpus", help="GPU indices for the smoke tests, e.g. 0,1 (default: the host's gpus, else all)."
+    ),
     quick: bool = typer.Option(False, "--quick", help="Skip the threaded compile smoke tests."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    policies: Optional[str] = typer.Option(None, "--policies", help="Smoke-test only these policies: off,default,cudagraph-trees,cudagraphs."),
-    smoke_timeout: float = typer.Option(120.0, "--smoke-timeout", help="Seconds per smoke test, after its imports, before it counts as a hang."),
-    steps: int = typer.Option(0, "--steps", show_default=False,  # 0: decided by the device (doctor.py)
-                              help="Timed steps per smoke test (default 30 on GPU, 3 on CPU)."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", help="Smoke tests run at once (default: one per 4 CPUs of the host)."),
+    policies: Optional[str] = typer.Option(
+        None, "--policies", help="Smoke-test only these policies: off,default,cudagraph-trees,cudagraphs."
+    ),
+    smoke_timeout: float = typer.Option(
+        120.0, "--smoke-timeout", help="Seconds per smoke test, after its imports, before it counts as a hang."
+    ),
+    steps: int = typer.Option(
+        0,
+        "--steps",
+        show_default=False,  # 0: decided by the device (doctor.py)
+        help="Timed steps per smoke test (default 30 on GPU, 3 on CPU).",
+    ),
+    jobs: Optional[int] = typer.Option(
+        None, "--jobs", help="Smoke tests run at once (default: one per 4 CPUs of the host)."
+    ),
     inject: Optional[str] = typer.Option(None, "--inject", hidden=True, help="Test hook, see docs/doctor.md."),
 ) -> None:
     """Diagnose a host: GPUs, driver, torch, caches, and threaded torch.compile smoke tests."""
@@ -118,5 +147,3 @@ def doctor_cmd(
 
 
 # --- entry point -------------------------------------------------------------------------------
-
-

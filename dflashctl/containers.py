@@ -64,8 +64,9 @@ class Target:
         if settle:
             from .guard import run_guarded
 
-            return run_guarded(self, argv, stdin=stdin, timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr,
-                               env=env, settle=True)
+            return run_guarded(
+                self, argv, stdin=stdin, timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr, env=env, settle=True
+            )
         result = self.transport.run(
             wrap_argv(self.host.container, env_argv(argv, env)),
             stdin=stdin,
@@ -88,7 +89,8 @@ class Target:
             )
         if spec.runtime == "docker" and _DOCKER_NOT_RUNNING.search(err):
             raise ContainerError(
-                f"{self.host.name}: docker container '{spec.name}' is not running (start it with `docker start {spec.name}`)"
+                f"{self.host.name}: docker container '{spec.name}' is not running "
+                f"(start it with `docker start {spec.name}`)"
             )
         if spec.runtime == "docker" and _DOCKER_MISSING.search(err):
             raise ContainerError(f"{self.host.name}: no docker container named '{spec.name}' (see `docker ps -a`)")
@@ -220,4 +222,4 @@ class LineSplitter:
         for line in filter(str.strip, complete):
             self.last = line.strip()
             if self.progress and line.startswith(self.prefix):
-                self.progress(line[len(self.prefix):])
+                self.progress(line[len(self.prefix) :])

@@ -101,8 +101,11 @@ def row_problem(raw: bytes) -> str | None:
         if not isinstance(messages, list) or not messages:
             return "messages must be a non-empty list"
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content") or "", str):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content") or "", str)
+            ):
                 return f"messages[{i}] must be an object with a string role and string content"
         ids = row.get("reply_ids", [0])  # the target's own reply tokens, from `data regen`
         if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
@@ -144,8 +147,9 @@ def list_data(target: Target) -> list[dict[str, Any]]:
     return _call(target, ["list", target.host.workdir])["datasets"]
 
 
-def push_data(target: Target, files: list[Path], as_name: str | None = None,
-              on_bytes: Callable[[int], None] = lambda n: None) -> list[Pushed]:
+def push_data(
+    target: Target, files: list[Path], as_name: str | None = None, on_bytes: Callable[[int], None] = lambda n: None
+) -> list[Pushed]:
     """Send each file to `<workdir>/data/NAME` (NAME: its file name, or `as_name` for one file)."""
     if as_name is not None and len(files) != 1:
         raise UsageError("--as names one file; push several under their own names")

@@ -84,7 +84,9 @@ def run_doctor(target: Target, options: DoctorOptions, progress: Callable[[str],
         raise ContainerError(f"{target.label}: {module} is not installed for {target.host.interpreter}")
     doc = parse_report(result.stdout)
     if doc is None:
-        raise RemoteError(f"{target.label}: doctor gave no report (exit {result.exit_code}): {lines.last or 'no output'}")
+        raise RemoteError(
+            f"{target.label}: doctor gave no report (exit {result.exit_code}): {lines.last or 'no output'}"
+        )
     doc["host"] = target.host.name
     return doc
 
@@ -110,13 +112,22 @@ def render_report(doc: dict, console: Console) -> None:
         verdict = row["id"] == "verdict"
         if verdict:
             sections.append(len(rows))
-        rows.append([Text(row["check"], style="bold" if verdict else ""),
-                     Text(row["status"], style=STATUS_STYLES.get(row["status"], "")),
-                     Text(row["result"], style="bold" if verdict else "")])
+        rows.append(
+            [
+                Text(row["check"], style="bold" if verdict else ""),
+                Text(row["status"], style=STATUS_STYLES.get(row["status"], "")),
+                Text(row["result"], style="bold" if verdict else ""),
+            ]
+        )
         if row["evidence"] or row["hint"]:
             below.append((row["check"], row["evidence"], row["hint"]))
-    show(console, [Column("check"), Column("status"), Column("result", text=True)], rows,
-         title=f"doctor {doc.get('host', '')}: torch {doc['torch']}, smoke devices {devices}", sections=sections)
+    show(
+        console,
+        [Column("check"), Column("status"), Column("result", text=True)],
+        rows,
+        title=f"doctor {doc.get('host', '')}: torch {doc['torch']}, smoke devices {devices}",
+        sections=sections,
+    )
     notes(console, below)
     failed = [r["check"] for r in doc["checks"] if r["status"] == "fail"]
     summary = f"{len(failed)} failed: {', '.join(failed)}" if failed else "no failures"

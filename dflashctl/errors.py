@@ -72,4 +72,3 @@ class OutputClosed(DflashError):
     def __init__(self, exc: OSError, what: str = "stdout"):
         self.quiet = isinstance(exc, BrokenPipeError)
         super().__init__(f"cannot write to {what}: {exc.strerror or exc}")
-

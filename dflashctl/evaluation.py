@@ -39,9 +39,17 @@ def eval_device(gpus: str | None) -> str | None:
     return f"cuda:{choice.indices[0]}"
 
 
-def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new_tokens: int, count: int,
-             temperature: float = 0.0, progress: Callable[[str], None] | None = None,
-             gpus: str | None = None, baseline: bool = True) -> dict[str, Any]:
+def run_eval(
+    target: Target,
+    selector: str | None,
+    prompts: Path | None,
+    max_new_tokens: int,
+    count: int,
+    temperature: float = 0.0,
+    progress: Callable[[str], None] | None = None,
+    gpus: str | None = None,
+    baseline: bool = True,
+) -> dict[str, Any]:
     """Evaluate the run (latest when selector is empty) on its host; the report (eval.json's content)."""
     from .payload import push
 
@@ -58,10 +66,22 @@ def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new
             raise UsageError(f"--prompts {prompts}: {exc.strerror}") from None
     info = show_run(target, selector, metrics=False)
     payload_dir = push(target).remote_dir
-    argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, info["run_dir"],
-            "--max-new-tokens", str(max_new_tokens), "--count", str(count), "--temperature", repr(temperature),
-            *(["--prompts", "-"] if stdin else []), *(["--device", device] if device else []),
-            *([] if baseline else ["--no-baseline"])]
+    argv = [
+        target.host.interpreter,
+        "-c",
+        BOOTSTRAP,
+        payload_dir,
+        info["run_dir"],
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--count",
+        str(count),
+        "--temperature",
+        repr(temperature),
+        *(["--prompts", "-"] if stdin else []),
+        *(["--device", device] if device else []),
+        *([] if baseline else ["--no-baseline"]),
+    ]
     lines = LineSplitter(progress, PROGRESS_PREFIX)
     result = target.run(argv, stdin=stdin, timeout=TIME_LIMIT_S, on_stderr=lines.feed)
     if result.exit_code == 2 and lines.last.startswith(USAGE_PREFIX):
@@ -72,7 +92,9 @@ def run_eval(target: Target, selector: str | None, prompts: Path | None, max_new
     try:
         report = json.loads(result.text().strip().splitlines()[-1])
     except (IndexError, ValueError):
-        raise RemoteError(f"{target.label}: eval gave no report (exit {result.exit_code}): {lines.last or 'no output'}") from None
+        raise RemoteError(
+            f"{target.label}: eval gave no report (exit {result.exit_code}): {lines.last or 'no output'}"
+        ) from None
     report["run_id"] = info["run_id"]
     return report
 
@@ -97,13 +119,23 @@ def render(report: dict[str, Any], console: Console) -> None:
     ]
     if greedy:
         same = sum(r["identical"] for r in report["per_prompt"])
-        verdict = "yes" if report["identical"] else "no, at numerical ties only" if report.get("differences_are_ties") else "NO"
-        lines.insert(-1, f"output identical to the target's own greedy decode: {verdict} ({same}/{report['prompts']} prompts)")
+        verdict = (
+            "yes"
+            if report["identical"]
+            else "no, at numerical ties only"
+            if report.get("differences_are_ties")
+            else "NO"
+        )
+        lines.insert(
+            -1, f"output identical to the target's own greedy decode: {verdict} ({same}/{report['prompts']} prompts)"
+        )
         gaps = [r["first_difference"]["logit_gap"] for r in report["per_prompt"] if r.get("first_difference")]
         known = [g for g in gaps if g is not None]
         if known:
             why = " (ties: a block and a one-token forward round differently)" if verdict != "NO" else ""
-            lines.insert(-1, f"where they part, the target's two candidates are at most {max(known):.3g} logits apart{why}")
+            lines.insert(
+                -1, f"where they part, the target's two candidates are at most {max(known):.3g} logits apart{why}"
+            )
     lines[-1:-1] = baseline_lines(report)
     for line in lines:
         console.print(Text(line), soft_wrap=True, highlight=False)

@@ -96,7 +96,8 @@ class _GuardedProcess(Process):
         self._token = secrets.token_hex(16)
         target = owner.target
         self._proc = target.transport.start(
-            wrap_argv(target.host.container, guarded_argv(target.host.interpreter, self._token, argv)))
+            wrap_argv(target.host.container, guarded_argv(target.host.interpreter, self._token, argv))
+        )
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._stopped = False

@@ -32,11 +32,27 @@ class Check:
 def print_host_table(console: Console, inventory: Inventory) -> None:
     """`hosts list`: the inventory; the default host is marked with `*`."""
     title = f"hosts from {inventory.path}" if inventory.path else "hosts (built in: no hosts.yaml found)"
-    columns = [Column("default"), Column("name"), Column("transport"), Column("address"), Column("container"),
-               Column("python", text=True), Column("gpus")]
-    rows = [["*" if name == inventory.default else "", name, host.transport, host.describe_address(),
-             host.container.describe(), host.interpreter, ",".join(map(str, host.gpus)) or "-"]
-            for name, host in inventory.hosts.items()]
+    columns = [
+        Column("default"),
+        Column("name"),
+        Column("transport"),
+        Column("address"),
+        Column("container"),
+        Column("python", text=True),
+        Column("gpus"),
+    ]
+    rows = [
+        [
+            "*" if name == inventory.default else "",
+            name,
+            host.transport,
+            host.describe_address(),
+            host.container.describe(),
+            host.interpreter,
+            ",".join(map(str, host.gpus)) or "-",
+        ]
+        for name, host in inventory.hosts.items()
+    ]
     show(console, columns, rows, title=title)
 
 
@@ -59,7 +75,10 @@ def check_host(session: Session, name: str | None) -> list[Check]:
     try:
         info = json.loads(result.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return [*checks, Check("interpreter", False, f"{host.interpreter}: unreadable probe output", "run with --debug")]
+        return [
+            *checks,
+            Check("interpreter", False, f"{host.interpreter}: unreadable probe output", "run with --debug"),
+        ]
     return [*checks, *_interpreter_checks(host, info)]
 
 
@@ -126,9 +145,15 @@ def _check_container(target: Target) -> Check:
     if result.ok:
         return Check("container", False, f"{spec.describe()} is not running ({seen})", hint)
     if result.exit_code == 127:
-        return Check("container", False, f"`{argv[0]}` not found on {target.host.name}",
-                     f"set container.{spec.runtime} to its path, or install it")
-    return Check("container", False, f"{spec.describe()}: {result.err_line()}", "check the container id/name in hosts.yaml")
+        return Check(
+            "container",
+            False,
+            f"`{argv[0]}` not found on {target.host.name}",
+            f"set container.{spec.runtime} to its path, or install it",
+        )
+    return Check(
+        "container", False, f"{spec.describe()}: {result.err_line()}", "check the container id/name in hosts.yaml"
+    )
 
 
 def _interpreter_checks(host: HostSpec, info: dict[str, Any]) -> list[Check]:
@@ -145,8 +170,12 @@ def _interpreter_checks(host: HostSpec, info: dict[str, Any]) -> list[Check]:
     else:
         needed = cuda or wants_gpus
         rows.append(
-            Check("triton", not needed, "not installed" + ("" if needed else " (not needed without CUDA)"),
-                  "install the triton that matches torch" if needed else "")
+            Check(
+                "triton",
+                not needed,
+                "not installed" + ("" if needed else " (not needed without CUDA)"),
+                "install the triton that matches torch" if needed else "",
+            )
         )
     rows.append(_packages_check(host, info.get("packages")))
     rows.append(_cuda_check(host, info, cuda))
@@ -165,8 +194,12 @@ def _packages_check(host: HostSpec, packages: dict[str, Any] | None) -> Check:
     found = ", ".join(f"{name} {version}" for name, version in packages.items() if version is not None)
     if missing:
         wanted = " ".join(PIP_NAMES.get(name, name) for name in missing)
-        return Check("trainer packages", False, f"missing: {', '.join(missing)}" + (f" (have {found})" if found else ""),
-                     f"{host.interpreter} -m pip install {wanted}")
+        return Check(
+            "trainer packages",
+            False,
+            f"missing: {', '.join(missing)}" + (f" (have {found})" if found else ""),
+            f"{host.interpreter} -m pip install {wanted}",
+        )
     return Check("trainer packages", True, found)
 
 
@@ -174,7 +207,12 @@ def _cuda_check(host: HostSpec, info: dict[str, Any], cuda: bool) -> Check:
     count = int(info.get("gpu_count") or 0)
     if not cuda:
         if host.gpus:
-            return Check("cuda", False, "CUDA not available to torch", f"hosts.yaml lists gpus {list(host.gpus)}: check the driver and a CUDA build of torch")
+            return Check(
+                "cuda",
+                False,
+                "CUDA not available to torch",
+                f"hosts.yaml lists gpus {list(host.gpus)}: check the driver and a CUDA build of torch",
+            )
         return Check("cuda", True, "not available (CPU only; no gpus listed in hosts.yaml)")
     names = ", ".join(sorted(set(info.get("gpu_names") or [])))
     detail = f"CUDA {info.get('cuda_version')}, {count} GPU(s): {names}"
@@ -187,12 +225,20 @@ def _cuda_check(host: HostSpec, info: dict[str, Any], cuda: bool) -> Check:
 def _smi_check(host: HostSpec, smi: dict[str, Any] | None) -> Check:
     if smi is None:
         if host.gpus:
-            return Check("nvidia-smi", False, "not found in the container", "install the NVIDIA userspace tools matching the host driver")
+            return Check(
+                "nvidia-smi",
+                False,
+                "not found in the container",
+                "install the NVIDIA userspace tools matching the host driver",
+            )
         return Check("nvidia-smi", True, "not present (no gpus listed in hosts.yaml)")
     if "error" in smi:
         return Check("nvidia-smi", False, str(smi["error"]), "check the driver on the host")
     gpus = smi.get("gpus") or []
-    listed = "; ".join(f"{g['index']}: {g['name']} {g['memory_used_mib']}/{g['memory_total_mib']} MiB {g['utilization_pct']}%" for g in gpus)
+    listed = "; ".join(
+        f"{g['index']}: {g['name']} {g['memory_used_mib']}/{g['memory_total_mib']} MiB {g['utilization_pct']}%"
+        for g in gpus
+    )
     return Check("nvidia-smi", True, f"{len(gpus)} GPU(s): {listed}" if gpus else "no GPUs")
 
 
@@ -227,7 +273,9 @@ def render_many(results: dict[str, list[Check]], json_out: bool) -> None:
     """Several hosts' checks as one table with a host column and a summary line (or one JSON object)."""
     ok = {name: all(c.ok for c in checks) for name, checks in results.items()}
     if json_out:
-        hosts = [{"host": name, "ok": ok[name], "checks": [asdict(c) for c in checks]} for name, checks in results.items()]
+        hosts = [
+            {"host": name, "ok": ok[name], "checks": [asdict(c) for c in checks]} for name, checks in results.items()
+        ]
         print(json.dumps({"ok": all(ok.values()), "hosts": hosts}, indent=2))
         return
     rows, sections, below = [], [], []
@@ -238,8 +286,12 @@ def render_many(results: dict[str, list[Check]], json_out: bool) -> None:
             rows.append([name, check.name, _status(check), cell])
             below += [(f"{name} {label}", detail, hint) for label, detail, hint in extra]
     console = Console(highlight=False)
-    show(console, [Column("host"), Column("check"), Column("status"), Column("detail", text=True)], rows,
-         sections=sections[1:])
+    show(
+        console,
+        [Column("host"), Column("check"), Column("status"), Column("detail", text=True)],
+        rows,
+        sections=sections[1:],
+    )
     notes(console, below)
     failed = [name for name, good in ok.items() if not good]
     summary = f"{len(ok) - len(failed)} of {len(ok)} hosts ok" + (f"; failing: {', '.join(failed)}" if failed else "")

@@ -297,9 +297,7 @@ class SourceView:
             "span": list(self.span) if self.span else None,
             "grep": self.grep,
             "matches": self.matches,
-            "lines": [
-                {"n": n, "text": t, **({"match": n in matched} if self.grep else {})} for n, t in self.lines
-            ],
+            "lines": [{"n": n, "text": t, **({"match": n in matched} if self.grep else {})} for n, t in self.lines],
             "cache": {"hit": self.cache_hit, "content_bytes_received": self.received},
         }
 

@@ -211,8 +211,19 @@ def parse_inventory(text: str, path: Path | None = None) -> Inventory:
 
 
 _HOST_KEYS = {
-    "transport", "address", "user", "port", "identity_file", "proxy_jump", "container",
-    "python", "workdir", "gpus", "rendezvous_address", "persist", "on_event",
+    "transport",
+    "address",
+    "user",
+    "port",
+    "identity_file",
+    "proxy_jump",
+    "container",
+    "python",
+    "workdir",
+    "gpus",
+    "rendezvous_address",
+    "persist",
+    "on_event",
 }
 _CONTAINER_KEYS = {"runtime", "vmid", "name", "pct", "docker"}
 _DOCKER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
@@ -242,7 +253,9 @@ def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
         if value is not None and (not isinstance(value, str) or not value):
             raise fail(f"{key} must be a non-empty string, got {value!r}")
         strings[key] = value
-    if transport == "local" and any(strings[k] for k in ("address", "user", "identity_file", "proxy_jump")) | (port is not None):
+    if transport == "local" and any(strings[k] for k in ("address", "user", "identity_file", "proxy_jump")) | (
+        port is not None
+    ):
         raise fail("address, user, port, identity_file and proxy_jump only apply to transport ssh")
     persist = raw.get("persist", DEFAULT_PERSIST_S if transport == "ssh" else 0)
     if persist is None:

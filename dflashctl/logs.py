@@ -82,8 +82,8 @@ def parse_frames(buf: bytearray) -> list[tuple[bytes, bytes]]:
         kind, size = HEADER.unpack_from(buf)
         if len(buf) < HEADER.size + size:
             break
-        frames.append((kind, bytes(buf[HEADER.size:HEADER.size + size])))
-        del buf[:HEADER.size + size]
+        frames.append((kind, bytes(buf[HEADER.size : HEADER.size + size])))
+        del buf[: HEADER.size + size]
     return frames
 
 
@@ -109,8 +109,17 @@ def read_log(
     while True:
         position = (cursor.inode, cursor.offset)
         try:
-            return read_once(target, cursor, selector, follow=follow, lines=lines, since_step=since_step,
-                             on_data=on_data, on_metrics=on_metrics, stall_s=policy.stall_s)
+            return read_once(
+                target,
+                cursor,
+                selector,
+                follow=follow,
+                lines=lines,
+                since_step=since_step,
+                on_data=on_data,
+                on_metrics=on_metrics,
+                stall_s=policy.stall_s,
+            )
         except (Dropped, ConnectError, OSError, EOFError) as exc:
             if cursor.run_id is None:  # never reached the run: report, do not retry
                 raise exc if isinstance(exc, ConnectError) else ConnectError(f"{target.label}: {exc}") from None
@@ -149,18 +158,25 @@ def read_once(
     container lacks it); raises Dropped if it ends early."""
     resume = cursor.run_id is not None
     args = [
-        "read", target.host.workdir,
-        cursor.run_id or selector or "", str(cursor.inode or "") if resume else "", str(cursor.offset),
+        "read",
+        target.host.workdir,
+        cursor.run_id or selector or "",
+        str(cursor.inode or "") if resume else "",
+        str(cursor.offset),
         # A resumed reader continues at the cursor; before the log existed, that is its start.
-        "-1" if resume else str(lines), "" if resume or since_step is None else str(since_step),
-        "1" if follow else "0", "1" if on_metrics else "0",
+        "-1" if resume else str(lines),
+        "" if resume or since_step is None else str(since_step),
+        "1" if follow else "0",
+        "1" if on_metrics else "0",
     ]
-    return with_agent(target, lambda: read_frames(target, cursor, agent_argv(target, "runctl", args), on_data,
-                                                  on_metrics, stall_s))
+    return with_agent(
+        target, lambda: read_frames(target, cursor, agent_argv(target, "runctl", args), on_data, on_metrics, stall_s)
+    )
 
 
-def read_frames(target: Target, cursor: Cursor, argv: list[str], on_data: DataSink, on_metrics: MetricsSink | None,
-                stall_s: float) -> Ending:
+def read_frames(
+    target: Target, cursor: Cursor, argv: list[str], on_data: DataSink, on_metrics: MetricsSink | None, stall_s: float
+) -> Ending:
     """Start the reader and apply its frames until the run's end frame (Dropped if it ends early)."""
     proc = target.start(argv)
     chunks: queue.Queue[bytes | None] = queue.Queue()
@@ -189,8 +205,9 @@ def read_frames(target: Target, cursor: Cursor, argv: list[str], on_data: DataSi
         proc.kill()  # the reader exits on its own after the end frame; after a drop this frees the channel
 
 
-def handle(target: Target, cursor: Cursor, kind: bytes, payload: bytes, on_data: DataSink,
-           on_metrics: MetricsSink | None) -> Ending | None:
+def handle(
+    target: Target, cursor: Cursor, kind: bytes, payload: bytes, on_data: DataSink, on_metrics: MetricsSink | None
+) -> Ending | None:
     """Apply one frame to the cursor and the sinks; the end frame becomes an Ending."""
     if kind == FRAME_DATA:
         on_data(payload)
@@ -214,8 +231,9 @@ def handle(target: Target, cursor: Cursor, kind: bytes, payload: bytes, on_data:
     return None
 
 
-def raise_start_failure(target: Target, proc: Process, argv: list[str], stderr: bytearray,
-                        drainer: threading.Thread) -> None:
+def raise_start_failure(
+    target: Target, proc: Process, argv: list[str], stderr: bytearray, drainer: threading.Thread
+) -> None:
     """The reader died before saying anything: container stopped, no interpreter, no agent, ..."""
     try:
         code = proc.wait(5)
@@ -270,15 +288,26 @@ def attach(
     cursor = Cursor()
     view = LogView(out, console if follow else None)
     try:
-        ending = read_log(session, host, selector, on_data=view.write, follow=follow, lines=lines,
-                          since_step=since_step, on_metrics=view.metrics if view.live else None,
-                          on_notice=lambda msg: err.print(Text(msg, style="dim"), soft_wrap=True), policy=policy,
-                          cursor=cursor)
+        ending = read_log(
+            session,
+            host,
+            selector,
+            on_data=view.write,
+            follow=follow,
+            lines=lines,
+            since_step=since_step,
+            on_metrics=view.metrics if view.live else None,
+            on_notice=lambda msg: err.print(Text(msg, style="dim"), soft_wrap=True),
+            policy=policy,
+            cursor=cursor,
+        )
     except (KeyboardInterrupt, Interrupted):
         view.close()
         run = cursor.run_id or selector or ""
-        err.print(Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {session.host(host).name} {run} -f"),
-                  soft_wrap=True)
+        err.print(
+            Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {session.host(host).name} {run} -f"),
+            soft_wrap=True,
+        )
         return EXIT_DETACHED
     view.close()
     if not follow:
@@ -288,8 +317,9 @@ def attach(
         ending, reason = final(ending)
     code = f" (exit code {ending.exit_code})" if ending.exit_code not in (None, 0) else ""
     why = f": {reason}" if reason else ""
-    err.print(Text(f"run {ending.run_id} {ending.state}{code}{why}", style=STATE_STYLE.get(ending.state, "")),
-              soft_wrap=True)
+    err.print(
+        Text(f"run {ending.run_id} {ending.state}{code}{why}", style=STATE_STYLE.get(ending.state, "")), soft_wrap=True
+    )
     return exit_code_for(ending.state)
 
 
@@ -343,12 +373,18 @@ def progress_text(m: dict[str, Any]) -> Text:
         share = f" ({100 * done / total:.0f}%)" if total else ""
         eta = m.get("eta_s")
         rate = "tok/s incl. start-up" if m.get("rate_includes_start_up") else "tok/s"
-        return Text(f"rows {done}/{total}{share}  {m.get('rows_failed', 0)} failed  {m.get('tokens_per_s') or 0:,.0f} {rate}"
-                    f"  ETA {fmt_duration(eta) if isinstance(eta, (int, float)) else '-'}", style="bold cyan")
+        return Text(
+            f"rows {done}/{total}{share}  {m.get('rows_failed', 0)} failed  {m.get('tokens_per_s') or 0:,.0f} {rate}"
+            f"  ETA {fmt_duration(eta) if isinstance(eta, (int, float)) else '-'}",
+            style="bold cyan",
+        )
     step, total = m.get("step"), m.get("total_steps")
     parts = [f"step {step}/{total} ({100 * step / total:.0f}%)" if step is not None and total else f"step {step}"]
-    for key, label, fmt in (("loss", "loss", "{:.4f}"), ("acceptance_length", "accept", "{:.2f}"),
-                            ("tokens_per_s", "tok/s", "{:,.0f}")):
+    for key, label, fmt in (
+        ("loss", "loss", "{:.4f}"),
+        ("acceptance_length", "accept", "{:.2f}"),
+        ("tokens_per_s", "tok/s", "{:,.0f}"),
+    ):
         value = m.get(key)
         if isinstance(value, (int, float)):
             parts.append(f"{fmt.format(value)} {label}" if label == "tok/s" else f"{label} {fmt.format(value)}")

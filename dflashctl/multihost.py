@@ -43,8 +43,10 @@ def rendezvous_address(host: HostSpec) -> str:
         return host.rendezvous_address
     if host.transport == "ssh":
         return host.address or host.name
-    raise UsageError(f"host '{host.name}' is local: set its rendezvous_address in hosts.yaml (the address the "
-                     f"other hosts reach it at), or put another host first")
+    raise UsageError(
+        f"host '{host.name}' is local: set its rendezvous_address in hosts.yaml (the address the "
+        f"other hosts reach it at), or put another host first"
+    )
 
 
 def new_run_id() -> str:
@@ -98,8 +100,9 @@ class GroupStart:
     nodes: list[tuple[HostSpec, StartedRun]]
 
 
-def node_env(hosts: Sequence[HostSpec], rank: int, run_id: str, addr: str, port: int,
-             extra: dict[str, str]) -> dict[str, str]:
+def node_env(
+    hosts: Sequence[HostSpec], rank: int, run_id: str, addr: str, port: int, extra: dict[str, str]
+) -> dict[str, str]:
     """The torch.distributed variables (and ours) for the trainer of node `rank`."""
     return {
         **extra,
@@ -142,10 +145,20 @@ def start_group(
     def start(rank: int) -> StartedRun:
         host = hosts[rank]
         group = {"nodes": nodes, "rank": rank, "world_size": len(hosts), "rendezvous": rendezvous}
-        return start_run(session.target(host.name), gpus=gpus[host.name], config_file=config_file,
-                         overrides=overrides, name=name, force=force, payload_hash=payload_hashes.get(host.name),
-                         env=node_env(hosts, rank, run_id, addr, rdzv_port, env or {}), run_id=run_id, group=group,
-                         preset=preset, config=(configs or {}).get(host.name))
+        return start_run(
+            session.target(host.name),
+            gpus=gpus[host.name],
+            config_file=config_file,
+            overrides=overrides,
+            name=name,
+            force=force,
+            payload_hash=payload_hashes.get(host.name),
+            env=node_env(hosts, rank, run_id, addr, rdzv_port, env or {}),
+            run_id=run_id,
+            group=group,
+            preset=preset,
+            config=(configs or {}).get(host.name),
+        )
 
     results = parallel(start, list(range(len(hosts))))
     failed = [(h, r) for h, r in zip(hosts, results) if isinstance(r, BaseException)]
@@ -168,9 +181,15 @@ def node_view(host: str, rank: int, info: dict[str, Any] | BaseException | None)
     if isinstance(info, BaseException) or info is None:
         error = "no such run there" if info is None else str(info)
         return {"host": host, "rank": rank, "state": "unknown", "exit_code": None, "reason": None, "error": error}
-    return {"host": host, "rank": rank, "state": info.get("state"), "exit_code": info.get("exit_code"),
-            "reason": info.get("reason"), "pid": (info.get("trainer") or {}).get("pid"),
-            "run_dir": info.get("run_dir")}
+    return {
+        "host": host,
+        "rank": rank,
+        "state": info.get("state"),
+        "exit_code": info.get("exit_code"),
+        "reason": info.get("reason"),
+        "pid": (info.get("trainer") or {}).get("pid"),
+        "run_dir": info.get("run_dir"),
+    }
 
 
 def combine(views: Sequence[dict[str, Any]]) -> tuple[str, int | None, str | None]:
@@ -210,8 +229,7 @@ def merged(base: dict[str, Any], views: list[dict[str, Any]]) -> dict[str, Any]:
     """A node's summary (rank 0's when it answered) with the combined state, reason and nodes."""
     state, code, reason = combine(views)
     out = dict(base)
-    out.update(state=state, exit_code=code, reason=reason, nodes=views,
-               host=",".join(v["host"] for v in views))
+    out.update(state=state, exit_code=code, reason=reason, nodes=views, host=",".join(v["host"] for v in views))
     return out
 
 
@@ -264,9 +282,12 @@ def list_group_runs(session: Session, hosts: Sequence[HostSpec]) -> tuple[list[d
             else:
                 single.append(run)
     asked = {h.name for h in hosts}
-    missing = sorted({n for by_host in groups.values() for run in by_host.values()
-                      for n in run["group"]["nodes"]} - asked)
-    extra: dict[str, Any] = dict(zip(missing, parallel(lambda n: _ask(session, n, lambda t: {"runs": list_runs(t)}), missing)))
+    missing = sorted(
+        {n for by_host in groups.values() for run in by_host.values() for n in run["group"]["nodes"]} - asked
+    )
+    extra: dict[str, Any] = dict(
+        zip(missing, parallel(lambda n: _ask(session, n, lambda t: {"runs": list_runs(t)}), missing))
+    )
     extra.update(failed)  # a listed host that failed is a node whose state is unknown, with why
     combined = []
     for run_id, by_host in groups.items():
@@ -302,8 +323,9 @@ def stop_group(session: Session, host: str | None, selector: str | None, grace: 
     return out
 
 
-def pick_node(session: Session, host_spec: str | None, selector: str | None,
-              node: str | None) -> tuple[str, str | None]:
+def pick_node(
+    session: Session, host_spec: str | None, selector: str | None, node: str | None
+) -> tuple[str, str | None]:
     """Which host's log `logs tail` reads, and the run: HOST (a host, `a,b` or a group) says where
     to find the run; a multi-host run's log is its rank-0 node's unless `--host NAME` picks one."""
     hosts = session.inventory.resolve_many(host_spec) if host_spec else [session.host(None)]
@@ -361,8 +383,18 @@ class Prefixer:
             write_out(self.out, data)
 
 
-def attach_all(session: Session, host_spec: str | None, selector: str | None, *, follow: bool, lines: int,
-               since_step: int | None, out: IO[bytes], err: Console, policy: Reconnect = Reconnect()) -> int:
+def attach_all(
+    session: Session,
+    host_spec: str | None,
+    selector: str | None,
+    *,
+    follow: bool,
+    lines: int,
+    since_step: int | None,
+    out: IO[bytes],
+    err: Console,
+    policy: Reconnect = Reconnect(),
+) -> int:
     """`logs tail --all`: every node's log at once, lines prefixed with the host; with follow,
     until every node's trainer has ended; exit code for the whole run's state."""
     hosts = session.inventory.resolve_many(host_spec) if host_spec else [session.host(None)]
@@ -375,17 +407,28 @@ def attach_all(session: Session, host_spec: str | None, selector: str | None, *,
         def notice(msg: str) -> None:
             err.print(Text(f"[{name}] {msg}", style="dim"), soft_wrap=True)
 
-        return read_log(session, name, run_id, on_data=prefixer.sink(name), follow=follow, lines=lines,
-                        since_step=since_step, on_notice=notice, policy=policy)
+        return read_log(
+            session,
+            name,
+            run_id,
+            on_data=prefixer.sink(name),
+            follow=follow,
+            lines=lines,
+            since_step=since_step,
+            on_notice=notice,
+            policy=policy,
+        )
 
     results: list[Any] = [None] * len(nodes)
     threads = []
     for i, name in enumerate(nodes):
+
         def run(i: int = i, name: str = name) -> None:
             try:
                 results[i] = read(name)
             except Exception as exc:  # noqa: BLE001 - one unreachable node must not hide the others
                 results[i] = exc
+
         threads.append(threading.Thread(target=run, daemon=True))
     for t in threads:
         t.start()
@@ -398,9 +441,12 @@ def attach_all(session: Session, host_spec: str | None, selector: str | None, *,
                 raise closed
     except (KeyboardInterrupt, Interrupted):
         prefixer.flush()
-        err.print(Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {hosts[0].name} {run_id} --all -f"),
-                  soft_wrap=True)
+        err.print(
+            Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {hosts[0].name} {run_id} --all -f"),
+            soft_wrap=True,
+        )
         from .runs import EXIT_DETACHED
+
         return EXIT_DETACHED
     prefixer.flush()
     for name, result in zip(nodes, results):
@@ -417,5 +463,6 @@ def report_ending(err: Console, ending: Ending, reason: str | None) -> None:
     """`run ID failed (exit code 75): lost node h2 (rank 1): ...` on stderr."""
     code = f" (exit code {ending.exit_code})" if ending.exit_code not in (None, 0) else ""
     why = f": {reason}" if reason else ""
-    err.print(Text(f"run {ending.run_id} {ending.state}{code}{why}", style=STATE_STYLE.get(ending.state, "")),
-              soft_wrap=True)
+    err.print(
+        Text(f"run {ending.run_id} {ending.state}{code}{why}", style=STATE_STYLE.get(ending.state, "")), soft_wrap=True
+    )

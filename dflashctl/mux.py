@@ -10,7 +10,8 @@ Server side: mux_server.py (imports `.ssh` lazily).
 
 Socket directory: `$XDG_RUNTIME_DIR/dflashctl`, else `~/.cache/dflashctl/mux`; mode 0700, owned by
 us, else refused (and the call goes direct). Socket name: a hash of the host's name,
-user@host:port, the SSH settings, persist and $HOME (one mux per hosts.yaml entry). The mux checks SO_PEERCRED on every accept (only our uid is served), and the
+user@host:port, the SSH settings, persist and $HOME (one mux per hosts.yaml entry). The mux checks SO_PEERCRED on
+every accept (only our uid is served), and the
 client checks the socket file's owner and mode and the mux's uid. Nothing secret is written: the
 socket carries argv, env and the streams; keys stay in the mux's memory as in a direct call.
 
@@ -188,7 +189,9 @@ def connect(path: Path) -> socket.socket:
 
 def _spawn(host: HostSpec, options: "SshOptions | None", path: Path) -> None:
     """Start a detached mux for host (it double-forks; we only wait for the first fork)."""
-    config = json.dumps({"host": _host_dict(host), "options": _options_dict(options) if options else None, "path": str(path)})
+    config = json.dumps(
+        {"host": _host_dict(host), "options": _options_dict(options) if options else None, "path": str(path)}
+    )
     package_root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

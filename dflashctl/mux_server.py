@@ -20,8 +20,27 @@ from typing import TYPE_CHECKING
 
 from .errors import DflashError
 from .inventory import HostSpec
-from .mux import (CODE, EOF, ERROR, EXIT, GONE, INFO, KILL, LOCK_WAIT_S, START, STARTED, STATS, STDERR, STDIN, STDOUT,
-                  MuxUnavailable, connect, peer_uid, recv_frame, send_frame)
+from .mux import (
+    CODE,
+    EOF,
+    ERROR,
+    EXIT,
+    GONE,
+    INFO,
+    KILL,
+    LOCK_WAIT_S,
+    START,
+    STARTED,
+    STATS,
+    STDERR,
+    STDIN,
+    STDOUT,
+    MuxUnavailable,
+    connect,
+    peer_uid,
+    recv_frame,
+    send_frame,
+)
 from .transport import CHUNK
 
 if TYPE_CHECKING:
@@ -212,7 +231,10 @@ class _Server:
             send(ERROR, json.dumps({"cls": type(exc).__name__, "msg": str(exc)}).encode())
             return
         except Exception as exc:  # noqa: BLE001
-            send(ERROR, json.dumps({"cls": "ConnectError", "msg": f"connection to {self.host.name} lost ({exc})"}).encode())
+            send(
+                ERROR,
+                json.dumps({"cls": "ConnectError", "msg": f"connection to {self.host.name} lost ({exc})"}).encode(),
+            )
             return
         send(CODE, struct.pack("!i", code))
         try:

@@ -225,7 +225,9 @@ def plan_push(local: dict[str, FileEntry], remote: dict[str, FileEntry]) -> Push
     return PushPlan(send=send, keep=keep, delete=delete)
 
 
-def push(target: Target, source: Path | None = None, *, dry_run: bool = False, progress: ProgressSink | None = None) -> PushResult:
+def push(
+    target: Target, source: Path | None = None, *, dry_run: bool = False, progress: ProgressSink | None = None
+) -> PushResult:
     """Make `<workdir>/payload` on target equal to source; only changed files travel."""
     started = time.monotonic()
     source = Path(source) if source is not None else default_source()
@@ -282,9 +284,13 @@ def _apply(remote: "_RemoteSync", source: Path, plan: PushPlan, digest: str, pro
         remote.finish()
     except ConnectError as exc:
         # The swap is one rename: the remote holds the old or the new version, never a mix.
-        raise ConnectError(f"{exc} during push; the remote payload is intact (old or new version), run push again") from None
+        raise ConnectError(
+            f"{exc} during push; the remote payload is intact (old or new version), run push again"
+        ) from None
     if reply.get("hash") != digest or reply.get("vid") != vid:
-        raise RemoteError(f"{label}: verification failed: remote manifest {str(reply.get('hash'))[:12]} != local {digest[:12]}")
+        raise RemoteError(
+            f"{label}: verification failed: remote manifest {str(reply.get('hash'))[:12]} != local {digest[:12]}"
+        )
 
 
 def _stream(header: dict, send: list[FileEntry], source: Path, progress: ProgressSink | None) -> Iterator[bytes]:
@@ -375,7 +381,10 @@ def _raise_remote(target: Target, code: int, line: str) -> NoReturn:
     interpreter = target.host.interpreter
     if interpreter in line and _MISSING.search(line):
         # Target only knows the shell's 127; lxc-attach reports a failed exec its own way.
-        raise ContainerError(f"{target.label}: interpreter `{interpreter}` not found in the container (set `python` for this host in hosts.yaml)")
+        raise ContainerError(
+            f"{target.label}: interpreter `{interpreter}` not found in the container "
+            f"(set `python` for this host in hosts.yaml)"
+        )
     message = line.removeprefix("payload_sync: ")
     error = _REMOTE_ERRORS.get(code, RemoteError)
     raise error(f"{target.label}: push failed: {message} (the previous payload is unchanged)")

@@ -68,8 +68,11 @@ def save_png(records: Sequence[dict[str, Any]], path: Path, run_id: str) -> None
     pyplot = require_matplotlib()
     panels = [
         ("loss", "loss", [("training", series(records, "loss")), ("held-out", held_out(records, "loss"))]),
-        ("acceptance length", "tokens per block (teacher-forced)",
-         [("held-out", held_out(records, "acceptance_length"))]),
+        (
+            "acceptance length",
+            "tokens per block (teacher-forced)",
+            [("held-out", held_out(records, "acceptance_length"))],
+        ),
     ]
     panels = [(title, ylabel, [(n, c) for n, c in lines if c[0]]) for title, ylabel, lines in panels]
     panels = [p for p in panels if p[2]]

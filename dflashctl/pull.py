@@ -37,8 +37,13 @@ class Pulled:
     state: str
 
 
-def pull_run(target: Target, selector: str | None, dest: Path | None, checkpoints: str = "none",
-             on_bytes: Callable[[int, int], None] | None = None) -> Pulled:
+def pull_run(
+    target: Target,
+    selector: str | None,
+    dest: Path | None,
+    checkpoints: str = "none",
+    on_bytes: Callable[[int, int], None] | None = None,
+) -> Pulled:
     """Copy a run's files to dest (default ./RUN_ID), atomically; on_bytes(done, total) reports progress."""
     if checkpoints not in CHECKPOINT_CHOICES:
         raise UsageError(f"--checkpoints must be one of {', '.join(CHECKPOINT_CHOICES)}, got {checkpoints!r}")
@@ -57,8 +62,10 @@ def pull_run(target: Target, selector: str | None, dest: Path | None, checkpoint
             files, size = pack.unpack(partial, header["bytes"], on_bytes)
             pack.finish()
             if (files, size) != (header["files"], header["bytes"]):
-                raise RemoteError(f"{target.label}: pull incomplete: {files} of {header['files']} files, "
-                                  f"{size} of {header['bytes']} bytes")
+                raise RemoteError(
+                    f"{target.label}: pull incomplete: {files} of {header['files']} files, "
+                    f"{size} of {header['bytes']} bytes"
+                )
             partial.rename(dest)
         except BaseException as exc:
             shutil.rmtree(partial, ignore_errors=True)

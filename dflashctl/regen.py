@@ -69,8 +69,9 @@ def check_request(req: RegenRequest) -> None:
             raise UsageError(f"--endpoint must be an http:// or https:// URL, got {req.endpoint!r}")
         if req.concurrency < 1 or req.retries < 0:
             raise UsageError("--concurrency must be at least 1 and --retries 0 or more")
-        given = [flag for flag, value in (("--gpus", req.gpus), ("--preset", req.preset), ("--set", req.overrides))
-                 if value]
+        given = [
+            flag for flag, value in (("--gpus", req.gpus), ("--preset", req.preset), ("--set", req.overrides)) if value
+        ]
         if given:
             raise UsageError(f"{', '.join(given)}: for the builtin engine (the server holds the model)")
     elif req.endpoint or req.model:
@@ -82,10 +83,27 @@ def check_request(req: RegenRequest) -> None:
 
 def regen_argv(interpreter: str, req: RegenRequest, prompts: str, out: str, gpus: str) -> list[str]:
     """The program's command line (paths in the container, `{workdir}`/`{run_dir}` filled in by runctl)."""
-    argv = [interpreter, "-m", REGEN_MODULE, "--prompts", f"{WORKDIR_TOKEN}/data/{prompts}",
-            "--out", f"{WORKDIR_TOKEN}/data/{out}", "--engine", req.engine,
-            "--max-new-tokens", str(req.max_new_tokens), "--temperature", repr(req.temperature),
-            "--top-p", repr(req.top_p), "--seed", str(req.seed), "--metrics", f"{RUN_DIR_TOKEN}/metrics.jsonl"]
+    argv = [
+        interpreter,
+        "-m",
+        REGEN_MODULE,
+        "--prompts",
+        f"{WORKDIR_TOKEN}/data/{prompts}",
+        "--out",
+        f"{WORKDIR_TOKEN}/data/{out}",
+        "--engine",
+        req.engine,
+        "--max-new-tokens",
+        str(req.max_new_tokens),
+        "--temperature",
+        repr(req.temperature),
+        "--top-p",
+        repr(req.top_p),
+        "--seed",
+        str(req.seed),
+        "--metrics",
+        f"{RUN_DIR_TOKEN}/metrics.jsonl",
+    ]
     if req.thinking is not None:
         argv += ["--thinking", "on" if req.thinking else "off"]
     if req.batch_size is not None:
@@ -93,8 +111,16 @@ def regen_argv(interpreter: str, req: RegenRequest, prompts: str, out: str, gpus
     if req.tokenizer:
         argv += ["--tokenizer", req.tokenizer]
     if req.engine == "openai":
-        return argv + ["--endpoint", req.endpoint or "", "--model", req.model or "",
-                       "--concurrency", str(req.concurrency), "--retries", str(req.retries)]
+        return argv + [
+            "--endpoint",
+            req.endpoint or "",
+            "--model",
+            req.model or "",
+            "--concurrency",
+            str(req.concurrency),
+            "--retries",
+            str(req.retries),
+        ]
     argv += ["--gpus", gpus]
     if req.preset:
         argv += ["--preset", req.preset]
@@ -123,8 +149,16 @@ def datasets_for(target: Target, req: RegenRequest) -> tuple[str, str]:
     return prompts, out
 
 
-def start_regen(target: Target, req: RegenRequest, prompts: str, out: str, *, name: str | None = None,
-                force: bool = False, payload_hash: str | None = None) -> StartedRun:
+def start_regen(
+    target: Target,
+    req: RegenRequest,
+    prompts: str,
+    out: str,
+    *,
+    name: str | None = None,
+    force: bool = False,
+    payload_hash: str | None = None,
+) -> StartedRun:
     """Start the run (pre-flight in the container, GPU check, detached start under the runs lock)
     reading data/`prompts` and writing data/`out` (names from `datasets_for`)."""
     host = target.host

@@ -1,6 +1,7 @@
 """Training runs on a host: start them detached, list, show and stop them.
 
-The remote half is the runctl package (`dflashctl/remote/runctl/`, installed by agent.py); this module builds its requests, turns its
+The remote half is the runctl package (`dflashctl/remote/runctl/`, installed by agent.py); this module builds its
+requests, turns its
 answers into results or exceptions, and renders them. Layout, states and exit codes:
 docs/runs.md.
 """
@@ -35,7 +36,14 @@ CONFIG_NAME = "config.input.yaml"  # the --config file as given, copied into the
 # They sit above errors.py's 1-6 so a script can tell "the run failed" from "dflashctl failed".
 STATE_EXIT = {"succeeded": 0, "failed": 100, "stopped": 101, "lost": 102}
 EXIT_DETACHED = 130  # Ctrl-C while following: the run goes on
-STATE_STYLE = {"queued": "blue", "running": "cyan", "succeeded": "green", "failed": "red", "stopped": "yellow", "lost": "magenta"}
+STATE_STYLE = {
+    "queued": "blue",
+    "running": "cyan",
+    "succeeded": "green",
+    "failed": "red",
+    "stopped": "yellow",
+    "lost": "magenta",
+}
 
 
 @dataclass(frozen=True)
@@ -45,12 +53,18 @@ class StartedRun:
     run_id: str
     run_dir: str
     pid: int | None
-    gpus: list[str]  # what the run holds, as its pre-flight said: GPU indices, ["cpu"], or [] (nothing: a remote engine)
+    gpus: list[
+        str
+    ]  # what the run holds, as its pre-flight said: GPU indices, ["cpu"], or [] (nothing: a remote engine)
     queued_behind: list[str] | None = None  # --queue: the runs it waits for (None: it started)
 
 
 def trainer_argv(
-    host: HostSpec, run_dir: str, config_path: str | None, overrides: Sequence[str], gpus: GpuChoice,
+    host: HostSpec,
+    run_dir: str,
+    config_path: str | None,
+    overrides: Sequence[str],
+    gpus: GpuChoice,
     preset: str | None = None,
 ) -> list[str]:
     """The trainer's command line: the one place to change when the trainer's interface changes."""
@@ -88,8 +102,9 @@ def restart_policy(max_restarts: int, restart_on: str | None, delay_s: float) ->
     return {"max": max_restarts, "on": codes, "delay_s": delay_s}
 
 
-def check_trainer_config(source: Path | None, config_file: Path | None, preset: str | None,
-                         overrides: Sequence[str], gpus: GpuChoice) -> dict[str, Any] | None:
+def check_trainer_config(
+    source: Path | None, config_file: Path | None, preset: str | None, overrides: Sequence[str], gpus: GpuChoice
+) -> dict[str, Any] | None:
     """The run's config as the trainer's own code in the payload about to be pushed (`source`,
     else the shipped one) resolves it, with `{run_dir}` and `{workdir}` still unfilled; a bad
     --preset, --config or --set is a UsageError here, before anything is pushed. None: that
@@ -159,21 +174,46 @@ def start_run(
 def launch(target: Target, spec: dict[str, Any]) -> StartedRun:
     """`runctl start` with a run's spec (argv, cwd, kind, gpus, ...; see start_run): pre-flight,
     GPU check and start under the remote lock."""
-    answer = call(target, "start", [target.host.workdir], stdin=json.dumps(spec).encode(), timeout=START_ANSWER_S,
-                  settle=True)
-    return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus", list(spec["gpus"])),
-                      answer.get("queued_behind"))
+    answer = call(
+        target, "start", [target.host.workdir], stdin=json.dumps(spec).encode(), timeout=START_ANSWER_S, settle=True
+    )
+    return StartedRun(
+        answer["run_id"],
+        answer["run_dir"],
+        answer.get("pid"),
+        answer.get("gpus", list(spec["gpus"])),
+        answer.get("queued_behind"),
+    )
 
 
-def resume_run(target: Target, selector: str, *, payload_hash: str | None, force: bool = False,
-               env: dict[str, str] | None = None, kind: str = "train") -> StartedRun:
+def resume_run(
+    target: Target,
+    selector: str,
+    *,
+    payload_hash: str | None,
+    force: bool = False,
+    env: dict[str, str] | None = None,
+    kind: str = "train",
+) -> StartedRun:
     """Start an ended run again in its own directory, from its newest checkpoint (`--resume`),
     on the payload now in the container (pre-flight and GPU check as for a new run). A run of
     another kind (a data run given to `train --resume`) is refused."""
-    spec = {"cwd": f"{target.host.workdir}/payload", "payload_hash": payload_hash, "force": force,
-            "env": env or None, "preflight": True, "kind": kind}
-    answer = call(target, "resume", [target.host.workdir, selector], stdin=json.dumps(spec).encode(),
-                  timeout=START_ANSWER_S, settle=True)
+    spec = {
+        "cwd": f"{target.host.workdir}/payload",
+        "payload_hash": payload_hash,
+        "force": force,
+        "env": env or None,
+        "preflight": True,
+        "kind": kind,
+    }
+    answer = call(
+        target,
+        "resume",
+        [target.host.workdir, selector],
+        stdin=json.dumps(spec).encode(),
+        timeout=START_ANSWER_S,
+        settle=True,
+    )
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or [])
 
 
@@ -226,8 +266,15 @@ def stop_run(target: Target, selector: str | None, grace: float) -> dict[str, An
     return call(target, "stop", [target.host.workdir, selector or "", f"{grace:g}"], timeout=grace + 90)
 
 
-def call(target: Target, command: str, args: Sequence[str], *, stdin: bytes | None = None,
-         timeout: float | None = 120, settle: bool = False) -> dict[str, Any]:
+def call(
+    target: Target,
+    command: str,
+    args: Sequence[str],
+    *,
+    stdin: bytes | None = None,
+    timeout: float | None = 120,
+    settle: bool = False,
+) -> dict[str, Any]:
     """Run one runctl command and return its JSON answer; error answers become exceptions.
     settle (a start): Ctrl-C reaches runctl as SIGINT, which undoes the start or, past its last
     point, completes it; Interrupted then says which (guard.py)."""
@@ -269,12 +316,16 @@ def answer_error(target: Target, answer: dict[str, Any]) -> Exception:
     if kind == "usage":
         return UsageError(f"{target.label}: {message}")
     if kind == "missing_module":
-        return ContainerError(f"{target.label}: {message}; install it there, or point `python:` in hosts.yaml "
-                              f"at an interpreter that has it")
+        return ContainerError(
+            f"{target.label}: {message}; install it there, or point `python:` in hosts.yaml "
+            f"at an interpreter that has it"
+        )
     if kind == "conflict_running":
         return ConflictError(f"{target.label}: {message}")
     if kind == "ambiguous":
-        return UsageError(f"{target.label}: {message}: {', '.join(answer.get('candidates', []))}; give more of the run id")
+        return UsageError(
+            f"{target.label}: {message}: {', '.join(answer.get('candidates', []))}; give more of the run id"
+        )
     if kind == "conflict":
         held = "; ".join(
             f"run {rid}" + (f" ({name!r})" if name else "") + f" uses {', '.join(shared)}"
@@ -338,9 +389,18 @@ def print_runs(console: Console, runs: Sequence[dict[str, Any]], host: str, seve
     such a run is."""
     multi = several_hosts or any(run.get("nodes") for run in runs)
     # A narrow terminal keeps run, name and state (never cut) and drops from `started` down (tables.py).
-    columns = [Column("run"), Column("name", text=True), Column("kind", drop=7), Column("state"), Column("GPUs", drop=5),
-               Column("started", drop=8), Column("duration", "right", drop=6), Column("step", "right", drop=1),
-               Column("loss", "right", drop=2), Column("tau", "right", drop=3)]
+    columns = [
+        Column("run"),
+        Column("name", text=True),
+        Column("kind", drop=7),
+        Column("state"),
+        Column("GPUs", drop=5),
+        Column("started", drop=8),
+        Column("duration", "right", drop=6),
+        Column("step", "right", drop=1),
+        Column("loss", "right", drop=2),
+        Column("tau", "right", drop=3),
+    ]
     if multi:
         columns.insert(4, Column("hosts", drop=4))
     rows = []
@@ -414,19 +474,7 @@ def details_table(run: dict[str, Any]) -> Table:
     if run.get("reason"):
         extra.append(("reason", Text(str(run["reason"]), style="red")))
     if run.get("eval"):
-        ev = run["eval"]
-        how = ("greedy, identical: " + ("yes" if ev["identical"] else "NO")) if ev.get("identical") is not None \
-            else f"sampled at temperature {ev.get('temperature')}"
-        mean = ev.get("tau_prompt_mean")
-        tau = (f"speculative tau {mean:.3f} (mean of per-prompt tau; pooled {ev['tau']:.3f})" if mean is not None
-               else f"speculative tau {ev['tau']:.3f}")
-        extra.append(("eval", Text(f"{tau}, speedup {ev['speedup']:.2f}x on {ev['device']} "
-                                   f"({ev['prompts']} prompts x {ev['max_new_tokens']} tokens, {how})")))
-        free = ev.get("baseline")
-        if free and free.get("tau") is not None:
-            extra.append(("baseline", Text(f"{free.get('method') or 'prompt lookup'}: tau "
-                                           f"{headline_tau(free, 'tau_prompt_mean', 'tau'):.3f}, speedup "
-                                           f"{free['speedup']:.2f}x (no drafter: what costs nothing)")))
+        extra += eval_rows(run["eval"])
     if run.get("nodes"):
         extra.append(("nodes", node_states(run["nodes"])))
         extra.append(("rendezvous", Text(str((run.get("group") or {}).get("rendezvous", "-")))))
@@ -435,6 +483,43 @@ def details_table(run: dict[str, Any]) -> Table:
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+def eval_rows(ev: dict[str, Any]) -> list[tuple[str, Text]]:
+    """`runs show`'s `eval` row (tau, speedup, how it was decoded) and its `baseline` row (prompt lookup)."""
+    how = (
+        ("greedy, identical: " + ("yes" if ev["identical"] else "NO"))
+        if ev.get("identical") is not None
+        else f"sampled at temperature {ev.get('temperature')}"
+    )
+    mean = ev.get("tau_prompt_mean")
+    tau = (
+        f"speculative tau {mean:.3f} (mean of per-prompt tau; pooled {ev['tau']:.3f})"
+        if mean is not None
+        else f"speculative tau {ev['tau']:.3f}"
+    )
+    rows = [
+        (
+            "eval",
+            Text(
+                f"{tau}, speedup {ev['speedup']:.2f}x on {ev['device']} "
+                f"({ev['prompts']} prompts x {ev['max_new_tokens']} tokens, {how})"
+            ),
+        )
+    ]
+    free = ev.get("baseline")
+    if free and free.get("tau") is not None:
+        rows.append(
+            (
+                "baseline",
+                Text(
+                    f"{free.get('method') or 'prompt lookup'}: tau "
+                    f"{headline_tau(free, 'tau_prompt_mean', 'tau'):.3f}, speedup "
+                    f"{free['speedup']:.2f}x (no drafter: what costs nothing)"
+                ),
+            )
+        )
+    return rows
 
 
 def node_states(nodes: Sequence[dict[str, Any]]) -> Text:
@@ -454,8 +539,10 @@ def metrics_summary(records: Sequence[dict[str, Any]], count: int) -> list[tuple
         return [("metrics", "none yet")]
     last = records[-1]
     if "rows_done" in last:  # a data run's progress records
-        return [("rows", f"{last['rows_done']}/{last.get('rows_total', '?')} ({last.get('rows_failed', 0)} failed)"),
-                ("tokens/s", f"{last.get('tokens_per_s') or 0:.0f}")]
+        return [
+            ("rows", f"{last['rows_done']}/{last.get('rows_total', '?')} ({last.get('rows_failed', 0)} failed)"),
+            ("tokens/s", f"{last.get('tokens_per_s') or 0:.0f}"),
+        ]
     losses = series(records, "loss")[1]
     accs = series(records, "acceptance_length")[1]
     # The step as `runs list` has it: of the latest training record (a resumed run's last record
@@ -469,8 +556,12 @@ def metrics_summary(records: Sequence[dict[str, Any]], count: int) -> list[tuple
         out.append(("acceptance", f"teacher-forced {accs[-1]:.3f} (best {max(accs):.3f}; a proxy)"))
     taus = series(records, "spec_tau_prompt_mean")[1] or series(records, "spec_tau")[1]
     if taus:
-        out.append(("speculative tau", f"{taus[-1]:.3f} (best {max(taus):.3f}; real draft-and-verify, greedy, "
-                                       f"held-out prompts)"))
+        out.append(
+            (
+                "speculative tau",
+                f"{taus[-1]:.3f} (best {max(taus):.3f}; real draft-and-verify, greedy, held-out prompts)",
+            )
+        )
     speed = series(records, "tokens_per_s")[1]
     if speed:
         out.append(("tokens/s", f"{speed[-1]:.0f}"))

@@ -23,11 +23,11 @@ class Loader:
     """One engine's DFlash draft loader: what it reads from config.json and model.safetensors."""
 
     name: str
-    sources: tuple[str, ...]        # repository path @ commit, as read
-    architecture: str               # must be in config.json's `architectures`
+    sources: tuple[str, ...]  # repository path @ commit, as read
+    architecture: str  # must be in config.json's `architectures`
     config_fields: tuple[str, ...]  # top-level config.json fields it reads without a default
-    needs_silu: bool                # raises on any other hidden_act
-    extra_weights: str              # "ignored" | "error": a weight name it has no parameter for
+    needs_silu: bool  # raises on any other hidden_act
+    extra_weights: str  # "ignored" | "error": a weight name it has no parameter for
     rejected_weights: tuple[str, ...]  # name fragments it refuses outright
 
 
@@ -35,14 +35,25 @@ VLLM = Loader(
     name="vLLM",
     sources=(
         "vllm-project/vllm vllm/model_executor/models/qwen3_dflash.py @ 036a00d1f5d00d449d02dce9babdd15a5b4d06c9",
-        "vllm-project/vllm vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @ 0cfdd2e15d6991f354c6e22fd7f7e7577afe0424",
+        "vllm-project/vllm vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py "
+        "@ 0cfdd2e15d6991f354c6e22fd7f7e7577afe0424",
         "vllm-project/vllm vllm/config/speculative.py @ 002e77c1f0ef9b19cff8b9e21cfbd6feb3d6b443",
     ),
-    architecture="DFlashDraftModel",  # registry -> qwen3_dflash.DFlashQwen3ForCausalLM (seen quoted; not in the registry copy read)
+    # registry -> qwen3_dflash.DFlashQwen3ForCausalLM (seen quoted; not in the registry copy read)
+    architecture="DFlashDraftModel",
     # rope_theta: absent, it would default to 1e6 (set_default_rope_theta), silently wrong for other targets
-    config_fields=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                   "intermediate_size", "hidden_act", "rms_norm_eps", "max_position_embeddings", "vocab_size",
-                   "rope_theta"),
+    config_fields=(
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "hidden_act",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+        "rope_theta",
+    ),
     needs_silu=False,  # Qwen3MLP takes config.hidden_act
     extra_weights="error",  # AutoWeightsLoader raises on a name with no parameter
     rejected_weights=("mask_hidden",),  # asserted absent in load_weights
@@ -67,9 +78,18 @@ ZLAB = Loader(
     name="z-lab DFlashDraftModel",
     sources=("z-lab/dflash dflash/model.py @ 10129599dffb338ff38cfd235a53ca6d3667b4dd",),
     architecture="DFlashDraftModel",
-    config_fields=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                   "intermediate_size", "hidden_act", "rms_norm_eps", "attention_bias", "attention_dropout",
-                   "vocab_size"),
+    config_fields=(
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "hidden_act",
+        "rms_norm_eps",
+        "attention_bias",
+        "attention_dropout",
+        "vocab_size",
+    ),
     needs_silu=False,
     extra_weights="ignored",  # from_pretrained warns and drops it (a missing one it would leave random)
     rejected_weights=(),
@@ -89,18 +109,29 @@ def expected_weights(config: dict) -> dict[str, tuple[int, ...]]:
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    shapes = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
-              "self_attn.o_proj": (hidden, q), "self_attn.q_norm": (head_dim,), "self_attn.k_norm": (head_dim,),
-              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter),
-              "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,)}
+    shapes = {
+        "self_attn.q_proj": (q, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, q),
+        "self_attn.q_norm": (head_dim,),
+        "self_attn.k_norm": (head_dim,),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+        "input_layernorm": (hidden,),
+        "post_attention_layernorm": (hidden,),
+    }
     # Both engines size fc from the number of target layers it reads times the hidden size
     # (vLLM: `target_hidden_size` if set, else hidden_size).
     features = len(dflash_value(config, "target_layer_ids") or ())
     target_hidden = config.get("target_hidden_size") or hidden
-    out = {f"layers.{i}.{name}.weight": shape for i in range(config["num_hidden_layers"])
-           for name, shape in shapes.items()}
-    out.update({"fc.weight": (hidden, features * target_hidden), "hidden_norm.weight": (hidden,),
-                "norm.weight": (hidden,)})
+    out = {
+        f"layers.{i}.{name}.weight": shape for i in range(config["num_hidden_layers"]) for name, shape in shapes.items()
+    }
+    out.update(
+        {"fc.weight": (hidden, features * target_hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
+    )
     return out
 
 
@@ -112,8 +143,9 @@ def _header(path: Path) -> dict:
 
 def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (dtype, shape)} from a safetensors file's header (the tensors are not read)."""
-    return {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in _header(path).items()
-            if name != "__metadata__"}
+    return {
+        name: (entry["dtype"], tuple(entry["shape"])) for name, entry in _header(path).items() if name != "__metadata__"
+    }
 
 
 def safetensors_metadata(path: Path) -> dict[str, str]:
@@ -140,8 +172,9 @@ def check_loader(loader: Loader, config: dict, weights: dict[str, tuple[str, tup
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
         if unknown:
             problems.append(f"layer_types {unknown} unsupported")
-        if "sliding_attention" in types and not (config.get("sliding_window")
-                                                  or dflash_value(config, "swa_window_size")):
+        if "sliding_attention" in types and not (
+            config.get("sliding_window") or dflash_value(config, "swa_window_size")
+        ):
             problems.append("sliding_attention layers without sliding_window")
     # A DFlash block attends both ways; a causal flag would change the math silently.
     if config.get("is_causal") or (config.get("dflash_config") or {}).get("causal"):
@@ -210,7 +243,9 @@ def serve_commands(config: dict, export: str = "EXPORT", target: str = "TARGET")
     return {
         # A DFlash block attends both ways: vLLM needs a backend with non-causal attention.
         "vLLM": f"vllm serve {target} --speculative-config '{spec}' --attention-backend flash_attn",
-        "SGLang": (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-                   f"--speculative-draft-model-path {export} --speculative-num-draft-tokens {block} "
-                   f"--attention-backend fa3 --trust-remote-code"),
+        "SGLang": (
+            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {export} --speculative-num-draft-tokens {block} "
+            f"--attention-backend fa3 --trust-remote-code"
+        ),
     }

@@ -268,7 +268,9 @@ class SshTransport(Transport):
         raise self._lost()
 
     def _session(self, transport: paramiko.Transport) -> paramiko.Channel:
-        return transport.open_session(window_size=WINDOW_SIZE, max_packet_size=MAX_PACKET, timeout=self.options.connect_timeout)
+        return transport.open_session(
+            window_size=WINDOW_SIZE, max_packet_size=MAX_PACKET, timeout=self.options.connect_timeout
+        )
 
     def _overflow_channel(self) -> tuple[paramiko.Transport, paramiko.Channel]:
         """A session on an overflow connection with room, or on a new one (as OpenSSH's ControlMaster
@@ -406,7 +408,9 @@ class SshTransport(Transport):
                 "direct-tcpip", (ep.hostname, ep.port), ("127.0.0.1", 0), timeout=self.options.connect_timeout
             )
         except paramiko.ChannelException as exc:
-            raise ConnectError(f"{ep.name}: jump host {last} cannot reach {ep.hostname}:{ep.port}: {exc.text}") from None
+            raise ConnectError(
+                f"{ep.name}: jump host {last} cannot reach {ep.hostname}:{ep.port}: {exc.text}"
+            ) from None
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise ConnectError(f"{ep.name}: jump host {last} failed: {exc}") from None
 
@@ -422,7 +426,9 @@ def _hop_spec(hop: str, earlier: str | None) -> HostSpec:
         address, port = rest.split(":")
     if port is not None and not port.isdigit():
         raise UsageError(f"bad ProxyJump hop '{hop}'")
-    return HostSpec(name=address, address=address, user=user or None, port=int(port) if port else None, proxy_jump=earlier)
+    return HostSpec(
+        name=address, address=address, user=user or None, port=int(port) if port else None, proxy_jump=earlier
+    )
 
 
 def _tune_socket(sock: socket.socket) -> None:
@@ -492,11 +498,16 @@ def _describe(ep: Endpoint, options: SshOptions, exc: BaseException) -> str | _T
         )
     if isinstance(exc, paramiko.PasswordRequiredException):  # a subclass of the next: test it first
         keys = ", ".join(str(p) for p in ep.identity_files) or "the key"
-        return (f"{ep.name}: {keys} is protected by a passphrase, which dflashctl does not ask for; load it into "
-                f"ssh-agent (ssh-add {keys.split(', ')[0]}) or use a key without a passphrase")
+        return (
+            f"{ep.name}: {keys} is protected by a passphrase, which dflashctl does not ask for; load it into "
+            f"ssh-agent (ssh-add {keys.split(', ')[0]}) or use a key without a passphrase"
+        )
     if isinstance(exc, paramiko.AuthenticationException):
         tried = ", ".join([*(str(p) for p in ep.identity_files), *(["agent"] if options.agent else [])]) or "no keys"
-        return f"{ep.name}: authentication failed for {ep.user}@{where} (tried {tried}); set identity_file or load the key into ssh-agent"
+        return (
+            f"{ep.name}: authentication failed for {ep.user}@{where} (tried {tried}); "
+            f"set identity_file or load the key into ssh-agent"
+        )
     if isinstance(exc, socket.gaierror):
         return f"{ep.name}: cannot resolve host '{ep.hostname}'"
     if isinstance(exc, (socket.timeout, TimeoutError)):
@@ -625,12 +636,17 @@ def trust_host(host: HostSpec, confirm: Callable[[str], bool] | None, options: S
     if recorded is not None and recorded != key:
         raise ConnectError(
             f"{host.name}: {ep.known_name} now offers {fingerprint(key)} but known_hosts has {fingerprint(recorded)}; "
-            f"refusing to replace a recorded key (remove it with: ssh-keygen -R '{ep.known_name}' -f {options.known_hosts()})"
+            f"refusing to replace a recorded key "
+            f"(remove it with: ssh-keygen -R '{ep.known_name}' -f {options.known_hosts()})"
         )
     if recorded is not None:
-        out.print(f"{host.name}: {ep.known_name} {key.get_name()} {fingerprint(key)} is already trusted", soft_wrap=True)
+        out.print(
+            f"{host.name}: {ep.known_name} {key.get_name()} {fingerprint(key)} is already trusted", soft_wrap=True
+        )
         return
-    out.print(f"{host.name}: {ep.known_name} offers {key.get_name()} key {fingerprint(key)}", soft_wrap=True)  # one line
+    out.print(
+        f"{host.name}: {ep.known_name} offers {key.get_name()} key {fingerprint(key)}", soft_wrap=True
+    )  # one line
     if confirm is not None and not confirm("Trust this key and record it in known_hosts?"):
         raise DflashError(f"{host.name}: not trusted; nothing recorded")
     path = options.known_hosts()

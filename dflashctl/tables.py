@@ -34,8 +34,13 @@ class Column:
     drop: int = 0
 
 
-def show(console: Console, columns: Sequence[Column], rows: Sequence[Sequence["str | Text"]],
-         title: str | None = None, sections: Sequence[int] = ()) -> None:
+def show(
+    console: Console,
+    columns: Sequence[Column],
+    rows: Sequence[Sequence["str | Text"]],
+    title: str | None = None,
+    sections: Sequence[int] = (),
+) -> None:
     """Print rows under columns: rich on a terminal, plain aligned columns otherwise.
     `sections`: row indices that start a new section (a rule above them, on a terminal)."""
     if not console.is_terminal:
@@ -46,7 +51,9 @@ def show(console: Console, columns: Sequence[Column], rows: Sequence[Sequence["s
     table = Table(title=Text(title) if title else None, title_justify="left")
     for i in kept:
         col = columns[i]
-        table.add_column(col.name, justify=col.justify, no_wrap=not col.text, overflow="fold" if col.text else "ellipsis")
+        table.add_column(
+            col.name, justify=col.justify, no_wrap=not col.text, overflow="fold" if col.text else "ellipsis"
+        )
     for r, row in enumerate(cells):
         if r in sections:
             table.add_section()
@@ -54,8 +61,13 @@ def show(console: Console, columns: Sequence[Column], rows: Sequence[Sequence["s
     console.print(table)
     hidden = [col.name for i, col in enumerate(columns) if i not in kept]
     if hidden:
-        console.print(Text(f"hidden at {console.width} columns: {', '.join(hidden)} (a wider terminal or --json "
-                           f"shows them)", style="dim"), highlight=False)
+        console.print(
+            Text(
+                f"hidden at {console.width} columns: {', '.join(hidden)} (a wider terminal or --json shows them)",
+                style="dim",
+            ),
+            highlight=False,
+        )
 
 
 def _fitting(width: int, columns: Sequence[Column], cells: Sequence[Sequence[Text]]) -> list[int]:
@@ -77,8 +89,9 @@ def _fitting(width: int, columns: Sequence[Column], cells: Sequence[Sequence[Tex
 def _plain(console: Console, columns: Sequence[Column], rows: Sequence[Sequence["str | Text"]]) -> None:
     cells = [[(cell.plain if isinstance(cell, Text) else str(cell)).replace("\n", " ") for cell in row] for row in rows]
     header = [col.name.upper() for col in columns]
-    widths = [max([len(header[i]), *(len(r[i]) for r in cells if len(r[i]) <= PLAIN_ALIGN_MAX)])
-              for i in range(len(columns))]
+    widths = [
+        max([len(header[i]), *(len(r[i]) for r in cells if len(r[i]) <= PLAIN_ALIGN_MAX)]) for i in range(len(columns))
+    ]
 
     def line(values: Sequence[str]) -> str:
         padded = [v.rjust(w) if col.justify == "right" else v.ljust(w) for v, w, col in zip(values, widths, columns)]

@@ -38,8 +38,9 @@ def load_module(source: Path) -> ModuleType | None:
     return module if all(hasattr(module, name) for name in needed) else None
 
 
-def check_config(source: Path, config_file: Path | None, preset: str | None,
-                 overrides: Sequence[str]) -> dict[str, Any] | None:
+def check_config(
+    source: Path, config_file: Path | None, preset: str | None, overrides: Sequence[str]
+) -> dict[str, Any] | None:
     """The config the trainer in `source` resolves from these options, as plain dicts (UsageError,
     naming the key, if it refuses them); None when `source` has no config code to ask, so the
     trainer's pre-flight in the container is the check."""

@@ -138,8 +138,9 @@ class Transport(abc.ABC):
         return Completed(list(argv), code, bytes(out), bytes(err))
 
 
-def _pump(proc: Process, stream: IO[bytes], sink: Sink | None, buf: bytearray, tail: int,
-          errors: list[BaseException]) -> None:
+def _pump(
+    proc: Process, stream: IO[bytes], sink: Sink | None, buf: bytearray, tail: int, errors: list[BaseException]
+) -> None:
     """Move a command's output to sink (keeping its last `tail` bytes in buf), else into buf;
     a failure goes to errors, surfaced to the caller of run."""
     try:

@@ -288,8 +288,14 @@ class SshdHost:
         """A hosts.yaml entry for this sshd: container pct VMID, or runtime none when vmid is None."""
         # persist 0: tests connect directly unless they ask for the mux (tests/test_mux.py), so
         # that no background connection outlives a test.
-        entry: dict = {"transport": "ssh", "address": self.address, "port": self.port, "user": self.user,
-                       "python": sys.executable, "persist": 0}
+        entry: dict = {
+            "transport": "ssh",
+            "address": self.address,
+            "port": self.port,
+            "user": self.user,
+            "python": sys.executable,
+            "persist": 0,
+        }
         if vmid is None:
             entry["container"] = {"runtime": "none"}
         else:
@@ -300,9 +306,16 @@ class SshdHost:
 
     def docker_entry(self, name: str, **extra: object) -> dict:
         """A hosts.yaml entry for this sshd with the docker shim's container `name`."""
-        entry: dict = {"transport": "ssh", "address": self.address, "port": self.port, "user": self.user,
-                       "python": sys.executable, "persist": 0, "workdir": str(self.docker_dir(name) / "work"),
-                       "container": {"runtime": "docker", "name": name, "docker": str(self.docker_path)}}
+        entry: dict = {
+            "transport": "ssh",
+            "address": self.address,
+            "port": self.port,
+            "user": self.user,
+            "python": sys.executable,
+            "persist": 0,
+            "workdir": str(self.docker_dir(name) / "work"),
+            "container": {"runtime": "docker", "name": name, "docker": str(self.docker_path)},
+        }
         entry.update(extra)
         return entry
 

@@ -42,13 +42,15 @@ import sys
 import time
 
 # The helper: logs a SIGTERM (which the real compiler's ptxas would die of, mid-compile) and exits.
-HELPER = ("import os, signal, time\n"
-          "def term(*_):\n"
-          "    print('standin helper: got SIGTERM while the trainer was still running', flush=True)\n"
-          "    os._exit(1)\n"
-          "signal.signal(signal.SIGTERM, term)\n"
-          "print('standin: helper pid %d' % os.getpid(), flush=True)\n"
-          "time.sleep(3600)\n")
+HELPER = (
+    "import os, signal, time\n"
+    "def term(*_):\n"
+    "    print('standin helper: got SIGTERM while the trainer was still running', flush=True)\n"
+    "    os._exit(1)\n"
+    "signal.signal(signal.SIGTERM, term)\n"
+    "print('standin: helper pid %d' % os.getpid(), flush=True)\n"
+    "time.sleep(3600)\n"
+)
 
 
 def parse(argv):
@@ -102,8 +104,9 @@ def signal_cli_once_followed(opts, key):
         return
     deadline = time.time() + 120
     while time.time() < deadline and not any(
-            b"read" in words and run_id in words
-            for words in (cmdline(int(p)).split(b"\0") for p in os.listdir("/proc") if p.isdigit())):
+        b"read" in words and run_id in words
+        for words in (cmdline(int(p)).split(b"\0") for p in os.listdir("/proc") if p.isdigit())
+    ):
         time.sleep(0.05)
     signal_cli(opts, key)
     os._exit(0)
@@ -133,8 +136,12 @@ def main():
             return 0
         holds, pin = preflight_holds(opts)
         devices = ["cuda:%s" % g for g in holds if g != "cpu"] or ["cpu"]
-        print(json.dumps({"ok": True, "holds": holds, "pin": pin, "devices": devices, "summary": ["standin"],
-                          "plan": {}}), flush=True)
+        print(
+            json.dumps(
+                {"ok": True, "holds": holds, "pin": pin, "devices": devices, "summary": ["standin"], "plan": {}}
+            ),
+            flush=True,
+        )
         return 0
     if opts.get("standin.start_signal_cli"):
         signal_cli_once_followed(opts, "standin.start_signal_cli")
@@ -175,8 +182,17 @@ def main():
             loss = 5.0 / (1 + 0.1 * step)
             for i in range(int(opts["standin.lines"])):
                 print("step %d/%d loss %.4f line %d" % (step, steps, loss, i), flush=True)
-            record = {"step": step, "total_steps": steps, "loss": loss, "acceptance_length": 1 + step / steps * 3,
-                      "lr": 6e-4, "grad_norm": 1.0, "tokens_per_s": 1000.0, "step_time_s": step_time, "gpu_mem_gb": 0.0}
+            record = {
+                "step": step,
+                "total_steps": steps,
+                "loss": loss,
+                "acceptance_length": 1 + step / steps * 3,
+                "lr": 6e-4,
+                "grad_norm": 1.0,
+                "tokens_per_s": 1000.0,
+                "step_time_s": step_time,
+                "gpu_mem_gb": 0.0,
+            }
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             if every and step % every == 0:

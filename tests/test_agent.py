@@ -67,8 +67,9 @@ def test_installed_once_then_reused_then_replaced_when_it_changes(shim_host, req
 def test_a_hostile_workdir_path_over_ssh(shim_host, tmp_path):
     workdir = shim_host.container_dir(SHIM_VMID) / HOSTILE
     inventory = tmp_path / "hosts.yaml"
-    inventory.write_text(yaml.safe_dump({"default": "shim", "hosts": {
-        "shim": shim_host.host_entry(SHIM_VMID, workdir=str(workdir))}}))
+    inventory.write_text(
+        yaml.safe_dump({"default": "shim", "hosts": {"shim": shim_host.host_entry(SHIM_VMID, workdir=str(workdir))}})
+    )
     with shim_host.session(inventory=inventory) as session:
         assert list_runs(session.target("shim")) == [] and list_runs(session.target("shim")) == []
     assert [p.name for p in installed(workdir)] == [agent.bundle()[0]]

@@ -23,23 +23,29 @@ def one_line(result: subprocess.CompletedProcess) -> str:
 def test_arguments_that_are_not_utf8_pass_through_as_bytes(shim_host, where):
     hostile = [b"\xff", b"caf\xe9", b"\xc3\x28 mixed \xe2\x82\xac", b"-n", b"\x80\x81\x82"]
     for arg in hostile:
-        res = subprocess.run([*CLI, "exec", where, "--", "printf", "%s", arg], env=shim_host.env,
-                             capture_output=True, timeout=60)
+        res = subprocess.run(
+            [*CLI, "exec", where, "--", "printf", "%s", arg], env=shim_host.env, capture_output=True, timeout=60
+        )
         assert res.returncode == 0 and res.stdout == arg, (arg, res.stderr)
 
 
-@pytest.mark.parametrize("make, words", [
-    (lambda d: d / "nope", "no such file"),
-    (lambda d: d, "is a directory"),
-    (lambda d: (d / "junk").write_text("hello\n") and d / "junk", "is not a private key"),
-    (lambda d: d / "id.pub", "is a public key"),
-])
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda d: d / "nope", "no such file"),
+        (lambda d: d, "is a directory"),
+        (lambda d: (d / "junk").write_text("hello\n") and d / "junk", "is not a private key"),
+        (lambda d: d / "id.pub", "is a public key"),
+    ],
+)
 def test_a_bad_identity_file_names_the_file_and_the_field(shim_host, tmp_path, make, words):
     keys = tmp_path / "keys"
     keys.mkdir()
     keygen(keys / "id", "test")
     path = make(keys)
-    inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", {"k": shim_host.host_entry(200, identity_file=str(path))})
+    inventory = shim_host.write_inventory(
+        tmp_path / "hosts.yaml", {"k": shim_host.host_entry(200, identity_file=str(path))}
+    )
     res = shim_host.run_cli("exec", "k", "--", "true", env={"DFLASHCTL_INVENTORY": str(inventory)})
     assert res.returncode == 2
     assert one_line(res).startswith(f"error: hosts.yaml: host 'k': identity_file {path}: {words}")
@@ -59,7 +65,10 @@ def test_a_key_of_another_type_on_record_is_not_presented_as_new(shim_host, tmp_
     assert "offers a ssh-ed25519 key SHA256:" in one_line(trust)
     assert "a different key is already known for this host (ssh-rsa SHA256:" in one_line(trust)
     assert (home / ".ssh" / "known_hosts").read_text().count("\n") == 1  # nothing added
-    checks = {c["name"]: c for c in json.loads(shim_host.run_cli("hosts", "check", "shim", "--json", env=env).stdout)["checks"]}
+    checks = {
+        c["name"]: c
+        for c in json.loads(shim_host.run_cli("hosts", "check", "shim", "--json", env=env).stdout)["checks"]
+    }
     assert "hosts trust shim" not in checks["reachable"]["hint"] and "ssh-keygen -R" in checks["reachable"]["hint"]
 
 
@@ -80,14 +89,18 @@ def test_a_word_that_is_neither_host_nor_run_says_both(shim_host):
         res = shim_host.run_cli(*args)
         assert res.returncode == 5, args
         line = one_line(res)
-        assert line.startswith("error: 'nosuch' is neither a host in the inventory (hosts: ") and "nor a run on shim" in line
+        assert (
+            line.startswith("error: 'nosuch' is neither a host in the inventory (hosts: ")
+            and "nor a run on shim" in line
+        )
 
 
 def test_doctor_without_torch_is_exit_4_like_inspect(shim_host, tmp_path):
     bare = tmp_path / "bare"
     venv.EnvBuilder(with_pip=False).create(bare)
-    inventory = shim_host.write_inventory(tmp_path / "hosts.yaml",
-                                          {"notorch": shim_host.host_entry(200, python=str(bare / "bin" / "python"))})
+    inventory = shim_host.write_inventory(
+        tmp_path / "hosts.yaml", {"notorch": shim_host.host_entry(200, python=str(bare / "bin" / "python"))}
+    )
     env = {"DFLASHCTL_INVENTORY": str(inventory)}
     doctor = shim_host.run_cli("doctor", "notorch", "--quick", env=env, timeout=120)
     inspect = shim_host.run_cli("inspect", "compile_fx", "-H", "notorch", env=env)

@@ -46,9 +46,11 @@ def test_help_keeps_brackets_and_shows_no_meaningless_default(monkeypatch, capsy
 
 
 def test_runs_show_counts_steps_like_runs_list_after_a_resume():
-    records = [{"event": "train", "step": 20, "total_steps": 60, "loss": 2.0},
-               {"event": "eval", "step": 20, "total_steps": 60, "loss": 2.1, "acceptance_length": 1.5},
-               {"event": "start", "step": 20, "time_to_first_step_s": 9.0}]  # a resumed run, before its first step
+    records = [
+        {"event": "train", "step": 20, "total_steps": 60, "loss": 2.0},
+        {"event": "eval", "step": 20, "total_steps": 60, "loss": 2.1, "acceptance_length": 1.5},
+        {"event": "start", "step": 20, "time_to_first_step_s": 9.0},
+    ]  # a resumed run, before its first step
     assert dict(metrics_summary(records, 3))["step"] == "20/60"
 
 
@@ -60,8 +62,10 @@ def test_no_progress_line_before_the_first_training_record(tmp_path):
     first = {"event": "train", "step": 1, "total_steps": 60, "loss": 8.0, "acceptance_length": None}
     with metrics.open("a") as fh:
         fh.write(json.dumps(first) + "\n")
-    assert runctl.last_metrics(str(tmp_path)) == {**{k: v for k, v in first.items() if v is not None},
-                                                  "acceptance_length": 1.0}
+    assert runctl.last_metrics(str(tmp_path)) == {
+        **{k: v for k, v in first.items() if v is not None},
+        "acceptance_length": 1.0,
+    }
 
 
 def test_hosts_trust_in_a_pipe_keeps_the_fingerprint_on_its_line(shim_host, tmp_path):
@@ -77,12 +81,15 @@ def test_a_passphrase_protected_key_says_what_to_do(shim_host, tmp_path):
     key = tmp_path / "locked"
     shutil.copy(shim_host.home / ".ssh" / "id_ed25519", key)
     subprocess.run(["ssh-keygen", "-q", "-p", "-N", "secret", "-f", str(key)], check=True, capture_output=True)
-    inventory = shim_host.write_inventory(tmp_path / "hosts.yaml",
-                                          {"k": shim_host.host_entry(SHIM_VMID, identity_file=str(key))})
+    inventory = shim_host.write_inventory(
+        tmp_path / "hosts.yaml", {"k": shim_host.host_entry(SHIM_VMID, identity_file=str(key))}
+    )
     res = shim_host.run_cli("exec", "k", "--", "true", env={"DFLASHCTL_INVENTORY": str(inventory)})
     assert res.returncode == 3
-    assert res.stderr.strip() == (f"error: k: {key} is protected by a passphrase, which dflashctl does not ask for; "
-                                  f"load it into ssh-agent (ssh-add {key}) or use a key without a passphrase")
+    assert res.stderr.strip() == (
+        f"error: k: {key} is protected by a passphrase, which dflashctl does not ask for; "
+        f"load it into ssh-agent (ssh-add {key}) or use a key without a passphrase"
+    )
 
 
 def test_stopping_an_ended_run_does_not_say_stopping(shim_host):

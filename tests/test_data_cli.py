@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 
@@ -24,7 +23,9 @@ def test_push_list_skip_unchanged_and_replace(shim_host, tmp_path):
     b.write_text(rows(12, seed=3))
     first = shim_host.run_cli("data", "push", "shim", str(a), str(b))
     assert first.returncode == 0, first.stderr
-    assert "a.jsonl: sent" in first.stdout and "30 rows" in first.stdout and "data.train_path=data:a.jsonl" in first.stdout
+    assert (
+        "a.jsonl: sent" in first.stdout and "30 rows" in first.stdout and "data.train_path=data:a.jsonl" in first.stdout
+    )
     assert (data / "a.jsonl").read_bytes() == a.read_bytes()
     listed = json.loads(shim_host.run_cli("data", "list", "shim", "--json").stdout)
     sha = hashlib.sha256(a.read_bytes()).hexdigest()
@@ -48,14 +49,24 @@ def test_a_killed_push_leaves_the_old_copy_and_no_partial(shim_host, tmp_path):
     old = big.read_bytes()
     with big.open("w") as fh:  # 300 MB of rows: the transfer is still going when it is killed
         fh.write((json.dumps({"prompt": "x" * (1 << 20)}) + "\n") * 300)  # long rows: quick to check
-    proc = subprocess.Popen([*CLI, "data", "push", "shim", str(big)], env=shim_host.env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_until(lambda: any(p.name.startswith(".big.jsonl.partial.") and p.stat().st_size > (1 << 20)
-                           for p in data.iterdir()), 120, "a partial transfer")
+    proc = subprocess.Popen(
+        [*CLI, "data", "push", "shim", str(big)],
+        env=shim_host.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_until(
+        lambda: any(p.name.startswith(".big.jsonl.partial.") and p.stat().st_size > (1 << 20) for p in data.iterdir()),
+        120,
+        "a partial transfer",
+    )
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
-    wait_until(lambda: not any(p.name.startswith(".big.jsonl.partial.") for p in data.iterdir()), 60,
-               "the partial file to be removed")
+    wait_until(
+        lambda: not any(p.name.startswith(".big.jsonl.partial.") for p in data.iterdir()),
+        60,
+        "the partial file to be removed",
+    )
     assert (data / "big.jsonl").read_bytes() == old
 
 
@@ -63,13 +74,27 @@ def test_a_run_trains_on_a_pushed_dataset(shim_host, tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text(rows(40))
     assert shim_host.run_cli("data", "push", "shim", str(train), "--as", "mine").returncode == 0
-    res = shim_host.run_cli("train", "shim", "--set", "data.source=jsonl", "--set", "data.train_path=data:mine",
-                            "--set", "run.steps=4", "--set", "data.batch_size=4", "--set", "run.eval_every=4",
-                            "--follow", timeout=300)
+    res = shim_host.run_cli(
+        "train",
+        "shim",
+        "--set",
+        "data.source=jsonl",
+        "--set",
+        "data.train_path=data:mine",
+        "--set",
+        "run.steps=4",
+        "--set",
+        "data.batch_size=4",
+        "--set",
+        "run.eval_every=4",
+        "--follow",
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert "data: " + str(shim_host.container_dir(SHIM_VMID) / "work" / "data" / "mine") in res.stdout
-    missing = shim_host.run_cli("train", "shim", "--set", "data.source=jsonl", "--set", "data.train_path=data:nope",
-                                "--detach", timeout=300)
+    missing = shim_host.run_cli(
+        "train", "shim", "--set", "data.source=jsonl", "--set", "data.train_path=data:nope", "--detach", timeout=300
+    )
     assert missing.returncode == 2 and "data.train_path: no such file" in missing.stderr
 
 
@@ -77,12 +102,16 @@ def test_a_malformed_row_is_refused_before_anything_is_sent(shim_host, tmp_path)
     data = shim_host.container_dir(SHIM_VMID) / "work" / "data"
     good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
     good.write_text(rows(3))
-    cases = [('{"input_ids": [1, 2, 3]\n', "not JSON (Expecting ',' delimiter)"),
-             ('{"input_ids": [1, 2], "loss_mask": [1]}\n', "loss_mask has 1 entries, input_ids 2"),
-             ('{"text": "no known field"}\n', "the row has none of input_ids, messages or prompt"),
-             ('[1, 2]\n', "a row must be a JSON object, not list"),
-             ('{"messages": [{"role": "user", "content": "hi"}], "reply_ids": [1.5]}\n',
-              "reply_ids must be a non-empty flat list of integers")]
+    cases = [
+        ('{"input_ids": [1, 2, 3]\n', "not JSON (Expecting ',' delimiter)"),
+        ('{"input_ids": [1, 2], "loss_mask": [1]}\n', "loss_mask has 1 entries, input_ids 2"),
+        ('{"text": "no known field"}\n', "the row has none of input_ids, messages or prompt"),
+        ("[1, 2]\n", "a row must be a JSON object, not list"),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}], "reply_ids": [1.5]}\n',
+            "reply_ids must be a non-empty flat list of integers",
+        ),
+    ]
     for row, why in cases:
         bad.write_text(rows(2) + "\n" + row + rows(1))  # line 4: after two rows and a blank line
         res = shim_host.run_cli("data", "push", "shim", str(good), str(bad))
@@ -90,7 +119,11 @@ def test_a_malformed_row_is_refused_before_anything_is_sent(shim_host, tmp_path)
         assert res.stderr.splitlines() == [f"error: {bad}:4: {why}; nothing was pushed (row formats: docs/data.md)"]
         assert not (data / "good.jsonl").exists() and not (data / "bad.jsonl").exists()
     chat = tmp_path / "chat.jsonl"
-    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
-                    + json.dumps({"prompt": "Once upon"}) + "\n")
+    chat.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+        + "\n"
+        + json.dumps({"prompt": "Once upon"})
+        + "\n"
+    )
     ok = shim_host.run_cli("data", "push", "shim", str(chat))
     assert ok.returncode == 0 and "chat.jsonl: sent" in ok.stdout and "2 rows" in ok.stdout

@@ -17,17 +17,27 @@ from test_hosts import rows
 
 
 def test_exit_code_streams_stdin_and_cwd_pass_through(shim_host):
-    result = shim_host.run_cli("exec", "dock", "--", "sh", "-c", 'pwd; cat; echo oops >&2; exit 42', input="fed\n")
+    result = shim_host.run_cli("exec", "dock", "--", "sh", "-c", "pwd; cat; echo oops >&2; exit 42", input="fed\n")
     assert result.returncode == 42
     assert result.stdout == f"{shim_host.docker_dir(DOCKER_NAME)}\nfed\n" and result.stderr == "oops\n"
 
 
-@pytest.mark.parametrize("host,extra,message", [
-    ("dockstop", None, "error: dockstop: docker container 'halted' is not running (start it with `docker start halted`)"),
-    ("ghost", {"name": "ghost"}, "error: ghost: no docker container named 'ghost' (see `docker ps -a`)"),
-    ("nodocker", {"docker": "/nonexistent/docker"},
-     "error: nodocker: `/nonexistent/docker` not found on the host (set container.docker)"),
-])
+@pytest.mark.parametrize(
+    "host,extra,message",
+    [
+        (
+            "dockstop",
+            None,
+            "error: dockstop: docker container 'halted' is not running (start it with `docker start halted`)",
+        ),
+        ("ghost", {"name": "ghost"}, "error: ghost: no docker container named 'ghost' (see `docker ps -a`)"),
+        (
+            "nodocker",
+            {"docker": "/nonexistent/docker"},
+            "error: nodocker: `/nonexistent/docker` not found on the host (set container.docker)",
+        ),
+    ],
+)
 def test_unusable_container_is_exit_4_with_one_line(shim_host, tmp_path, host, extra, message):
     env = {}
     if extra:
@@ -80,17 +90,31 @@ def test_runs_list_over_two_hosts_names_each_runs_host(shim_host, tmp_path):
     listed = shim_host.run_cli("runs", "list", "dock,shim")
     assert listed.returncode == 0, listed.stderr
     header, *lines = listed.stdout.splitlines()  # in a pipe: plain columns, one run per line
-    assert header.split() == ["RUN", "NAME", "KIND", "STATE", "HOSTS", "GPUS", "STARTED", "DURATION", "STEP", "LOSS",
-                              "TAU"]
+    assert header.split() == [
+        "RUN",
+        "NAME",
+        "KIND",
+        "STATE",
+        "HOSTS",
+        "GPUS",
+        "STARTED",
+        "DURATION",
+        "STEP",
+        "LOSS",
+        "TAU",
+    ]
     rows = {line.split()[0]: line.split() for line in lines}
     assert {host: rows[run_id][4] for host, run_id in ids.items()} == {"dock": "dock", "shim": "shim"}
-    assert all(rows[run_id][2:4] == ["train", "succeeded"] for run_id in ids.values())  # whole words: `| grep succeeded`
+    assert all(
+        rows[run_id][2:4] == ["train", "succeeded"] for run_id in ids.values()
+    )  # whole words: `| grep succeeded`
     # A host that cannot be listed does not hide the others' runs: one error line each, its exit code.
     partial = shim_host.run_cli("runs", "list", "dock,dockstop,shim", "--json")
     assert partial.returncode == 4 and "Traceback" not in partial.stderr
     assert sorted(r["run_id"] for r in json.loads(partial.stdout)) == sorted(ids.values())
     assert partial.stderr.strip().splitlines() == [
-        "error: dockstop: docker container 'halted' is not running (start it with `docker start halted`)"]
+        "error: dockstop: docker container 'halted' is not running (start it with `docker start halted`)"
+    ]
     alone = shim_host.run_cli("runs", "list", "dockstop")  # one host: its error alone, no empty table
     assert alone.returncode == 4 and alone.stdout == "" and one_line_error(alone).startswith("error: dockstop: docker")
     both = shim_host.run_cli("runs", "list", "shim", "--all")

@@ -28,8 +28,22 @@ sys.path.insert(0, str(PAYLOAD))
 from dflash_train import doctor as D  # noqa: E402
 
 CLI = [sys.executable, "-c", "from dflashctl.cli import main; main()"]
-CHECK_IDS = ["python", "torch", "triton", "gpus", "driver", "capability", "inductor_cache", "tmp", "shm",
-             "smoke:off", "smoke:default", "smoke:cudagraph-trees", "smoke:cudagraphs", "verdict"]
+CHECK_IDS = [
+    "python",
+    "torch",
+    "triton",
+    "gpus",
+    "driver",
+    "capability",
+    "inductor_cache",
+    "tmp",
+    "shm",
+    "smoke:off",
+    "smoke:default",
+    "smoke:cudagraph-trees",
+    "smoke:cudagraphs",
+    "verdict",
+]
 
 
 # --- classification of one child -------------------------------------------------------------
@@ -43,12 +57,15 @@ def child(tmp_path: Path, body: str, timeout: float = 30) -> D.ChildRun:
 
 
 def test_exception_reports_first_line_and_innermost_frame(tmp_path: Path) -> None:
-    run = child(tmp_path, """
+    run = child(
+        tmp_path,
+        """
         def inner():
             raise ValueError("bad shape\\nsecond line")
 
         inner()
-    """)
+    """,
+    )
     result = D.classify(run)
     assert result["outcome"] == "exception" and result["returncode"] == 1
     assert result["error"] == "ValueError: bad shape"
@@ -56,14 +73,17 @@ def test_exception_reports_first_line_and_innermost_frame(tmp_path: Path) -> Non
 
 
 def test_segfault_reports_the_crashing_frame(tmp_path: Path) -> None:
-    run = child(tmp_path, """
+    run = child(
+        tmp_path,
+        """
         import ctypes
 
         def poke():
             ctypes.string_at(0)
 
         poke()
-    """)
+    """,
+    )
     result = D.classify(run)
     assert result["outcome"] == "segfault" and result["error"] == "killed by SIGSEGV"
     assert result["where"].startswith(f"{tmp_path}/child.py:5 in poke (innermost: ")
@@ -72,7 +92,9 @@ def test_segfault_reports_the_crashing_frame(tmp_path: Path) -> None:
 
 def test_hang_is_killed_with_its_process_group_and_located(tmp_path: Path) -> None:
     pid_file = tmp_path / "grandchild.pid"
-    run = child(tmp_path, f"""
+    run = child(
+        tmp_path,
+        f"""
         import faulthandler, signal, subprocess, threading, time
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         grandchild = subprocess.Popen(["sleep", "300"])
@@ -84,7 +106,9 @@ def test_hang_is_killed_with_its_process_group_and_located(tmp_path: Path) -> No
         worker = threading.Thread(target=stuck)
         worker.start()
         worker.join()
-    """, timeout=3)
+    """,
+        timeout=3,
+    )
     result = D.classify(run)
     assert result["outcome"] == "hang" and result["error"].startswith("no result within 3 s")
     assert result["where"] == f"{tmp_path}/child.py:8 in stuck"
@@ -115,27 +139,40 @@ def test_the_smoke_clock_starts_once_the_child_has_imported(tmp_path: Path) -> N
 def test_a_child_stuck_before_it_started_is_a_hang_in_its_imports(tmp_path: Path) -> None:
     script = tmp_path / "child.py"
     script.write_text("import threading\nthreading.Event().wait()\n")
-    run = D.run_child([sys.executable, "-X", "faulthandler", str(script)], 30, started=tmp_path / "started",
-                      start_bound=1)
+    run = D.run_child(
+        [sys.executable, "-X", "faulthandler", str(script)], 30, started=tmp_path / "started", start_bound=1
+    )
     assert run.timed_out and not run.started
     assert D.classify(run)["error"] == "not started (importing torch) within 1 s; process group killed"
 
 
 def test_a_printed_result_wins(tmp_path: Path) -> None:
-    run = child(tmp_path, """
+    run = child(
+        tmp_path,
+        """
         import json
         print(json.dumps({"outcome": "ok", "ms_per_step": [1.5, 1.6], "losses": [2.0, 2.0], "losses_agree": True}))
-    """)
-    assert D.classify(run) == {"seconds": round(run.seconds, 1), "returncode": 0, "outcome": "ok",
-                               "ms_per_step": [1.5, 1.6], "losses": [2.0, 2.0], "losses_agree": True}
+    """,
+    )
+    assert D.classify(run) == {
+        "seconds": round(run.seconds, 1),
+        "returncode": 0,
+        "outcome": "ok",
+        "ms_per_step": [1.5, 1.6],
+        "losses": [2.0, 2.0],
+        "losses_agree": True,
+    }
 
 
 def test_a_crash_after_the_result_is_noted(tmp_path: Path) -> None:
-    run = child(tmp_path, """
+    run = child(
+        tmp_path,
+        """
         import ctypes, json
         print(json.dumps({"outcome": "exception", "error": "RuntimeError: x", "where": "a.py:1"}), flush=True)
         ctypes.string_at(0)
-    """)
+    """,
+    )
     result = D.classify(run)
     assert result["outcome"] == "exception" and result["returncode"] == -11
     assert result["after"] == "then died of SIGSEGV while exiting"
@@ -149,7 +186,11 @@ def test_a_crash_after_the_result_is_noted(tmp_path: Path) -> None:
 def test_gpu_mismatch_names_the_absent_device_nodes(tmp_path: Path) -> None:
     (tmp_path / "nvidiactl").touch()
     (tmp_path / "nvidia0").touch()
-    smi = {"gpus": [{"index": 0, "name": "NVIDIA H200"}, {"index": 1, "name": "NVIDIA H200"}], "driver": "580", "cuda": "13.0"}
+    smi = {
+        "gpus": [{"index": 0, "name": "NVIDIA H200"}, {"index": 1, "name": "NVIDIA H200"}],
+        "driver": "580",
+        "cuda": "13.0",
+    }
     row = D.check_gpus(smi, 0, None, dev=tmp_path)
     assert row.status == "fail" and row.result == "2 seen by nvidia-smi, 0 by torch"
     assert "absent: /dev/nvidia-uvm /dev/nvidia1" in row.evidence and "lxc.mount.entry" in row.hint
@@ -157,12 +198,22 @@ def test_gpu_mismatch_names_the_absent_device_nodes(tmp_path: Path) -> None:
 
 
 def test_smoke_rows_and_verdict() -> None:
-    ok = {"outcome": "ok", "devices": ["cuda:0", "cuda:1"], "ms_per_step": [10.0, 11.0], "compile_s": [20.0, 9.0],
-          "losses": [0.5, 0.5], "losses_agree": True}
+    ok = {
+        "outcome": "ok",
+        "devices": ["cuda:0", "cuda:1"],
+        "ms_per_step": [10.0, 11.0],
+        "compile_s": [20.0, 9.0],
+        "losses": [0.5, 0.5],
+        "losses_agree": True,
+    }
     smoke = {
         "off": {**ok, "ms_per_step": [9.0, 9.5]},
         "default": ok,
-        "cudagraph-trees": {"outcome": "exception", "error": "AssertionError: ", "where": "torch/_inductor/cudagraph_trees.py:359 in get_obj"},
+        "cudagraph-trees": {
+            "outcome": "exception",
+            "error": "AssertionError: ",
+            "where": "torch/_inductor/cudagraph_trees.py:359 in get_obj",
+        },
         "cudagraphs": {**ok, "ms_per_step": [5.0, 5.5]},
     }
     allowed = {"off", "default", "cudagraphs"}
@@ -172,11 +223,13 @@ def test_smoke_rows_and_verdict() -> None:
     assert diverged.status == "fail" and "disagree" in diverged.result
     verdict = D.verdict_check("cuda", "default", smoke, 2)
     assert verdict.status == "ok" and verdict.result.startswith("trainer uses default")
-    assert verdict.result.endswith("launcher (run.launcher auto, 2 GPU(s)): threads for target hidden >= 1024, "
-                                   "processes for target hidden < 1024")
+    assert verdict.result.endswith(
+        "launcher (run.launcher auto, 2 GPU(s)): threads for target hidden >= 1024, processes for target hidden < 1024"
+    )
     assert D.verdict_check("cuda", "default", smoke, 1).result.endswith("threads for target hidden < 1024")
-    assert D.verdict_check("cuda", "default", smoke, 4).result.endswith(": processes for target hidden >= 1024, "
-                                                                      "processes for target hidden < 1024")
+    assert D.verdict_check("cuda", "default", smoke, 4).result.endswith(
+        ": processes for target hidden >= 1024, processes for target hidden < 1024"
+    )
     assert verdict.hint == "run.compile: cudagraphs was 2.0x faster here"
     broken = D.verdict_check("cuda", "default", {**smoke, "default": {"outcome": "hang"}}, 2)
     assert broken.status == "fail" and broken.hint == "set run.compile: cudagraphs (its smoke test passed)"
@@ -190,8 +243,14 @@ def test_inject_spec() -> None:
     for bad in ("2", "0,x"):
         with pytest.raises(D.ArgumentError, match="--gpus"):
             D.parse_gpus(bad, 2)
-    assert DoctorOptions(quick=True, inject="hang:off").argv() == ["report", "--smoke-timeout", "120.0", "--quick",
-                                                                  "--inject", "hang:off"]
+    assert DoctorOptions(quick=True, inject="hang:off").argv() == [
+        "report",
+        "--smoke-timeout",
+        "120.0",
+        "--quick",
+        "--inject",
+        "hang:off",
+    ]
 
 
 def test_jobs_spec_and_default() -> None:
@@ -204,8 +263,17 @@ def test_jobs_spec_and_default() -> None:
     assert D.default_jobs(2, 128) == 2
 
 
-@pytest.mark.parametrize("cpu_max, expected", [(None, 64), ("max 100000\n", 64), ("200000 100000\n", 2),
-                                               ("150000 100000\n", 2), ("50000 100000\n", 1), ("garbage", 64)])
+@pytest.mark.parametrize(
+    "cpu_max, expected",
+    [
+        (None, 64),
+        ("max 100000\n", 64),
+        ("200000 100000\n", 2),
+        ("150000 100000\n", 2),
+        ("50000 100000\n", 1),
+        ("garbage", 64),
+    ],
+)
 def test_usable_cpus_honours_a_cgroup_quota(tmp_path, monkeypatch, cpu_max, expected) -> None:
     # A container's quota (docker --cpus 2) caps the compile-pass children, not the host's count.
     monkeypatch.setattr(D.os, "sched_getaffinity", lambda pid: set(range(64)))
@@ -223,13 +291,17 @@ def test_usable_cpus_honours_a_cgroup_quota(tmp_path, monkeypatch, cpu_max, expe
 def local_env(tmp_path: Path) -> dict[str, str]:
     """Environment for the CLI with a `local` host whose work directory is under tmp_path."""
     inventory = tmp_path / "hosts.yaml"
-    inventory.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local", "workdir": str(tmp_path / "work")}}}))
+    inventory.write_text(
+        yaml.safe_dump({"hosts": {"local": {"transport": "local", "workdir": str(tmp_path / "work")}}})
+    )
     return {**os.environ, "DFLASHCTL_INVENTORY": str(inventory), "NO_COLOR": "1", "COLUMNS": "250"}
 
 
 def cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run dflashctl in a subprocess."""
-    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
 
 
 def rows(doc: dict) -> dict[str, dict]:
@@ -244,8 +316,9 @@ def rows(doc: dict) -> dict[str, dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("jobs", [[], ["--jobs", "2"]], ids=["default-jobs", "jobs-2"])
 def test_local_injected_crash_and_hang(local_env: dict[str, str], jobs: list[str]) -> None:
-    proc = cli(local_env, "doctor", "local", "--json", "--inject", "crash:default,hang:off", "--smoke-timeout", "15",
-               *jobs)
+    proc = cli(
+        local_env, "doctor", "local", "--json", "--inject", "crash:default,hang:off", "--smoke-timeout", "15", *jobs
+    )
     assert proc.returncode == 1, proc.stderr
     doc = json.loads(proc.stdout)
     by_id = rows(doc)
@@ -253,7 +326,9 @@ def test_local_injected_crash_and_hang(local_env: dict[str, str], jobs: list[str
     smoke = {s["policy"]: s for s in doc["smoke"]}
     assert smoke["default"]["outcome"] == "exception" and smoke["default"]["injected"] == "crash"
     assert smoke["default"]["error"] == "InjectedFault: injected fault at build on worker 0 (fail_at=build)"
-    assert smoke["default"]["where"].startswith("dflash_train/workers.py:") and smoke["default"]["where"].endswith(" in _maybe_fail")
+    assert smoke["default"]["where"].startswith("dflash_train/workers.py:") and smoke["default"]["where"].endswith(
+        " in _maybe_fail"
+    )
     assert any("injected fault" in line for line in smoke["default"]["stderr_tail"])
     assert smoke["off"]["outcome"] == "hang" and smoke["off"]["returncode"] is None
     assert "in hang_forever" in smoke["off"]["where"]
@@ -268,7 +343,9 @@ def test_local_injected_crash_and_hang(local_env: dict[str, str], jobs: list[str
     label = " (compile pass)" if jobs else ""
     assert f"smoke off{label}: hang" in proc.stderr and f"smoke default{label}: exception" in proc.stderr  # streamed
     if jobs:  # both children at once: the second started before the first (a 15 s hang) ended
-        assert proc.stderr.index("smoke default (compile pass) on cpu+cpu") < proc.stderr.index("smoke off (compile pass): hang")
+        assert proc.stderr.index("smoke default (compile pass) on cpu+cpu") < proc.stderr.index(
+            "smoke off (compile pass): hang"
+        )
         # found in the compile pass: neither is run again for timing
         assert "smoke off on" not in proc.stderr and "smoke default on" not in proc.stderr
         assert by_id["smoke:off"]["evidence"].count("(compile pass)") == 1
@@ -287,8 +364,11 @@ def test_local_quick_table(local_env: dict[str, str]) -> None:
     assert header.split() == ["CHECK", "STATUS", "RESULT"]
     width = header.index("STATUS")
     statuses = {"ok", "warn", "fail", "n/a", "skipped"}
-    rows = {line[:width].strip(): line[width:] for line in rest if line[width:].split()[:1] and
-            line[width:].split()[0] in statuses and line[width - 2:width] == "  "}
+    rows = {
+        line[:width].strip(): line[width:]
+        for line in rest
+        if line[width:].split()[:1] and line[width:].split()[0] in statuses and line[width - 2 : width] == "  "
+    }
     assert rows["threads: eager"].split()[0] == "skipped"
     assert rows["threads: reduce-overhead, trees"].split()[0] == "n/a" and rows["GPUs"].split()[0] == "n/a"
     assert "trainer uses off" in rows["verdict"]
@@ -305,8 +385,20 @@ def test_bad_gpu_index_is_a_usage_error(local_env: dict[str, str]) -> None:
 def test_compile_pass_then_timed_pass(local_env: dict[str, str]) -> None:
     # --jobs 2: both policies first run one step at once (the compile pass); the one that passed is
     # then run again alone for its timing, the one that crashed keeps its compile-pass finding.
-    proc = cli(local_env, "doctor", "local", "--json", "--policies", "off,default", "--inject", "crash:default",
-               "--jobs", "2", "--smoke-timeout", "60")
+    proc = cli(
+        local_env,
+        "doctor",
+        "local",
+        "--json",
+        "--policies",
+        "off,default",
+        "--inject",
+        "crash:default",
+        "--jobs",
+        "2",
+        "--smoke-timeout",
+        "60",
+    )
     assert proc.returncode == 1, proc.stderr
     smoke = {s["policy"]: s for s in json.loads(proc.stdout)["smoke"]}
     assert smoke["default"]["outcome"] == "exception" and smoke["default"]["found_in"] == "compile pass"
@@ -323,10 +415,17 @@ def test_bad_jobs_is_a_usage_error(local_env: dict[str, str]) -> None:
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "error: doctor: --jobs takes how many smoke tests run at once, 1 or more, got '0'"
     # The container side's answer is that one line.
-    direct = subprocess.run([sys.executable, "-m", "dflash_train.doctor", "report", "--quick", "--jobs", "0"],
-                            capture_output=True, text=True, env=D.child_env(), timeout=120)
+    direct = subprocess.run(
+        [sys.executable, "-m", "dflash_train.doctor", "report", "--quick", "--jobs", "0"],
+        capture_output=True,
+        text=True,
+        env=D.child_env(),
+        timeout=120,
+    )
     assert direct.returncode == 2 and direct.stdout == ""
-    assert direct.stderr.splitlines() == ["doctor usage error: --jobs takes how many smoke tests run at once, 1 or more, got '0'"]
+    assert direct.stderr.splitlines() == [
+        "doctor usage error: --jobs takes how many smoke tests run at once, 1 or more, got '0'"
+    ]
 
 
 def test_shim_host_quick(sshd_host) -> None:  # type: ignore[no-untyped-def]
@@ -350,7 +449,9 @@ def test_parse_report_ignores_noise() -> None:
 
 @pytest.mark.slow
 def test_local_compile_default_in_threads(local_env: dict[str, str]) -> None:
-    proc = cli(local_env, "doctor", "local", "--json", "--policies", "off,default", "--smoke-timeout", "300", timeout=700)
+    proc = cli(
+        local_env, "doctor", "local", "--json", "--policies", "off,default", "--smoke-timeout", "300", timeout=700
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     by_id = rows(doc)

@@ -15,7 +15,9 @@ TRAIN = ["--set", "run.steps=60", "--set", "run.eval_every=60", "--set", "run.ch
 
 def local_env(tmp_path: Path) -> dict[str, str]:
     inventory = tmp_path / "hosts.yaml"
-    inventory.write_text(f"default: local\nhosts:\n  local: {{transport: local, workdir: {json.dumps(str(tmp_path / 'wd'))}}}\n")
+    inventory.write_text(
+        f"default: local\nhosts:\n  local: {{transport: local, workdir: {json.dumps(str(tmp_path / 'wd'))}}}\n"
+    )
     return {"DFLASHCTL_INVENTORY": str(inventory)}
 
 
@@ -31,7 +33,9 @@ def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, tmp_path, where)
     env = local_env(tmp_path) if where == "local" else {}
     trained = shim_host.run_cli("train", where, "--name", "ev", *TRAIN, env=env, timeout=300)
     assert trained.returncode == 0, trained.stderr
-    res = shim_host.run_cli("eval", where, "ev", "--count", "6", "--max-new-tokens", "24", "--json", env=env, timeout=300)
+    res = shim_host.run_cli(
+        "eval", where, "ev", "--count", "6", "--max-new-tokens", "24", "--json", env=env, timeout=300
+    )
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["identical"] and report["prompts"] == 6 and 1.0 <= report["tau"] <= 8
@@ -47,21 +51,33 @@ def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, tmp_path, where)
     header, row = listed.stdout.splitlines()[:2]
     assert header.split()[-1] == "TAU" and row.split()[-1] == f"{report['tau_prompt_mean']:.2f}"
     shown = shim_host.run_cli("runs", "show", where, "ev", "--no-curves", env=env)
-    assert (f"speculative tau {report['tau_prompt_mean']:.3f} (mean of per-prompt tau; pooled {report['tau']:.3f})"
-            in shown.stdout and "identical: yes" in shown.stdout)
+    assert (
+        f"speculative tau {report['tau_prompt_mean']:.3f} (mean of per-prompt tau; pooled {report['tau']:.3f})"
+        in shown.stdout
+        and "identical: yes" in shown.stdout
+    )
     lookup_mean = free["tau_prompt_mean"]
     assert f"prompt lookup: tau {lookup_mean:.3f}, speedup {free['speedup']:.2f}x" in shown.stdout
     if where == "local":
-        return  # the text report and eval's options are the CLI's and the payload's, alike on every transport: once, through sshd
+        # the text report and eval's options are the CLI's and the payload's, alike on every transport:
+        # once, through sshd
+        return
     text = shim_host.run_cli("eval", where, "ev", "--count", "2", "--max-new-tokens", "8", env=env, timeout=300)
-    assert text.returncode == 0 and "output identical to the target's own greedy decode: yes (2/2 prompts)" in text.stdout
-    assert "mean of per-prompt tau (z-lab's benchmark.py)" in text.stdout and "pooled over all verify steps" in text.stdout
+    assert (
+        text.returncode == 0 and "output identical to the target's own greedy decode: yes (2/2 prompts)" in text.stdout
+    )
+    assert (
+        "mean of per-prompt tau (z-lab's benchmark.py)" in text.stdout and "pooled over all verify steps" in text.stdout
+    )
     assert "prompt lookup (the free baseline: 7 tokens" in text.stdout and "identical: yes (2/2 prompts)" in text.stdout
     assert "drafter / prompt lookup: tau" in text.stdout
-    off = shim_host.run_cli("eval", where, "ev", "--count", "1", "--max-new-tokens", "4", "--no-baseline", "--json",
-                            env=env, timeout=300)
+    off = shim_host.run_cli(
+        "eval", where, "ev", "--count", "1", "--max-new-tokens", "4", "--no-baseline", "--json", env=env, timeout=300
+    )
     assert off.returncode == 0 and json.loads(off.stdout)["baseline"] is None, off.stderr
-    sampled = shim_host.run_cli("eval", where, "ev", "--count", "2", "--temperature", "0.8", "--json", env=env, timeout=300)
+    sampled = shim_host.run_cli(
+        "eval", where, "ev", "--count", "2", "--temperature", "0.8", "--json", env=env, timeout=300
+    )
     assert sampled.returncode == 0, sampled.stderr
     report = json.loads(sampled.stdout)
     assert report["temperature"] == 0.8 and report["identical"] is None and 1.0 <= report["tau"] <= 8
@@ -88,7 +104,10 @@ def test_eval_bad_input_is_one_line(shim_host, tmp_path):
     res = shim_host.run_cli("eval", "local", "ev", "--prompts", str(bad), env=env, timeout=120)
     assert res.returncode == 2 and "prompts line 1: expected a JSON object with input_ids" in one_line(res)
     res = shim_host.run_cli("eval", "local", "ev", "--gpus", "0,1", env=env)
-    assert res.returncode == 2 and one_line(res) == "error: --gpus 0,1: eval runs on one GPU (the loop decodes one prompt at a time)"
+    assert (
+        res.returncode == 2
+        and one_line(res) == "error: --gpus 0,1: eval runs on one GPU (the loop decodes one prompt at a time)"
+    )
     res = shim_host.run_cli("eval", "local", "ev", "--gpus", "0", env=env, timeout=120)  # this machine has no GPU
     assert res.returncode == 2 and "CUDA" in one_line(res), res.stderr
 

@@ -25,7 +25,7 @@ def one_line_error(result: subprocess.CompletedProcess) -> str:
 
 
 def test_exit_code_and_streams_pass_through(shim_host, shim_container):
-    result = shim_host.run_cli("exec", "shim", "--", "sh", "-c", 'pwd; echo oops >&2; exit 42')
+    result = shim_host.run_cli("exec", "shim", "--", "sh", "-c", "pwd; echo oops >&2; exit 42")
     assert result.returncode == 42
     assert result.stdout == f"{shim_container}\n"
     assert result.stderr == "oops\n"
@@ -68,11 +68,20 @@ def test_unknown_host_exit_2(shim_host):
     assert "unknown host 'nope'" in one_line_error(result)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["logs", "tail", "shim", "-n", "-2"], "error: -n takes 0 or more lines (-1: the whole log) and --since-step 0 or more"),
-    (["logs", "tail", "--since-step", "-1"], "error: -n takes 0 or more lines (-1: the whole log) and --since-step 0 or more"),
-    (["runs", "stop", "shim", "--grace", "-1"], "error: --grace must be 0 or more seconds, got -1"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["logs", "tail", "shim", "-n", "-2"],
+            "error: -n takes 0 or more lines (-1: the whole log) and --since-step 0 or more",
+        ),
+        (
+            ["logs", "tail", "--since-step", "-1"],
+            "error: -n takes 0 or more lines (-1: the whole log) and --since-step 0 or more",
+        ),
+        (["runs", "stop", "shim", "--grace", "-1"], "error: --grace must be 0 or more seconds, got -1"),
+    ],
+)
 def test_bad_numbers_are_usage_errors_before_any_remote_call(shim_host, args, message):
     result = shim_host.run_cli(*args)
     assert result.returncode == 2 and one_line_error(result) == message
@@ -88,7 +97,11 @@ def test_exec_needs_a_command(shim_host):
 
 def _with_host(shim_host, tmp_path, **entry):
     """An inventory with one extra host `x` (entry over the bare host's settings)."""
-    return {"DFLASHCTL_INVENTORY": str(shim_host.write_inventory(tmp_path / "hosts.yaml", {"x": shim_host.host_entry(None, **entry)}))}
+    return {
+        "DFLASHCTL_INVENTORY": str(
+            shim_host.write_inventory(tmp_path / "hosts.yaml", {"x": shim_host.host_entry(None, **entry)})
+        )
+    }
 
 
 def test_closed_port_exit_3(shim_host, tmp_path):
@@ -102,7 +115,9 @@ def test_closed_port_exit_3(shim_host, tmp_path):
 
 
 def test_unresolvable_address_exit_3(shim_host, tmp_path):
-    result = shim_host.run_cli("exec", "x", "--", "true", env=_with_host(shim_host, tmp_path, address="no-such-host.invalid"))
+    result = shim_host.run_cli(
+        "exec", "x", "--", "true", env=_with_host(shim_host, tmp_path, address="no-such-host.invalid")
+    )
     assert result.returncode == 3
     assert "cannot resolve host 'no-such-host.invalid'" in one_line_error(result)
 
@@ -127,7 +142,9 @@ def test_no_banner_is_retried_then_reported(shim_host):
     accepted: list[socket.socket] = []
     threading.Thread(target=lambda: [accepted.append(silent.accept()[0]) for _ in range(2)], daemon=True).start()
     host = HostSpec(name="silent", address="127.0.0.1", port=silent.getsockname()[1])
-    transport = SshTransport(host, SshOptions(home=shim_host.home, agent=False, connect_timeout=0.5, attempts=2, backoff_s=0.1))
+    transport = SshTransport(
+        host, SshOptions(home=shim_host.home, agent=False, connect_timeout=0.5, attempts=2, backoff_s=0.1)
+    )
     try:
         with pytest.raises(ConnectError, match="no SSH banner.*after 2 attempts"):
             transport.run(["true"])
@@ -200,8 +217,11 @@ def test_ssh_config_alias_and_proxy_jump(shim_host, tmp_path):
         f"  IdentityFile {home}/.ssh/id_ed25519\n"
     )
     extra = {
-        "alias": {"address": "gpubox", "persist": 0,
-                  "container": {"runtime": "pct", "vmid": 200, "pct": str(shim_host.pct_path)}},
+        "alias": {
+            "address": "gpubox",
+            "persist": 0,
+            "container": {"runtime": "pct", "vmid": 200, "pct": str(shim_host.pct_path)},
+        },
         "jumped": shim_host.host_entry(None, proxy_jump=f"{shim_host.user}@127.0.0.1:{shim_host.port}"),
     }
     env = {"HOME": str(home), "DFLASHCTL_INVENTORY": str(shim_host.write_inventory(tmp_path / "hosts.yaml", extra))}

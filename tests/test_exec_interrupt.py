@@ -47,7 +47,7 @@ def alive(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return False
-    return stat[stat.rfind(b")") + 2:][:1] != b"Z"
+    return stat[stat.rfind(b")") + 2 :][:1] != b"Z"
 
 
 def kill_left(pids: list[int]) -> None:
@@ -60,8 +60,13 @@ def kill_left(pids: list[int]) -> None:
 def interrupt(env: dict, host: str, argv: list[str]) -> tuple[list[int], subprocess.CompletedProcess]:
     """`dflashctl exec host -- argv`, SIGINT once it printed its `ready PID...` line: the pids and
     the CLI's outcome."""
-    proc = subprocess.Popen([*CLI, "exec", host, "--", *argv], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*CLI, "exec", host, "--", *argv],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         words = proc.stdout.readline().split()
         assert words[:1] == [b"ready"], (words, proc.stderr.read1(4096) if proc.poll() is not None else b"")
@@ -131,7 +136,6 @@ def test_hostile_arguments_survive_the_guard(container_target, args):
     assert result.stdout == b"".join(a.encode() + b"\0" for a in args)
 
 
-
 # Prints its pid, then writes for good, through SIGPIPE and EPIPE and every polite signal.
 ENDLESS_WRITER = """
 import os, signal, sys, time
@@ -151,9 +155,13 @@ while True:
 def test_our_stdout_closing_ends_a_writer_that_survives_epipe(mux, where):
     """`exec h -- cmd | head`: exit 255 as ssh, and the command is stopped too (before: a
     command that shrugged off EPIPE wrote on for good)."""
-    proc = subprocess.Popen([*CLI, "exec", where, "--", sys.executable, "-c", ENDLESS_WRITER],
-                            env={**mux.sshd.env, **mux.env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*CLI, "exec", where, "--", sys.executable, "-c", ENDLESS_WRITER],
+        env={**mux.sshd.env, **mux.env},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         pid = int(proc.stdout.readline())
         assert proc.stdout.read(10) == b"x" * 10
@@ -176,7 +184,10 @@ def test_a_command_that_could_not_be_stopped_is_reported(shim_host, tmp_path):
     clone's CI at load 11 once failed a check pinned to the first reason; its output was not kept,
     so the assertions now print the line)."""
     entry = shim_host.host_entry(200, python="/nonexistent/python3")
-    env = {**shim_host.env, "DFLASHCTL_INVENTORY": str(shim_host.write_inventory(tmp_path / "hosts.yaml", {"nopy": entry}))}
+    env = {
+        **shim_host.env,
+        "DFLASHCTL_INVENTORY": str(shim_host.write_inventory(tmp_path / "hosts.yaml", {"nopy": entry})),
+    }
     pids, res = interrupt(env, "nopy", ["sh", "-c", "echo ready $$; exec sleep 302"])
     try:
         assert res.returncode == 130

@@ -33,16 +33,30 @@ def test_hosts_list_shows_every_host_and_the_default(shim_host):
 def test_check_passes_on_shim_host_and_local(shim_host):
     """Both checks import torch remotely, so they run side by side."""
     procs = {
-        name: subprocess.Popen([*CLI, "hosts", "check", name, *flags], env=shim_host.env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        name: subprocess.Popen(
+            [*CLI, "hosts", "check", name, *flags],
+            env=shim_host.env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
         for name, flags in (("shim", ["--json"]), ("local", []))
     }
     outs = {name: proc.communicate(timeout=300) for name, proc in procs.items()}
     shim = subprocess.CompletedProcess([], procs["shim"].returncode, *outs["shim"])
     assert shim.returncode == 0, shim.stdout + shim.stderr
     checks = rows(shim)
-    assert list(checks) == ["reachable", "container", "interpreter", "torch", "triton", "trainer packages", "cuda",
-                           "nvidia-smi"]
+    assert list(checks) == [
+        "reachable",
+        "container",
+        "interpreter",
+        "torch",
+        "triton",
+        "trainer packages",
+        "cuda",
+        "nvidia-smi",
+    ]
     assert checks["container"]["detail"] == "pct 200 running"
     assert checks["torch"]["detail"].startswith("2.")
     local_out, local_err = outs["local"]
@@ -84,7 +98,9 @@ def test_check_stopped_container_fails_with_hint(shim_host):
 def test_check_unreachable_host_is_a_failed_row(shim_host, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", {"x": shim_host.host_entry(None, port=sock.getsockname()[1])})
+        inventory = shim_host.write_inventory(
+            tmp_path / "hosts.yaml", {"x": shim_host.host_entry(None, port=sock.getsockname()[1])}
+        )
         result = shim_host.run_cli("hosts", "check", "x", env={"DFLASHCTL_INVENTORY": str(inventory)})
     assert result.returncode == 1
     assert "reachable" in result.stdout and "FAIL" in result.stdout and "connection refused" in result.stdout
@@ -98,7 +114,9 @@ def test_check_unknown_key_hints_trust(shim_host, tmp_path):
 
 
 def test_check_missing_interpreter(shim_host, tmp_path):
-    inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", {"nopy": shim_host.host_entry(200, python="/nonexistent/python3")})
+    inventory = shim_host.write_inventory(
+        tmp_path / "hosts.yaml", {"nopy": shim_host.host_entry(200, python="/nonexistent/python3")}
+    )
     result = shim_host.run_cli("hosts", "check", "nopy", "--json", env={"DFLASHCTL_INVENTORY": str(inventory)})
     assert result.returncode == 1
     checks = rows(result)
@@ -109,18 +127,36 @@ def test_check_missing_interpreter(shim_host, tmp_path):
 def test_gpu_rows_from_probe_answers():
     """Row logic for GPU hosts, which CI does not have (the probe's JSON is the interface)."""
     gpu_host = HostSpec(name="g", gpus=(0, 1))
-    no_cuda = {c.name: c for c in _interpreter_checks(gpu_host, {"python": "3.11", "torch": "2.13.0", "nvidia_smi": None})}
+    no_cuda = {
+        c.name: c for c in _interpreter_checks(gpu_host, {"python": "3.11", "torch": "2.13.0", "nvidia_smi": None})
+    }
     assert not no_cuda["cuda"].ok and not no_cuda["nvidia-smi"].ok and not no_cuda["triton"].ok
     answer = {
-        "python": "3.11", "torch": "2.13.0", "triton": "3.5.0", "cuda_available": True, "cuda_version": "12.8",
-        "gpu_count": 2, "gpu_names": ["NVIDIA H200", "NVIDIA H200"],
+        "python": "3.11",
+        "torch": "2.13.0",
+        "triton": "3.5.0",
+        "cuda_available": True,
+        "cuda_version": "12.8",
+        "gpu_count": 2,
+        "gpu_names": ["NVIDIA H200", "NVIDIA H200"],
         "packages": {"numpy": "2.1.0", "safetensors": "0.4.5", "yaml": "6.0.2"},
-        "nvidia_smi": {"gpus": [{"index": "0", "name": "NVIDIA H200", "memory_total_mib": "143771",
-                                 "memory_used_mib": "0", "utilization_pct": "0"}]},
+        "nvidia_smi": {
+            "gpus": [
+                {
+                    "index": "0",
+                    "name": "NVIDIA H200",
+                    "memory_total_mib": "143771",
+                    "memory_used_mib": "0",
+                    "utilization_pct": "0",
+                }
+            ]
+        },
     }
     ok = {c.name: c for c in _interpreter_checks(gpu_host, answer)}
     assert all(c.ok for c in ok.values()) and "2 GPU(s)" in ok["cuda"].detail
     three = {c.name: c for c in _interpreter_checks(HostSpec(name="g", gpus=(0, 2)), answer)}
     assert not three["cuda"].ok and "[2]" in three["cuda"].hint
-    missing = {c.name: c for c in _interpreter_checks(gpu_host, {**answer, "packages": {**answer["packages"], "yaml": None}})}
+    missing = {
+        c.name: c for c in _interpreter_checks(gpu_host, {**answer, "packages": {**answer["packages"], "yaml": None}})
+    }
     assert not missing["trainer packages"].ok and missing["trainer packages"].hint.endswith("pip install pyyaml")

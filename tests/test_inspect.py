@@ -133,10 +133,13 @@ def torch_jobs(sshd_host, edgy_dir, tmp_path_factory):  # type: ignore[no-untype
                       {"PYTHONPATH": str(edgy_dir), "PATH": "/usr/bin:/bin"}),
         "config": ([*CLI, "inspect", "-H", "local", "inductor.config", "--json"],
                    {**sshd_host.env, **config_env, "XDG_CACHE_HOME": cache}),
-        "single": ([*CLI, "inspect", "inductor.config.triton.cudagraph_trees"], {**sshd_host.env, "XDG_CACHE_HOME": cache}),
+        "single": ([*CLI, "inspect", "inductor.config.triton.cudagraph_trees"],
+                   {**sshd_host.env, "XDG_CACHE_HOME": cache}),
     }  # fmt: skip
     jobs = {
-        name: subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        name: subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
+        )
         for name, (cmd, env) in argv.items()
     }
     yield {name: _Job(proc) for name, proc in jobs.items()}
@@ -319,7 +322,10 @@ def test_config_single_key_through_shim(torch_jobs):
     "target, message",
     [
         ("compile_fxx", "module not found: compile_fxx (did you mean compile_fx?)"),
-        ("torch._inductor.compile_fxx", "module not found: torch._inductor.compile_fxx (did you mean torch._inductor.compile_fx"),
+        (
+            "torch._inductor.compile_fxx",
+            "module not found: torch._inductor.compile_fxx (did you mean torch._inductor.compile_fx",
+        ),
         ("compile_fx.cudagraphifyy", "symbol not found: cudagraphifyy in torch._inductor.compile_fx"),
         ("cudagraph_trees.CUDAGraphTreeManager.runn", "symbol not found: CUDAGraphTreeManager.runn"),
         ("torch._C", "no Python source for torch._C: it is a compiled extension"),
@@ -387,8 +393,10 @@ def test_parse_lines_forms():
             parse_lines(bad)
 
 
-@pytest.mark.parametrize("options,message", [({"target": " "}, "TARGET is empty"),
-                                             ({"target": "compile_fx", "context": -1}, "--context must be 0 or more")])
+@pytest.mark.parametrize(
+    "options,message",
+    [({"target": " "}, "TARGET is empty"), ({"target": "compile_fx", "context": -1}, "--context must be 0 or more")],
+)
 def test_bad_options_fail_before_any_remote_call(options, message):
     with pytest.raises(UsageError, match=message):
         run_inspect(None, InspectOptions(**options), print)  # type: ignore[arg-type]  # no target: never reached
@@ -412,13 +420,19 @@ def test_grep_bounded_by_lines_with_context(session, reference):
     assert hits, "compile_fx should mention cudagraph_trees in 1800-1905"
     out = inspect_text(session, "shim", target="compile_fx", lines="1800:1905", grep="cudagraph_trees")
     assert out == "".join(f"{n}: {lines[n - 1]}\n" for n in hits)
-    with_context = inspect_text(session, "shim", target="compile_fx", lines="1800:1905", grep="cudagraph_trees", context=1)
+    with_context = inspect_text(
+        session, "shim", target="compile_fx", lines="1800:1905", grep="cudagraph_trees", context=1
+    )
     first = with_context.splitlines()[0]
     assert first == f"{hits[0] - 1}- {lines[hits[0] - 2]}"
 
 
 def test_grep_without_a_match_is_not_found(session):
-    with pytest.raises(NotFoundError, match=r"^--grep 'no_such_word_xyz': no match in torch\._inductor\.compile_fx \(/.*compile_fx\.py\), lines 1:40$"):
+    with pytest.raises(
+        NotFoundError,
+        match=r"^--grep 'no_such_word_xyz': no match in torch\._inductor\.compile_fx "
+        r"\(/.*compile_fx\.py\), lines 1:40$",
+    ):
         inspect_text(session, "shim", target="compile_fx", lines="1:40", grep="no_such_word_xyz")
     with pytest.raises(NotFoundError, match=r"^--grep 'no_such_key_xyz': no key of torch\._inductor\.config matches$"):
         inspect_text(session, "shim", target="inductor.config", grep="no_such_key_xyz")
@@ -473,7 +487,8 @@ def test_compile_fx_alias_over_the_cli_is_exact(sshd_host, reference, tmp_path):
 
 
 def test_line_break_oddities_match_inspect(edgy_dir, reference, monkeypatch, cache_home):
-    """CRLF, form feeds, \\x1c-\\x1e, \\x85, \\u2028/9, \\v, latin-1 cookie, no final newline: as inspect numbers them."""
+    """CRLF, form feeds, \\x1c-\\x1e, \\x85, \\u2028/9, \\v, latin-1 cookie, no final newline: as inspect numbers
+    them."""
     monkeypatch.setenv("PYTHONPATH", str(edgy_dir))
     target = _local_target()
     cache = SourceCache(cache_root(), target.host)
@@ -502,7 +517,9 @@ def test_terminal_rendering_is_highlighted_source_and_table(cache_home):
     from rich.console import Console
 
     console = Console(force_terminal=True, width=160, color_system="truecolor", record=True)
-    run_inspect(_local_target(), InspectOptions("compile_fx.cudagraphify", grep="cudagraph_trees"), print, pretty=console)
+    run_inspect(
+        _local_target(), InspectOptions("compile_fx.cudagraphify", grep="cudagraph_trees"), print, pretty=console
+    )
     text = console.export_text(clear=False)
     assert "compile_fx.py  cudagraphify" in text and "config.triton.cudagraph_trees" in text
     assert "\x1b[" in console.export_text(styles=True)  # colours reach the terminal
@@ -519,9 +536,17 @@ def test_venv_interpreter_reads_its_own_site_packages(tmp_path, cache_home, monk
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
     monkeypatch.setenv("PYTHONUSERBASE", str(tmp_path / "userbase"))
-    where = json.loads(subprocess.check_output(
-        [python, "-c", "import json, site, sysconfig; print(json.dumps([sysconfig.get_paths()['purelib'], "
-                       "site.getusersitepackages()]))"], text=True))
+    where = json.loads(
+        subprocess.check_output(
+            [
+                python,
+                "-c",
+                "import json, site, sysconfig; print(json.dumps([sysconfig.get_paths()['purelib'], "
+                "site.getusersitepackages()]))",
+            ],
+            text=True,
+        )
+    )
     for directory, label in zip(where, ("venv", "user site")):
         package = Path(directory) / "shadowpkg"
         package.mkdir(parents=True)

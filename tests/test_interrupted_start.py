@@ -56,15 +56,26 @@ def test_a_start_killed_after_run_json_is_a_lost_run_that_holds_nothing(tmp_path
     # What runctl start leaves when killed -9 between run.json and the supervisor: its own marker,
     # now of a process that is gone (this pid with another start time: never alive).
     starter = {"pid": os.getpid(), "start": 1, "boot": None}
-    (killed / "run.json").write_text(json.dumps({"run_id": killed.name, "gpus": [CPU], "started_ts": 9e12,
-                                                 "started_at": "2026-12-02T01:02:03Z", "starter": starter}))
+    (killed / "run.json").write_text(
+        json.dumps(
+            {
+                "run_id": killed.name,
+                "gpus": [CPU],
+                "started_ts": 9e12,
+                "started_at": "2026-12-02T01:02:03Z",
+                "starter": starter,
+            }
+        )
+    )
     unborn = runs / "20261202-010204-beef"  # killed -9 earlier still: no run.json, invisible
     (unborn / "checkpoints").mkdir(parents=True)
     with local_session(workdir) as session:
         target = session.target(None)
         listed = {r["run_id"]: r["state"] for r in list_runs(target)}
         assert listed == {killed.name: "lost"}  # visible, and not `running` (a young start would be)
-        run = start_run(target, gpus=GpuChoice(cpu=True), overrides=["run.steps=100000"])  # not refused: lost holds no GPU
+        run = start_run(
+            target, gpus=GpuChoice(cpu=True), overrides=["run.steps=100000"]
+        )  # not refused: lost holds no GPU
         try:
             assert not unborn.exists()  # the next start cleared what the killed one left
         finally:

@@ -51,8 +51,18 @@ def test_ctrl_c_once_the_run_exists_names_it_and_how_to_stop_it(train, where, tm
     which goes on and is stopped by the command it gives."""
     workdir, cli = train
     tag = f"standin.tag={tmp_path}"  # the stand-in signals this test's CLI, not another suite's
-    res = cli("train", where, "--no-push", "--follow", "--set", "standin.start_signal_cli=INT",
-              "--set", "run.steps=100000", "--set", tag)
+    res = cli(
+        "train",
+        where,
+        "--no-push",
+        "--follow",
+        "--set",
+        "standin.start_signal_cli=INT",
+        "--set",
+        "run.steps=100000",
+        "--set",
+        tag,
+    )
     [run_id] = runs_in(workdir)
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 130, res.stderr

@@ -15,29 +15,55 @@ from dflashctl.inventory import completions, load_inventory, parse_inventory
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("hosts:\n  gpu1:\n    container: {runtime: pct, vmid: abc}\n",
-         "hosts.yaml: host 'gpu1': container.vmid must be an integer, got 'abc'"),
+        (
+            "hosts:\n  gpu1:\n    container: {runtime: pct, vmid: abc}\n",
+            "hosts.yaml: host 'gpu1': container.vmid must be an integer, got 'abc'",
+        ),
         ("hosts:\n  gpu1:\n    port: 70000\n", "hosts.yaml: host 'gpu1': port must be an integer 1-65535, got 70000"),
-        ("hosts:\n  gpu1:\n    transport: telnet\n", "hosts.yaml: host 'gpu1': transport must be one of ssh, local, got 'telnet'"),
+        (
+            "hosts:\n  gpu1:\n    transport: telnet\n",
+            "hosts.yaml: host 'gpu1': transport must be one of ssh, local, got 'telnet'",
+        ),
         ("hosts:\n  gpu1:\n    adress: x\n", "hosts.yaml: host 'gpu1': unknown field 'adress'"),
-        ("hosts:\n  gpu1:\n    container: {runtime: docker}\n",
-         "hosts.yaml: host 'gpu1': container.name must be the docker container's name, got None"),
-        ("hosts:\n  gpu1:\n    container: {runtime: lxd}\n",
-         "hosts.yaml: host 'gpu1': container.runtime must be one of pct, docker, none, got 'lxd'"),
-        ("hosts:\n  gpu1:\n    container: {runtime: pct, vmid: 200, docker: podman}\n",
-         "hosts.yaml: host 'gpu1': container.docker needs container.runtime docker"),
-        ("hosts:\n  gpu1:\n    container: {runtime: docker, name: '-it'}\n",
-         "hosts.yaml: host 'gpu1': container.name must match [a-zA-Z0-9][a-zA-Z0-9_.-]* (a docker name or id), got '-it'"),
-        ("hosts:\n  gpu1:\n    container: {runtime: none, vmid: 200}\n",
-         "hosts.yaml: host 'gpu1': container.vmid needs container.runtime pct"),
-        ("hosts:\n  gpu1:\n    container: {runtime: docker, name: t, docker: ''}\n",
-         "hosts.yaml: host 'gpu1': container.docker must be a command or path, got ''"),
+        (
+            "hosts:\n  gpu1:\n    container: {runtime: docker}\n",
+            "hosts.yaml: host 'gpu1': container.name must be the docker container's name, got None",
+        ),
+        (
+            "hosts:\n  gpu1:\n    container: {runtime: lxd}\n",
+            "hosts.yaml: host 'gpu1': container.runtime must be one of pct, docker, none, got 'lxd'",
+        ),
+        (
+            "hosts:\n  gpu1:\n    container: {runtime: pct, vmid: 200, docker: podman}\n",
+            "hosts.yaml: host 'gpu1': container.docker needs container.runtime docker",
+        ),
+        (
+            "hosts:\n  gpu1:\n    container: {runtime: docker, name: '-it'}\n",
+            "hosts.yaml: host 'gpu1': container.name must match [a-zA-Z0-9][a-zA-Z0-9_.-]* "
+            "(a docker name or id), got '-it'",
+        ),
+        (
+            "hosts:\n  gpu1:\n    container: {runtime: none, vmid: 200}\n",
+            "hosts.yaml: host 'gpu1': container.vmid needs container.runtime pct",
+        ),
+        (
+            "hosts:\n  gpu1:\n    container: {runtime: docker, name: t, docker: ''}\n",
+            "hosts.yaml: host 'gpu1': container.docker must be a command or path, got ''",
+        ),
         ("hosts:\n  gpu1:\n    gpus: [0, 0]\n", "hosts.yaml: host 'gpu1': gpus lists an index twice: [0, 0]"),
-        ("hosts:\n  gpu1:\n    gpus: 2\n", "hosts.yaml: host 'gpu1': gpus must be a list of GPU indices like [0, 1], got 2"),
-        ("hosts:\n  gpu1:\n    on_event: curl x\n",
-         "hosts.yaml: host 'gpu1': on_event must be a command as a list of arguments, like [curl, -fsS, URL], got 'curl x'"),
-        ("hosts:\n  local:\n    address: 10.0.0.1\n",
-         "hosts.yaml: host 'local': address, user, port, identity_file and proxy_jump only apply to transport ssh"),
+        (
+            "hosts:\n  gpu1:\n    gpus: 2\n",
+            "hosts.yaml: host 'gpu1': gpus must be a list of GPU indices like [0, 1], got 2",
+        ),
+        (
+            "hosts:\n  gpu1:\n    on_event: curl x\n",
+            "hosts.yaml: host 'gpu1': on_event must be a command as a list of arguments, like [curl, -fsS, URL], "
+            "got 'curl x'",
+        ),
+        (
+            "hosts:\n  local:\n    address: 10.0.0.1\n",
+            "hosts.yaml: host 'local': address, user, port, identity_file and proxy_jump only apply to transport ssh",
+        ),
         ("default: gpu9\nhosts:\n  gpu1: {}\n", "hosts.yaml: default host 'gpu9' is not defined under hosts"),
         ("hosts: [a, b]\n", "hosts.yaml: 'hosts' must be a mapping of host name to settings"),
         ("hosts:\n  gpu1: {address: [}\n", "hosts.yaml: line 2:"),
@@ -61,8 +87,10 @@ def test_a_full_host_entry_parses():
 
 
 def test_docker_container_defaults_to_docker_and_takes_another_cli():
-    inv = parse_inventory("hosts:\n  a: {container: {runtime: docker, name: trainer}}\n"
-                          "  b: {container: {runtime: docker, name: trainer, docker: /usr/bin/podman}}\n")
+    inv = parse_inventory(
+        "hosts:\n  a: {container: {runtime: docker, name: trainer}}\n"
+        "  b: {container: {runtime: docker, name: trainer, docker: /usr/bin/podman}}\n"
+    )
     assert inv.get("a").container.executable == "docker" and inv.get("a").container.describe() == "docker trainer"
     assert inv.get("b").container.executable == "/usr/bin/podman"
 
@@ -85,6 +113,7 @@ def test_cli_reports_bad_inventory_with_exit_2(shim_host, tmp_path):
 
 def test_lookup_order(shim_host, tmp_path):
     """--inventory, then $DFLASHCTL_INVENTORY, then ./hosts.yaml, then ~/.config/dflashctl/hosts.yaml."""
+
     def inventory(path, name):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"default: {name}\nhosts:\n  {name}: {{transport: local}}\n")
@@ -98,7 +127,9 @@ def test_lookup_order(shim_host, tmp_path):
     flag_file = inventory(tmp_path / "flag.yaml", "from-flag")
 
     def chosen(*args, env_var=""):
-        result = shim_host.run_cli(*args, "hosts", "list", cwd=cwd, env={"HOME": str(home), "DFLASHCTL_INVENTORY": env_var})
+        result = shim_host.run_cli(
+            *args, "hosts", "list", cwd=cwd, env={"HOME": str(home), "DFLASHCTL_INVENTORY": env_var}
+        )
         assert result.returncode == 0, result.stderr
         header, default = result.stdout.splitlines()[:2]  # in a pipe: plain columns, the default host first
         assert header.split()[:2] == ["DEFAULT", "NAME"]
@@ -128,23 +159,35 @@ groups:
 
 def test_completions_list_hosts_and_groups_by_prefix():
     inv = parse_inventory(COMPLETION_INVENTORY)
-    assert completions(inv, "") == [("gpu1", "root@10.1.2.6 pct 200"), ("gpu2", "10.1.2.7 docker trainer"),
-                                    ("local", "this machine"), ("all-gpus", "group: gpu1, gpu2")]
+    assert completions(inv, "") == [
+        ("gpu1", "root@10.1.2.6 pct 200"),
+        ("gpu2", "10.1.2.7 docker trainer"),
+        ("local", "this machine"),
+        ("all-gpus", "group: gpu1, gpu2"),
+    ]
     assert [name for name, _ in completions(inv, "gpu")] == ["gpu1", "gpu2"]
     assert completions(inv, "zz") == []
 
 
-@pytest.mark.parametrize("words,expected", [
-    ("dflashctl logs tail g", ["gpu1", "gpu2"]),
-    ("dflashctl --inventory {inv} inspect compile_fx -H a", ["all-gpus"]),
-    ("dflashctl --inventory /nonexistent.yaml exec ", []),  # a broken inventory completes nothing, silently
-])
+@pytest.mark.parametrize(
+    "words,expected",
+    [
+        ("dflashctl logs tail g", ["gpu1", "gpu2"]),
+        ("dflashctl --inventory {inv} inspect compile_fx -H a", ["all-gpus"]),
+        ("dflashctl --inventory /nonexistent.yaml exec ", []),  # a broken inventory completes nothing, silently
+    ],
+)
 def test_shell_completion_of_host_arguments(tmp_path, words, expected):
     inv = tmp_path / "hosts.yaml"
     inv.write_text(COMPLETION_INVENTORY)
     words = words.format(inv=inv)
-    env = {**os.environ, "DFLASHCTL_INVENTORY": str(inv), "_DFLASHCTL_COMPLETE": "complete_bash",
-           "COMP_WORDS": words, "COMP_CWORD": str(len(words.split(" ")) - 1)}
+    env = {
+        **os.environ,
+        "DFLASHCTL_INVENTORY": str(inv),
+        "_DFLASHCTL_COMPLETE": "complete_bash",
+        "COMP_WORDS": words,
+        "COMP_CWORD": str(len(words.split(" ")) - 1),
+    }
     result = subprocess.run(CLI, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout.split() == expected

@@ -19,8 +19,9 @@ BIG = "import sys\nwhile True:\n    sys.stdout.buffer.write(b'x' * 65536)\n"  # 
 
 
 def cli(host, *args: str, stdout=subprocess.PIPE, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([*CLI, *args], stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.PIPE,
-                            env={**host.env, **(env or {})})
+    return subprocess.Popen(
+        [*CLI, *args], stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.PIPE, env={**host.env, **(env or {})}
+    )
 
 
 @pytest.mark.parametrize("where", ["shim", "local"])
@@ -65,8 +66,9 @@ def test_logs_follow_into_head_ends_quietly_and_leaves_no_reader(shim_host):
     """`logs tail -f | head` never ended, and logged in again every 0.2 s."""
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
-    run_id = shim_host.run_cli("train", "shim", "--no-push", "--set", "run.steps=100000", "--set",
-                               "standin.lines=50", "--detach").stdout.strip()
+    run_id = shim_host.run_cli(
+        "train", "shim", "--no-push", "--set", "run.steps=100000", "--set", "standin.lines=50", "--detach"
+    ).stdout.strip()
     try:
         wait_until(lambda: (run_dir(workdir, run_id) / "train.log").stat().st_size > 200_000, 60, "log output")
         proc = cli(shim_host, "logs", "tail", "shim", run_id, "-f", "-n", "-1")
@@ -87,11 +89,14 @@ def test_ctrl_c_prints_interrupted_and_exits_130(shim_host):
     assert proc.returncode == 130 and err.decode().strip().splitlines()[-1] == "error: interrupted"
 
 
-@pytest.mark.parametrize("args, first", [
-    (["train", "local", "--bogus"], "error: No such option '--bogus'"),
-    (["nosuchcommand"], "error: No such command 'nosuchcommand'"),
-    (["logs", "tail", "-n", "abc"], "error: Invalid value for '--lines' / '-n'"),
-])
+@pytest.mark.parametrize(
+    "args, first",
+    [
+        (["train", "local", "--bogus"], "error: No such option '--bogus'"),
+        (["nosuchcommand"], "error: No such command 'nosuchcommand'"),
+        (["logs", "tail", "-n", "abc"], "error: Invalid value for '--lines' / '-n'"),
+    ],
+)
 def test_usage_errors_are_one_line_and_a_usage_hint(shim_host, args, first):
     res = shim_host.run_cli(*args)
     lines = res.stderr.splitlines()

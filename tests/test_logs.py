@@ -32,8 +32,7 @@ class FakeRun:
         self.dir = run_dir(workdir, run_id)
         self.dir.mkdir(parents=True)
         self.keeper = subprocess.Popen(["sleep", "300"])
-        meta = {"run_id": run_id, "name": None, "gpus": ["cpu"], "started_ts": 0,
-                "supervisor": marker(self.keeper.pid)}
+        meta = {"run_id": run_id, "name": None, "gpus": ["cpu"], "started_ts": 0, "supervisor": marker(self.keeper.pid)}
         (self.dir / "run.json").write_text(json.dumps(meta))
         self.log = (self.dir / "train.log").open("ab", buffering=0)
 
@@ -62,14 +61,22 @@ def test_parse_frames_handles_split_input():
     wire = b"".join(k + struct.pack(">I", len(p)) + p for k, p in [(b"D", b"abc"), (b"H", b""), (b"D", b"\n")])
     buf, frames = bytearray(), []
     for i in range(len(wire)):
-        buf.extend(wire[i:i + 1])
+        buf.extend(wire[i : i + 1])
         frames += parse_frames(buf)
     assert frames == [(b"D", b"abc"), (b"H", b""), (b"D", b"\n")] and not buf
 
 
 def test_progress_text_shows_step_loss_acceptance_eta():
-    text = progress_text({"step": 50, "total_steps": 200, "loss": 1.23456, "acceptance_length": 3.2,
-                          "tokens_per_s": 12345.6, "step_time_s": 2.0}).plain
+    text = progress_text(
+        {
+            "step": 50,
+            "total_steps": 200,
+            "loss": 1.23456,
+            "acceptance_length": 3.2,
+            "tokens_per_s": 12345.6,
+            "step_time_s": 2.0,
+        }
+    ).plain
     assert text == "step 50/200 (25%)  loss 1.2346  accept 3.20  12,346 tok/s  ETA 5:00"
 
 
@@ -104,8 +111,11 @@ def test_follow_across_rotation_and_reconnect_in_the_rotated_file(tmp_path):
             seen.set()
 
         result: list = []
-        reader = threading.Thread(target=lambda: result.append(read_log(
-            session, None, None, on_data=sink, follow=True, lines=-1, policy=FAST)))
+        reader = threading.Thread(
+            target=lambda: result.append(
+                read_log(session, None, None, on_data=sink, follow=True, lines=-1, policy=FAST)
+            )
+        )
         reader.start()
         wait_until(seen.is_set, what="the first bytes")
         run.rotate()
@@ -121,15 +131,18 @@ def test_follow_across_rotation_and_reconnect_in_the_rotated_file(tmp_path):
         cursor = Cursor(run_id=run.dir.name, inode=old_inode, offset=len(b"before "))
         rest = bytearray()
         read_log(session, None, None, on_data=rest.extend, follow=True, lines=-1, policy=FAST, cursor=cursor)
-        assert bytes(rest) == bytes(expected)[len(b"before "):]
+        assert bytes(rest) == bytes(expected)[len(b"before ") :]
 
 
 def test_follow_survives_killed_ssh_connections_exactly(shim_host):
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
     with shim_host.session() as session:
-        run = start_run(session.target("shim"), gpus=GpuChoice((0,)), overrides=[
-            "run.steps=40", "standin.step_time=0.05", "standin.lines=40"])
+        run = start_run(
+            session.target("shim"),
+            gpus=GpuChoice((0,)),
+            overrides=["run.steps=40", "standin.step_time=0.05", "standin.lines=40"],
+        )
         got = bytearray()
         kills: list[int] = []
 
@@ -150,9 +163,15 @@ def test_no_reader_left_when_following_client_is_killed(shim_host):
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
     with shim_host.session() as session:
-        run = start_run(session.target("shim"), gpus=GpuChoice((0,)), overrides=["run.steps=100000", "standin.step_time=0.2"])
-    client = subprocess.Popen([*CLI, "logs", "tail", "shim", run.run_id, "-f"], env=shim_host.env,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        run = start_run(
+            session.target("shim"), gpus=GpuChoice((0,)), overrides=["run.steps=100000", "standin.step_time=0.2"]
+        )
+    client = subprocess.Popen(
+        [*CLI, "logs", "tail", "shim", run.run_id, "-f"],
+        env=shim_host.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         assert client.stdout.readline().startswith(b"standin: pid")  # following for real
         assert readers(workdir)
@@ -190,8 +209,18 @@ def test_backoff_grows_across_drops_that_bring_no_log_bytes(shim_host):
 
     def follow() -> None:
         with shim_host.session() as session:
-            done.append(read_log(session, "shim", None, on_data=got.extend, on_notice=notices.append,
-                                 follow=True, lines=-1, policy=policy))
+            done.append(
+                read_log(
+                    session,
+                    "shim",
+                    None,
+                    on_data=got.extend,
+                    on_notice=notices.append,
+                    follow=True,
+                    lines=-1,
+                    policy=policy,
+                )
+            )
 
     reader = threading.Thread(target=follow, daemon=True)
     reader.start()
@@ -213,6 +242,14 @@ def test_backoff_grows_across_drops_that_bring_no_log_bytes(shim_host):
 def test_progress_text_of_a_data_run_shows_rows():
     text = progress_text({"rows_done": 30, "rows_total": 120, "rows_failed": 2, "tokens_per_s": 1234.4, "eta_s": 75})
     assert text.plain == "rows 30/120 (25%)  2 failed  1,234 tok/s  ETA 1:15"
-    early = progress_text({"rows_done": 8, "rows_total": 120, "rows_failed": 0, "tokens_per_s": 99.6, "eta_s": 900,
-                           "rate_includes_start_up": True})
+    early = progress_text(
+        {
+            "rows_done": 8,
+            "rows_total": 120,
+            "rows_failed": 0,
+            "tokens_per_s": 99.6,
+            "eta_s": 900,
+            "rate_includes_start_up": True,
+        }
+    )
     assert early.plain == "rows 8/120 (7%)  0 failed  100 tok/s incl. start-up  ETA 15:00"

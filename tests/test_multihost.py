@@ -28,8 +28,17 @@ TRAIN_PY = Path(__file__).resolve().parent.parent / "remote_payload" / "dflash_t
 STEPS = 6
 # Random tokens: every anchor is valid and every micro-batch has the same loss weight, so the mean
 # of 4 micro-batch gradients is the global batch's gradient however the replicas are spread.
-TINY = ["data.source=random", f"run.steps={STEPS}", "data.batch_size=2", "data.num_train=24", "data.num_eval=2",
-        "run.eval_batches=1", "run.log_every=1", "run.eval_every=1000", "run.checkpoint_every=1000"]
+TINY = [
+    "data.source=random",
+    f"run.steps={STEPS}",
+    "data.batch_size=2",
+    "data.num_train=24",
+    "data.num_eval=2",
+    "run.eval_batches=1",
+    "run.log_every=1",
+    "run.eval_every=1000",
+    "run.checkpoint_every=1000",
+]
 LONG = [s for s in TINY if not s.startswith("run.steps=")] + ["run.steps=100000"]
 
 
@@ -63,8 +72,19 @@ class Pair:
 
     def train(self, hosts: str, extra: list[str], *args: str) -> str:
         port = free_port("127.0.0.1")
-        done = self.cli("train", hosts, "--detach", "--gpus", "cpu", "--rdzv-port", str(port),
-                        "--env", "GLOO_SOCKET_IFNAME=lo", *args, *sets(extra))
+        done = self.cli(
+            "train",
+            hosts,
+            "--detach",
+            "--gpus",
+            "cpu",
+            "--rdzv-port",
+            str(port),
+            "--env",
+            "GLOO_SOCKET_IFNAME=lo",
+            *args,
+            *sets(extra),
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
@@ -108,8 +128,15 @@ def test_rendezvous_address_and_node_env():
     with pytest.raises(Exception, match="rendezvous_address"):
         rendezvous_address(HostSpec(name="local", transport="local"))
     env = node_env([h2, h1], 1, "r1", "172.16.0.2", 29500, {"NCCL_SOCKET_IFNAME": "eth0", "RANK": "9"})
-    assert env == {"NCCL_SOCKET_IFNAME": "eth0", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "172.16.0.2",
-                   "MASTER_PORT": "29500", "DFLASH_NODES": "h2,h1", "DFLASH_RUN_ID": "r1"}
+    assert env == {
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "172.16.0.2",
+        "MASTER_PORT": "29500",
+        "DFLASH_NODES": "h2,h1",
+        "DFLASH_RUN_ID": "r1",
+    }
 
 
 def view(host, rank, state, code=None, reason=None):
@@ -123,8 +150,11 @@ def test_combined_state_and_reason():
     assert combine([view("a", 0, "running"), view("b", 1, "lost")])[0] == "running"
     assert combine([view("a", 0, "succeeded", 0), view("b", 1, "succeeded", 0)]) == ("succeeded", 0, None)
     assert combine([view("a", 0, "stopped", 143), view("b", 1, "failed", 75, lost)])[0] == "stopped"
-    assert combine([view("a", 0, "succeeded", 0), view("b", 1, "failed", 1)]) == \
-        ("failed", 1, "node b (rank 1) failed with exit code 1")
+    assert combine([view("a", 0, "succeeded", 0), view("b", 1, "failed", 1)]) == (
+        "failed",
+        1,
+        "node b (rank 1) failed with exit code 1",
+    )
     unknown = {**view("b", 1, "unknown"), "error": "connection refused"}
     assert combine([view("a", 0, "lost"), unknown]) == ("lost", None, "node a (rank 0) lost")
 
@@ -150,8 +180,18 @@ def test_prefixer_writes_whole_lines_per_host():
 def test_two_hosts_two_threads_match_one_host_four_threads(pair):
     """2 hosts x 2 threads (gloo) == 1 host x 4 threads on the same global batch of 8 sequences."""
     port = free_port("127.0.0.1")
-    done = pair.cli("train", "pair", "--follow", "--gpus", "cpu", "--rdzv-port", str(port), "--env",
-                    "GLOO_SOCKET_IFNAME=lo", *sets([*TINY, "run.threads=2"]))
+    done = pair.cli(
+        "train",
+        "pair",
+        "--follow",
+        "--gpus",
+        "cpu",
+        "--rdzv-port",
+        str(port),
+        "--env",
+        "GLOO_SOCKET_IFNAME=lo",
+        *sets([*TINY, "run.threads=2"]),
+    )
     assert done.returncode == 0, done.stderr
     run_id = next(p.name for p in (pair.work["shim"] / "runs").iterdir() if p.is_dir())
     assert f"run {run_id} succeeded" in done.stderr
@@ -159,11 +199,19 @@ def test_two_hosts_two_threads_match_one_host_four_threads(pair):
     for host, rank in (("shim", 0), ("gpu2", 1)):
         assert f"node {host} (rank {rank}) of 2 joined gloo group at 127.0.0.1:{port}" in logs[host]
         assert "replicas per node [2, 2] (global 4)" in logs[host]
-        assert pair.meta(host, run_id)["group"] == {"nodes": ["shim", "gpu2"], "rank": rank, "world_size": 2,
-                                                     "rendezvous": f"127.0.0.1:{port}"}
+        assert pair.meta(host, run_id)["group"] == {
+            "nodes": ["shim", "gpu2"],
+            "rank": rank,
+            "world_size": 2,
+            "rendezvous": f"127.0.0.1:{port}",
+        }
     # All 4 replicas equal: 2 per process (checked in-process at every step) and across the hosts.
-    sums = [line.split("checksum ")[1].split()[0] for h in ("shim", "gpu2")
-            for line in logs[h].splitlines() if line.startswith("nodes in sync:")]
+    sums = [
+        line.split("checksum ")[1].split()[0]
+        for h in ("shim", "gpu2")
+        for line in logs[h].splitlines()
+        if line.startswith("nodes in sync:")
+    ]
     assert len(sums) == 2 and sums[0] == sums[1]
     losses = pair.losses("shim", run_id)
     assert len(losses) == STEPS and losses == pair.losses("gpu2", run_id)  # all-reduced: the same bits
@@ -201,8 +249,11 @@ def test_two_hosts_two_threads_match_one_host_four_threads(pair):
 @pytest.mark.slow
 def test_killed_node_fails_the_other_within_60s_naming_it(pair):
     run_id = pair.train("shim,gpu2", [*LONG, "run.threads=2"])
-    wait_until(lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id), 90,
-               "both nodes to train")
+    wait_until(
+        lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id),
+        90,
+        "both nodes to train",
+    )
     dead = pair.meta("gpu2", run_id)
     os.killpg(dead["trainer"]["pid"], signal.SIGKILL)  # the node dies: its trainer and its supervisor
     os.kill(dead["supervisor"]["pid"], signal.SIGKILL)
@@ -223,8 +274,11 @@ def test_killed_node_fails_the_other_within_60s_naming_it(pair):
 @pytest.mark.slow
 def test_logs_per_node_and_all_then_stop_stops_every_node(pair):
     run_id = pair.train("pair", [*LONG, "run.threads=2"])
-    wait_until(lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id), 90,
-               "both nodes to train")
+    wait_until(
+        lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id),
+        90,
+        "both nodes to train",
+    )
     for where in ("pair", "gpu2"):  # any node, or the group: rank 0's log unless --host
         rank0 = pair.cli("logs", "tail", where, run_id, "-n", "1000")
         assert rank0.returncode == 0 and "node shim (rank 0) of 2 joined" in rank0.stdout
@@ -258,11 +312,21 @@ def trainer_pair(out: Path, extra: list[str], *args: str, timeout: float = 90) -
     base = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH", "RANK", "WORLD_SIZE", "MASTER_"))}
     procs = []
     for rank in (0, 1):
-        env = {**base, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "DFLASH_NODES": "a,b", "GLOO_SOCKET_IFNAME": "lo"}
+        env = {
+            **base,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DFLASH_NODES": "a,b",
+            "GLOO_SOCKET_IFNAME": "lo",
+        }
         argv = [sys.executable, "-m", "dflash_train", *args, *sets([*extra, f"run.output_dir={out / str(rank)}"])]
-        procs.append(subprocess.Popen(argv, cwd=TRAIN_PY.parent.parent, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                argv, cwd=TRAIN_PY.parent.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
     return logs
@@ -296,12 +360,24 @@ def test_rendezvous_timeout_names_the_missing_node(tmp_path):
 
     procs = {}
     for rank, port in ((0, free_port("127.0.0.1")), (1, free_port("127.0.0.1"))):  # two separate groups of one
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "DFLASH_NODES": "a,b",
-               "GLOO_SOCKET_IFNAME": "lo", "DFLASHCTL_REASON_FILE": str(tmp_path / f"reason{rank}")}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DFLASH_NODES": "a,b",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "DFLASHCTL_REASON_FILE": str(tmp_path / f"reason{rank}"),
+        }
         argv = sets(["dist.rendezvous_timeout_s=2", "run.device=cpu", f"run.output_dir={tmp_path / str(rank)}"])
-        procs[rank] = subprocess.Popen([sys.executable, "-m", "dflash_train", *argv], cwd=TRAIN_PY.parent.parent,
-                                       env=env, stderr=subprocess.PIPE, text=True)
+        procs[rank] = subprocess.Popen(
+            [sys.executable, "-m", "dflash_train", *argv],
+            cwd=TRAIN_PY.parent.parent,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     errs = {rank: p.communicate(timeout=60)[1] for rank, p in procs.items()}
     assert [procs[r].returncode for r in (0, 1)] == [75, 75], errs
     assert "error: b (rank 1) did not join the rendezvous at 127.0.0.1:" in errs[0]

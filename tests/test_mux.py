@@ -23,7 +23,6 @@ from sshd import CLI, ECHO_BOTH, MB, run_concurrently, run_together
 from test_quoting import PRINT_ARGS, arguments
 
 
-
 def _alive(pid: int) -> bool:
     """Running (a zombie waiting for init to reap it counts as gone)."""
     try:
@@ -247,8 +246,13 @@ def test_killed_mux_leaves_a_stale_socket_that_is_replaced(mux):
 def test_dropped_connection_fails_the_command_and_the_next_call_gets_a_new_mux(mux):
     assert mux.cli("exec", "p", "--", "true").returncode == 0
     old = mux.stats("p")["pid"]
-    proc = subprocess.Popen([*CLI, "exec", "p", "--", "sh", "-c", "echo tick; sleep 30"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env={**mux.sshd.env, **mux.env})  # fmt: skip
+    proc = subprocess.Popen(
+        [*CLI, "exec", "p", "--", "sh", "-c", "echo tick; sleep 30"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env={**mux.sshd.env, **mux.env},
+    )
     try:
         assert proc.stdout.readline() == b"tick\n"
         assert mux.sshd.kill_connections() >= 1

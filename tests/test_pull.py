@@ -33,16 +33,20 @@ MB = 1 << 20
 
 def tree(root: Path) -> dict[str, str]:
     """{relative path: sha256} of every regular file under root."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
 
 
 @pytest.fixture
 def finished_run(shim_host, tmp_path) -> tuple[str, Path]:
     """A succeeded stand-in run on `shim` with an export, odd file names and three checkpoints."""
     source = install_standin(tmp_path / "payload_src")
-    res = shim_host.run_cli("train", "shim", "--source", str(source), "--follow", "--name", "p1",
-                            "--set", "run.steps=2")
+    res = shim_host.run_cli(
+        "train", "shim", "--source", str(source), "--follow", "--name", "p1", "--set", "run.steps=2"
+    )
     assert res.returncode == 0, res.stderr
     run_id = res.stderr.split("started run ")[1].split()[0]
     run_dir = shim_host.container_dir(SHIM_VMID) / "work" / "runs" / run_id
@@ -70,8 +74,9 @@ def test_pull_copies_the_run_without_checkpoints_byte_exact(shim_host, tmp_path,
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no partial directory left
 
 
-@pytest.mark.parametrize("which,steps", [("latest", ["step_00000010"]),
-                                         ("all", ["step_00000002", "step_00000009", "step_00000010"])])
+@pytest.mark.parametrize(
+    "which,steps", [("latest", ["step_00000010"]), ("all", ["step_00000002", "step_00000009", "step_00000010"])]
+)
 def test_pull_checkpoints_latest_or_all(shim_host, tmp_path, finished_run, which, steps):
     run_id, run_dir = finished_run
     res = shim_host.run_cli("runs", "pull", run_id[:-3], "--to", str(tmp_path / "out"), "--checkpoints", which)
@@ -81,11 +86,22 @@ def test_pull_checkpoints_latest_or_all(shim_host, tmp_path, finished_run, which
     assert tree(tmp_path / "out" / "checkpoints") == expected
 
 
-@pytest.mark.parametrize("args,code,message", [
-    (["runs", "pull", "shim", "zzz"], 5, "error: shim (pct 200): no runs yet"),
-    (["runs", "pull", "stopped"], 4, "error: stopped: container 201 is not running (start it with `pct start 201`)"),
-    (["runs", "pull", "--checkpoints", "some"], 2, "error: --checkpoints must be one of none, latest, all, got 'some'"),
-])
+@pytest.mark.parametrize(
+    "args,code,message",
+    [
+        (["runs", "pull", "shim", "zzz"], 5, "error: shim (pct 200): no runs yet"),
+        (
+            ["runs", "pull", "stopped"],
+            4,
+            "error: stopped: container 201 is not running (start it with `pct start 201`)",
+        ),
+        (
+            ["runs", "pull", "--checkpoints", "some"],
+            2,
+            "error: --checkpoints must be one of none, latest, all, got 'some'",
+        ),
+    ],
+)
 def test_pull_errors_are_one_line_and_leave_nothing(shim_host, tmp_path, args, code, message):
     res = shim_host.run_cli(*args, "--to", str(tmp_path / "out"))
     assert res.returncode == code and one_line_error(res) == message
@@ -97,7 +113,9 @@ def test_pull_never_overwrites(shim_host, tmp_path, finished_run):
     dest.mkdir()
     (dest / "mine.txt").write_text("keep")
     res = shim_host.run_cli("runs", "pull", "--to", str(dest))
-    assert res.returncode == 2 and one_line_error(res) == f"error: {dest} already exists: pull into a new directory (--to)"
+    assert (
+        res.returncode == 2 and one_line_error(res) == f"error: {dest} already exists: pull into a new directory (--to)"
+    )
     assert tree(dest) == {"mine.txt": hashlib.sha256(b"keep").hexdigest()}
 
 
@@ -172,15 +190,20 @@ def test_pull_writes_a_hub_model_card_into_the_export(shim_host, tmp_path, finis
     _real_export(run_dir / "export", "NVIDIA H200")
     (run_dir / "config.resolved.yaml").write_text(
         "preset: real-target\ntarget: {path: Qwen/Qwen3-8B, num_layers: 6, hidden_size: 64}\n"
-        "data: {source: jsonl, train_path: /root/data/regen.jsonl, eval_fraction: 0.05}\n")
+        "data: {source: jsonl, train_path: /root/data/regen.jsonl, eval_fraction: 0.05}\n"
+    )
     res = shim_host.run_cli("runs", "pull", "shim", "p1", "--to", str(tmp_path / "out"), "--license", "apache-2.0")
     assert res.returncode == 0, res.stderr
     card_path = tmp_path / "out" / "export" / "README.md"
     assert res.stderr.splitlines()[-1] == f"model card: {card_path}"
     card = card_path.read_text()
-    assert _front_matter(card) == {"license": "apache-2.0", "base_model": "Qwen/Qwen3-8B", "library_name": "transformers",
-                                   "tags": ["dflash", "speculative-decoding", "block-diffusion", "draft-model", "dflashctl"],
-                                   "pipeline_tag": "text-generation"}
+    assert _front_matter(card) == {
+        "license": "apache-2.0",
+        "base_model": "Qwen/Qwen3-8B",
+        "library_name": "transformers",
+        "tags": ["dflash", "speculative-decoding", "block-diffusion", "draft-model", "dflashctl"],
+        "pipeline_tag": "text-generation",
+    }
     assert "speculative decoding of **Qwen/Qwen3-8B**" in card
     assert "- source: JSON lines `/root/data/regen.jsonl`, 0.05 held out" in card
     assert "- steps: 2 of 2 steps; final training loss 4.1667" in card  # the stand-in's last record
@@ -198,7 +221,9 @@ def test_the_model_card_names_the_base_model_given_or_says_it_is_left_out(shim_h
     (run_dir / "config.resolved.yaml").write_text("preset: real-target\ntarget: {path: /models/Qwen3-8B}\n")
     res = shim_host.run_cli("runs", "pull", "shim", "p1", "--to", str(tmp_path / "a"))
     assert res.returncode == 0 and res.stderr.splitlines()[-1].endswith(
-        "(base_model left out of the model card (the target was /models/Qwen3-8B): pass --base-model ORG/NAME to name it)")
+        "(base_model left out of the model card (the target was /models/Qwen3-8B): "
+        "pass --base-model ORG/NAME to name it)"
+    )
     assert "base_model" not in _front_matter((tmp_path / "a" / "export" / "README.md").read_text())
     res = shim_host.run_cli("runs", "pull", "shim", "p1", "--to", str(tmp_path / "b"), "--base-model", "Qwen/Qwen3-8B")
     card = (tmp_path / "b" / "export" / "README.md").read_text()
@@ -220,10 +245,21 @@ def test_the_model_card_of_a_real_run_has_both_tau_figures_and_the_speedup(shim_
     """A real tiny run through `local`: trained, evaluated with `dflashctl eval`, pulled; the card
     holds the training log's in-training figures and eval.json's, each labelled."""
     env = local_env(tmp_path)
-    brief = ["--set", "run.steps=4", "--set", "run.log_every=2", "--set", "run.eval_every=4",
-             "--set", "run.checkpoint_every=4", "--follow"]
+    brief = [
+        "--set",
+        "run.steps=4",
+        "--set",
+        "run.log_every=2",
+        "--set",
+        "run.eval_every=4",
+        "--set",
+        "run.checkpoint_every=4",
+        "--follow",
+    ]
     assert shim_host.run_cli("train", "local", "--name", "mc", *brief, env=env, timeout=300).returncode == 0
-    res = shim_host.run_cli("eval", "local", "mc", "--count", "2", "--max-new-tokens", "8", "--json", env=env, timeout=300)
+    res = shim_host.run_cli(
+        "eval", "local", "mc", "--count", "2", "--max-new-tokens", "8", "--json", env=env, timeout=300
+    )
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     res = shim_host.run_cli("runs", "pull", "local", "mc", "--to", str(tmp_path / "out"), env=env)
@@ -232,11 +268,15 @@ def test_the_model_card_of_a_real_run_has_both_tau_figures_and_the_speedup(shim_
     final = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["event"] == "final"
     assert f"with the true context): {final['acceptance_length']:.3f}" in card
-    assert (f"(real draft-and-verify decoding, greedy, 4 held-out prompts x 32 tokens): "
-            f"{final['spec_tau_prompt_mean']:.3f} mean of "
-            f"per-prompt tau, {final['spec_tau']:.3f} pooled over all verify steps") in card
-    assert (f"- `dflashctl eval` (greedy, 2 prompts x up to 8 new tokens, on cpu): tau {report['tau_prompt_mean']:.3f} "
-            f"mean of per-prompt tau (as z-lab's benchmark.py reports), {report['tau']:.3f} pooled") in card
+    assert (
+        f"(real draft-and-verify decoding, greedy, 4 held-out prompts x 32 tokens): "
+        f"{final['spec_tau_prompt_mean']:.3f} mean of "
+        f"per-prompt tau, {final['spec_tau']:.3f} pooled over all verify steps"
+    ) in card
+    assert (
+        f"- `dflashctl eval` (greedy, 2 prompts x up to 8 new tokens, on cpu): tau {report['tau_prompt_mean']:.3f} "
+        f"mean of per-prompt tau (as z-lab's benchmark.py reports), {report['tau']:.3f} pooled"
+    ) in card
     assert f"- speedup over the target alone (`dflashctl eval`, the same machine): {report['speedup']:.2f}x" in card
     assert "- trained on: CPU (host `local`)" in card and "- steps: 4 of 4 steps" in card
     assert "- source: the target's own greedy continuations of random prompts (the demo data)" in card

@@ -34,15 +34,22 @@ PAYLOAD = {
     "pkg/__init__.py": (b"", 0o644),
     "pkg/mod.py": (os.urandom(100_000), 0o644),
     "data/with space.txt": (b"spaces\n", 0o644),
-    "data/it's \"quoted\".txt": (b"quotes\n", 0o600),
+    'data/it\'s "quoted".txt': (b"quotes\n", 0o600),
     "data/ünïcødé 名前.txt": ("non-ascii ✓\n".encode(), 0o644),
     "data/$(touch pwned);`id`.txt": (b"hostile\n", 0o644),
     ".dflashignore": (b"*.log\nsecret/\n", 0o644),
 }
 # Present locally, never sent: .dflashignore patterns and the built-in defaults.
 IGNORED = [
-    "out.log", "secret/key", "__pycache__/m.cpython-311.pyc", "pkg/__pycache__/x.pyc", "pkg/y.pyc",
-    ".git/HEAD", "build/lib/x.py", "dist/x.whl", "dflash.egg-info/PKG-INFO",
+    "out.log",
+    "secret/key",
+    "__pycache__/m.cpython-311.pyc",
+    "pkg/__pycache__/x.pyc",
+    "pkg/y.pyc",
+    ".git/HEAD",
+    "build/lib/x.py",
+    "dist/x.whl",
+    "dflash.egg-info/PKG-INFO",
 ]
 BIG_FILES = 4
 BIG_SIZE = 8 * 1024 * 1024  # 32 MB in all: long enough to interrupt mid-stream
@@ -339,7 +346,11 @@ def test_cli_reports_dropped_connection_in_one_line(shim_host: SshdHost, source:
     make_big(source)
     proc = subprocess.Popen(
         [*CLI, "push", "shim", "--source", str(source)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=shim_host.env, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=shim_host.env,
+        text=True,
     )
     watcher = Watcher(workdir, after=2 * 1024 * 1024, strike=shim_host.kill_connections)
     watcher.start()
@@ -354,7 +365,9 @@ def test_cli_reports_dropped_connection_in_one_line(shim_host: SshdHost, source:
 
 @pytest.mark.parametrize("kind", ["shim", "local"])
 def test_killed_client_keeps_old_payload(shim_host: SshdHost, source: Path, tmp_path: Path, kind: str) -> None:
-    inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", {"loc": {"transport": "local", "workdir": str(tmp_path / "work")}})
+    inventory = shim_host.write_inventory(
+        tmp_path / "hosts.yaml", {"loc": {"transport": "local", "workdir": str(tmp_path / "work")}}
+    )
     host = "loc" if kind == "local" else "shim"
     with shim_host.session(inventory=inventory) as session:
         target = session.target(host)
@@ -364,7 +377,9 @@ def test_killed_client_keeps_old_payload(shim_host: SshdHost, source: Path, tmp_
     proc = subprocess.Popen(
         [*CLI, "push", host, "--source", str(source)],
         env={**shim_host.env, "DFLASHCTL_INVENTORY": str(inventory)},
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     watcher = Watcher(workdir, after=2 * 1024 * 1024, strike=lambda: os.kill(proc.pid, signal.SIGKILL))
     watcher.start()
@@ -388,7 +403,9 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 4 MB tmpfs with 40 inodes, so both bytes and inodes can run out."""
     where = tmp_path / "disk"
     where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=40", "tmpfs", str(where)], capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=40", "tmpfs", str(where)], capture_output=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
@@ -435,8 +452,26 @@ def test_default_ignores_match_as_pathspec_does():
     import pathspec
 
     reference, ours = pathspec.GitIgnoreSpec.from_lines(list(DEFAULT_IGNORES)), DefaultIgnores()
-    names = ["__pycache__", "a.pyc", ".git", "build", "dist", "x.egg-info", "build.py", "mybuild", "a.pyco",
-             ".gitignore", "egg-info", "Build", "a.PYC", "x.pyc.txt", "[b]", "a b", "ü.pyc", ".pyc"]
+    names = [
+        "__pycache__",
+        "a.pyc",
+        ".git",
+        "build",
+        "dist",
+        "x.egg-info",
+        "build.py",
+        "mybuild",
+        "a.pyco",
+        ".gitignore",
+        "egg-info",
+        "Build",
+        "a.PYC",
+        "x.pyc.txt",
+        "[b]",
+        "a b",
+        "ü.pyc",
+        ".pyc",
+    ]
     checked = 0
     for depth in range(3):
         for parents in itertools.product(["pkg", "build", "a.pyc", "x.egg-info"], repeat=depth):

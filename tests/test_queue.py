@@ -21,8 +21,14 @@ def test_two_clients_queue_at_once_fifo_and_start_by_themselves(shim_host):
     install_standin(workdir / "payload")
     holder = shim_host.run_cli("train", "shim", "--no-push", "--gpus", "0", *LONG, "--detach").stdout.strip()
     answers: list = []
-    clients = [threading.Thread(target=lambda: answers.append(shim_host.run_cli(
-        "train", "shim", "--no-push", "--gpus", "0", *LONG, "--queue", "--detach"))) for _ in range(2)]
+    clients = [
+        threading.Thread(
+            target=lambda: answers.append(
+                shim_host.run_cli("train", "shim", "--no-push", "--gpus", "0", *LONG, "--queue", "--detach")
+            )
+        )
+        for _ in range(2)
+    ]
     for client in clients:
         client.start()
     for client in clients:
@@ -44,7 +50,9 @@ def test_a_stop_cancels_a_queued_run_before_it_starts(shim_host):
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
     holder = shim_host.run_cli("train", "shim", "--no-push", "--gpus", "1", *LONG, "--detach").stdout.strip()
-    waiting = shim_host.run_cli("train", "shim", "--no-push", "--gpus", "1", *LONG, "--queue", "--detach").stdout.strip()
+    waiting = shim_host.run_cli(
+        "train", "shim", "--no-push", "--gpus", "1", *LONG, "--queue", "--detach"
+    ).stdout.strip()
     listed = shim_host.run_cli("runs", "list", "shim")
     assert any(line.startswith(waiting) and " queued " in f" {line} " for line in listed.stdout.splitlines())
     stopped = shim_host.run_cli("runs", "stop", "shim", waiting)

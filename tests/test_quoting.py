@@ -15,8 +15,34 @@ from dflashctl.transport import env_argv
 from dflashctl.transport import Completed, Process, Transport
 
 HOSTILE = [
-    "", " ", "'", '"', "\\", "$(id)", "`id`", ";", "&&", "|", "\n", "a\nb", "$HOME", "${IFS}", "*", "?",
-    "~", "#", "!", "--", "-c", "-", "é✓中文", "\t", "'\"'\"'", "$'\\x41'", "\x7f", "\x01",
+    "",
+    " ",
+    "'",
+    '"',
+    "\\",
+    "$(id)",
+    "`id`",
+    ";",
+    "&&",
+    "|",
+    "\n",
+    "a\nb",
+    "$HOME",
+    "${IFS}",
+    "*",
+    "?",
+    "~",
+    "#",
+    "!",
+    "--",
+    "-c",
+    "-",
+    "é✓中文",
+    "\t",
+    "'\"'\"'",
+    "$'\\x41'",
+    "\x7f",
+    "\x01",
 ]
 PRINT_ARGS = ["bash", "-lc", 'for a; do printf "%s\\0" "$a"; done', "_"]  # printf alone prints once for no args
 

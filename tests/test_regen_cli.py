@@ -42,8 +42,13 @@ def push(host, tmp_path: Path, name: str, text: str) -> None:  # type: ignore[no
 def reference(tmp_path: Path, prompts: Path, options: list[str]) -> bytes:
     """An uninterrupted run of the same program on this machine (not through dflashctl)."""
     out = tmp_path / "reference.jsonl"
-    done = subprocess.run([sys.executable, "-m", "dflash_train.regen", "--prompts", str(prompts), "--out", str(out),
-                           *options], cwd=ROOT / "remote_payload", capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_train.regen", "--prompts", str(prompts), "--out", str(out), *options],
+        cwd=ROOT / "remote_payload",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     return out.read_bytes()
 
@@ -69,8 +74,21 @@ def shim_work(shim_host):
 def test_builtin_regen_lists_as_data_and_trains(shim_work, tmp_path):
     host, workdir = shim_work
     push(host, tmp_path, "prompts.jsonl", token_rows(11) + json.dumps({"input_ids": [600]}) + "\n")
-    res = host.run_cli("data", "regen", "shim", "--prompts", "prompts", "--out", "regen", "--max-new-tokens", "12",
-                       "--batch-size", "4", "--follow", timeout=300)
+    res = host.run_cli(
+        "data",
+        "regen",
+        "shim",
+        "--prompts",
+        "prompts",
+        "--out",
+        "regen",
+        "--max-new-tokens",
+        "12",
+        "--batch-size",
+        "4",
+        "--follow",
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert "regen: 12/12 rows (100%), 1 failed" in res.stdout and "wrote data:regen.jsonl" in res.stderr
     rows = [json.loads(line) for line in (data_dir(host) / "regen.jsonl").read_text().splitlines()]
@@ -81,9 +99,24 @@ def test_builtin_regen_lists_as_data_and_trains(shim_work, tmp_path):
     listed = {d["name"]: d["rows"] for d in json.loads(host.run_cli("data", "list", "shim", "--json").stdout)}
     assert listed["regen.jsonl"] == 11 and listed["regen.errors.jsonl"] == 1
 
-    train = host.run_cli("train", "shim", "--set", "data.source=jsonl", "--set", "data.train_path=data:regen.jsonl",
-                         "--set", "run.steps=3", "--set", "data.batch_size=4", "--set", "run.eval_every=3",
-                         "--set", "data.max_length=24", "--follow", timeout=300)
+    train = host.run_cli(
+        "train",
+        "shim",
+        "--set",
+        "data.source=jsonl",
+        "--set",
+        "data.train_path=data:regen.jsonl",
+        "--set",
+        "run.steps=3",
+        "--set",
+        "data.batch_size=4",
+        "--set",
+        "run.eval_every=3",
+        "--set",
+        "data.max_length=24",
+        "--follow",
+        timeout=300,
+    )
     assert train.returncode == 0, train.stderr
     assert "data: " + str(data_dir(host) / "regen.jsonl") in train.stdout
     runs = json.loads(host.run_cli("runs", "list", "shim", "--json").stdout)
@@ -105,8 +138,9 @@ def test_kill_9_and_stop_then_resume_give_the_uninterrupted_file(shim_work, tmp_
     host, workdir = shim_work
     push(host, tmp_path, "many.jsonl", token_rows(40))
     expected = reference(tmp_path, tmp_path / "many.jsonl", SLOW)
-    run_id = host.run_cli("data", "regen", "shim", "--prompts", "many.jsonl", "--out", "slow", *SLOW,
-                          "--detach", timeout=300).stdout.strip()
+    run_id = host.run_cli(
+        "data", "regen", "shim", "--prompts", "many.jsonl", "--out", "slow", *SLOW, "--detach", timeout=300
+    ).stdout.strip()
     wait_until(lambda: partial_rows(host) >= 2, 120, "the first batch")
     os.kill(meta(workdir, run_id)["trainer"]["pid"], signal.SIGKILL)
     wait_until(lambda: (run_dir(workdir, run_id) / "exit_code").exists(), 60, "the supervisor to record the kill")
@@ -138,14 +172,41 @@ def test_openai_engine_through_the_standin_with_retries(shim_work, tmp_path):
     chats[2]["messages"][0]["content"] = "FAIL-ROW"
     push(host, tmp_path, "chats.jsonl", "".join(json.dumps(c) + "\n" for c in chats))
     port_file = tmp_path / "port"
-    server = subprocess.Popen([sys.executable, str(STANDIN), "--port-file", str(port_file), "--fail", "3",
-                               "--log", str(tmp_path / "requests.jsonl")])
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            str(STANDIN),
+            "--port-file",
+            str(port_file),
+            "--fail",
+            "3",
+            "--log",
+            str(tmp_path / "requests.jsonl"),
+        ]
+    )
     try:
         wait_until(port_file.exists, 30, "the stand-in server")
         url = f"http://127.0.0.1:{port_file.read_text()}"
-        res = host.run_cli("data", "regen", "shim", "--prompts", "chats.jsonl", "--out", "oa", "--engine", "openai",
-                           "--endpoint", url, "--model", "standin", "--concurrency", "2", "--no-thinking",
-                           "--follow", timeout=300)
+        res = host.run_cli(
+            "data",
+            "regen",
+            "shim",
+            "--prompts",
+            "chats.jsonl",
+            "--out",
+            "oa",
+            "--engine",
+            "openai",
+            "--endpoint",
+            url,
+            "--model",
+            "standin",
+            "--concurrency",
+            "2",
+            "--no-thinking",
+            "--follow",
+            timeout=300,
+        )
     finally:
         server.kill()
         server.wait()
@@ -153,8 +214,12 @@ def test_openai_engine_through_the_standin_with_retries(shim_work, tmp_path):
     assert "no GPU" in res.stderr and "regen: 5/5 rows (100%), 1 failed" in res.stdout
     rows = [json.loads(line) for line in (data_dir(host) / "oa.jsonl").read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 3, 4]
-    assert all(r["messages"][0]["content"] == f"q{r['index']}" and r["messages"][1]["role"] == "assistant"
-               and r["messages"][1]["content"].startswith("w") for r in rows)
+    assert all(
+        r["messages"][0]["content"] == f"q{r['index']}"
+        and r["messages"][1]["role"] == "assistant"
+        and r["messages"][1]["content"].startswith("w")
+        for r in rows
+    )
     requests = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert len(requests) == 5 + 3
     assert all(r["body"]["chat_template_kwargs"] == {"enable_thinking": False} for r in requests)
@@ -165,8 +230,10 @@ def test_openai_engine_through_the_standin_with_retries(shim_work, tmp_path):
 def test_a_typo_in_set_or_preset_is_refused_before_the_push(shim_work, tmp_path):
     host, workdir = shim_work
     push(host, tmp_path, "p.jsonl", token_rows(2))
-    for args, message in ((["--set", "target.nmu_layers=2"], "trainer config: unknown config key 'target.nmu_layers'"),
-                          (["--preset", "huge"], "trainer config: unknown preset 'huge'")):
+    for args, message in (
+        (["--set", "target.nmu_layers=2"], "trainer config: unknown config key 'target.nmu_layers'"),
+        (["--preset", "huge"], "trainer config: unknown preset 'huge'"),
+    ):
         res = host.run_cli("data", "regen", "shim", "--prompts", "p", "--out", "x", *args, "--detach", timeout=120)
         assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), res.stderr
     assert not (workdir / "payload").exists()

@@ -28,8 +28,9 @@ def test_a_crash_restarts_from_the_checkpoint_and_finishes_like_an_unbroken_run(
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
     steps = ["--set", "run.steps=12", "--set", "standin.checkpoint_every=4"]
-    res, run_id = start(shim_host, *steps, "--set", "standin.fail_at=6", "--set", "standin.fail_once=true",
-                        "--max-restarts", "2", *FAST)
+    res, run_id = start(
+        shim_host, *steps, "--set", "standin.fail_at=6", "--set", "standin.fail_once=true", "--max-restarts", "2", *FAST
+    )
     assert res.returncode == 0, res.stderr  # the followed run succeeded in the end
     log = (run_dir(workdir, run_id) / "train.log").read_text()
     assert "dflashctl: restart 1/2 after exit code 3, from the checkpoint at step 4" in log
@@ -47,8 +48,18 @@ def test_a_crash_restarts_from_the_checkpoint_and_finishes_like_an_unbroken_run(
 def test_failing_at_the_same_step_again_stops_restarting(shim_host):
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
-    res, run_id = start(shim_host, "--set", "run.steps=12", "--set", "standin.checkpoint_every=4",
-                        "--set", "standin.fail_at=6", "--max-restarts", "5", *FAST)
+    res, run_id = start(
+        shim_host,
+        "--set",
+        "run.steps=12",
+        "--set",
+        "standin.checkpoint_every=4",
+        "--set",
+        "standin.fail_at=6",
+        "--max-restarts",
+        "5",
+        *FAST,
+    )
     assert res.returncode == 100  # failed
     log = (run_dir(workdir, run_id) / "train.log").read_text()
     assert log.count("dflashctl: restart ") == 1
@@ -60,8 +71,18 @@ def test_config_errors_and_unlisted_codes_are_not_restarted(shim_host):
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
     for extra in (["--set", "standin.fail_code=2"], ["--set", "standin.fail_code=3", "--restart-on", "1,75"]):
-        res, run_id = start(shim_host, "--set", "run.steps=8", "--set", "standin.fail_at=2", "--max-restarts", "3",
-                            *FAST, *extra, "--force")
+        res, run_id = start(
+            shim_host,
+            "--set",
+            "run.steps=8",
+            "--set",
+            "standin.fail_at=2",
+            "--max-restarts",
+            "3",
+            *FAST,
+            *extra,
+            "--force",
+        )
         assert res.returncode == 100
         assert "dflashctl: restart" not in (run_dir(workdir, run_id) / "train.log").read_text()
     bad = shim_host.run_cli("train", "shim", "--restart-on", "x", "--max-restarts", "1")
@@ -71,8 +92,20 @@ def test_config_errors_and_unlisted_codes_are_not_restarted(shim_host):
 def test_a_stop_during_the_restart_delay_ends_the_run(shim_host):
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
-    res = shim_host.run_cli("train", "shim", "--no-push", "--set", "run.steps=12", "--set", "standin.fail_at=2",
-                            "--max-restarts", "3", "--restart-delay", "300", "--detach")
+    res = shim_host.run_cli(
+        "train",
+        "shim",
+        "--no-push",
+        "--set",
+        "run.steps=12",
+        "--set",
+        "standin.fail_at=2",
+        "--max-restarts",
+        "3",
+        "--restart-delay",
+        "300",
+        "--detach",
+    )
     run_id = res.stdout.strip()
     log = run_dir(workdir, run_id) / "train.log"
     wait_until(lambda: "dflashctl: restart 1/3" in log.read_text(), 60, "the restart notice")
@@ -81,9 +114,11 @@ def test_a_stop_during_the_restart_delay_ends_the_run(shim_host):
     assert "standin: pid" in log.read_text() and log.read_text().count("standin: pid") == 1  # never restarted
 
 
-HOOK = ("import json, os, sys; keys = ('DFLASHCTL_EVENT', 'DFLASHCTL_RUN_ID', 'DFLASHCTL_RUN_NAME', "
-        "'DFLASHCTL_STATE', 'DFLASHCTL_EXIT_CODE'); "
-        "open(sys.argv[1], 'a').write(json.dumps({k: os.environ[k] for k in keys}) + '\\n')")
+HOOK = (
+    "import json, os, sys; keys = ('DFLASHCTL_EVENT', 'DFLASHCTL_RUN_ID', 'DFLASHCTL_RUN_NAME', "
+    "'DFLASHCTL_STATE', 'DFLASHCTL_EXIT_CODE'); "
+    "open(sys.argv[1], 'a').write(json.dumps({k: os.environ[k] for k in keys}) + '\\n')"
+)
 
 
 def hooks_running(events) -> list[int]:  # type: ignore[no-untyped-def]
@@ -110,9 +145,24 @@ def test_the_event_hook_runs_once_per_event_with_hostile_names_passed_literally(
     events = tmp_path / "events.jsonl"
     name = "a'b\"c; $(touch /tmp/pwned) `x` \\n"
     command = hook_command(shim_host, events)
-    res, run_id = start(shim_host, "--name", name, "--set", "run.steps=12", "--set", "standin.checkpoint_every=4",
-                        "--set", "standin.fail_at=6", "--set", "standin.fail_once=true", "--max-restarts", "1", *FAST,
-                        "--on-event", command)
+    res, run_id = start(
+        shim_host,
+        "--name",
+        name,
+        "--set",
+        "run.steps=12",
+        "--set",
+        "standin.checkpoint_every=4",
+        "--set",
+        "standin.fail_at=6",
+        "--set",
+        "standin.fail_once=true",
+        "--max-restarts",
+        "1",
+        *FAST,
+        "--on-event",
+        command,
+    )
     assert res.returncode == 0, res.stderr
     wait_until(lambda: events.exists() and len(events.read_text().splitlines()) == 3, 60, "three events")
     wait_until(lambda: not hooks_running(events), 60, "the event hooks to end")
@@ -120,9 +170,14 @@ def test_the_event_hook_runs_once_per_event_with_hostile_names_passed_literally(
     # in order); the hooks' file shows each ran once.
     log = (run_dir(workdir, run_id) / "train.log").read_text()
     assert [line.split()[-1] for line in log.splitlines() if line.startswith("dflashctl: event ")] == [
-        "started", "restarted", "succeeded"]
-    seen = sorted((json.loads(line) for line in events.read_text().splitlines()),
-                  key=lambda e: ["started", "restarted", "succeeded"].index(e["DFLASHCTL_EVENT"]))
+        "started",
+        "restarted",
+        "succeeded",
+    ]
+    seen = sorted(
+        (json.loads(line) for line in events.read_text().splitlines()),
+        key=lambda e: ["started", "restarted", "succeeded"].index(e["DFLASHCTL_EVENT"]),
+    )
     assert [e["DFLASHCTL_EVENT"] for e in seen] == ["started", "restarted", "succeeded"]
     assert all(e["DFLASHCTL_RUN_ID"] == run_id and e["DFLASHCTL_RUN_NAME"] == name for e in seen)
     assert seen[-1]["DFLASHCTL_STATE"] == "succeeded" and seen[-1]["DFLASHCTL_EXIT_CODE"] == "0"
@@ -133,8 +188,16 @@ def test_a_lost_run_fires_the_lost_event_once_at_the_next_contact(shim_host, tmp
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
     events = tmp_path / "events.jsonl"
-    res = shim_host.run_cli("train", "shim", "--no-push", "--set", "run.steps=100000", "--detach",
-                            "--on-event", hook_command(shim_host, events))
+    res = shim_host.run_cli(
+        "train",
+        "shim",
+        "--no-push",
+        "--set",
+        "run.steps=100000",
+        "--detach",
+        "--on-event",
+        hook_command(shim_host, events),
+    )
     run_id = res.stdout.strip()
     # `--detach` returns once the pids are recorded, a moment before the supervisor fires `started`:
     # killed in between (a busy machine), the run would have no started event.
@@ -157,10 +220,12 @@ def test_a_follow_ends_only_after_the_final_hook_has_written_to_the_log(shim_hos
     follow waits for the supervisor's done marker, so the hook's line is always in its output."""
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
-    late = ("import os, sys, time\n"
-            "if os.environ['DFLASHCTL_EVENT'] == 'succeeded':\n"
-            "    time.sleep(1)\n"
-            "    print('hook: the last word', flush=True)\n")
+    late = (
+        "import os, sys, time\n"
+        "if os.environ['DFLASHCTL_EVENT'] == 'succeeded':\n"
+        "    time.sleep(1)\n"
+        "    print('hook: the last word', flush=True)\n"
+    )
     command = f"{shim_host.host_entry(SHIM_VMID)['python']} -c {shlex.quote(late)}"
     res, run_id = start(shim_host, "--set", "run.steps=3", "--on-event", command)
     assert res.returncode == 0, res.stderr

@@ -72,9 +72,25 @@ def state(session, run_id: str) -> str:
 def test_trainer_argv_places_gpus_and_output_dir_before_user_overrides():
     host = HostSpec(name="h", python="/venv/bin/python")
     argv = trainer_argv(host, "/w/runs/r1", "/w/runs/r1/c.yaml", ["run.steps=3"], GpuChoice((0, 2)), preset="qwen3-8b")
-    assert argv == ["/venv/bin/python", "-m", "dflash_train", "--preset", "qwen3-8b", "--config", "/w/runs/r1/c.yaml",
-                    "--set", "run.output_dir=/w/runs/r1", "--set", f"run.compile_cache_dir={COMPILE_CACHE}",
-                    "--set", "data.dir={workdir}/data", "--set", "run.gpus=[0,2]", "--set", "run.steps=3"]
+    assert argv == [
+        "/venv/bin/python",
+        "-m",
+        "dflash_train",
+        "--preset",
+        "qwen3-8b",
+        "--config",
+        "/w/runs/r1/c.yaml",
+        "--set",
+        "run.output_dir=/w/runs/r1",
+        "--set",
+        f"run.compile_cache_dir={COMPILE_CACHE}",
+        "--set",
+        "data.dir={workdir}/data",
+        "--set",
+        "run.gpus=[0,2]",
+        "--set",
+        "run.steps=3",
+    ]
     assert "run.device=cuda:1" in trainer_argv(host, RUN_DIR_TOKEN, None, [], GpuChoice((1,)))
     # No choice: the trainer's own resolution decides; `--gpus cpu` says so (it trained on every GPU).
     assert not any("device" in a or "gpus" in a for a in trainer_argv(host, RUN_DIR_TOKEN, None, [], GpuChoice()))
@@ -94,12 +110,17 @@ def test_parse_gpus(tmp_path):
 def test_the_trainers_own_config_code_checks_the_options(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("run: {steps: 5}\n")
-    checked = check_trainer_config(None, cfg, "tiny", ["optim.lr=0.001", "run.export_dir={run_dir}/export"], GpuChoice((1,)))
+    checked = check_trainer_config(
+        None, cfg, "tiny", ["optim.lr=0.001", "run.export_dir={run_dir}/export"], GpuChoice((1,))
+    )
     assert checked is not None and checked["run"]["steps"] == 5 and checked["optim"]["lr"] == 1e-3
     assert (checked["run"]["export_dir"], checked["run"]["output_dir"]) == ("{run_dir}/export", RUN_DIR_TOKEN)
     assert checked["run"]["device"] == "cuda:1"  # dflashctl's own --set items are checked with the user's
-    for bad, message in (("novalue", "not of the form key=value"), ("run.steps=[", "run.steps: the value '['"),
-                         ("run.stpes=3", "unknown config key 'run.stpes'")):
+    for bad, message in (
+        ("novalue", "not of the form key=value"),
+        ("run.steps=[", "run.steps: the value '['"),
+        ("run.stpes=3", "unknown config key 'run.stpes'"),
+    ):
         with pytest.raises(UsageError, match=rf"^trainer config: .*{re.escape(message)}"):
             check_trainer_config(None, None, None, [bad], GpuChoice())
     with pytest.raises(UsageError, match="^trainer config: unknown preset 'huge'"):
@@ -133,8 +154,20 @@ def test_train_follow_pushes_runs_and_stores_hostile_name_literally(shim, tmp_pa
     name = f"$(touch {marker}); `touch {marker}` [bold]x[/] 'q\" ü"
     config = tmp_path / "run.yaml"
     config.write_text("standin.lines: 2\n")
-    res = host.run_cli("train", "shim", "--source", str(source), "--follow", "--name", name,
-                       "--config", str(config), "--set", "run.steps=5", binary=True)
+    res = host.run_cli(
+        "train",
+        "shim",
+        "--source",
+        str(source),
+        "--follow",
+        "--name",
+        name,
+        "--config",
+        str(config),
+        "--set",
+        "run.steps=5",
+        binary=True,
+    )
     assert res.returncode == 0, res.stderr
     (run_id,) = [p.name for p in (workdir / "runs").iterdir() if p.is_dir()]
     log = (run_dir(workdir, run_id) / "train.log").read_bytes()
@@ -154,8 +187,18 @@ def test_gpus_cpu_on_a_host_with_gpus_holds_the_cpu_and_tells_the_trainer(shim):
     host, _, workdir = shim
     ids = {}
     for flag in ([], ["--gpus", "cpu"]):
-        res = host.run_cli("train", "shim", "--no-push", "--detach", "--force", *flag, "--set", "run.steps=1",
-                           "--set", "standin.visible_gpus=2")
+        res = host.run_cli(
+            "train",
+            "shim",
+            "--no-push",
+            "--detach",
+            "--force",
+            *flag,
+            "--set",
+            "run.steps=1",
+            "--set",
+            "standin.visible_gpus=2",
+        )
         assert res.returncode == 0, res.stderr
         ids[bool(flag)] = res.stdout.strip()
     auto, cpu = meta(workdir, ids[False]), meta(workdir, ids[True])
@@ -189,8 +232,17 @@ def test_failed_run_exit_codes_and_tail(shim):
 def test_a_failed_run_shows_the_trainers_error_line(shim):
     host, _, workdir = shim
     why = "data.train_path /data/bad.jsonl:3 is not JSON (Expecting value)"
-    res = host.run_cli("train", "--no-push", "--detach", "--set", "run.steps=5", "--set", "standin.fail_at=2",
-                       "--set", f"standin.fail_error={why}")
+    res = host.run_cli(
+        "train",
+        "--no-push",
+        "--detach",
+        "--set",
+        "run.steps=5",
+        "--set",
+        "standin.fail_at=2",
+        "--set",
+        f"standin.fail_error={why}",
+    )
     run_id = res.stdout.strip()
     wait_until((run_dir(workdir, run_id) / "exit_code").exists, what="the run to fail")
     shown = host.run_cli("runs", "show", "shim", run_id, "--no-curves")
@@ -205,9 +257,23 @@ def follow_then(shim, signum: int):
     check that the run still succeeds and leaves no reader behind. Returns (exit code, stderr).
     The run holds after step 2 until the client has ended: it cannot finish first on a busy machine."""
     host, session, workdir = shim
-    client = subprocess.Popen([*CLI, "train", "--no-push", "--follow", "--set", "run.steps=30",
-                               "--set", "standin.step_time=0.05", "--set", "standin.hold_at=2"], env=host.env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    client = subprocess.Popen(
+        [
+            *CLI,
+            "train",
+            "--no-push",
+            "--follow",
+            "--set",
+            "run.steps=30",
+            "--set",
+            "standin.step_time=0.05",
+            "--set",
+            "standin.hold_at=2",
+        ],
+        env=host.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         log = wait_until(lambda: next((workdir / "runs").glob("*/train.log"), None), what="the run's log")
         wait_until(lambda: b"standin: holding after step 2" in log.read_bytes(), what="a few steps")
@@ -271,8 +337,10 @@ def test_stop_sigterms_the_trainer_alone_then_kills_its_group(shim, supervisor):
     _, session, workdir = shim
     run = start_run(session.target("shim"), gpus=GpuChoice((0,)), overrides=[*LONG, "standin.helper=true"])
     log = run_dir(workdir, run.run_id) / "train.log"
-    started = wait_until(lambda: b"step 1/" in log.read_bytes() and re.search(rb"helper pid (\d+)", log.read_bytes()),
-                         what="the helper and steps")
+    started = wait_until(
+        lambda: b"step 1/" in log.read_bytes() and re.search(rb"helper pid (\d+)", log.read_bytes()),
+        what="the helper and steps",
+    )
     helper = int(started.group(1))
     if supervisor == "killed":
         os.kill(meta(workdir, run.run_id)["supervisor"]["pid"], signal.SIGKILL)
@@ -326,12 +394,13 @@ def test_lost_when_supervisor_and_trainer_are_killed(shim):
 def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     host, session, _ = shim
     target = session.target("shim")
-    ids = [start_run(target, gpus=GpuChoice(cpu=True), overrides=["run.steps=2"], name=f"n{i}", force=True).run_id
-           for i in range(3)]
+    ids = [
+        start_run(target, gpus=GpuChoice(cpu=True), overrides=["run.steps=2"], name=f"n{i}", force=True).run_id
+        for i in range(3)
+    ]
     wait_until(lambda: all(r["state"] == "succeeded" for r in list_runs(target)), what="runs to finish")
     for run_id in ids:
-        prefix = next(run_id[:n] for n in range(1, len(run_id) + 1)
-                      if sum(o.startswith(run_id[:n]) for o in ids) == 1)
+        prefix = next(run_id[:n] for n in range(1, len(run_id) + 1) if sum(o.startswith(run_id[:n]) for o in ids) == 1)
         assert show_run(target, prefix)["run_id"] == run_id
     assert show_run(target, None)["run_id"] == max(ids)
     assert show_run(target, "n1")["run_id"] == ids[1]
@@ -344,9 +413,9 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     only_run = host.run_cli("runs", "show", "n2", "--json", "--no-curves")  # a lone non-host argument: a run
     assert only_run.returncode == 0 and json.loads(only_run.stdout)["run_id"] == ids[2]
     missing = host.run_cli("runs", "stop", "zzz")
-    assert missing.returncode == 5 and missing.stderr.strip().endswith("'zzz' is neither a host in the inventory "
-                                                                      "(hosts: bare, dock, dockstop, local, shim, stopped) "
-                                                                      "nor a run on shim")
+    assert missing.returncode == 5 and missing.stderr.strip().endswith(
+        "'zzz' is neither a host in the inventory (hosts: bare, dock, dockstop, local, shim, stopped) nor a run on shim"
+    )
     shown = host.run_cli("runs", "show", "shim", "n2", "--plot", str(png))
     assert ids[2] in shown.stdout and "acceptance length" in shown.stdout  # details and terminal curves
     assert shown.returncode == 0 and png.read_bytes().startswith(b"\x89PNG") and f"wrote {png}" in shown.stdout
@@ -362,12 +431,18 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
 def test_shell_completion_offers_the_hosts_run_ids_and_names(shim):
     host, session, _ = shim
     target = session.target("shim")
-    ids = [start_run(target, gpus=GpuChoice(cpu=True), overrides=["run.steps=1"], name=name, force=True).run_id
-           for name in ("alpha", "beta")]
+    ids = [
+        start_run(target, gpus=GpuChoice(cpu=True), overrides=["run.steps=1"], name=name, force=True).run_id
+        for name in ("alpha", "beta")
+    ]
     wait_until(lambda: all(r["state"] == "succeeded" for r in list_runs(target)), what="runs to finish")
 
     def complete(words: str) -> list[str]:
-        env = {"_DFLASHCTL_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(len(words.split(" ")) - 1)}
+        env = {
+            "_DFLASHCTL_COMPLETE": "complete_bash",
+            "COMP_WORDS": words,
+            "COMP_CWORD": str(len(words.split(" ")) - 1),
+        }
         result = host.run_cli(env=env)
         assert result.returncode == 0 and result.stderr == ""
         return result.stdout.split()
@@ -394,7 +469,14 @@ def test_local_runs_without_gpus_conflict_unless_forced(tmp_path):
             kill_leftovers(workdir)
 
 
-TINY = ["data.source=random", "run.log_every=1", "data.num_train=8", "data.num_eval=2", "data.batch_size=2", "run.eval_batches=1"]
+TINY = [
+    "data.source=random",
+    "run.log_every=1",
+    "data.num_train=8",
+    "data.num_eval=2",
+    "data.batch_size=2",
+    "run.eval_batches=1",
+]
 
 
 def test_real_trainer_follow_then_stop_checkpoints(shim):
@@ -405,7 +487,9 @@ def test_real_trainer_follow_then_stop_checkpoints(shim):
     _, session, workdir = shim
     target = session.target("shim")
     pushed = push(target)
-    run = start_run(target, gpus=GpuChoice(cpu=True), overrides=[*TINY, "run.steps=100000"], payload_hash=pushed.manifest_hash)
+    run = start_run(
+        target, gpus=GpuChoice(cpu=True), overrides=[*TINY, "run.steps=100000"], payload_hash=pushed.manifest_hash
+    )
     got = bytearray()
     stopped: list[dict] = []
     stopper = threading.Thread(target=lambda: stopped.append(stop_run(session.target("shim"), run.run_id, 120)))

@@ -16,10 +16,25 @@ from dflashctl.errors import ConnectError, RemoteError
 def test_ssh_client_binary_logs_in(sshd_host):
     """OpenSSH's own client accepts the harness's HOME, key and known_hosts."""
     result = subprocess.run(
-        ["ssh", "-F", "none", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={sshd_host.home}/.ssh/known_hosts",
-         "-i", f"{sshd_host.home}/.ssh/id_ed25519", "-p", str(sshd_host.port),
-         f"{sshd_host.user}@{sshd_host.address}", "id -u; exit 7"],
-        capture_output=True, text=True, timeout=30, env=sshd_host.env,
+        [
+            "ssh",
+            "-F",
+            "none",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            f"UserKnownHostsFile={sshd_host.home}/.ssh/known_hosts",
+            "-i",
+            f"{sshd_host.home}/.ssh/id_ed25519",
+            "-p",
+            str(sshd_host.port),
+            f"{sshd_host.user}@{sshd_host.address}",
+            "id -u; exit 7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=sshd_host.env,
     )
     assert result.returncode == 7, result.stderr
     assert result.stdout.strip().isdigit()
@@ -72,7 +87,6 @@ def test_kill_connections_drops_ssh(sshd_host):
 
 
 # --- streaming -----------------------------------------------------------------------------------
-
 
 
 def test_large_streams_both_ways_through_pct(shim_container, shim_host):
@@ -183,5 +197,7 @@ def test_two_hosts_in_one_session(shim_host, second_sshd_host, tmp_path):
     shim_host.link(second_sshd_host)
     inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", {"gpu2": second_sshd_host.host_entry(200)})
     with shim_host.session(inventory=inventory) as session:
-        homes = {name: session.target(name).run(["sh", "-c", 'echo "$HOME"']).text().strip() for name in ("shim", "gpu2")}
+        homes = {
+            name: session.target(name).run(["sh", "-c", 'echo "$HOME"']).text().strip() for name in ("shim", "gpu2")
+        }
     assert homes == {"shim": str(shim_host.container_dir(200)), "gpu2": str(second_sshd_host.container_dir(200))}

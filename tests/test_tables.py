@@ -11,12 +11,30 @@ from dflashctl.runs import print_runs
 from dflashctl.tables import Column, show
 
 RUNS = [
-    {"run_id": "20261202-023745-a1b2", "name": "qwen3 8b drafter, long context sweep", "kind": "train",
-     "state": "succeeded", "exit_code": 0, "gpus": ["0", "1", "2", "3"], "started_at": "2026-12-02T02:37:45Z",
-     "started_ts": 1.0, "ended_ts": 3700.0, "last": {"step": 60, "total_steps": 60, "loss": 1.2345, "spec_tau": 3.1}},
-    {"run_id": "20261202-031500-ffff", "name": None, "kind": "data", "state": "failed", "exit_code": 100,
-     "gpus": ["cpu"], "started_at": "2026-12-02T03:15:00Z", "started_ts": 2.0, "ended_ts": 62.0,
-     "last": {"rows_done": 20, "rows_total": 60}},
+    {
+        "run_id": "20261202-023745-a1b2",
+        "name": "qwen3 8b drafter, long context sweep",
+        "kind": "train",
+        "state": "succeeded",
+        "exit_code": 0,
+        "gpus": ["0", "1", "2", "3"],
+        "started_at": "2026-12-02T02:37:45Z",
+        "started_ts": 1.0,
+        "ended_ts": 3700.0,
+        "last": {"step": 60, "total_steps": 60, "loss": 1.2345, "spec_tau": 3.1},
+    },
+    {
+        "run_id": "20261202-031500-ffff",
+        "name": None,
+        "kind": "data",
+        "state": "failed",
+        "exit_code": 100,
+        "gpus": ["cpu"],
+        "started_at": "2026-12-02T03:15:00Z",
+        "started_ts": 2.0,
+        "ended_ts": 62.0,
+        "last": {"rows_done": 20, "rows_total": 60},
+    },
 ]
 
 

@@ -45,15 +45,27 @@ def test_bad_set_value_is_the_trainers_one_line_and_no_run(shim_workdir):
     assert host.run_cli("push", "shim").returncode == 0
     res = host.run_cli("train", "shim", "--no-push", "--set", "run.steps=abc", "--detach", timeout=180)
     assert res.returncode == 2, res.stderr
-    assert res.stderr.strip().splitlines()[-1] == "error: shim (pct 200): trainer config: run.steps must be int, got 'abc'"
+    assert (
+        res.stderr.strip().splitlines()[-1] == "error: shim (pct 200): trainer config: run.steps must be int, got 'abc'"
+    )
     assert "started run" not in res.stderr and res.stdout == ""
     assert runs_in(workdir) == []
 
 
 def test_run_dir_unquoted_in_set_reaches_the_resolved_config(shim_workdir):
     host, workdir = shim_workdir
-    res = host.run_cli("train", "shim", "--set", "run.export_dir={run_dir}/export", "--set", "run.steps=1",
-                       "--set", "run.spec_prompts=0", "--follow", timeout=300)
+    res = host.run_cli(
+        "train",
+        "shim",
+        "--set",
+        "run.export_dir={run_dir}/export",
+        "--set",
+        "run.steps=1",
+        "--set",
+        "run.spec_prompts=0",
+        "--follow",
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     (run_id,) = runs_in(workdir)
     run = workdir / "runs" / run_id
@@ -81,8 +93,10 @@ def test_no_torch_in_the_container_is_one_line_exit_4(tmp_path, shim_host):
     python = bare_python(tmp_path)
     workdir = tmp_path / "work"
     inventory = tmp_path / "hosts.yaml"
-    inventory.write_text(f"default: box\nhosts:\n  box:\n    transport: local\n    python: {json.dumps(str(python))}\n"
-                         f"    workdir: {json.dumps(str(workdir))}\n")
+    inventory.write_text(
+        f"default: box\nhosts:\n  box:\n    transport: local\n    python: {json.dumps(str(python))}\n"
+        f"    workdir: {json.dumps(str(workdir))}\n"
+    )
     res = shim_host.run_cli("train", "box", "--follow", env={"DFLASHCTL_INVENTORY": str(inventory)}, timeout=180)
     assert res.returncode == 4, res.stderr
     last = res.stderr.strip().splitlines()[-1]
@@ -95,10 +109,21 @@ def test_run_tensorboard_without_the_package_is_one_line_exit_4_at_preflight(tmp
     trainer's PYTHONPATH that fails to import as the missing package does) stops at the pre-flight."""
     absent = tmp_path / "absent"
     absent.mkdir()
-    (absent / "tensorboard.py").write_text('raise ModuleNotFoundError("No module named \'tensorboard\'", name="tensorboard")\n')
+    (absent / "tensorboard.py").write_text(
+        'raise ModuleNotFoundError("No module named \'tensorboard\'", name="tensorboard")\n'
+    )
     env = local_env(tmp_path)
-    res = shim_host.run_cli("train", "local", "--set", "run.tensorboard=true", "--env", f"PYTHONPATH={absent}",
-                            "--follow", env=env, timeout=180)
+    res = shim_host.run_cli(
+        "train",
+        "local",
+        "--set",
+        "run.tensorboard=true",
+        "--env",
+        f"PYTHONPATH={absent}",
+        "--follow",
+        env=env,
+        timeout=180,
+    )
     assert res.returncode == 4, res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("error: local: tensorboard is not installed in ")
     assert "(run.tensorboard needs it); install it there" in res.stderr and "Traceback" not in res.stderr
@@ -108,8 +133,20 @@ def test_run_tensorboard_without_the_package_is_one_line_exit_4_at_preflight(tmp
 def test_resume_continues_a_stopped_run_in_its_directory(shim_host):
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
-    started = shim_host.run_cli("train", "shim", "--no-push", "--name", "r", "--set", "run.steps=60",
-                                "--set", "standin.step_time=0.05", "--set", "standin.hold_at=5", "--detach")
+    started = shim_host.run_cli(
+        "train",
+        "shim",
+        "--no-push",
+        "--name",
+        "r",
+        "--set",
+        "run.steps=60",
+        "--set",
+        "standin.step_time=0.05",
+        "--set",
+        "standin.hold_at=5",
+        "--detach",
+    )
     run_id = started.stdout.strip()
     # Held after step 5 until the stop: a slow `runs stop` cannot find the run already ended.
     wait_until(lambda: "holding after step 5" in (run_dir(workdir, run_id) / "train.log").read_text(), 60, "step 5")
@@ -151,29 +188,70 @@ def test_a_wheel_install_pushes_and_trains(tmp_path, shim_host):
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "dflashctl", "remote_payload"):
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
-        copy(ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+        copy(
+            ROOT / name,
+            src / name,
+            **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}),
+        )
     wheels = tmp_path / "wheels"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(wheels), str(src)], capture_output=True, text=True, timeout=300)
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert build.returncode == 0, build.stderr
     site = tmp_path / "site"
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
-                              *map(str, wheels.glob("dflashctl-*.whl"))], capture_output=True, text=True, timeout=300)
+    install = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(site),
+            *map(str, wheels.glob("dflashctl-*.whl")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stderr
     workdir = tmp_path / "work"
     inventory = tmp_path / "hosts.yaml"
-    inventory.write_text(f"default: local\nhosts:\n  local:\n    transport: local\n    workdir: {json.dumps(str(workdir))}\n")
+    inventory.write_text(
+        f"default: local\nhosts:\n  local:\n    transport: local\n    workdir: {json.dumps(str(workdir))}\n"
+    )
     env = dict(os.environ, DFLASHCTL_INVENTORY=str(inventory), PYTHONPATH=str(site))
-    cli = [sys.executable, "-c", "import dflashctl, sys; assert dflashctl.__file__.startswith(sys.argv[1]); "
-           "from dflashctl.cli import main; sys.argv[1:2] = []; main()", str(site)]
-    res = subprocess.run([*cli, "train", "local", "--set", "run.steps=2", "--set", "run.eval_every=2", "--follow"],
-                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    cli = [
+        sys.executable,
+        "-c",
+        "import dflashctl, sys; assert dflashctl.__file__.startswith(sys.argv[1]); "
+        "from dflashctl.cli import main; sys.argv[1:2] = []; main()",
+        str(site),
+    ]
+    res = subprocess.run(
+        [*cli, "train", "local", "--set", "run.steps=2", "--set", "run.eval_every=2", "--follow"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     shipped = site / "dflashctl" / "_payload" / "dflash_train" / "train.py"
     pushed = workdir / "payload" / "dflash_train" / "train.py"
-    assert pushed.read_bytes() == shipped.read_bytes() == (ROOT / "remote_payload" / "dflash_train" / "train.py").read_bytes()
+    assert (
+        pushed.read_bytes()
+        == shipped.read_bytes()
+        == (ROOT / "remote_payload" / "dflash_train" / "train.py").read_bytes()
+    )
     assert "exported drafter" in res.stdout
-    assert (site / "dflashctl" / "_payload" / "dflash_train" / "hf" / "dflash.py").is_file()  # the export's modeling file
+    assert (
+        site / "dflashctl" / "_payload" / "dflash_train" / "hf" / "dflash.py"
+    ).is_file()  # the export's modeling file
     exports = list((workdir / "runs").glob("*/export"))
     assert exports and (exports[0] / "dflash.py").is_file() and (exports[0] / "dflash_model.py").is_file()
 

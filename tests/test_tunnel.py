@@ -69,8 +69,14 @@ class Lines:
 
 
 def _tunnel(mux, where: str, port: int, local: int) -> tuple[subprocess.Popen, Lines]:  # type: ignore[no-untyped-def]
-    tunnel = subprocess.Popen([*CLI, "tunnel", where, f"{port}:{local}"], env={**mux.sshd.env, **mux.env},
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    tunnel = subprocess.Popen(
+        [*CLI, "tunnel", where, f"{port}:{local}"],
+        env={**mux.sshd.env, **mux.env},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines = Lines(tunnel.stderr)
     assert lines.next().startswith(f"forwarding 127.0.0.1:{local} -> port {port} in ")
     return tunnel, lines
@@ -99,10 +105,20 @@ def test_tunnel_carries_http_and_leaves_nothing_after_ctrl_c(shim_host, where):
     site.mkdir()
     (site / "hello.txt").write_text("hello from the container\n")
     port, local = free_port("127.0.0.1"), free_port("127.0.0.1")
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=site,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    tunnel = subprocess.Popen([*CLI, "tunnel", where, f"{port}:{local}"], env=shim_host.env, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=site,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    tunnel = subprocess.Popen(
+        [*CLI, "tunnel", where, f"{port}:{local}"],
+        env=shim_host.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert tunnel.stderr.readline().startswith(f"forwarding 127.0.0.1:{local} -> port {port} in ")
 

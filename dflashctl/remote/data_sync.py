@@ -107,7 +107,9 @@ def cmd_put(workdir, name, size, sha256):
     digest, received, rows = hashlib.sha256(), 0, 0
     with open(partial, "wb") as out:
         while True:
-            chunk = sys.stdin.buffer.read1(CHUNK) if hasattr(sys.stdin.buffer, "read1") else sys.stdin.buffer.read(CHUNK)
+            chunk = (
+                sys.stdin.buffer.read1(CHUNK) if hasattr(sys.stdin.buffer, "read1") else sys.stdin.buffer.read(CHUNK)
+            )
             if not chunk:
                 break
             out.write(chunk)
@@ -118,8 +120,13 @@ def cmd_put(workdir, name, size, sha256):
         os.fsync(out.fileno())
     if received != size or digest.hexdigest() != sha256:
         os.remove(partial)
-        emit({"error": "mismatch", "message": "received %d bytes (sha256 %s), expected %d (%s): the old copy is "
-                                              "unchanged" % (received, digest.hexdigest()[:12], size, sha256[:12])})
+        emit(
+            {
+                "error": "mismatch",
+                "message": "received %d bytes (sha256 %s), expected %d (%s): the old copy is "
+                "unchanged" % (received, digest.hexdigest()[:12], size, sha256[:12]),
+            }
+        )
         return 1
     with open(os.path.join(root, ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -99,7 +99,7 @@ def processes():
                 stat = fh.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(b")") + 2:].split()  # after `pid (comm) `, comm may hold anything
+        fields = stat[stat.rfind(b")") + 2 :].split()  # after `pid (comm) `, comm may hold anything
         table[int(name)] = (int(fields[1]), int(fields[3]), fields[0])
     return table
 
@@ -114,7 +114,7 @@ def is_run(pid, token):
     if b"-c" not in parts:
         return False
     at = parts.index(b"-c")
-    return parts[at + 2:at + 4] == [b"run", os.fsencode(token)]
+    return parts[at + 2 : at + 4] == [b"run", os.fsencode(token)]
 
 
 def members(sessions):

@@ -87,9 +87,7 @@ def env_names_by_key(path):
     with open(path, "rb") as handle:
         tree = ast.parse(handle.read())
     helpers = {
-        node.name: strings_in(node)
-        for node in tree.body
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        node.name: strings_in(node) for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
     }
     found = {}
     collect_assignments(tree.body, "", helpers, found)

@@ -132,7 +132,14 @@ def resolve(parts):
     children = list_children(dirs) if rest else []
     if path is None or not path.endswith(".py") or not os.path.isfile(path):
         builtin = index == 1 and spec.origin in ("built-in", "frozen")
-        return {"error": "no_source", "module": module, "file": path, "builtin": builtin, "rest": rest, "children": children}
+        return {
+            "error": "no_source",
+            "module": module,
+            "file": path,
+            "builtin": builtin,
+            "rest": rest,
+            "children": children,
+        }
     return {"module": module, "file": path, "root": root, "is_package": bool(dirs), "rest": rest, "children": children}
 
 
@@ -169,7 +176,11 @@ def list_children(dirs):
         for entry in entries:
             stem = entry.split(".", 1)[0]
             is_module = any(entry.endswith(s) for s in all_suffixes())
-            if stem.isidentifier() and stem not in ("__init__", "__pycache__") and (is_module or os.path.isdir(os.path.join(base, entry))):
+            if (
+                stem.isidentifier()
+                and stem not in ("__init__", "__pycache__")
+                and (is_module or os.path.isdir(os.path.join(base, entry)))
+            ):
                 names.add(stem)
     return sorted(names)
 

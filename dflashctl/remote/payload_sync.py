@@ -218,7 +218,7 @@ def versions_in_use(layout):
         except OSError:
             continue  # gone, or another user's process
         if cwd.startswith(prefix):
-            used.add(cwd[len(prefix):].split(os.sep)[0])
+            used.add(cwd[len(prefix) :].split(os.sep)[0])
     return used
 
 
@@ -243,13 +243,15 @@ def cmd_sync(workdir, dry_run):
         if handle is not None:
             clean(layout, keep_set(base))  # leftovers of pushes killed at any point
         live = verified_entries(layout, base) if base else []
-        write_line({
-            "format": FORMAT,
-            "vid": base["vid"] if base else None,
-            "remote_dir": layout.link,
-            "free": free_bytes(layout.workdir),
-            "files": [dict((k, e[k]) for k in "pshm") for e in live],
-        })
+        write_line(
+            {
+                "format": FORMAT,
+                "vid": base["vid"] if base else None,
+                "remote_dir": layout.link,
+                "free": free_bytes(layout.workdir),
+                "files": [dict((k, e[k]) for k in "pshm") for e in live],
+            }
+        )
         if dry_run:
             return
         stream = Stream(sys.stdin.buffer)
@@ -343,7 +345,7 @@ class Writer(threading.Thread):
         if kind == "data":
             view = memoryview(arg)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             return fd
         os.close(fd)
         return None
@@ -431,7 +433,9 @@ def finish(layout, stage, vid, base_vid, entries, expected_hash):
     """Check the staged manifest, publish the version, and swap the link in one rename."""
     got = manifest_hash(entries)
     if got != expected_hash:
-        raise Failure("verification failed: staged manifest %s != local %s" % (got[:12], expected_hash[:12]), EXIT_VERIFY)
+        raise Failure(
+            "verification failed: staged manifest %s != local %s" % (got[:12], expected_hash[:12]), EXIT_VERIFY
+        )
     make_dirs(layout.versions)
     make_dirs(layout.manifests)
     final = layout.version_dir(vid)

@@ -70,7 +70,7 @@ def main(argv):
                 break
             view = memoryview(data)
             while view:
-                view = view[os.write(1, view):]
+                view = view[os.write(1, view) :]
     except OSError:
         pass
     return 0

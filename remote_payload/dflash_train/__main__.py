@@ -26,12 +26,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_train", description="Train a DFlash drafter.")
     parser.add_argument("--config", help="YAML run config (may name a `preset:`)")
     parser.add_argument("--preset", help="base preset (default: tiny; see config.PRESETS)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. run.steps=100 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. run.steps=100 (repeatable)",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="start over in an output dir with checkpoints")
-    parser.add_argument("--preflight", action="store_true",
-                        help="check the config and devices, print one JSON line, start nothing")
+    parser.add_argument(
+        "--preflight", action="store_true", help="check the config and devices, print one JSON line, start nothing"
+    )
     args = parser.parse_args(argv)
     try:
         # Imported here so that `--help` does not pay for importing torch.
@@ -49,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         stop = StopFlag()
         stop.install()
         try:
-            code = run_training(cfg, resume=args.resume, overwrite=args.overwrite, stop=stop,
-                                launched_at=LAUNCHED_AT)
+            code = run_training(cfg, resume=args.resume, overwrite=args.overwrite, stop=stop, launched_at=LAUNCHED_AT)
         except WorkerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             code = 1
@@ -90,8 +96,9 @@ def _missing(exc: ImportError, preflight: bool) -> int:
     """A module the trainer needs is not installed in this interpreter: one line, exit 4."""
     name = getattr(exc, "name", None) or str(exc)
     package = {"yaml": "pyyaml"}.get(name, name)  # what pip installs it as
-    needs = ("run.tensorboard needs it" if name == "tensorboard"
-             else "the trainer needs torch, safetensors, numpy, pyyaml")
+    needs = (
+        "run.tensorboard needs it" if name == "tensorboard" else "the trainer needs torch, safetensors, numpy, pyyaml"
+    )
     message = f"{package} is not installed in {sys.executable} ({needs})"
     if preflight:
         print(json.dumps({"ok": False, "error": "missing_module", "module": name, "message": message}), flush=True)

@@ -76,8 +76,16 @@ def checkpoint_dir(out_dir: str | Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
-def save_checkpoint(out_dir: str | Path, step: int, drafter: torch.nn.Module, optimizer, scheduler,
-                    config: dict, device: torch.device, keep: int = 2) -> Path:
+def save_checkpoint(
+    out_dir: str | Path,
+    step: int,
+    drafter: torch.nn.Module,
+    optimizer,
+    scheduler,
+    config: dict,
+    device: torch.device,
+    keep: int = 2,
+) -> Path:
     """Write checkpoints/step_XXXXXXXX atomically (temp dir, then rename) and prune old ones."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -102,8 +110,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: str | Path, drafter: torch.nn.Module, optimizer, scheduler,
-                    device: torch.device) -> dict:
+def load_checkpoint(path: str | Path, drafter: torch.nn.Module, optimizer, scheduler, device: torch.device) -> dict:
     """Restore weights, optimizer, scheduler and RNG in place; returns the meta dict."""
     path = Path(path)
     drafter.load_state_dict(load_file(str(path / WEIGHTS), device=str(device)))

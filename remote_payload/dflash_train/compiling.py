@@ -73,6 +73,7 @@ def preload_compiler() -> None:
     box with a cold page cache, bench/startup_profile.py). Started before the config, data,
     CUDA context and weights are set up, it overlaps them; a worker that compiles first waits on
     the import lock."""
+
     def load() -> None:
         import torch._dynamo  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401

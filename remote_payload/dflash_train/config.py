@@ -22,7 +22,9 @@ class TargetConfig:
     """The frozen target model: a local HF causal-LM directory, or a random one of this shape."""
 
     path: str | None = None  # HF checkpoint dir; None builds a random target from the fields below
-    backend: Literal["auto", "native", "transformers"] = "auto"  # native: our Qwen3 (target.py); transformers: any causal LM (target_hf.py)
+    backend: Literal["auto", "native", "transformers"] = (
+        "auto"  # native: our Qwen3 (target.py); transformers: any causal LM (target_hf.py)
+    )
     model_type: str = "qwen3"  # the HF architecture (read from config.json when path is set)
     seed: int = 0  # init seed of the random target
     num_layers: int = 6
@@ -116,12 +118,16 @@ class RunConfig:
     device: str = "auto"  # auto (every visible GPU, one thread each; else cpu) | cpu | cuda (= cuda:0) | cuda:N
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     compile: Literal["off", "default", "cudagraphs"] | None = None  # None: off on CPU, default on CUDA
-    compile_scope: Literal["auto", "step", "drafter", "layers"] = "auto"  # auto: layers for models of Qwen3-0.6B width and up, else step |
+    compile_scope: Literal["auto", "step", "drafter", "layers"] = (
+        "auto"  # auto: layers for models of Qwen3-0.6B width and up, else step |
+    )
     # step: the whole forward+loss as one graph (minutes to compile at 8B scale) | drafter: only
     # the drafter | layers: each draft and target layer (regional; not with cudagraphs)
     compile_cache_dir: str | None = None  # Inductor/Triton caches (TORCHINDUCTOR_CACHE_DIR); None:
     # torch's default under /tmp. dflashctl sets <workdir>/cache/compile so a second run starts warm
-    launcher: Literal["auto", "threads", "processes"] = "auto"  # threads (one thread per device, this process) | processes (one process
+    launcher: Literal["auto", "threads", "processes"] = (
+        "auto"  # threads (one thread per device, this process) | processes (one process
+    )
     # per device, joined like the hosts of a multi-host run) | auto: processes where threads are
     # predicted not to keep up with the GPUs (plan.THREADS_KEEP_UP), else threads
     parallel_warmup: Literal["auto", "on", "off"] = "auto"  # before the worker threads start, one short-lived
@@ -180,8 +186,14 @@ class Config:
 
 
 # The random-token data of the speed presets at real width (qwen3-8b, llama3-8b, qwen3-30b-a3b).
-_SPEED_DATA = {"source": "random", "max_length": 3072, "anchors_per_seq": 512, "batch_size": 1, "num_train": 64,
-               "num_eval": 4}
+_SPEED_DATA = {
+    "source": "random",
+    "max_length": 3072,
+    "anchors_per_seq": 512,
+    "batch_size": 1,
+    "num_train": 64,
+    "num_eval": 4,
+}
 
 # Presets are override dicts on top of the dataclass defaults (which are the tiny run). Without
 # --preset (or a config file's `preset:`), a run with target.path gets `real-target`, else `tiny`.
@@ -197,48 +209,78 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "qwen3-8b": {
         "target": {
-            "num_layers": 36, "hidden_size": 4096, "intermediate_size": 12288, "num_heads": 32,
-            "num_kv_heads": 8, "head_dim": 128, "vocab_size": 151936, "rope_theta": 1000000.0,
-            "max_position_embeddings": 40960, "tie_word_embeddings": False, "init_std": 0.02,
+            "num_layers": 36,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_heads": 32,
+            "num_kv_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 40960,
+            "tie_word_embeddings": False,
+            "init_std": 0.02,
         },
         "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
         "data": {**_SPEED_DATA},
-        "run": {"output_dir": "runs/qwen3-8b", "dtype": "bf16", "eval_every": 1000,
-                "checkpoint_every": 1000},
+        "run": {"output_dir": "runs/qwen3-8b", "dtype": "bf16", "eval_every": 1000, "checkpoint_every": 1000},
     },
     # Llama-3.1-8B's shape through the transformers backend (random weights, random tokens, as
     # qwen3-8b): its rope scaling goes into the drafter's rope; MASK is <|reserved_special_token_0|>.
     "llama3-8b": {
         "target": {
-            "model_type": "llama", "num_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
-            "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "vocab_size": 128256, "rope_theta": 500000.0,
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192},
-            "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": False, "init_std": 0.02,
+            "model_type": "llama",
+            "num_layers": 32,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_heads": 32,
+            "num_kv_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 128256,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": False,
+            "init_std": 0.02,
         },
         "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 128002},
         "data": {**_SPEED_DATA},
-        "run": {"output_dir": "runs/llama3-8b", "dtype": "bf16", "eval_every": 1000,
-                "checkpoint_every": 1000},
+        "run": {"output_dir": "runs/llama3-8b", "dtype": "bf16", "eval_every": 1000, "checkpoint_every": 1000},
     },
     # Qwen3-30B-A3B's shape (128 experts, 8 active) through the transformers backend, likewise.
     "qwen3-30b-a3b": {
         "target": {
-            "model_type": "qwen3_moe", "num_layers": 48, "hidden_size": 2048, "intermediate_size": 6144,
-            "num_heads": 32, "num_kv_heads": 4, "head_dim": 128, "vocab_size": 151936, "rope_theta": 1000000.0,
-            "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-            "max_position_embeddings": 40960, "tie_word_embeddings": False, "init_std": 0.02,
+            "model_type": "qwen3_moe",
+            "num_layers": 48,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_heads": 32,
+            "num_kv_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "rope_theta": 1000000.0,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+            "max_position_embeddings": 40960,
+            "tie_word_embeddings": False,
+            "init_std": 0.02,
         },
         "drafter": {"num_layers": 5, "block_size": 16, "mask_token_id": 151669},
         "data": {**_SPEED_DATA},
-        "run": {"output_dir": "runs/qwen3-30b-a3b", "dtype": "bf16", "eval_every": 1000,
-                "checkpoint_every": 1000},
+        "run": {"output_dir": "runs/qwen3-30b-a3b", "dtype": "bf16", "eval_every": 1000, "checkpoint_every": 1000},
     },
 }
 
 
-def load_config(path: str | None = None, preset: str | None = None,
-                overrides: list[str] = ()) -> Config:
+def load_config(path: str | None = None, preset: str | None = None, overrides: list[str] = ()) -> Config:
     """Preset (default tiny), then the YAML file, then `a.b=c` overrides, validated."""
     file_data: dict[str, Any] = {}
     if path is not None:
@@ -300,8 +342,7 @@ def _field(cfg: Config, dotted: str) -> tuple[Any, str, Any]:
     if section is None or not name:
         raise ConfigError(f"unknown config key {dotted!r} (sections: {', '.join(_field_names(cfg))})")
     if name not in _field_names(section):
-        raise ConfigError(f"unknown config key {dotted!r} (keys in {section_name}: "
-                          f"{', '.join(_field_names(section))})")
+        raise ConfigError(f"unknown config key {dotted!r} (keys in {section_name}: {', '.join(_field_names(section))})")
     return section, name, typing.get_type_hints(type(section))[name]
 
 
@@ -337,6 +378,13 @@ def choices(hint: Any) -> tuple | None:
 
 def validate(cfg: Config) -> None:
     """Reject values that are well-typed but meaningless."""
+    _check_choices(cfg)
+    _check_counts(cfg)
+    _check_run(cfg)
+
+
+def _check_choices(cfg: Config) -> None:
+    """Every field with a Literal type holds one of its choices."""
     for section_name in _field_names(cfg):
         section = getattr(cfg, section_name)
         if not dataclasses.is_dataclass(section):
@@ -347,20 +395,35 @@ def validate(cfg: Config) -> None:
                 continue
             shown = ", ".join("null" if a is None else a for a in allowed)
             raise ConfigError(f"{dotted} must be one of {shown}, got {value!r}")
+
+
+def _check_counts(cfg: Config) -> None:
+    """Shapes, step counts and intervals: positive, and consistent with each other."""
     d, data = cfg.drafter, cfg.data
     if d.block_size < 2:
         raise ConfigError("drafter.block_size must be at least 2")
     if data.max_length is not None and data.max_length < d.block_size + 1:
         raise ConfigError("data.max_length must exceed drafter.block_size")
-    positive = [("run", "steps"), ("run", "log_every"), ("run", "eval_every"), ("run", "eval_batches"),
-                ("run", "checkpoint_every"), ("data", "batch_size"), ("data", "anchors_per_seq"),
-                ("drafter", "num_layers")]
+    positive = [
+        ("run", "steps"),
+        ("run", "log_every"),
+        ("run", "eval_every"),
+        ("run", "eval_batches"),
+        ("run", "checkpoint_every"),
+        ("data", "batch_size"),
+        ("data", "anchors_per_seq"),
+        ("drafter", "num_layers"),
+    ]
     for section, name in positive:
         value = getattr(getattr(cfg, section), name)
         if value is not None and value < 1:  # None: decided from the target (recipe.py)
             raise ConfigError(f"{section}.{name} must be positive")
     if data.source == "jsonl" and not data.train_path:
         raise ConfigError("data.source jsonl needs data.train_path")
+
+
+def _check_run(cfg: Config) -> None:
+    """The run section's devices, timeouts, debug faults and compile pairing."""
     run = cfg.run
     if run.spec_prompts < 0 or run.spec_new_tokens < 1:
         raise ConfigError("run.spec_prompts must be >= 0 and run.spec_new_tokens >= 1")
@@ -370,16 +433,24 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"run.threads {run.threads} contradicts run.gpus {run.gpus} (one thread per GPU)")
     if any(g < 0 for g in run.gpus) or len(set(run.gpus)) != len(run.gpus):
         raise ConfigError(f"run.gpus must list distinct GPU indices, got {run.gpus}")
-    seconds = [("run", "barrier_timeout_s"), ("run", "compile_timeout_s"), ("run", "warmup_timeout_s"), ("dist", "timeout_s"),
-               ("dist", "rendezvous_timeout_s"), ("dist", "heartbeat_s"), ("dist", "lost_after_s")]
+    seconds = [
+        ("run", "barrier_timeout_s"),
+        ("run", "compile_timeout_s"),
+        ("run", "warmup_timeout_s"),
+        ("dist", "timeout_s"),
+        ("dist", "rendezvous_timeout_s"),
+        ("dist", "heartbeat_s"),
+        ("dist", "lost_after_s"),
+    ]
     for section, name in seconds:
         # Finite too: an infinite timeout overflows in threading and torch.distributed; nan compares false.
         value = getattr(getattr(cfg, section), name)
         if not 0 < value < math.inf:
             raise ConfigError(f"{section}.{name} must be a positive number of seconds, got {value!r}")
     if cfg.dist.lost_after_s <= cfg.dist.heartbeat_s:
-        raise ConfigError(f"dist.lost_after_s {cfg.dist.lost_after_s:g} must exceed dist.heartbeat_s "
-                          f"{cfg.dist.heartbeat_s:g}")
+        raise ConfigError(
+            f"dist.lost_after_s {cfg.dist.lost_after_s:g} must exceed dist.heartbeat_s {cfg.dist.heartbeat_s:g}"
+        )
     for name in ("fail_at", "hang_at", "stop_at"):
         spec = getattr(cfg.debug, name)
         if spec is not None and parse_fault_site(spec) is None:

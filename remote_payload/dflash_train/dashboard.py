@@ -8,11 +8,19 @@ from typing import Protocol
 
 # metrics.jsonl key -> TensorBoard tag, by record event. "teacher_forced" is the proxy (true
 # context, random anchors); "spec_tau" the real draft-and-verify figure, in both averages.
-TRAIN_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-              "tokens_per_s": "train/tokens_per_s",
-              "train_acceptance_length": "train/acceptance_length_teacher_forced"}
-EVAL_TAGS = {"loss": "eval/loss", "acceptance_length": "eval/acceptance_length_teacher_forced",
-             "spec_tau_prompt_mean": "eval/spec_tau_prompt_mean", "spec_tau": "eval/spec_tau_pooled"}
+TRAIN_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "train_acceptance_length": "train/acceptance_length_teacher_forced",
+}
+EVAL_TAGS = {
+    "loss": "eval/loss",
+    "acceptance_length": "eval/acceptance_length_teacher_forced",
+    "spec_tau_prompt_mean": "eval/spec_tau_prompt_mean",
+    "spec_tau": "eval/spec_tau_pooled",
+}
 TAGS = {"train": TRAIN_TAGS, "eval": EVAL_TAGS, "final": EVAL_TAGS}
 SUBDIR = "tensorboard"
 

@@ -28,22 +28,27 @@ class DataError(ValueError):
 class Batch:
     """One training batch; N sequences padded to S, A anchors each."""
 
-    input_ids: torch.Tensor     # [N, S] long (right-padded)
-    loss_mask: torch.Tensor     # [N, S] bool: tokens the drafter is trained to predict
-    anchors: torch.Tensor       # [N, A] long: block start positions (0 where invalid)
+    input_ids: torch.Tensor  # [N, S] long (right-padded)
+    loss_mask: torch.Tensor  # [N, S] bool: tokens the drafter is trained to predict
+    anchors: torch.Tensor  # [N, A] long: block start positions (0 where invalid)
     anchor_valid: torch.Tensor  # [N, A] bool: False for padding anchors of short sequences
-    lengths: torch.Tensor       # [N] long: unpadded lengths
+    lengths: torch.Tensor  # [N] long: unpadded lengths
 
     def to(self, device: torch.device | str) -> "Batch":
         """The batch on `device` (non-blocking copies)."""
-        return Batch(*(t.to(device, non_blocking=True) for t in
-                       (self.input_ids, self.loss_mask, self.anchors, self.anchor_valid, self.lengths)))
+        return Batch(
+            *(
+                t.to(device, non_blocking=True)
+                for t in (self.input_ids, self.loss_mask, self.anchors, self.anchor_valid, self.lengths)
+            )
+        )
 
     def pinned(self) -> "Batch":
         """The batch in page-locked host memory: copies from pageable memory wait for the GPU's
         queued work, pinned ones do not, so the host can enqueue the next step early."""
-        return Batch(*(t.pin_memory() for t in
-                       (self.input_ids, self.loss_mask, self.anchors, self.anchor_valid, self.lengths)))
+        return Batch(
+            *(t.pin_memory() for t in (self.input_ids, self.loss_mask, self.anchors, self.anchor_valid, self.lengths))
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -59,15 +64,16 @@ def seeded_generator(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(value)
 
 
-def sample_anchors(loss_mask: torch.Tensor, num: int, block_size: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    loss_mask: torch.Tensor, num: int, block_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `num` distinct sorted anchors a that leave room for a whole block and whose next
     token is supervised (loss_mask[a+1], as SpecForge samples them): the block's first prediction
     always counts, so no block trains with zero weight (an anchor on the last token of an
     assistant turn used to predict only the next user turn's unsupervised tokens). Returns
     (anchors [num], valid [num]), padded with invalid anchors at 0."""
     room = max(0, loss_mask.shape[0] - block_size + 1)
-    candidates = loss_mask[1:room + 1].nonzero().flatten()
+    candidates = loss_mask[1 : room + 1].nonzero().flatten()
     chosen = candidates[torch.randperm(candidates.numel(), generator=generator)[:num]].sort().values
     anchors = torch.zeros(num, dtype=torch.long)
     valid = torch.zeros(num, dtype=torch.bool)
@@ -76,8 +82,14 @@ def sample_anchors(loss_mask: torch.Tensor, num: int, block_size: int,
     return anchors, valid
 
 
-def collate(seqs: list[Sequence], max_length: int, anchors_per_seq: int, block_size: int,
-            generators: list[torch.Generator], pad_id: int = 0) -> Batch:
+def collate(
+    seqs: list[Sequence],
+    max_length: int,
+    anchors_per_seq: int,
+    block_size: int,
+    generators: list[torch.Generator],
+    pad_id: int = 0,
+) -> Batch:
     """Pad sequences to `max_length` (static shapes for compile) and sample their anchors."""
     n = len(seqs)
     ids = torch.full((n, max_length), pad_id, dtype=torch.long)
@@ -95,8 +107,7 @@ def collate(seqs: list[Sequence], max_length: int, anchors_per_seq: int, block_s
 class BlockSampler:
     """Deterministic batches: shuffled per epoch, anchors resampled per epoch, all from `seed`."""
 
-    def __init__(self, seqs: list[Sequence], cfg: DataConfig, block_size: int, seed: int,
-                 shuffle: bool = True):
+    def __init__(self, seqs: list[Sequence], cfg: DataConfig, block_size: int, seed: int, shuffle: bool = True):
         if len(seqs) < cfg.batch_size:
             raise DataError(f"{len(seqs)} sequences are fewer than one batch ({cfg.batch_size})")
         self.seqs, self.cfg, self.block_size, self.seed, self.shuffle = seqs, cfg, block_size, seed, shuffle
@@ -109,12 +120,16 @@ class BlockSampler:
     def batch(self, step: int) -> Batch:
         """The batch for global step `step` (0-based)."""
         epoch, j = divmod(step, self.steps_per_epoch)
-        order = (torch.randperm(len(self.seqs), generator=seeded_generator(self.seed, epoch))
-                 if self.shuffle else torch.arange(len(self.seqs)))
-        idx = order[j * self.cfg.batch_size:(j + 1) * self.cfg.batch_size].tolist()
+        order = (
+            torch.randperm(len(self.seqs), generator=seeded_generator(self.seed, epoch))
+            if self.shuffle
+            else torch.arange(len(self.seqs))
+        )
+        idx = order[j * self.cfg.batch_size : (j + 1) * self.cfg.batch_size].tolist()
         gens = [seeded_generator(self.seed, epoch, i) for i in idx]
-        return collate([self.seqs[i] for i in idx], self.cfg.max_length, self.cfg.anchors_per_seq,
-                       self.block_size, gens)
+        return collate(
+            [self.seqs[i] for i in idx], self.cfg.max_length, self.cfg.anchors_per_seq, self.block_size, gens
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,14 +153,19 @@ def load_jsonl(path: str | Path, tokenizer_path: str | None = None) -> list[Sequ
                     ids = torch.tensor(row["input_ids"], dtype=torch.long)
                     mask = torch.tensor(row.get("loss_mask", [1] * len(row["input_ids"])), dtype=torch.bool)
                 except (TypeError, ValueError):
-                    raise DataError(f"{path}:{line_no}: input_ids and loss_mask must be flat lists of integers") from None
+                    raise DataError(
+                        f"{path}:{line_no}: input_ids and loss_mask must be flat lists of integers"
+                    ) from None
                 if mask.shape != ids.shape:
                     raise DataError(f"{path}:{line_no}: loss_mask and input_ids differ in length")
             elif "messages" in row:
                 tokenizer = tokenizer or load_tokenizer(tokenizer_path, path)
                 try:
-                    ids, mask = (tokenize_target_reply(row, tokenizer) if "reply_ids" in row
-                                 else tokenize_chat(row["messages"], tokenizer))
+                    ids, mask = (
+                        tokenize_target_reply(row, tokenizer)
+                        if "reply_ids" in row
+                        else tokenize_chat(row["messages"], tokenizer)
+                    )
                 except ValueError as exc:
                     raise DataError(f"{path}:{line_no}: {exc}") from None
             else:
@@ -161,11 +181,15 @@ def load_tokenizer(tokenizer_path: str | None, data_path: str | Path):
     try:
         from transformers import AutoTokenizer  # lazy: only chat data needs it
     except ImportError:
-        raise DataError(f"{data_path} has chat rows, which need the `transformers` package; "
-                         "install it or pre-tokenise to input_ids/loss_mask") from None
+        raise DataError(
+            f"{data_path} has chat rows, which need the `transformers` package; "
+            "install it or pre-tokenise to input_ids/loss_mask"
+        ) from None
     if not Path(tokenizer_path, "tokenizer_config.json").is_file():
-        raise DataError(f"{data_path} has chat rows: {tokenizer_path} is not a tokenizer directory "
-                        "(no tokenizer_config.json); data.tokenizer_path must be a local directory")
+        raise DataError(
+            f"{data_path} has chat rows: {tokenizer_path} is not a tokenizer directory "
+            "(no tokenizer_config.json); data.tokenizer_path must be a local directory"
+        )
     # Local files only: a training container must never fetch from a model hub mid-run.
     return AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
 
@@ -189,9 +213,11 @@ def tokenize_chat(messages: list[dict], tokenizer) -> Sequence:
             continue
         at = text.find(content, cursor)
         if at < 0:
-            raise DataError(f"message {i} ({message.get('role')}) does not appear as written in the rendered chat "
-                            "(the template rewrites it), so its tokens are unknown; pre-tokenise this row "
-                            "to input_ids/loss_mask")
+            raise DataError(
+                f"message {i} ({message.get('role')}) does not appear as written in the rendered chat "
+                "(the template rewrites it), so its tokens are unknown; pre-tokenise this row "
+                "to input_ids/loss_mask"
+            )
         end = at + len(content)
         if message.get("role") == "assistant":
             eos = tokenizer.eos_token
@@ -200,8 +226,9 @@ def tokenize_chat(messages: list[dict], tokenizer) -> Sequence:
             spans.append((at, end))
         cursor = end
     if not getattr(tokenizer, "is_fast", False):
-        raise DataError("chat rows need a fast tokenizer (its offsets place each reply); "
-                        "pre-tokenise to input_ids/loss_mask")
+        raise DataError(
+            "chat rows need a fast tokenizer (its offsets place each reply); pre-tokenise to input_ids/loss_mask"
+        )
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [hi > lo and any(a <= lo and hi <= b for a, b in spans) for lo, hi in enc["offset_mapping"]]
     return torch.tensor(enc["input_ids"], dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
@@ -214,25 +241,38 @@ def tokenize_target_reply(row: dict, tokenizer) -> Sequence:
     target emitted, supervised. Re-encoding the reply's text could give other tokens (a
     byte-level BPE merges what the target emitted apart), which the target never produced."""
     messages = row["messages"]
-    if not (isinstance(messages, list) and len(messages) >= 2 and all(isinstance(m, dict) for m in messages)
-            and messages[-2].get("role") == "user" and messages[-1].get("role") == "assistant"):
+    if not (
+        isinstance(messages, list)
+        and len(messages) >= 2
+        and all(isinstance(m, dict) for m in messages)
+        and messages[-2].get("role") == "user"
+        and messages[-1].get("role") == "assistant"
+    ):
         raise DataError("a row with reply_ids must end with a user turn and the assistant reply they encode")
     kwargs = row.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"} or \
-            not isinstance(kwargs.get("enable_thinking", False), bool):
+    if (
+        not isinstance(kwargs, dict)
+        or set(kwargs) - {"enable_thinking"}
+        or not isinstance(kwargs.get("enable_thinking", False), bool)
+    ):
         raise DataError("chat_template_kwargs may only hold enable_thinking (true or false)")
     reply = row["reply_ids"]
     if not isinstance(reply, list) or not reply or not all(type(t) is int and t >= 0 for t in reply):
         raise DataError("reply_ids must be a non-empty list of token ids")
     if tokenizer.decode(reply, skip_special_tokens=True) != messages[-1].get("content"):
-        raise DataError("reply_ids do not decode to the assistant reply (an edited reply, or another tokenizer "
-                        "than the target's)")
+        raise DataError(
+            "reply_ids do not decode to the assistant reply (an edited reply, or another tokenizer than the target's)"
+        )
     prompt, _ = encode_prompt(tokenizer, "messages", {"messages": messages[:-1]}, kwargs.get("enable_thinking"))
-    return (torch.tensor(prompt + reply, dtype=torch.long),
-            torch.tensor([False] * len(prompt) + [True] * len(reply), dtype=torch.bool))
+    return (
+        torch.tensor(prompt + reply, dtype=torch.long),
+        torch.tensor([False] * len(prompt) + [True] * len(reply), dtype=torch.bool),
+    )
 
 
-def demo_sequences(target: Qwen3Target, cfg: DataConfig, mask_token_id: int, seed: int) -> tuple[list[Sequence], list[Sequence]]:
+def demo_sequences(
+    target: Qwen3Target, cfg: DataConfig, mask_token_id: int, seed: int
+) -> tuple[list[Sequence], list[Sequence]]:
     """Greedy continuations of random prompts by the target itself: (train, held-out).
 
     Prompts are masked out of the loss; the continuation is deterministic given its prefix, so
@@ -247,7 +287,7 @@ def demo_sequences(target: Qwen3Target, cfg: DataConfig, mask_token_id: int, see
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, : cfg.prompt_length] = False
     seqs = list(zip(ids.unbind(0), mask.unbind(0)))
-    return seqs[: cfg.num_train], seqs[cfg.num_train:]
+    return seqs[: cfg.num_train], seqs[cfg.num_train :]
 
 
 def random_sequences(vocab_size: int, num: int, length: int, mask_token_id: int, seed: int) -> list[Sequence]:
@@ -262,8 +302,10 @@ def check_vocab(seqs: list[Sequence], vocab_size: int, path: str | Path) -> list
     would be a device-side assert in the embedding, far from its cause)."""
     top = max((int(ids.max()) for ids, _ in seqs if ids.numel()), default=-1)
     if top >= vocab_size:
-        raise DataError(f"{path} has token id {top}, outside the target's vocabulary ({vocab_size}): "
-                         "is data.tokenizer_path the target's tokenizer?")
+        raise DataError(
+            f"{path} has token id {top}, outside the target's vocabulary ({vocab_size}): "
+            "is data.tokenizer_path the target's tokenizer?"
+        )
     return seqs
 
 
@@ -278,9 +320,8 @@ def build_datasets(cfg: Config, mask_token_id: int) -> tuple[list[Sequence], lis
         # Generated on CPU in fp32 so the data do not depend on where training runs.
         return demo_sequences(build_tiny_target(cfg.target, cfg.target.seed), d, mask_token_id, seed)
     if d.source == "random":
-        seqs = random_sequences(cfg.target.vocab_size, d.num_train + d.num_eval, d.max_length,
-                                mask_token_id, seed)
-        return seqs[: d.num_train], seqs[d.num_train:]
+        seqs = random_sequences(cfg.target.vocab_size, d.num_train + d.num_eval, d.max_length, mask_token_id, seed)
+        return seqs[: d.num_train], seqs[d.num_train :]
     tokenizer_path = d.tokenizer_path or cfg.target.path
     vocab = cfg.target.vocab_size
     train = check_vocab(load_jsonl(d.train_path, tokenizer_path), vocab, d.train_path)

@@ -66,8 +66,15 @@ class StepGraphs:
 class Decoder:
     """The whole target as a static-KV-cache decoder for a batch of N rows and C positions."""
 
-    def __init__(self, target: Qwen3Target, batch: int, capacity: int, feature_layers: tuple[int, ...] = (),
-                 graphs: bool | None = None, compile: bool | None = None):
+    def __init__(
+        self,
+        target: Qwen3Target,
+        batch: int,
+        capacity: int,
+        feature_layers: tuple[int, ...] = (),
+        graphs: bool | None = None,
+        compile: bool | None = None,
+    ):
         if len(target.layers) != target.cfg.num_layers:
             raise ValueError("decoding needs the whole target (this one stops early)")
         weight = target.embed_tokens.weight
@@ -75,11 +82,13 @@ class Decoder:
         self.device, self.dtype = weight.device, weight.dtype
         self.capacity = capacity
         s = target.shape
-        self.keys = [torch.zeros(batch, s.num_kv_heads, capacity, s.head_dim, device=self.device, dtype=self.dtype)
-                     for _ in target.layers]
+        self.keys = [
+            torch.zeros(batch, s.num_kv_heads, capacity, s.head_dim, device=self.device, dtype=self.dtype)
+            for _ in target.layers
+        ]
         self.values = [torch.zeros_like(k) for k in self.keys]
-        self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)   # [N] left padding per row
-        self.length = 0                                                        # slots written
+        self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)  # [N] left padding per row
+        self.length = 0  # slots written
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self._graphs = StepGraphs(self.device) if self.graphs else None
         # Steps (not the prefill, whose shape is the prompts') run the layers' parts compiled.
@@ -93,8 +102,9 @@ class Decoder:
         [N, V] in fp32, features [N, P, L*H] or None). Eager: its shape is the prompts'."""
         ids = left_padded(prompts, self.pad, self.capacity)
         p = self.length = ids.shape[1]
-        logits, feats = self._forward(ids.to(self.device), torch.zeros(1, dtype=torch.long, device=self.device), p,
-                                      prefill=True)
+        logits, feats = self._forward(
+            ids.to(self.device), torch.zeros(1, dtype=torch.long, device=self.device), p, prefill=True
+        )
         return logits[:, -1], feats
 
     @torch.no_grad()
@@ -119,7 +129,7 @@ class Decoder:
         """Take one step of `width` tokens in every window the cache has, then forget them: on
         CUDA that compiles the layer parts and captures each step graph, a handful of steps where
         decoding the whole capacity would take one per position. Returns the steps taken."""
-        ends = list(range(WINDOW, self.capacity, WINDOW)) + [self.capacity]           # each window's last slot + 1
+        ends = list(range(WINDOW, self.capacity, WINDOW)) + [self.capacity]  # each window's last slot + 1
         ids = torch.zeros(self.pad.numel(), width, dtype=torch.long, device=self.device)
         taken = 0
         for end in ends:
@@ -132,13 +142,14 @@ class Decoder:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _forward(self, ids: torch.Tensor, start: torch.Tensor, window: int,
-                 prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, ids: torch.Tensor, start: torch.Tensor, window: int, prefill: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target over ids [N, T] written at slots start..start+T-1, attending to `window` slots."""
         m, t = self.target, ids.shape[1]
-        slots = start + torch.arange(t, device=self.device)                          # [T]
-        positions = (slots[None] - self.pad[:, None]).clamp_min(0)                   # [N, T]
-        x = m.embed_tokens(ids)                                                      # [N, T, H]
+        slots = start + torch.arange(t, device=self.device)  # [T]
+        positions = (slots[None] - self.pad[:, None]).clamp_min(0)  # [N, T]
+        x = m.embed_tokens(ids)  # [N, T, H]
         cos, sin = rope_cos_sin(positions, m.shape.head_dim, m.shape.rope_theta, x.dtype)
         mask = grouped_mask(self._mask(slots, window, prefill), m.shape.num_heads // m.shape.num_kv_heads)
         wanted, feats = set(self.feature_layers), {}
@@ -146,17 +157,17 @@ class Decoder:
             x = self._layers(layer, x, cos, sin, self.keys[i], self.values[i], slots, window, mask, eager=prefill)
             if i in wanted:
                 feats[i] = x
-        logits = m.lm_head(m.norm(x)).float()                                         # [N, T, V]
+        logits = m.lm_head(m.norm(x)).float()  # [N, T, V]
         return logits, torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
 
     def _mask(self, slots: torch.Tensor, window: int, prefill: bool) -> torch.Tensor | None:
         """[N, 1, T, W] (True = attend): a row's own slots up to each query; None when that is
         plain causal attention over exactly the written slots (the CPU path without padding)."""
         keys = torch.arange(window, device=self.device)
-        causal = keys[None, :] <= slots[:, None]                                       # [T, W]
+        causal = keys[None, :] <= slots[:, None]  # [T, W]
         if not self.graphs and not bool(self.pad.any()) and (prefill or slots.numel() == 1):
             return None
-        mask = causal[None] & (keys[None, None, :] >= self.pad[:, None, None])         # [N, T, W]
+        mask = causal[None] & (keys[None, None, :] >= self.pad[:, None, None])  # [N, T, W]
         if prefill:  # a padding query sees itself: no row without keys (SDPA would give NaN)
             mask = mask | (keys[None, :] == slots[:, None])[None]
         return mask[:, None]
@@ -171,9 +182,19 @@ class CachedLayers:
     def __init__(self, compiled: bool):
         self.compiled = (torch.compile(before_attention), torch.compile(after_attention)) if compiled else None
 
-    def __call__(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, window: int,
-                 mask: torch.Tensor | None, eager: bool = False) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: DecoderLayer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        window: int,
+        mask: torch.Tensor | None,
+        eager: bool = False,
+    ) -> torch.Tensor:
         """x [N, T, H] written at `slots` [T] of keys/values [N, nkv, C, d], attending to their
         first `window` slots under a `grouped_mask` -> the layer's output [N, T, H]."""
         before, after = (before_attention, after_attention) if eager or not self.compiled else self.compiled
@@ -184,8 +205,14 @@ class CachedLayers:
         return after(layer, x, out)
 
 
-def make_decoder(target, batch: int, capacity: int, feature_layers: tuple[int, ...] = (),
-                 graphs: bool | None = None, compile: bool | None = None):
+def make_decoder(
+    target,
+    batch: int,
+    capacity: int,
+    feature_layers: tuple[int, ...] = (),
+    graphs: bool | None = None,
+    compile: bool | None = None,
+):
     """The KV-cached decoder for `target`: `Decoder` for the native Qwen3, target_hf.HFDecoder
     (the model's own cache, eager) for a transformers target."""
     if isinstance(target, HFTarget):
@@ -198,8 +225,9 @@ def window_for(need: int, capacity: int, graphs: bool) -> int:
     return min(capacity, -(-need // WINDOW) * WINDOW) if graphs else need
 
 
-def before_attention(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def before_attention(
+    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's work up to attention for new tokens x [N, T, H]: queries [N, nh, T, d], keys
     (RoPE applied) and values [N, nkv, T, d]."""
     attn = layer.self_attn
@@ -231,13 +259,14 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     n, nh, t, d = q.shape
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
-    rows = q.reshape(n, k.shape[1], -1, d)                                            # head h = kv * g + i
+    rows = q.reshape(n, k.shape[1], -1, d)  # head h = kv * g + i
     out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
     return out.reshape(n, nh, t, d)  # SDPA may return another layout (fp32 on CUDA does)
 
 
-def pick(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
-         generator: torch.Generator | None = None) -> torch.Tensor:
+def pick(
+    logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Token ids from logits [..., V]: argmax at temperature 0, else a sample of the
     temperature-scaled distribution restricted to its top-p nucleus."""
     if temperature == 0:
@@ -245,17 +274,26 @@ def pick(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
     probs = torch.softmax(logits.float() / temperature, -1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p                       # keeps the top token
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keeps the top token
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
 @torch.no_grad()
-def generate(target: Qwen3Target, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, eos_ids: tuple[int, ...] = (), generator: torch.Generator | None = None,
-             banned_ids: tuple[int, ...] = (), graphs: bool | None = None,
-             decoder: Decoder | None = None) -> list[list[int]]:
+def generate(
+    target: Qwen3Target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_ids: tuple[int, ...] = (),
+    generator: torch.Generator | None = None,
+    banned_ids: tuple[int, ...] = (),
+    graphs: bool | None = None,
+    decoder: Decoder | None = None,
+) -> list[list[int]]:
     """Continue every prompt in one batch: each row's new tokens, cut after its first EOS (kept).
     Greedy at temperature 0; a row's tokens do not depend on the other rows (left padding).
     `decoder`: one to reuse (its captured graphs with it), of batch len(prompts) and room enough."""
@@ -266,13 +304,13 @@ def generate(target: Qwen3Target, prompts: list[list[int]], max_new_tokens: int,
     banned = torch.tensor(banned_ids, dtype=torch.long, device=decoder.device)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=decoder.device)
 
-    def choose(logits: torch.Tensor) -> torch.Tensor:                                 # [N, V] -> [N]
+    def choose(logits: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N]
         if banned.numel():
             logits = logits.index_fill(-1, banned, float("-inf"))
         return pick(logits, temperature, top_p, generator)
 
     logits, _ = decoder.prefill(prompts)
-    tokens = [choose(logits)]                                                         # [N] per step
+    tokens = [choose(logits)]  # [N] per step
     done = torch.isin(tokens[0], eos)
     for i in range(max_new_tokens - 1):
         if i % 8 == 0 and bool(done.all()):  # a sync: not every step, so the GPU stays fed
@@ -280,13 +318,19 @@ def generate(target: Qwen3Target, prompts: list[list[int]], max_new_tokens: int,
         logits, _ = decoder.step(tokens[-1][:, None])
         tokens.append(choose(logits[:, -1]))
         done |= torch.isin(tokens[-1], eos)
-    rows = torch.stack(tokens, 1).tolist()                                            # [N, new]
+    rows = torch.stack(tokens, 1).tolist()  # [N, new]
     ends = set(eos_ids)
     return [row[: next((i + 1 for i, tok in enumerate(row) if tok in ends), len(row))] for row in rows]
 
 
-def greedy(target: Qwen3Target, prompt: list[int], max_new_tokens: int, eos_id: int | None = None,
-           graphs: bool | None = None, decoder: Decoder | None = None) -> list[int]:
+def greedy(
+    target: Qwen3Target,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_id: int | None = None,
+    graphs: bool | None = None,
+    decoder: Decoder | None = None,
+) -> list[int]:
     """The target's own greedy continuation of one prompt: the lossless reference."""
     eos = () if eos_id is None else (eos_id,)
     return generate(target, [prompt], max_new_tokens, eos_ids=eos, graphs=graphs, decoder=decoder)[0]

@@ -81,10 +81,18 @@ class NodeEnv:
         names = tuple(n for n in env.get("DFLASH_NODES", "").split(",") if n)
         if len(names) != world:
             names = tuple(f"rank{r}" for r in range(world))
-        return cls(rank, world, env["MASTER_ADDR"], int(env["MASTER_PORT"]), names,
-                   timeout_s=cfg.timeout_s, rendezvous_timeout_s=cfg.rendezvous_timeout_s,
-                   heartbeat_s=cfg.heartbeat_s, lost_after_s=cfg.lost_after_s,
-                   run_id=env.get("DFLASH_RUN_ID", "run"))
+        return cls(
+            rank,
+            world,
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            names,
+            timeout_s=cfg.timeout_s,
+            rendezvous_timeout_s=cfg.rendezvous_timeout_s,
+            heartbeat_s=cfg.heartbeat_s,
+            lost_after_s=cfg.lost_after_s,
+            run_id=env.get("DFLASH_RUN_ID", "run"),
+        )
 
     def node(self, rank: int) -> str:
         """`h2 (rank 1)`: how messages name a node."""
@@ -107,8 +115,14 @@ def _first_line(exc: BaseException) -> str:
 
 def _store(env: NodeEnv, is_master: bool, timeout_s: float) -> dist.Store:
     """A TCPStore connection (or, on rank 0 once, the server), under this run's key prefix."""
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master,
-                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        is_master,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
     return dist.PrefixStore(f"dflash/{env.run_id}/", store)
 
 
@@ -135,8 +149,10 @@ class Monitor(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - the store is rank 0's: it died or is cut off
                 if self.halt.is_set():
                     return
-                reason = (f"lost node {env.node(0)}: the rendezvous store at {env.rendezvous} stopped "
-                          f"answering ({_first_line(exc)})")
+                reason = (
+                    f"lost node {env.node(0)}: the rendezvous store at {env.rendezvous} stopped "
+                    f"answering ({_first_line(exc)})"
+                )
             if reason is not None and not self.halt.is_set():
                 self.verdict = reason
                 self.on_lost(reason)
@@ -155,8 +171,10 @@ class Monitor(threading.Thread):
             if value != count:
                 self.seen[r] = (value, now)
             elif now - since > limit:
-                return (f"lost node {env.node(r)}: no heartbeat for {now - since:.0f} s "
-                        f"(process killed, host down or network cut)")
+                return (
+                    f"lost node {env.node(r)}: no heartbeat for {now - since:.0f} s "
+                    f"(process killed, host down or network cut)"
+                )
         return None
 
     def stop(self) -> None:
@@ -169,8 +187,14 @@ class Monitor(threading.Thread):
 class NodeGroup:
     """One trainer process's membership in a multi-host run (see the module docstring)."""
 
-    def __init__(self, env: NodeEnv, device_type: str, local_replicas: int,
-                 on_lost: Callable[[str], None] | None = None, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        env: NodeEnv,
+        device_type: str,
+        local_replicas: int,
+        on_lost: Callable[[str], None] | None = None,
+        log: Callable[[str], None] = print,
+    ):
         if local_replicas < 1:
             raise ValueError("local_replicas must be at least 1")
         self.env, self.log = env, log
@@ -183,8 +207,13 @@ class NodeGroup:
         self._store = self._rendezvous()
         backend = "nccl" if device_type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=env.timeout_s)
-        dist.init_process_group(backend, store=dist.PrefixStore("pg/", self._store), rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg/", self._store),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
         # Checksums, counts and objects travel on gloo even when gradients go over NCCL.
         self.control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
         self.monitor = Monitor(env, self._lost)
@@ -192,10 +221,12 @@ class NodeGroup:
         counts = self._gather_ints([local_replicas])
         self.replica_counts = [c[0] for c in counts]
         self.total_replicas = sum(self.replica_counts)
-        self.replica_offset = sum(self.replica_counts[:env.rank])
+        self.replica_offset = sum(self.replica_counts[: env.rank])
         self.scale = local_replicas / self.total_replicas
-        log(f"node {env.node(env.rank)} of {env.world_size} joined {backend} group at {env.rendezvous}: "
-            f"replicas per node {self.replica_counts} (global {self.total_replicas})")
+        log(
+            f"node {env.node(env.rank)} of {env.world_size} joined {backend} group at {env.rendezvous}: "
+            f"replicas per node {self.replica_counts} (global {self.total_replicas})"
+        )
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -207,10 +238,14 @@ class NodeGroup:
             store = _store(env, env.rank == 0, env.rendezvous_timeout_s)
         except Exception as exc:  # noqa: BLE001
             if env.rank == 0:
-                raise NodeLost(f"cannot serve the rendezvous on {env.rendezvous} ({_first_line(exc)}); "
-                               f"is the port in use by another run? (dflashctl train --rdzv-port)") from None
-            raise NodeLost(f"cannot reach the rendezvous of {env.node(0)} at {env.rendezvous} within "
-                           f"{env.rendezvous_timeout_s:g} s ({_first_line(exc)})") from None
+                raise NodeLost(
+                    f"cannot serve the rendezvous on {env.rendezvous} ({_first_line(exc)}); "
+                    f"is the port in use by another run? (dflashctl train --rdzv-port)"
+                ) from None
+            raise NodeLost(
+                f"cannot reach the rendezvous of {env.node(0)} at {env.rendezvous} within "
+                f"{env.rendezvous_timeout_s:g} s ({_first_line(exc)})"
+            ) from None
         store.set(f"join/{env.rank}", env.nodes[env.rank])
         while True:
             missing = [r for r in range(env.world_size) if not store.check([f"join/{r}"])]
@@ -218,8 +253,9 @@ class NodeGroup:
                 return store
             if time.monotonic() - t0 > env.rendezvous_timeout_s:
                 names = ", ".join(env.node(r) for r in missing)
-                raise NodeLost(f"{names} did not join the rendezvous at {env.rendezvous} within "
-                               f"{env.rendezvous_timeout_s:g} s")
+                raise NodeLost(
+                    f"{names} did not join the rendezvous at {env.rendezvous} within {env.rendezvous_timeout_s:g} s"
+                )
             time.sleep(0.1)
 
     # -- the hooks ----------------------------------------------------------------------------
@@ -319,8 +355,11 @@ class NodeGroup:
             with open(dest / fname, "rb" if self.is_main else "wb") as fh:
                 for offset in range(0, size, chunk_bytes):
                     n = min(chunk_bytes, size - offset)
-                    buf = (torch.frombuffer(bytearray(fh.read(n)), dtype=torch.uint8) if self.is_main
-                           else torch.empty(n, dtype=torch.uint8))
+                    buf = (
+                        torch.frombuffer(bytearray(fh.read(n)), dtype=torch.uint8)
+                        if self.is_main
+                        else torch.empty(n, dtype=torch.uint8)
+                    )
                     with self._collective("checkpoint broadcast"):
                         dist.broadcast(buf, src=0, group=self.control)
                     if not self.is_main:
@@ -345,8 +384,9 @@ class NodeGroup:
             time.sleep(0.05)
         if self.monitor.verdict is not None:
             return NodeLost(self.monitor.verdict)
-        return NodeLost(f"{what} across {self.world_size} nodes failed on {self.env.node(self.rank)}: "
-                        f"{_first_line(exc)}")
+        return NodeLost(
+            f"{what} across {self.world_size} nodes failed on {self.env.node(self.rank)}: {_first_line(exc)}"
+        )
 
     def _lost(self, reason: str) -> None:
         if self._closed:
@@ -368,8 +408,10 @@ class NodeGroup:
         if error is not None and not isinstance(error, NodeLost):
             self.report_failure(f"{_first_line(error)} (see that node's train.log)")
         if error is None and self.last_check is not None:
-            self.log(f"nodes in sync: parameter checksum {self.last_check[1]} on all {self.world_size} nodes "
-                     f"({self.last_check[0]} checks)")
+            self.log(
+                f"nodes in sync: parameter checksum {self.last_check[1]} on all {self.world_size} nodes "
+                f"({self.last_check[0]} checks)"
+            )
         if error is None and self.is_main:
             self._store.set(f"done/{self.rank}", "1")
             while not all(self._store.check([f"done/{r}"]) for r in range(1, self.world_size)):
@@ -433,8 +475,13 @@ def _exit_node_lost(reason: str) -> None:
     os._exit(EXIT_NODE_LOST)
 
 
-def init_from_env(device_type: str, local_replicas: int, cfg: DistConfig, log: Callable[[str], None] = print,
-                  environ: Mapping[str, str] | None = None) -> NodeGroup | None:
+def init_from_env(
+    device_type: str,
+    local_replicas: int,
+    cfg: DistConfig,
+    log: Callable[[str], None] = print,
+    environ: Mapping[str, str] | None = None,
+) -> NodeGroup | None:
     """The NodeGroup when WORLD_SIZE > 1 (dflashctl multi-host runs), else None; timeouts from `cfg`."""
     env = NodeEnv.from_env(cfg, environ)
     if env is None:

@@ -28,9 +28,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from .doctor_checks import (GIB, GRAPH_POLICIES, POLICIES, Check, check_capability, check_driver, check_free,
-                            check_gpus, check_inductor_cache, check_python, check_torch, inductor_cache_dir,
-                            nvidia_smi, smoke_check, trainer_policies, verdict_check)
+from .doctor_checks import (
+    GIB,
+    GRAPH_POLICIES,
+    POLICIES,
+    Check,
+    check_capability,
+    check_driver,
+    check_free,
+    check_gpus,
+    check_inductor_cache,
+    check_python,
+    check_torch,
+    inductor_cache_dir,
+    nvidia_smi,
+    smoke_check,
+    trainer_policies,
+    verdict_check,
+)
 from .doctor_child import ChildRun, classify, run_child
 from .doctor_smoke import default_compile_mode, first_line, smoke_main
 
@@ -52,7 +67,9 @@ def parse_inject(spec: str | None) -> dict[str, str]:
     for item in filter(None, (spec or "").split(",")):
         fault, _, policy = item.partition(":")
         if fault not in INJECTIONS or policy not in POLICIES:
-            raise ArgumentError(f"--inject takes FAULT:POLICY with FAULT in {INJECTIONS} and POLICY in {POLICIES}, got {item!r}")
+            raise ArgumentError(
+                f"--inject takes FAULT:POLICY with FAULT in {INJECTIONS} and POLICY in {POLICIES}, got {item!r}"
+            )
         faults[policy] = fault
     return faults
 
@@ -120,8 +137,20 @@ def child_env() -> dict[str, str]:
 
 def run_smoke(policy: str, devices: list[str], steps: int, timeout: float, inject: str | None) -> dict:
     """One smoke test in its own process group, classified."""
-    argv = [sys.executable, "-X", "faulthandler", "-m", "dflash_train.doctor", "smoke",
-            "--policy", policy, "--devices", ",".join(devices), "--steps", str(steps)]
+    argv = [
+        sys.executable,
+        "-X",
+        "faulthandler",
+        "-m",
+        "dflash_train.doctor",
+        "smoke",
+        "--policy",
+        policy,
+        "--devices",
+        ",".join(devices),
+        "--steps",
+        str(steps),
+    ]
     if inject:
         argv += ["--inject", inject]
     with tempfile.TemporaryDirectory(prefix="dflash-smoke-") as tmp:
@@ -134,8 +163,9 @@ def run_smoke(policy: str, devices: list[str], steps: int, timeout: float, injec
     return record
 
 
-def environment_checks(torch, gpus: list[int], smi: dict | None, count: int, cuda_error: str | None,
-                       cache_env: str | None) -> list[Check]:
+def environment_checks(
+    torch, gpus: list[int], smi: dict | None, count: int, cuda_error: str | None, cache_env: str | None
+) -> list[Check]:
     """Every check that runs in this process: versions, GPUs, driver, caches, scratch space."""
     cache, source = inductor_cache_dir(cache_env)
     return [
@@ -145,11 +175,17 @@ def environment_checks(torch, gpus: list[int], smi: dict | None, count: int, cud
         check_driver(smi, torch.version.cuda),
         check_capability(torch, gpus),
         check_inductor_cache(cache, source),
-        check_free("tmp", "/tmp", tempfile.gettempdir(), 2 * GIB,
-                   "compilers write temporaries here: free space or set TMPDIR"),
-        check_free("shm", "/dev/shm", "/dev/shm", 1 * GIB,
-                   "data-loader workers and NCCL share memory here: raise the container's shm size "
-                   "(docker --shm-size=16g; LXC: a larger tmpfs on /dev/shm)"),
+        check_free(
+            "tmp", "/tmp", tempfile.gettempdir(), 2 * GIB, "compilers write temporaries here: free space or set TMPDIR"
+        ),
+        check_free(
+            "shm",
+            "/dev/shm",
+            "/dev/shm",
+            1 * GIB,
+            "data-loader workers and NCCL share memory here: raise the container's shm size "
+            "(docker --shm-size=16g; LXC: a larger tmpfs on /dev/shm)",
+        ),
     ]
 
 
@@ -164,8 +200,9 @@ def cuda_devices(torch) -> tuple[int, str | None]:
         return 0, first_line(exc)
 
 
-def smoke_tests(args: argparse.Namespace, devices: list[str], faults: dict[str, str],
-                jobs: int | None) -> dict[str, dict]:
+def smoke_tests(
+    args: argparse.Namespace, devices: list[str], faults: dict[str, str], jobs: int | None
+) -> dict[str, dict]:
     """Each policy's smoke result (or why it did not run), in report order; up to `jobs` at once."""
     wanted = args.policies.split(",") if args.policies else list(POLICIES)
     unknown = sorted(set(wanted) - set(POLICIES))
@@ -182,17 +219,22 @@ def smoke_tests(args: argparse.Namespace, devices: list[str], faults: dict[str, 
             runnable.append(policy)
     if runnable:
         steps = args.steps or _default_steps(devices)
-        results.update(run_smokes(runnable, devices, steps, args.smoke_timeout, faults,
-                                  jobs or default_jobs(len(runnable), usable_cpus())))
+        results.update(
+            run_smokes(
+                runnable, devices, steps, args.smoke_timeout, faults, jobs or default_jobs(len(runnable), usable_cpus())
+            )
+        )
     return {policy: results[policy] for policy in POLICIES}
 
 
-def run_smokes(policies: list[str], devices: list[str], steps: int, timeout: float, faults: dict[str, str],
-               jobs: int) -> dict[str, dict]:
+def run_smokes(
+    policies: list[str], devices: list[str], steps: int, timeout: float, faults: dict[str, str], jobs: int
+) -> dict[str, dict]:
     """Each policy's smoke test. With jobs > 1, a compile pass first: every policy for one step,
     `jobs` at once (separate processes compile in parallel, and fill the inductor cache on disk);
     a crash or hang there is that policy's finding. Then the timed pass, one at a time, so that
     no compile shares the CPU with a timed step; it reads the compiled code from the cache."""
+
     def one(policy: str, n_steps: int, label: str = "") -> dict:
         _progress(f"smoke {policy}{label} on {'+'.join(devices)} ...")
         record = run_smoke(policy, devices, n_steps, timeout, faults.get(policy))
@@ -275,8 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--policies", help=f"comma list of smoke policies (default: all of {','.join(POLICIES)})")
     rep.add_argument("--smoke-timeout", type=float, default=120.0, help="seconds per smoke test before it is a hang")
     rep.add_argument("--steps", type=int, default=0, help="timed steps per smoke test (default: 30 on GPU, 3 on CPU)")
-    rep.add_argument("--jobs", help="compile-pass children at once (default: one per 4 CPUs, at most one per "
-                     "policy; 1: no compile pass)")
+    rep.add_argument(
+        "--jobs",
+        help="compile-pass children at once (default: one per 4 CPUs, at most one per policy; 1: no compile pass)",
+    )
     rep.add_argument("--inject", help="test hook: FAULT:POLICY[,...], FAULT crash or hang")
     smoke = sub.add_parser("smoke", help="one smoke test (run by report in its own process)")
     smoke.add_argument("--policy", choices=POLICIES, required=True)

@@ -49,18 +49,25 @@ def check_python() -> Check:
 
 def check_torch(torch) -> list[Check]:
     """torch and triton versions, and the CUDA runtime torch was built against."""
-    rows = [Check("torch", "torch", "ok", torch.__version__, f"CUDA runtime {torch.version.cuda or 'none (CPU build)'}")]
+    rows = [
+        Check("torch", "torch", "ok", torch.__version__, f"CUDA runtime {torch.version.cuda or 'none (CPU build)'}")
+    ]
     try:
         import triton
 
         rows.append(Check("triton", "triton", "ok", triton.__version__))
     except ImportError:
         on_cuda = torch.version.cuda is not None
-        rows.append(Check(
-            "triton", "triton", "fail" if on_cuda else "n/a", "not installed",
-            "import triton failed",
-            "install the triton matching this torch (pip install torch pulls it in)" if on_cuda else "",
-        ))
+        rows.append(
+            Check(
+                "triton",
+                "triton",
+                "fail" if on_cuda else "n/a",
+                "not installed",
+                "import triton failed",
+                "install the triton matching this torch (pip install torch pulls it in)" if on_cuda else "",
+            )
+        )
     return rows
 
 
@@ -97,11 +104,23 @@ def check_gpus(smi: dict | None, torch_count: int, cuda_error: str | None, dev: 
     if smi is None and torch_count == 0:
         return Check("gpus", "GPUs", "n/a", "no GPU", "nvidia-smi not found; torch.cuda.device_count() = 0")
     if smi is not None and smi.get("error"):
-        return Check("gpus", "GPUs", "fail", "nvidia-smi fails", smi["error"],
-                     "the driver is not usable in this container: check the host driver and the passthrough")
+        return Check(
+            "gpus",
+            "GPUs",
+            "fail",
+            "nvidia-smi fails",
+            smi["error"],
+            "the driver is not usable in this container: check the host driver and the passthrough",
+        )
     if smi is None and not cuda_error:
-        return Check("gpus", "GPUs", "warn", f"{torch_count} seen by torch", "nvidia-smi not found on PATH",
-                     "install nvidia-smi (nvidia-utils) in the container to see driver and GPU details")
+        return Check(
+            "gpus",
+            "GPUs",
+            "warn",
+            f"{torch_count} seen by torch",
+            "nvidia-smi not found on PATH",
+            "install nvidia-smi (nvidia-utils) in the container to see driver and GPU details",
+        )
     smi_count = len(smi["gpus"]) if smi else 0
     evidence = f"nvidia-smi: {smi_count}, torch.cuda.device_count(): {torch_count}"
     if cuda_error:
@@ -115,12 +134,20 @@ def check_gpus(smi: dict | None, torch_count: int, cuda_error: str | None, dev: 
     absent = missing_device_nodes([g["index"] for g in smi["gpus"]] if smi else [], dev)
     if absent:
         evidence += f"; absent: {' '.join(absent)}"
-        hint = ("pass the missing nodes into the container (LXC: `lxc.mount.entry: /dev/nvidia-uvm dev/nvidia-uvm "
-                "none bind,optional,create=file` per node, and `lxc.cgroup2.devices.allow: c 195:* rwm` plus the "
-                "uvm major from `ls -l /dev/nvidia-uvm`)")
+        hint = (
+            "pass the missing nodes into the container (LXC: `lxc.mount.entry: /dev/nvidia-uvm dev/nvidia-uvm "
+            "none bind,optional,create=file` per node, and `lxc.cgroup2.devices.allow: c 195:* rwm` plus the "
+            "uvm major from `ls -l /dev/nvidia-uvm`)"
+        )
     elif visible is not None and torch_count and not cuda_error:
-        return Check("gpus", "GPUs", "warn", f"{torch_count} of {smi_count} visible to torch", evidence,
-                     "CUDA_VISIBLE_DEVICES hides the others; unset it to use every GPU")
+        return Check(
+            "gpus",
+            "GPUs",
+            "warn",
+            f"{torch_count} of {smi_count} visible to torch",
+            evidence,
+            "CUDA_VISIBLE_DEVICES hides the others; unset it to use every GPU",
+        )
     else:
         hint = "torch cannot use GPUs nvidia-smi sees: check that torch's CUDA build fits the driver (row below)"
     return Check("gpus", "GPUs", "fail", f"{smi_count} seen by nvidia-smi, {torch_count} by torch", evidence, hint)
@@ -129,14 +156,28 @@ def check_gpus(smi: dict | None, torch_count: int, cuda_error: str | None, dev: 
 def check_driver(smi: dict | None, torch_cuda: str | None) -> Check:
     """Driver version and the CUDA version it supports against torch's CUDA runtime."""
     if not smi or not smi.get("gpus"):
-        return Check("driver", "driver / CUDA", "n/a", "no NVIDIA driver", f"torch CUDA runtime: {torch_cuda or 'none'}")
+        return Check(
+            "driver", "driver / CUDA", "n/a", "no NVIDIA driver", f"torch CUDA runtime: {torch_cuda or 'none'}"
+        )
     evidence = f"driver {smi['driver']} supports CUDA {smi['cuda']}; torch built for CUDA {torch_cuda or 'none'}"
     if torch_cuda is None:
-        return Check("driver", "driver / CUDA", "fail", "torch is a CPU build", evidence,
-                     "install a CUDA build of torch (e.g. the cu130 wheel index)")
+        return Check(
+            "driver",
+            "driver / CUDA",
+            "fail",
+            "torch is a CPU build",
+            evidence,
+            "install a CUDA build of torch (e.g. the cu130 wheel index)",
+        )
     if smi["cuda"] and _version(torch_cuda)[:1] > _version(smi["cuda"])[:1]:
-        return Check("driver", "driver / CUDA", "fail", f"driver too old for CUDA {torch_cuda}", evidence,
-                     f"upgrade the host driver to one supporting CUDA {torch_cuda}, or use a torch built for CUDA {smi['cuda']}")
+        return Check(
+            "driver",
+            "driver / CUDA",
+            "fail",
+            f"driver too old for CUDA {torch_cuda}",
+            evidence,
+            f"upgrade the host driver to one supporting CUDA {torch_cuda}, or use a torch built for CUDA {smi['cuda']}",
+        )
     return Check("driver", "driver / CUDA", "ok", f"driver {smi['driver']}, CUDA {torch_cuda}", evidence)
 
 
@@ -150,11 +191,23 @@ def check_capability(torch, indices: list[int]) -> Check:
     evidence = f"torch arch list: {' '.join(arch)}"
     unsupported = [f"sm_{a}{b}" for a, b in set(caps.values()) if not _arch_supported((a, b), arch)]
     if unsupported:
-        return Check("capability", "compute capability", "fail", shown, evidence,
-                     f"this torch build has no kernels for {', '.join(unsupported)}: install one that does")
+        return Check(
+            "capability",
+            "compute capability",
+            "fail",
+            shown,
+            evidence,
+            f"this torch build has no kernels for {', '.join(unsupported)}: install one that does",
+        )
     if min(caps.values()) < (7, 0):
-        return Check("capability", "compute capability", "warn", shown, evidence,
-                     "Triton (torch.compile on GPU) needs sm_70 or newer: use compile off")
+        return Check(
+            "capability",
+            "compute capability",
+            "warn",
+            shown,
+            evidence,
+            "Triton (torch.compile on GPU) needs sm_70 or newer: use compile off",
+        )
     return Check("capability", "compute capability", "ok", shown, evidence)
 
 
@@ -185,16 +238,34 @@ def check_inductor_cache(path: str, source: str, min_free: float = 2 * GIB) -> C
         with tempfile.NamedTemporaryFile(dir=path, prefix=".doctor-"):
             pass
     except OSError as exc:
-        return Check("inductor_cache", "inductor cache", "fail", "not writable", f"{path} ({source}): {exc.strerror}",
-                     "export TORCHINDUCTOR_CACHE_DIR=<a writable dir with a few GiB free>")
+        return Check(
+            "inductor_cache",
+            "inductor cache",
+            "fail",
+            "not writable",
+            f"{path} ({source}): {exc.strerror}",
+            "export TORCHINDUCTOR_CACHE_DIR=<a writable dir with a few GiB free>",
+        )
     free = shutil.disk_usage(path).free
     evidence = f"{path} ({source}), {_gib(free)} free"
     if free < min_free:
-        return Check("inductor_cache", "inductor cache", "warn", f"{_gib(free)} free", evidence,
-                     "compiled kernels need room: free space or point TORCHINDUCTOR_CACHE_DIR elsewhere")
+        return Check(
+            "inductor_cache",
+            "inductor cache",
+            "warn",
+            f"{_gib(free)} free",
+            evidence,
+            "compiled kernels need room: free space or point TORCHINDUCTOR_CACHE_DIR elsewhere",
+        )
     if path.startswith(tempfile.gettempdir()):
-        return Check("inductor_cache", "inductor cache", "ok", f"writable, {_gib(free)} free", evidence,
-                     "under the temp dir it may be wiped on restart: set TORCHINDUCTOR_CACHE_DIR to keep compiles warm")
+        return Check(
+            "inductor_cache",
+            "inductor cache",
+            "ok",
+            f"writable, {_gib(free)} free",
+            evidence,
+            "under the temp dir it may be wiped on restart: set TORCHINDUCTOR_CACHE_DIR to keep compiles warm",
+        )
     return Check("inductor_cache", "inductor cache", "ok", f"writable, {_gib(free)} free", evidence)
 
 
@@ -233,11 +304,19 @@ def smoke_check(policy: str, detail: dict, trainer_policies: set[str]) -> Check:
             warm = f"compile pass {detail['compile_pass_s']} s, then compile+warm-up from the cache {warm}"
         else:
             warm = f"compile+warm-up {warm}"
-        evidence = (f"{' + '.join(detail['devices'])}; {warm} s; "
-                    f"final losses {' / '.join(f'{x:.4f}' for x in detail['losses'])}")
+        evidence = (
+            f"{' + '.join(detail['devices'])}; {warm} s; "
+            f"final losses {' / '.join(f'{x:.4f}' for x in detail['losses'])}"
+        )
         if not detail["losses_agree"]:
-            return Check(f"smoke:{policy}", title, "fail", f"losses disagree ({ms} ms/step)", evidence,
-                         "one replica trains on different numbers: do not train with this policy")
+            return Check(
+                f"smoke:{policy}",
+                title,
+                "fail",
+                f"losses disagree ({ms} ms/step)",
+                evidence,
+                "one replica trains on different numbers: do not train with this policy",
+            )
         return Check(f"smoke:{policy}", title, "ok", f"ok, {ms} ms/step, losses agree", evidence)
     where = f" at {detail['where']}" if detail.get("where") else ""
     after = f"; {detail['after']}" if detail.get("after") else ""
@@ -253,8 +332,10 @@ def smoke_check(policy: str, detail: dict, trainer_policies: set[str]) -> Check:
 
 def _failure_hint(policy: str, outcome: str, expected: bool) -> str:
     if expected:
-        return ("CUDAGraph Trees are not thread-safe before torch 2.13; the trainer never uses them in threads "
-                "(its cudagraphs policy turns trees off)")
+        return (
+            "CUDAGraph Trees are not thread-safe before torch 2.13; the trainer never uses them in threads "
+            "(its cudagraphs policy turns trees off)"
+        )
     if outcome == "hang":
         return f"compile: {policy} hangs in threads here: use another policy (stacks: --json, stderr_tail)"
     return f"compile: {policy} fails in threads here: set run.compile to a policy whose row is ok (traceback: --json)"
@@ -293,10 +374,16 @@ def verdict_check(device_type: str, mode: str, smoke: dict[str, dict], gpus: int
     tested = smoke.get(policy.effective, {})
     faster = _fastest_ok(smoke)
     if tested.get("outcome") in (None, "skipped", "n/a"):
-        return Check("verdict", "verdict", "ok", result, f"{evidence}; not smoke-tested ({tested.get('error', 'not run')})")
+        return Check(
+            "verdict", "verdict", "ok", result, f"{evidence}; not smoke-tested ({tested.get('error', 'not run')})"
+        )
     if tested["outcome"] != "ok" or not tested["losses_agree"]:
-        hint = f"set run.compile: {faster} (its smoke test passed)" if faster else "no policy passed: see the rows above"
-        return Check("verdict", "verdict", "fail", result + f": its smoke test gave {tested['outcome']}", evidence, hint)
+        hint = (
+            f"set run.compile: {faster} (its smoke test passed)" if faster else "no policy passed: see the rows above"
+        )
+        return Check(
+            "verdict", "verdict", "fail", result + f": its smoke test gave {tested['outcome']}", evidence, hint
+        )
     hint = ""
     if faster and faster != policy.effective:
         gain = _mean(smoke[policy.effective]["ms_per_step"]) / _mean(smoke[faster]["ms_per_step"])

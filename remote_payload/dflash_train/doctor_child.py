@@ -32,14 +32,20 @@ class ChildRun:
     started: bool = True  # the child got past its imports (run_child's `started` file appeared)
 
 
-def run_child(argv: list[str], timeout: float, env: dict[str, str] | None = None,
-              started: Path | None = None, start_bound: float = START_BOUND_S) -> ChildRun:
+def run_child(
+    argv: list[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    started: Path | None = None,
+    start_bound: float = START_BOUND_S,
+) -> ChildRun:
     """Run argv in a new process group; on timeout ask it for its thread stacks, then kill the group.
     With `started`, `timeout` counts from when the child creates that file (after its imports),
     which it must do within `start_bound` seconds."""
     start = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     is_started = started is None
     deadline = start + (timeout if is_started else start_bound)
     while True:
@@ -140,7 +146,7 @@ def traceback_location(stderr: str) -> tuple[str | None, str | None]:
     starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")]
     if not starts:
         return (lines[-1].strip() if lines else None), None
-    block = lines[starts[-1]:]
+    block = lines[starts[-1] :]
     frames = [m for m in map(_FRAME.match, block) if m]
     message = next((ln for ln in block[1:] if ln and not ln.startswith(" ")), None)
     where = frame_where(frames[-1]["file"], frames[-1]["line"], frames[-1]["func"]) if frames else None
@@ -158,17 +164,28 @@ def classify(run: ChildRun) -> dict:
             result["after"] = f"then died of {signal.Signals(-run.returncode).name} while exiting"
         return {**base, **result}
     if run.timed_out:
-        waited = (f"no result within {run.timeout:g} s of its start" if run.started else
-                  f"not started (importing torch) within {run.timeout:g} s")
-        return {**base, "outcome": "hang", "error": f"{waited}; process group killed",
-                "where": hang_location(run.stderr)}
+        waited = (
+            f"no result within {run.timeout:g} s of its start"
+            if run.started
+            else f"not started (importing torch) within {run.timeout:g} s"
+        )
+        return {
+            **base,
+            "outcome": "hang",
+            "error": f"{waited}; process group killed",
+            "where": hang_location(run.stderr),
+        }
     if run.returncode is not None and run.returncode < 0:
         name = signal.Signals(-run.returncode).name
         outcome = "segfault" if -run.returncode in (signal.SIGSEGV, signal.SIGBUS) else "signal"
         return {**base, "outcome": outcome, "error": f"killed by {name}", "where": crash_location(run.stderr)}
     message, where = traceback_location(run.stderr)
-    return {**base, "outcome": "exception" if where else "error",
-            "error": message or f"exit code {run.returncode}, no result", "where": where}
+    return {
+        **base,
+        "outcome": "exception" if where else "error",
+        "error": message or f"exit code {run.returncode}, no result",
+        "where": where,
+    }
 
 
 def _last_json(text: str) -> dict | None:

@@ -54,8 +54,9 @@ def smoke_policy(name: str, plan):
     if name == "cudagraph-trees":
         # What mode="reduce-overhead" sets, with trees left at their default (on).
         options = {"triton.cudagraphs": True, "triton.cudagraph_trees": True}
-        return dataclasses.replace(plan.policy, requested=name, options=options,
-                                   reason="reduce-overhead with CUDAGraph Trees")
+        return dataclasses.replace(
+            plan.policy, requested=name, options=options, reason="reduce-overhead with CUDAGraph Trees"
+        )
     return plan.policy
 
 
@@ -98,8 +99,13 @@ def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str
     torch.set_num_threads(cfg.run.cpu_threads)  # as the trainer does (threads x OpenMP oversubscribe)
     ops, batches = drafter_ops(cfg), smoke_batches(cfg)
     policy = smoke_policy(policy_name, plan)
-    wrapped = ReplicaOps(lambda device, seed, _: ops.build(device, seed, policy), ops.forward_backward,
-                         ops.optimizer_step, ops.parameters, warm_up_step=ops.warm_up_step)
+    wrapped = ReplicaOps(
+        lambda device, seed, _: ops.build(device, seed, policy),
+        ops.forward_backward,
+        ops.optimizer_step,
+        ops.parameters,
+        warm_up_step=ops.warm_up_step,
+    )
     # Injected faults use the trainer's own mechanism (run config `debug.fail_at` / `debug.hang_at`),
     # at "build": before anything is built, so the CI tests of these paths stay fast.
     fault = {"fail_at": "build"} if inject == "crash" else {"hang_at": "build"} if inject == "hang" else {}

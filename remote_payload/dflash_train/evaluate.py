@@ -70,8 +70,10 @@ def encode_prompts(rows: list[dict], tokenizer_dir: str | None, vocab_size: int)
                 continue
             if tok is None:
                 if tokenizer_dir is None:
-                    raise EvalError(f"prompts line {row['line']} is a {kind} row, but the run has no tokenizer "
-                                    "(data.tokenizer_path or target.path): give input_ids")
+                    raise EvalError(
+                        f"prompts line {row['line']} is a {kind} row, but the run has no tokenizer "
+                        "(data.tokenizer_path or target.path): give input_ids"
+                    )
                 tok = load_tokenizer(tokenizer_dir)
             prompts.append(encode_prompt(tok, kind, row, thinking=None)[0])
         except RowError as exc:
@@ -98,18 +100,34 @@ def first_difference(target, prompt: list[int], reference: list[int], tokens: li
 
     j = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
     if j is None:
-        return None if len(reference) == len(tokens) else {"index": min(len(reference), len(tokens)),
-                                                            "logit_gap": None, "tie": False}
+        return (
+            None
+            if len(reference) == len(tokens)
+            else {"index": min(len(reference), len(tokens)), "logit_gap": None, "tie": False}
+        )
     device = target.embed_tokens.weight.device
     logits = target.logits(torch.tensor([prompt + reference[:j]], device=device))[0, -1]
     gap = abs(float(logits[reference[j]] - logits[tokens[j]]))
-    return {"index": j, "reference": reference[j], "speculative": tokens[j], "logit_gap": gap,
-            "tie": gap <= tie_tolerance(target.embed_tokens.weight.dtype)}
+    return {
+        "index": j,
+        "reference": reference[j],
+        "speculative": tokens[j],
+        "logit_gap": gap,
+        "tie": gap <= tie_tolerance(target.embed_tokens.weight.dtype),
+    }
 
 
-def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int, count: int,
-                 device: str | None, temperature: float = 0.0, seed: int = 0, progress=lambda line: None,
-                 baseline: bool = True) -> dict:
+def evaluate_run(
+    run_dir: Path,
+    prompts: list[dict] | None,
+    max_new_tokens: int,
+    count: int,
+    device: str | None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress=lambda line: None,
+    baseline: bool = True,
+) -> dict:
     """Decode each prompt with the target alone and speculatively (and, greedy with `baseline`, by
     prompt lookup); the report (see the module doc). At temperature 0 the outputs must be
     identical; sampled, they are not compared (the speculative-sampling rule keeps the target's
@@ -148,8 +166,9 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
         lookup_decode(target, prompts[0], max_new_tokens, lookup_tokens, decoder=decoder)
     rows, results, lookups, lookup_rows = [], [], [], []
     for i, prompt in enumerate(prompts):
-        row, spec, lookup, lookup_row = decode_prompt(target, drafter, prompt, max_new_tokens, temperature,
-                                                      generator, decoder, drafting, lookup_tokens, sync)
+        row, spec, lookup, lookup_row = decode_prompt(
+            target, drafter, prompt, max_new_tokens, temperature, generator, decoder, drafting, lookup_tokens, sync
+        )
         rows.append(row)
         results.append(spec)
         if lookup is not None:
@@ -158,15 +177,23 @@ def evaluate_run(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int,
         same = "" if temperature else f", identical {row['identical']}"
         versus = f", prompt lookup tau {lookup.tau:.2f}" if lookup is not None else ""
         progress(f"prompt {i + 1}/{len(prompts)}: tau {spec.tau:.2f}{same}{versus}")
-    report = {"schema": "dflashctl.eval/1", "run_dir": str(run_dir), "device": str(dev), "prompts": len(rows),
-              "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
-              "block_size": cfg.drafter.block_size}
-    return {**report, **decode_figures(rows, results, cfg.drafter.block_size, temperature, lookups, lookup_rows,
-                                       lookup_tokens)}
+    report = {
+        "schema": "dflashctl.eval/1",
+        "run_dir": str(run_dir),
+        "device": str(dev),
+        "prompts": len(rows),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "block_size": cfg.drafter.block_size,
+    }
+    return {
+        **report,
+        **decode_figures(rows, results, cfg.drafter.block_size, temperature, lookups, lookup_rows, lookup_tokens),
+    }
 
 
-def eval_plan(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int, count: int,
-              device: str | None) -> tuple:
+def eval_plan(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int, count: int, device: str | None) -> tuple:
     """(the run's config planned for this machine, the device, the prompts as token ids), the
     prompts checked against the target before it is built (16 GB at 8B scale)."""
     import torch
@@ -187,15 +214,27 @@ def eval_plan(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int, co
     limit = cfg.target.max_position_embeddings
     for i, prompt in enumerate(prompts):
         if len(prompt) + max_new_tokens + cfg.drafter.block_size > limit:
-            raise EvalError(f"prompt {i + 1} has {len(prompt)} tokens: with {max_new_tokens} new ones it exceeds "
-                            f"the target's context of {limit}")
+            raise EvalError(
+                f"prompt {i + 1} has {len(prompt)} tokens: with {max_new_tokens} new ones it exceeds "
+                f"the target's context of {limit}"
+            )
         if max(prompt) >= cfg.target.vocab_size:
             raise EvalError(f"prompt {i + 1} has a token id beyond the target's vocabulary ({cfg.target.vocab_size})")
     return cfg, torch.device(plan.devices.workers[0]), prompts  # the decoding is one process on one device
 
 
-def decode_prompt(target, drafter, prompt: list[int], max_new_tokens: int, temperature: float, generator,
-                  decoder, drafting, lookup_tokens: int, sync) -> tuple:
+def decode_prompt(
+    target,
+    drafter,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    generator,
+    decoder,
+    drafting,
+    lookup_tokens: int,
+    sync,
+) -> tuple:
     """One prompt decoded by the target, speculatively and (lookup_tokens > 0) by prompt lookup,
     each timed: (its row, the speculative result, the lookup result or None, the lookup's row or None)."""
     from .decode import greedy
@@ -207,8 +246,16 @@ def decode_prompt(target, drafter, prompt: list[int], max_new_tokens: int, tempe
     reference = greedy(target, prompt, max_new_tokens, decoder=decoder)
     sync()
     t1 = time.perf_counter()
-    spec = speculate(target, drafter, prompt, max_new_tokens, temperature=temperature, generator=generator,
-                     verifier=decoder, drafting=drafting)
+    spec = speculate(
+        target,
+        drafter,
+        prompt,
+        max_new_tokens,
+        temperature=temperature,
+        generator=generator,
+        verifier=decoder,
+        drafting=drafting,
+    )
     sync()
     t2 = time.perf_counter()
     lookup = lookup_row = None
@@ -217,18 +264,37 @@ def decode_prompt(target, drafter, prompt: list[int], max_new_tokens: int, tempe
         sync()
         lookup_ms = 1e3 * (time.perf_counter() - t2) / len(lookup.tokens)
         differs = first_difference(target, prompt, reference, lookup.tokens)
-        lookup_row = {"tau": lookup.tau, "identical": differs is None, "first_difference": differs,
-                      "ms_per_token": lookup_ms, "new_tokens": len(lookup.tokens), "verify_steps": len(lookup.accepted)}
+        lookup_row = {
+            "tau": lookup.tau,
+            "identical": differs is None,
+            "first_difference": differs,
+            "ms_per_token": lookup_ms,
+            "new_tokens": len(lookup.tokens),
+            "verify_steps": len(lookup.accepted),
+        }
     differs = first_difference(target, prompt, reference, spec.tokens) if temperature == 0 else None
-    row = {"prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
-           "identical": differs is None if temperature == 0 else None, "first_difference": differs,
-           "target_ms_per_token": 1e3 * (t1 - t0) / len(reference),
-           "spec_ms_per_token": 1e3 * (t2 - t1) / len(spec.tokens), "verify_steps": len(spec.accepted)}
+    row = {
+        "prompt_tokens": len(prompt),
+        "new_tokens": len(spec.tokens),
+        "tau": spec.tau,
+        "identical": differs is None if temperature == 0 else None,
+        "first_difference": differs,
+        "target_ms_per_token": 1e3 * (t1 - t0) / len(reference),
+        "spec_ms_per_token": 1e3 * (t2 - t1) / len(spec.tokens),
+        "verify_steps": len(spec.accepted),
+    }
     return row, spec, lookup, lookup_row
 
 
-def decode_figures(rows: list[dict], results: list, block_size: int, temperature: float, lookups: list,
-                   lookup_rows: list[dict], lookup_tokens: int) -> dict:
+def decode_figures(
+    rows: list[dict],
+    results: list,
+    block_size: int,
+    temperature: float,
+    lookups: list,
+    lookup_rows: list[dict],
+    lookup_tokens: int,
+) -> dict:
     """The report's figures over every prompt: tau, speed, identity, and the prompt-lookup baseline."""
     from .speculate import acceptance_by_position, tau_figures
 
@@ -240,13 +306,19 @@ def decode_figures(rows: list[dict], results: list, block_size: int, temperature
     # A verify step's whole cost (draft, verify, accept) in target decode steps: speedup = tau / this.
     step_ms = sum(r["spec_ms_per_token"] * r["new_tokens"] for r in rows) / max(steps, 1)
     report = {
-        "tau": tau, "tau_prompt_mean": tau_prompt_mean,
+        "tau": tau,
+        "tau_prompt_mean": tau_prompt_mean,
         "acceptance_by_position": acceptance_by_position(results, block_size),
-        "target_ms_per_token": target_ms, "spec_ms_per_token": spec_ms, "speedup": target_ms / spec_ms,
-        "spec_ms_per_step": step_ms, "step_cost": step_ms / target_ms,
+        "target_ms_per_token": target_ms,
+        "spec_ms_per_token": spec_ms,
+        "speedup": target_ms / spec_ms,
+        "spec_ms_per_step": step_ms,
+        "step_cost": step_ms / target_ms,
         "identical": all(r["identical"] for r in rows) if temperature == 0 else None,
         "differences_are_ties": all(r["first_difference"]["tie"] for r in rows if r["first_difference"])
-        if temperature == 0 else None, "per_prompt": rows,
+        if temperature == 0
+        else None,
+        "per_prompt": rows,
         "baseline": baseline_report(lookups, lookup_rows, lookup_tokens, target_ms) if lookups else None,
     }
     if lookups:  # above 1: the drafter beats what costs nothing
@@ -263,25 +335,38 @@ def baseline_report(lookups: list, rows: list[dict], num_tokens: int, target_ms:
 
     tau, tau_prompt_mean = tau_figures(lookups)
     ms = sum(r["ms_per_token"] * r["new_tokens"] for r in rows) / sum(r["new_tokens"] for r in rows)
-    return {"method": "prompt lookup", "num_tokens": num_tokens, "max_ngram": MAX_NGRAM,
-            "tau": tau, "tau_prompt_mean": tau_prompt_mean, "ms_per_token": ms, "speedup": target_ms / ms,
-            "identical": all(r["identical"] for r in rows),
-            "differences_are_ties": all(r["first_difference"]["tie"] for r in rows if r["first_difference"]),
-            "per_prompt": rows}
+    return {
+        "method": "prompt lookup",
+        "num_tokens": num_tokens,
+        "max_ngram": MAX_NGRAM,
+        "tau": tau,
+        "tau_prompt_mean": tau_prompt_mean,
+        "ms_per_token": ms,
+        "speedup": target_ms / ms,
+        "identical": all(r["identical"] for r in rows),
+        "differences_are_ties": all(r["first_difference"]["tie"] for r in rows if r["first_difference"]),
+        "per_prompt": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, evaluate, write eval.json, print the report line; see the module docstring."""
     ap = argparse.ArgumentParser(prog="python -m dflash_train.evaluate", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
-    ap.add_argument("--prompts", help="JSONL of input_ids, messages or prompt rows (- for stdin); default: held-out split")
+    ap.add_argument(
+        "--prompts", help="JSONL of input_ids, messages or prompt rows (- for stdin); default: held-out split"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--count", type=int, default=16, help="at most this many prompts")
     ap.add_argument("--device", help="cpu, cuda:N (default: the run's device, else auto)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (lossless check); > 0: sampled")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-baseline", dest="baseline", action="store_false",
-                    help="skip the prompt-lookup baseline (measured greedy only)")
+    ap.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="skip the prompt-lookup baseline (measured greedy only)",
+    )
     args = ap.parse_args(argv)
 
     def progress(line: str) -> None:
@@ -297,8 +382,17 @@ def main(argv: list[str] | None = None) -> int:
         from .config import ConfigError
 
         try:
-            report = evaluate_run(run_dir, prompts, args.max_new_tokens, args.count, args.device,
-                                  args.temperature, args.seed, progress, args.baseline)
+            report = evaluate_run(
+                run_dir,
+                prompts,
+                args.max_new_tokens,
+                args.count,
+                args.device,
+                args.temperature,
+                args.seed,
+                progress,
+                args.baseline,
+            )
         except ConfigError as exc:
             raise EvalError(str(exc)) from None
     except EvalError as exc:

@@ -52,8 +52,9 @@ def drafter_config(spec: DrafterSpec, target: TargetConfig, dtype: torch.dtype) 
     }
 
 
-def export_drafter(drafter: DFlashDrafter, target: TargetConfig, out_dir: str | Path,
-                   dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_drafter(
+    drafter: DFlashDrafter, target: TargetConfig, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16
+) -> Path:
     """Write `config.json` and `model.safetensors` (weights cast to `dtype`) into `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -75,15 +76,28 @@ def export_drafter(drafter: DFlashDrafter, target: TargetConfig, out_dir: str | 
 
 def spec_from_config(config: dict) -> DrafterSpec:
     """The DrafterSpec an exported config.json describes."""
-    shape = Shape(config["hidden_size"], config["intermediate_size"], config["num_attention_heads"],
-                  config["num_key_value_heads"], config["head_dim"], config["rms_norm_eps"],
-                  config["rope_theta"], tuple(sorted((config.get("rope_scaling") or {}).items())))
+    shape = Shape(
+        config["hidden_size"],
+        config["intermediate_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+        config["rms_norm_eps"],
+        config["rope_theta"],
+        tuple(sorted((config.get("rope_scaling") or {}).items())),
+    )
     dflash = config["dflash_config"]
     types = tuple(config.get("layer_types") or ())
     sliding = "sliding_attention" in types
-    return DrafterSpec(shape, config["num_hidden_layers"], config["block_size"],
-                       tuple(dflash["target_layer_ids"]), dflash["mask_token_id"],
-                       types if sliding else (), config.get("sliding_window") if sliding else None)
+    return DrafterSpec(
+        shape,
+        config["num_hidden_layers"],
+        config["block_size"],
+        tuple(dflash["target_layer_ids"]),
+        dflash["mask_token_id"],
+        types if sliding else (),
+        config.get("sliding_window") if sliding else None,
+    )
 
 
 def load_exported(path: str | Path, device: str | torch.device = "cpu") -> tuple[DFlashDrafter, dict]:
@@ -92,6 +106,5 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu") -> tuple
     config = json.loads((path / "config.json").read_text())
     with torch.device("meta"):
         drafter = DFlashDrafter(spec_from_config(config))
-    drafter.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)),
-                            strict=True, assign=True)
+    drafter.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)), strict=True, assign=True)
     return drafter, config

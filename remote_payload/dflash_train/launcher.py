@@ -64,8 +64,14 @@ def plan(devices: list[str], output_dir: Path) -> list[Rank]:
 def child_overrides(cfg: Config, r: Rank) -> list[str]:
     """`--set` overrides turning the launcher's resolved config into rank r's: one worker thread
     on its device, its output dir, and the debug fault only where `debug.fail_rank` points."""
-    over = [f"run.device={r.device}", "run.gpus=[]", "run.threads=1", "run.launcher=threads",
-            "run.parallel_warmup=off", f"run.output_dir={r.output_dir}"]
+    over = [
+        f"run.device={r.device}",
+        "run.gpus=[]",
+        "run.threads=1",
+        "run.launcher=threads",
+        "run.parallel_warmup=off",
+        f"run.output_dir={r.output_dir}",
+    ]
     if r.rank == cfg.debug.fail_rank:
         over.append("debug.fail_rank=0")
     else:
@@ -78,9 +84,15 @@ def child_env(r: Rank, world: int, port: int, run_id: str) -> dict[str, str]:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    env.update(RANK=str(r.rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               DFLASH_NODES=",".join(f"rank{i}" for i in range(world)), DFLASH_RUN_ID=run_id,
-               PYTHONUNBUFFERED="1")
+    env.update(
+        RANK=str(r.rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DFLASH_NODES=",".join(f"rank{i}" for i in range(world)),
+        DFLASH_RUN_ID=run_id,
+        PYTHONUNBUFFERED="1",
+    )
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the group lives on this host: gloo over loopback
     return env
 
@@ -92,8 +104,9 @@ def exit_code(codes: list[int]) -> int:
     return next((c for c in codes if c != 0), 0)
 
 
-def run_processes(cfg: Config, devices: list[str], resume: bool, overwrite: bool, stop: StopFlag,
-                  log: Callable[[str], None]) -> int:
+def run_processes(
+    cfg: Config, devices: list[str], resume: bool, overwrite: bool, stop: StopFlag, log: Callable[[str], None]
+) -> int:
     """Start one trainer process per device (see the module docstring), wait for all; returns the
     exit code as `python -m dflash_train` would."""
     out = Path(cfg.run.output_dir)
@@ -104,8 +117,10 @@ def run_processes(cfg: Config, devices: list[str], resume: bool, overwrite: bool
     config_path.write_text(dump_yaml(cfg))
     ranks = plan(devices, out)
     port, run_id = free_port(), uuid.uuid4().hex[:12]
-    log(f"launcher: {len(ranks)} processes, one per device ({', '.join(devices)}), rendezvous 127.0.0.1:{port}; "
-        f"rank 0's output follows, ranks 1.. log to {out / 'ranks'}/<rank>/train.log")
+    log(
+        f"launcher: {len(ranks)} processes, one per device ({', '.join(devices)}), rendezvous 127.0.0.1:{port}; "
+        f"rank 0's output follows, ranks 1.. log to {out / 'ranks'}/<rank>/train.log"
+    )
     procs: list[subprocess.Popen] = []
     try:
         for r in ranks:
@@ -115,12 +130,21 @@ def run_processes(cfg: Config, devices: list[str], resume: bool, overwrite: bool
             argv += ["--resume"] if resume else []
             argv += ["--overwrite"] if overwrite else []
             if r.log_path is None:
-                procs.append(subprocess.Popen(argv, env=child_env(r, len(ranks), port, run_id), stdin=subprocess.DEVNULL))
+                procs.append(
+                    subprocess.Popen(argv, env=child_env(r, len(ranks), port, run_id), stdin=subprocess.DEVNULL)
+                )
                 continue
             r.log_path.parent.mkdir(parents=True, exist_ok=True)
             with r.log_path.open("w") as fh:
-                procs.append(subprocess.Popen(argv, env=child_env(r, len(ranks), port, run_id), stdout=fh,
-                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        env=child_env(r, len(ranks), port, run_id),
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
         forwarded = False
         while any(p.poll() is None for p in procs):
             if stop.requested and not forwarded:

@@ -41,7 +41,7 @@ class NgramIndex:
         for token in tokens:
             t = len(self.tokens)  # every n-gram ending at t - 1 gets its follower now
             for n in range(1, min(self.max_ngram, t) + 1):
-                self._after[tuple(self.tokens[t - n:t])] = t
+                self._after[tuple(self.tokens[t - n : t])] = t
             self.tokens.append(token)
 
     def propose(self, k: int) -> list[int]:
@@ -49,7 +49,7 @@ class NgramIndex:
         longest n that occurred before; [] when not even the last token did."""
         end = len(self.tokens)
         for n in range(min(self.max_ngram, end), 0, -1):
-            start = self._after.get(tuple(self.tokens[end - n:]))
+            start = self._after.get(tuple(self.tokens[end - n :]))
             if start is not None:
                 period = end - start  # past the end, the copy repeats tokens[start:end]
                 return [self.tokens[start + i % period] for i in range(k)]
@@ -64,8 +64,15 @@ def prompt_lookup(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list
 
 
 @torch.no_grad()
-def lookup_decode(target: Qwen3Target, prompt: list[int], max_new_tokens: int, num_tokens: int,
-                  max_ngram: int = MAX_NGRAM, eos_id: int | None = None, decoder: Decoder | None = None) -> Decoded:
+def lookup_decode(
+    target: Qwen3Target,
+    prompt: list[int],
+    max_new_tokens: int,
+    num_tokens: int,
+    max_ngram: int = MAX_NGRAM,
+    eos_id: int | None = None,
+    decoder: Decoder | None = None,
+) -> Decoded:
     """Greedy prompt-lookup speculative decoding of one prompt: each verify step checks the
     `num_tokens` proposed tokens (if any) in one target forward and keeps those the target
     agrees with plus its next token, so the output is the target's greedy text. `decoder`: a
@@ -93,13 +100,14 @@ def lookup_decode(target: Qwen3Target, prompt: list[int], max_new_tokens: int, n
         index.extend(new)
         decoder.crop(anchor + k + 1)
     if eos_id is not None and eos_id in out.tokens:
-        out.tokens = out.tokens[:out.tokens.index(eos_id) + 1]
+        out.tokens = out.tokens[: out.tokens.index(eos_id) + 1]
     out.tokens = out.tokens[:max_new_tokens]
     return out
 
 
-def lookup_eval(target: Qwen3Target, prompts: list[list[int]], new_tokens: int, num_tokens: int,
-                max_ngram: int = MAX_NGRAM) -> dict:
+def lookup_eval(
+    target: Qwen3Target, prompts: list[list[int]], new_tokens: int, num_tokens: int, max_ngram: int = MAX_NGRAM
+) -> dict:
     """Prompt lookup's tau over prompts, greedy, in the keys speculate.speculative_eval uses for
     the drafter (with `lookup_` for `spec_`): the baseline to compare a drafter's figures with."""
     room = max(map(len, prompts)) + new_tokens + num_tokens + 1
@@ -107,5 +115,10 @@ def lookup_eval(target: Qwen3Target, prompts: list[list[int]], new_tokens: int, 
     with torch.compiler.set_stance("force_eager"):
         results = [lookup_decode(target, p, new_tokens, num_tokens, max_ngram, decoder=decoder) for p in prompts]
     pooled, per_prompt = tau_figures(results)
-    return {"lookup_tau": pooled, "lookup_tau_prompt_mean": per_prompt, "lookup_prompts": len(prompts),
-            "lookup_steps": sum(len(r.accepted) for r in results), "lookup_tokens": num_tokens}
+    return {
+        "lookup_tau": pooled,
+        "lookup_tau_prompt_mean": per_prompt,
+        "lookup_prompts": len(prompts),
+        "lookup_steps": sum(len(r.accepted) for r in results),
+        "lookup_tokens": num_tokens,
+    }

@@ -25,8 +25,8 @@ def position_weights(block_size: int, gamma: float, device: torch.device | str =
 
 def _head_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
     """fp32 logits [r, V] of one chunk, their log-sum-exp, per-row CE and argmax."""
-    logits = (hidden.to(weight.dtype) @ weight.T).float()                            # [r, V]
-    lse = logits.logsumexp(-1)                                                       # [r]
+    logits = (hidden.to(weight.dtype) @ weight.T).float()  # [r, V]
+    lse = logits.logsumexp(-1)  # [r]
     ce = lse - logits.gather(1, labels[:, None])[:, 0]
     return logits, lse, ce, logits.argmax(-1)
 
@@ -44,7 +44,7 @@ def _ce_chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     if not need_grad:
         return ce, pred, None
     onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == labels[:, None]
-    probs = (logits - lse[:, None]).exp() - onehot.to(logits.dtype)                 # softmax - onehot
+    probs = (logits - lse[:, None]).exp() - onehot.to(logits.dtype)  # softmax - onehot
     return ce, pred, (probs.to(weight.dtype) @ weight).to(hidden.dtype)
 
 
@@ -54,7 +54,7 @@ def _ce_chunk_inplace(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     logits, lse, ce, pred = _head_stats(hidden, weight, labels)
     if not need_grad:
         return ce, pred, None
-    probs = logits.sub_(lse[:, None]).exp_()                                         # softmax, in place
+    probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
     probs[torch.arange(probs.shape[0], device=probs.device), labels] -= 1.0
     return ce, pred, (probs.to(weight.dtype) @ weight).to(hidden.dtype)
 
@@ -83,7 +83,7 @@ class ChunkedHeadCE(torch.autograd.Function):
         rows = hidden.shape[0]
         if fused != "eager":
             chunks = max(1, -(-rows // chunk_rows))
-            chunk_rows = -(-rows // chunks)          # even split: at most 2 distinct chunk shapes
+            chunk_rows = -(-rows // chunks)  # even split: at most 2 distinct chunk shapes
         if fused == "compiled":
             fn = _ce_chunk_compiled()
         elif fused == "traced":
@@ -109,8 +109,9 @@ class ChunkedHeadCE(torch.autograd.Function):
         return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None, None
 
 
-def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                       chunk_rows: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def head_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: int, fused: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ce [R] fp32, argmax [R]) of the LM head on hidden [R, H], without all logits at once.
 
     `fused`: each chunk through the compiled `_ce_chunk` (the trainer turns it on for CUDA when
@@ -128,27 +129,33 @@ def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
 class LossOutput:
     """The differentiable loss plus detached metrics of one forward pass."""
 
-    loss: torch.Tensor               # scalar fp32, weighted mean CE
+    loss: torch.Tensor  # scalar fp32, weighted mean CE
     acceptance_length: torch.Tensor  # scalar fp32, mean over valid blocks
-    num_blocks: torch.Tensor         # scalar long, valid blocks
+    num_blocks: torch.Tensor  # scalar long, valid blocks
 
 
-def dflash_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
-                label_mask: torch.Tensor, anchor_valid: torch.Tensor, gamma: float,
-                chunk_rows: int, fused: bool = False) -> LossOutput:
+def dflash_loss(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    label_mask: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    gamma: float,
+    chunk_rows: int,
+    fused: bool = False,
+) -> LossOutput:
     """Decayed CE over block positions 1..B-1 normalised by the weight sum, and acceptance length.
 
     hidden: [N, A, B-1, H] drafter outputs; labels / label_mask: [N, A, B-1]; anchor_valid: [N, A].
     `fused`: see `head_cross_entropy`.
     """
     n, a, k, h = hidden.shape
-    ce, pred = head_cross_entropy(hidden.reshape(-1, h), head_weight, labels.reshape(-1), chunk_rows,
-                                  fused)
+    ce, pred = head_cross_entropy(hidden.reshape(-1, h), head_weight, labels.reshape(-1), chunk_rows, fused)
     ce, pred = ce.view(n, a, k), pred.view(n, a, k)
-    weights = position_weights(k + 1, gamma, hidden.device) * label_mask                  # [N, A, B-1]
+    weights = position_weights(k + 1, gamma, hidden.device) * label_mask  # [N, A, B-1]
     loss = (ce * weights).sum() / weights.sum().clamp_min(1e-6)
     # Teacher-forced acceptance: 1 (the anchor/bonus token) + leading run of correct drafts.
-    run = (pred == labels).long().cumprod(-1).sum(-1)                                     # [N, A]
+    run = (pred == labels).long().cumprod(-1).sum(-1)  # [N, A]
     valid = anchor_valid.float()
     num_blocks = anchor_valid.sum()
     acceptance = ((1 + run).float() * valid).sum() / valid.sum().clamp_min(1.0)

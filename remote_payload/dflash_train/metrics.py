@@ -59,19 +59,30 @@ class TrainMeter:
         """The train record of the steps up to `step`; the meter starts over."""
         elapsed = time.perf_counter() - self.t0
         steps = max(self.steps, 1)
-        record = {"event": "train", "step": step, "total_steps": total, "loss": self.loss_sum / steps,
-                  "acceptance_length": None, "lr": replica.last_lr, "grad_norm": float(replica.last_grad_norm),
-                  "tokens_per_s": tokens / elapsed, "step_time_s": elapsed / steps, "gpu_mem_gb": gpu_mem_gb(devices),
-                  "train_acceptance_length": float(replica.last_acceptance)}
+        record = {
+            "event": "train",
+            "step": step,
+            "total_steps": total,
+            "loss": self.loss_sum / steps,
+            "acceptance_length": None,
+            "lr": replica.last_lr,
+            "grad_norm": float(replica.last_grad_norm),
+            "tokens_per_s": tokens / elapsed,
+            "step_time_s": elapsed / steps,
+            "gpu_mem_gb": gpu_mem_gb(devices),
+            "train_acceptance_length": float(replica.last_acceptance),
+        }
         self.loss_sum, self.steps, self.record_step = 0.0, 0, step
         return record
 
 
 def train_line(record: dict) -> str:
     """The log line of a train record."""
-    return (f"step {record['step']}/{record['total_steps']} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-            f"gnorm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s "
-            f"{record['step_time_s'] * 1000:.1f} ms/step")
+    return (
+        f"step {record['step']}/{record['total_steps']} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+        f"gnorm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s "
+        f"{record['step_time_s'] * 1000:.1f} ms/step"
+    )
 
 
 def gpu_mem_gb(devices: list[torch.device]) -> float | None:
@@ -91,8 +102,11 @@ class MetricsLog:
             path.write_text("")
         elif path.exists():
             # Drop what the interrupted run logged after its last checkpoint.
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step
+            ]
             path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:

@@ -58,7 +58,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple = (), device=None)
     (`linear`: all divided by `factor`; `llama3`: long wavelengths divided by `factor`, short ones
     kept, a linear blend between the two cut-offs)."""
     exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponent)                       # [d/2]
+    inv_freq = 1.0 / (theta**exponent)  # [d/2]
     params = dict(scaling)
     kind = params.get("rope_type", "default")
     if kind == "linear":
@@ -75,18 +75,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple = (), device=None)
     return inv_freq
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype, scaling: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, scaling: tuple = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for integer positions [..., T] -> two [..., T, d] tensors (HF Qwen3 layout)."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)  # [d/2]
-    freqs = positions.float()[..., None] * inv_freq            # [..., T, d/2], fp32 so large positions stay exact
-    emb = torch.cat([freqs, freqs], dim=-1)                    # [..., T, d]
+    freqs = positions.float()[..., None] * inv_freq  # [..., T, d/2], fp32 so large positions stay exact
+    emb = torch.cat([freqs, freqs], dim=-1)  # [..., T, d]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [N, heads, T, d] by cos/sin [N or 1, T, d] (rotate-half convention)."""
-    cos, sin = cos[:, None], sin[:, None]                      # [N, 1, T, d]: broadcast over heads
+    cos, sin = cos[:, None], sin[:, None]  # [N, 1, T, d]: broadcast over heads
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated * sin
@@ -175,12 +176,12 @@ def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> to
     """Boolean mask [N, 1, Q, S+Q] (True = attend) for SDPA: context < anchor, own block only."""
     n, a = anchors.shape
     q = a * block_size
-    q_block = torch.arange(q, device=anchors.device) // block_size            # [Q] block index of each query
-    q_anchor = anchors[:, q_block]                                            # [N, Q]
-    ctx_pos = torch.arange(seq_len, device=anchors.device)                    # [S]
-    sees_ctx = ctx_pos[None, None, :] < q_anchor[:, :, None]                  # [N, Q, S]
-    sees_block = (q_block[:, None] == q_block[None, :]).expand(n, q, q)       # [N, Q, Q]
-    return torch.cat([sees_ctx, sees_block], dim=-1)[:, None]                 # [N, 1, Q, S+Q]
+    q_block = torch.arange(q, device=anchors.device) // block_size  # [Q] block index of each query
+    q_anchor = anchors[:, q_block]  # [N, Q]
+    ctx_pos = torch.arange(seq_len, device=anchors.device)  # [S]
+    sees_ctx = ctx_pos[None, None, :] < q_anchor[:, :, None]  # [N, Q, S]
+    sees_block = (q_block[:, None] == q_block[None, :]).expand(n, q, q)  # [N, Q, Q]
+    return torch.cat([sees_ctx, sees_block], dim=-1)[:, None]  # [N, 1, Q, S+Q]
 
 
 def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> BlockMask:
@@ -205,8 +206,9 @@ def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, backend: st
     return dense_block_mask(anchors, seq_len, block_size)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask,
-           flex_fn=flex_attention) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask, flex_fn=flex_attention
+) -> torch.Tensor:
     """q [N, nh, Q, d], k/v [N, nkv, S+Q, d] under a dense or block mask -> [N, nh, Q, d]."""
     # Under autocast the fp32 norm weights promote q/k to fp32 while v stays bf16; SDPA would
     # recast all three, FlexAttention wants them equal: use v's (the compute) dtype.
@@ -240,18 +242,25 @@ class DrafterSpec:
 class DraftLayer(DecoderLayer):
     """Decoder layer with KV injection: block queries attend to [k_proj(ctx); k_proj(block)]."""
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | BlockMask, flex_fn=flex_attention) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | BlockMask,
+        flex_fn=flex_attention,
+    ) -> torch.Tensor:
         # x: [N, Q, H] block stream; ctx: [N, S, H] fused target features (not normed again, no MLP,
         # no residual: the context only supplies keys and values); cos/sin: [N, S+Q, d]
         s = ctx.shape[1]
         attn = self.self_attn
         h = self.input_layernorm(x)
-        q = apply_rope(attn.queries(h), cos[:, s:], sin[:, s:])          # [N, nh, Q, d]
-        k_ctx, v_ctx = attn.keys_values(ctx)                              # [N, nkv, S, d]
-        k_blk, v_blk = attn.keys_values(h)                                # [N, nkv, Q, d]
-        k = apply_rope(torch.cat([k_ctx, k_blk], dim=2), cos, sin)        # [N, nkv, S+Q, d]
-        v = torch.cat([v_ctx, v_blk], dim=2)                              # [N, nkv, S+Q, d]
+        q = apply_rope(attn.queries(h), cos[:, s:], sin[:, s:])  # [N, nh, Q, d]
+        k_ctx, v_ctx = attn.keys_values(ctx)  # [N, nkv, S, d]
+        k_blk, v_blk = attn.keys_values(h)  # [N, nkv, Q, d]
+        k = apply_rope(torch.cat([k_ctx, k_blk], dim=2), cos, sin)  # [N, nkv, S+Q, d]
+        v = torch.cat([v_ctx, v_blk], dim=2)  # [N, nkv, S+Q, d]
         x = x + attn.output(attend(q, k, v, mask, flex_fn))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -314,18 +323,25 @@ class DFlashDrafter(nn.Module):
             layer.compile(**compile_kwargs)
         return self
 
-    def forward(self, target_hidden: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
-                mask, flex_fn=flex_attention) -> torch.Tensor:
+    def forward(
+        self,
+        target_hidden: torch.Tensor,
+        block_embeds: torch.Tensor,
+        anchors: torch.Tensor,
+        mask,
+        flex_fn=flex_attention,
+    ) -> torch.Tensor:
         """Hidden states of all block tokens after the final norm: [N, Q, H]. `mask`: one block
         mask for every layer, or {layer type: mask} (sliding.drafter_masks)."""
         # target_hidden: [N, S, L*H]; block_embeds: [N, Q, H]; anchors: [N, A]
         n, s, _ = target_hidden.shape
-        ctx = self.hidden_norm(self.fc(target_hidden))                                   # [N, S, H]
-        ctx_pos = torch.arange(s, device=anchors.device).expand(n, s)                     # [N, S]
+        ctx = self.hidden_norm(self.fc(target_hidden))  # [N, S, H]
+        ctx_pos = torch.arange(s, device=anchors.device).expand(n, s)  # [N, S]
         positions = torch.cat([ctx_pos, block_positions(anchors, self.spec.block_size)], 1)  # [N, S+Q]
         shape = self.spec.shape
-        cos, sin = rope_cos_sin(positions, shape.head_dim, shape.rope_theta, ctx.dtype,
-                                shape.rope_scaling)                                       # [N, S+Q, d]
+        cos, sin = rope_cos_sin(
+            positions, shape.head_dim, shape.rope_theta, ctx.dtype, shape.rope_scaling
+        )  # [N, S+Q, d]
         x = block_embeds.to(ctx.dtype)
         for i, layer in enumerate(self.layers):
             if self.on_layer is not None:
@@ -335,8 +351,9 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
-                    mask_token_id: int) -> torch.Tensor:
+def block_input_ids(
+    input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+) -> torch.Tensor:
     """Block token ids [N, A*B]: the anchor's token, then MASK x (B-1)."""
     n, a = anchors.shape
     ids = torch.full((n, a, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)

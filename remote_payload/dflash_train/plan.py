@@ -79,20 +79,36 @@ class RunPlan:
     def to_json(self) -> dict:
         """The plan as JSON (the pre-flight's `plan`)."""
         p = self.policy
-        return {"devices": list(self.devices.workers), "holds": list(self.devices.holds),
-                "pin": list(self.devices.pin), "dtype": self.cfg.run.dtype, "compile": p.effective,
-                "compile_requested": p.requested, "compile_scope": p.scope, "capture_target": p.capture_target,
-                "capture_optimizer": p.capture_optimizer, "launcher": self.launcher,
-                "parallel_warmup": self.parallel_warmup, "warmup_steps": self.warmup_steps,
-                "attention": self.cfg.drafter.attention, "target_backend": self.cfg.target.backend,
-                "reasons": list(self.notes)}
+        return {
+            "devices": list(self.devices.workers),
+            "holds": list(self.devices.holds),
+            "pin": list(self.devices.pin),
+            "dtype": self.cfg.run.dtype,
+            "compile": p.effective,
+            "compile_requested": p.requested,
+            "compile_scope": p.scope,
+            "capture_target": p.capture_target,
+            "capture_optimizer": p.capture_optimizer,
+            "launcher": self.launcher,
+            "parallel_warmup": self.parallel_warmup,
+            "warmup_steps": self.warmup_steps,
+            "attention": self.cfg.drafter.attention,
+            "target_backend": self.cfg.target.backend,
+            "reasons": list(self.notes),
+        }
 
 
 def preflight_answer(devices: DevicePlan, summary_lines: list[str], plan: dict) -> dict:
     """The one pre-flight answer of train, regen and eval: what the run holds, how to pin it, its
     devices, the lines to show and the plan."""
-    return {"ok": True, "holds": list(devices.holds), "pin": list(devices.pin), "devices": list(devices.workers),
-            "summary": summary_lines, "plan": plan}
+    return {
+        "ok": True,
+        "holds": list(devices.holds),
+        "pin": list(devices.pin),
+        "devices": list(devices.workers),
+        "summary": summary_lines,
+        "plan": plan,
+    }
 
 
 def visible_gpus() -> int:
@@ -100,8 +116,9 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_run(cfg: Config, cuda_count: int | None = None, multi_host: bool = False,
-                torch_version: str = torch.__version__) -> RunPlan:
+def resolve_run(
+    cfg: Config, cuda_count: int | None = None, multi_host: bool = False, torch_version: str = torch.__version__
+) -> RunPlan:
     """The plan of `cfg` on a machine with `cuda_count` visible GPUs (default: what torch sees);
     raises ConfigError on a config this machine cannot run. `multi_host`: this process is one node
     of a multi-host run (WORLD_SIZE > 1, docs/multihost.md)."""
@@ -128,16 +145,20 @@ def resolve_run(cfg: Config, cuda_count: int | None = None, multi_host: bool = F
             notes.append(f"compile scope: {run.compile_scope} ({why})")
     # run.capture_target stays `auto` in the resolved config: an eval or resume on another device
     # or compile mode plans it afresh.
-    capture, why = capture_target_decision(run.capture_target, on_cuda, run.compile, run.compile_scope,
-                                           cfg.target.backend)
+    capture, why = capture_target_decision(
+        run.capture_target, on_cuda, run.compile, run.compile_scope, cfg.target.backend
+    )
     if on_cuda and run.compile != "off":
         notes.append(f"target forward: {'one CUDA graph' if capture == 'on' else 'layer by layer'} ({why})")
     policy = dataclasses.replace(
-        choose_compile_policy(run.compile, devices.type, torch_version), scope=run.compile_scope,
-        capture_target=capture == "on")
+        choose_compile_policy(run.compile, devices.type, torch_version),
+        scope=run.compile_scope,
+        capture_target=capture == "on",
+    )
     # clip + AdamW + zero as one graph where the step runs under CUDA graphs (CUDA only)
-    policy = dataclasses.replace(policy, capture_optimizer=run.capture_optimizer == "auto"
-                                 and policy.effective == "cudagraphs")
+    policy = dataclasses.replace(
+        policy, capture_optimizer=run.capture_optimizer == "auto" and policy.effective == "cudagraphs"
+    )
     launcher, parallel = _launch(cfg, devices.workers, multi_host, notes)
     return RunPlan(cfg, devices, policy, launcher, parallel, WARMUP_STEPS[policy.effective], tuple(notes))
 
@@ -183,8 +204,12 @@ def resolve_devices(run: RunConfig, count: int, notes: list[str]) -> DevicePlan:
         if count and run.threads == 0:
             run.gpus = list(range(count))
             run.device, run.threads = "cuda:0", count
-            return _device_plan(run, ("--set", f"run.gpus=[{','.join(map(str, run.gpus))}]"),
-                                "run.device auto: every visible GPU, one thread each; choose with --gpus", notes)
+            return _device_plan(
+                run,
+                ("--set", f"run.gpus=[{','.join(map(str, run.gpus))}]"),
+                "run.device auto: every visible GPU, one thread each; choose with --gpus",
+                notes,
+            )
         run.device = "cuda:0" if count else "cpu"
         run.threads = run.threads or 1
         # A restart of the run must not move to another device: pinned to the one seen now.
@@ -234,8 +259,10 @@ def auto_compile_scope(hidden_size: int, compile_mode: str) -> tuple[str, str]:
     if compile_mode == "cudagraphs":
         return "step", "CUDA graphs capture the whole step (per-layer graphs cannot use them)"
     if hidden_size >= LAYERS_SCOPE_MIN_HIDDEN:
-        return "layers", (f"hidden size {hidden_size} >= {LAYERS_SCOPE_MIN_HIDDEN}: each layer compiles once and "
-                          f"is reused (seconds); one whole-step graph would take minutes")
+        return "layers", (
+            f"hidden size {hidden_size} >= {LAYERS_SCOPE_MIN_HIDDEN}: each layer compiles once and "
+            f"is reused (seconds); one whole-step graph would take minutes"
+        )
     return "step", f"hidden size {hidden_size} < {LAYERS_SCOPE_MIN_HIDDEN}: the whole step as one graph (launch-bound)"
 
 
@@ -250,8 +277,10 @@ def launcher_decision(setting: str, devices: list[str], hidden_size: int, multi_
     gpus = len({d for d in devices if d.startswith("cuda")})
     if multi_host:
         if setting == "processes":
-            raise ConfigError("run.launcher processes joins one host's devices as a group: a multi-host run "
-                              "already runs one process per host (use threads or auto)")
+            raise ConfigError(
+                "run.launcher processes joins one host's devices as a group: a multi-host run "
+                "already runs one process per host (use threads or auto)"
+            )
         return "threads", "a multi-host run: one process per host, one thread per GPU inside"
     if setting != "auto":
         return setting, f"run.launcher {setting}"
@@ -259,14 +288,19 @@ def launcher_decision(setting: str, devices: list[str], hidden_size: int, multi_
     if gpus <= 1:
         return "threads", "one device"
     if gpus > keep_up:
-        return "processes", (f"{gpus} GPUs > {keep_up}, the GPU count threads are predicted to keep up with "
-                             f"at target hidden size {hidden_size} (one GIL for all): one process per GPU")
-    return "threads", (f"{gpus} GPUs <= {keep_up}, the GPU count threads are predicted to keep up with at "
-                       f"target hidden size {hidden_size}: one thread per GPU")
+        return "processes", (
+            f"{gpus} GPUs > {keep_up}, the GPU count threads are predicted to keep up with "
+            f"at target hidden size {hidden_size} (one GIL for all): one process per GPU"
+        )
+    return "threads", (
+        f"{gpus} GPUs <= {keep_up}, the GPU count threads are predicted to keep up with at "
+        f"target hidden size {hidden_size}: one thread per GPU"
+    )
 
 
-def capture_target_decision(setting: str, on_cuda: bool, compile_mode: str, scope: str,
-                            backend: str = "native") -> tuple[str, str]:
+def capture_target_decision(
+    setting: str, on_cuda: bool, compile_mode: str, scope: str, backend: str = "native"
+) -> tuple[str, str]:
     """(on | off, reason) for `run.capture_target`: the target's feature forward as one CUDA graph
     per step where it otherwise launches layer by layer from Python."""
     why_not = None
@@ -289,8 +323,10 @@ def capture_target_decision(setting: str, on_cuda: bool, compile_mode: str, scop
             raise ConfigError(f"run.capture_target on cannot be used here: {why_not}")
         return "off", why_not
     because = "run.capture_target on" if setting == "on" else f"compile scope {scope}"
-    return "on", (f"{because}: replayed in one launch per step instead of layer by layer from Python; "
-                  f"run.capture_target off launches it layer by layer")
+    return "on", (
+        f"{because}: replayed in one launch per step instead of layer by layer from Python; "
+        f"run.capture_target off launches it layer by layer"
+    )
 
 
 def parallel_warmup_decision(setting: str, devices: list[str], compile_mode: str) -> tuple[str, str]:
@@ -308,10 +344,13 @@ def parallel_warmup_decision(setting: str, devices: list[str], compile_mode: str
         return "on", f"run.parallel_warmup on: one process per device ({', '.join(distinct)})"
     cuda = [d for d in distinct if d.startswith("cuda")]
     if len(cuda) < 2:
-        return "off", ("one device: nothing to compile in parallel" if len(distinct) == 1 else
-                       "CPU workers share one device")
-    return "on", (f"{len(cuda)} GPUs and compile {compile_mode}: one process per GPU compiles the step at once "
-                  f"into the compile cache; the threads then compile from it instead of one after another")
+        return "off", (
+            "one device: nothing to compile in parallel" if len(distinct) == 1 else "CPU workers share one device"
+        )
+    return "on", (
+        f"{len(cuda)} GPUs and compile {compile_mode}: one process per GPU compiles the step at once "
+        f"into the compile cache; the threads then compile from it instead of one after another"
+    )
 
 
 def torch_version_tuple(version: str) -> tuple[int, int]:
@@ -332,12 +371,15 @@ def choose_compile_policy(mode: str, device_type: str, version: str = torch.__ve
         return CompilePolicy(mode, "default", None, why)
     ver = torch_version_tuple(version)
     if ver < (2, 12):
-        why = ("CUDAGraph Trees keep their state in TLS stashed only by the importing thread "
-               "(AssertionError in workers, measured on 2.11): trees off, per call")
+        why = (
+            "CUDAGraph Trees keep their state in TLS stashed only by the importing thread "
+            "(AssertionError in workers, measured on 2.11): trees off, per call"
+        )
     elif ver < (2, 13):
-        why = ("trees not thread-aware yet and inductor config is per-thread: trees off, "
-               "passed per torch.compile call")
+        why = "trees not thread-aware yet and inductor config is per-thread: trees off, passed per torch.compile call"
     else:
-        why = ("trees initialise per-thread state since 2.13, but are unmeasured in worker "
-               "threads here: trees off (measured safe), passed per torch.compile call")
+        why = (
+            "trees initialise per-thread state since 2.13, but are unmeasured in worker "
+            "threads here: trees off (measured safe), passed per torch.compile call"
+        )
     return CompilePolicy(mode, "cudagraphs", dict(CUDAGRAPH_OPTIONS), why)

@@ -32,7 +32,19 @@ class Recipe:
 def recipe_for_target(hidden_size: int) -> Recipe:
     """The drafter depth and data shapes for a real target of this width."""
     if hidden_size >= LARGE_TARGET_HIDDEN:
-        return Recipe(5, 3072, 512, 1, f"target hidden size {hidden_size} >= {LARGE_TARGET_HIDDEN}: the shapes of "
-                                       f"z-lab's published Qwen3-4B/8B drafters")
-    return Recipe(3, 512, 64, 16, f"target hidden size {hidden_size} < {LARGE_TARGET_HIDDEN}: the shapes that reached "
-                                  f"tau 5.21 on a 95M target on an H200 (docs/quality.md)")
+        return Recipe(
+            5,
+            3072,
+            512,
+            1,
+            f"target hidden size {hidden_size} >= {LARGE_TARGET_HIDDEN}: the shapes of "
+            f"z-lab's published Qwen3-4B/8B drafters",
+        )
+    return Recipe(
+        3,
+        512,
+        64,
+        16,
+        f"target hidden size {hidden_size} < {LARGE_TARGET_HIDDEN}: the shapes that reached "
+        f"tau 5.21 on a 95M target on an H200 (docs/quality.md)",
+    )

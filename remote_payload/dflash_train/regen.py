@@ -78,15 +78,18 @@ def work_loop(engine: Engine, worker: int, work: queue.Queue, results: queue.Que
             return
 
 
-def regenerate(engine: Engine, batches: Iterator[tuple[int, list[Row]]], output: Output, progress: Progress,
-               stop: threading.Event) -> BaseException | None:
+def regenerate(
+    engine: Engine, batches: Iterator[tuple[int, list[Row]]], output: Output, progress: Progress, stop: threading.Event
+) -> BaseException | None:
     """Run every batch through the engine's workers and write the results in input order. A
     stop (or a failure) issues no new batch, waits for those in flight and writes what is in
     order; returns the failure, if any."""
     work: queue.Queue = queue.Queue()
     results: queue.Queue = queue.Queue()
-    threads = [threading.Thread(target=work_loop, args=(engine, w, work, results), daemon=True, name=f"regen-{w}")
-               for w in range(engine.workers)]
+    threads = [
+        threading.Thread(target=work_loop, args=(engine, w, work, results), daemon=True, name=f"regen-{w}")
+        for w in range(engine.workers)
+    ]
     for t in threads:
         t.start()
     window = 2 * engine.workers  # batches issued and not yet written: bounds what waits in memory
@@ -146,18 +149,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--thinking", choices=("on", "off"), help="enable_thinking of Qwen3 chat templates "
-                                                              "(default: the template's own)")
+    ap.add_argument(
+        "--thinking",
+        choices=("on", "off"),
+        help="enable_thinking of Qwen3 chat templates (default: the template's own)",
+    )
     ap.add_argument("--batch-size", type=int, help="rows per batch (builtin: 32, openai: 1)")
     ap.add_argument("--tokenizer", help="HF tokenizer directory (default: target.path; openai: none)")
     ap.add_argument("--preset", help="builtin: the target's preset (tiny, qwen3-8b)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="builtin: target.*, run.dtype or run.cpu_threads (repeatable)")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="builtin: target.*, run.dtype or run.cpu_threads (repeatable)",
+    )
     ap.add_argument("--endpoint", help="openai: the server's base URL, e.g. http://127.0.0.1:8000")
     ap.add_argument("--model", help="openai: the model name the server serves")
     ap.add_argument("--concurrency", type=int, default=8, help="openai: requests at once")
-    ap.add_argument("--retries", type=int, default=8,
-                    help="openai: attempts after a 429, 5xx, connection error or non-JSON answer")
+    ap.add_argument(
+        "--retries", type=int, default=8, help="openai: attempts after a 429, 5xx, connection error or non-JSON answer"
+    )
     ap.add_argument("--metrics", help="append progress records (JSONL) here")
     ap.add_argument("--resume", action="store_true", help="continue the partial output of an interrupted run")
     ap.add_argument("--preflight", action="store_true", help="check everything, print one JSON line, generate nothing")
@@ -196,8 +209,10 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.resume:
         for path in (out, partial_path(out)):
             if path.exists():
-                raise RegenError(f"{path} exists already (an earlier regen): choose another output name"
-                                 + (", or resume that run" if path != out else ""))
+                raise RegenError(
+                    f"{path} exists already (an earlier regen): choose another output name"
+                    + (", or resume that run" if path != out else "")
+                )
 
 
 def check_tokenizer(args: argparse.Namespace, target_path: str | None) -> None:
@@ -209,8 +224,11 @@ def check_tokenizer(args: argparse.Namespace, target_path: str | None) -> None:
     if kind not in needs:
         return
     if not (args.tokenizer or target_path):
-        how = ("need a tokenizer: --tokenizer DIR, or target.path" if args.engine == "builtin" else
-               "come back as text: the openai engine needs --tokenizer DIR to turn them into input_ids")
+        how = (
+            "need a tokenizer: --tokenizer DIR, or target.path"
+            if args.engine == "builtin"
+            else "come back as text: the openai engine needs --tokenizer DIR to turn them into input_ids"
+        )
         raise RegenError(f"{args.prompts} has {kind} rows, which {how}")
     if importlib.util.find_spec("transformers") is None:
         raise ImportError("transformers is needed for the tokenizer", name="transformers")
@@ -218,17 +236,27 @@ def check_tokenizer(args: argparse.Namespace, target_path: str | None) -> None:
 
 def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | None, dict]:
     """The engine (None for a pre-flight) and the pre-flight's answer fields."""
-    opts = Options(args.max_new_tokens, args.temperature, args.top_p, args.seed,
-                   None if args.thinking is None else args.thinking == "on",
-                   args.batch_size or DEFAULT_BATCH[args.engine])
+    opts = Options(
+        args.max_new_tokens,
+        args.temperature,
+        args.top_p,
+        args.seed,
+        None if args.thinking is None else args.thinking == "on",
+        args.batch_size or DEFAULT_BATCH[args.engine],
+    )
     if args.engine == "openai":
         from .regen_openai import OpenAIEngine
 
         check_tokenizer(args, None)
         # The pre-flight's one format (plan.preflight_answer); the server holds the model, the run nothing.
-        answer = {"ok": True, "holds": [], "pin": [], "devices": [],
-                  "summary": [f"engine: openai, {args.endpoint} model {args.model}, {args.concurrency} requests at once"],
-                  "plan": {"devices": [], "holds": [], "pin": [], "reasons": ["engine openai: the server holds the model"]}}
+        answer = {
+            "ok": True,
+            "holds": [],
+            "pin": [],
+            "devices": [],
+            "summary": [f"engine: openai, {args.endpoint} model {args.model}, {args.concurrency} requests at once"],
+            "plan": {"devices": [], "holds": [], "pin": [], "reasons": ["engine openai: the server holds the model"]},
+        }
         if preflight:
             return None, answer
         return OpenAIEngine(args.endpoint, args.model, args.concurrency, args.retries, opts, args.tokenizer), answer
@@ -237,11 +265,21 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
 
     cfg, devices = resolve_target(args.preset, args.overrides, args.gpus)
     check_tokenizer(args, cfg.target.path)
-    summary = [f"engine: builtin, target {cfg.target.path or 'random ' + str(cfg.target.num_layers) + ' layers'}"
-               f", {cfg.run.dtype}, devices {', '.join(devices.workers)} ({devices.reason})"]
-    answer = preflight_answer(devices, summary, {"devices": list(devices.workers), "holds": list(devices.holds),
-                                                 "pin": list(devices.pin), "dtype": cfg.run.dtype,
-                                                 "reasons": [devices.reason]})
+    summary = [
+        f"engine: builtin, target {cfg.target.path or 'random ' + str(cfg.target.num_layers) + ' layers'}"
+        f", {cfg.run.dtype}, devices {', '.join(devices.workers)} ({devices.reason})"
+    ]
+    answer = preflight_answer(
+        devices,
+        summary,
+        {
+            "devices": list(devices.workers),
+            "holds": list(devices.holds),
+            "pin": list(devices.pin),
+            "dtype": cfg.run.dtype,
+            "reasons": [devices.reason],
+        },
+    )
     if preflight:
         return None, answer
     return BuiltinEngine(cfg, list(devices.workers), args.tokenizer or cfg.target.path, opts), answer
@@ -265,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args.preflight, "config", str(exc), EXIT_USAGE)
     except ImportError as exc:
         name = getattr(exc, "name", None) or str(exc)
-        return _fail(args.preflight, "missing_module", f"{name} is not installed in {sys.executable}", EXIT_MISSING,
-                     module=name)
+        return _fail(
+            args.preflight, "missing_module", f"{name} is not installed in {sys.executable}", EXIT_MISSING, module=name
+        )
 
 
 def _fail(preflight: bool, kind: str, message: str, code: int, **extra: Any) -> int:
@@ -296,11 +335,15 @@ def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) ->
         total = count_rows(Path(args.prompts))
         batch = engine.options.batch_size
         if start > total:
-            raise RegenError(f"{out.partial} has {start} rows, {args.prompts} only {total}: the prompts changed; "
-                             f"remove the partial file and start again")
+            raise RegenError(
+                f"{out.partial} has {start} rows, {args.prompts} only {total}: the prompts changed; "
+                f"remove the partial file and start again"
+            )
         if start % batch:
-            log(f"regen: resuming at row {start}/{total}: batch {start // batch} runs again from row "
-                f"{start // batch * batch}, and only its missing rows are written")
+            log(
+                f"regen: resuming at row {start}/{total}: batch {start // batch} runs again from row "
+                f"{start // batch * batch}, and only its missing rows are written"
+            )
         elif start:
             log(f"regen: resuming at row {start}/{total}")
         log(f"regen: {total} rows from {args.prompts} -> {args.out}, batch {batch}, {engine.workers} worker(s)")

@@ -26,8 +26,19 @@ import torch
 from .config import Config, ConfigError, load_config
 from .data import seeded_generator
 from .plan import DevicePlan, plan_devices
-from .regen_rows import (Done, Options, RegenError, Row, RowError, SharedTokenizer, chat_row, encode_prompt, row_kind,
-                         token_ids, token_row)
+from .regen_rows import (
+    Done,
+    Options,
+    RegenError,
+    Row,
+    RowError,
+    SharedTokenizer,
+    chat_row,
+    encode_prompt,
+    row_kind,
+    token_ids,
+    token_row,
+)
 from .replica import DTYPES
 from .target import build_random_target, load_hf_target, resolve_mask_token_id
 from .target_hf import build_hf_target, resolve_target_config
@@ -37,8 +48,9 @@ ALLOWED_SETS = ("target.", "run.dtype=", "run.cpu_threads=", "run.gpus=", "run.d
 CAPACITY_STEP = 1024  # cache positions are allocated in steps of this: fewer decoder shapes, each warmed up once
 
 
-def resolve_target(preset: str | None, overrides: list[str], gpus: str,
-                   cuda_count: int | None = None) -> tuple[Config, DevicePlan]:
+def resolve_target(
+    preset: str | None, overrides: list[str], gpus: str, cuda_count: int | None = None
+) -> tuple[Config, DevicePlan]:
     """(config with the target and dtype resolved, the worker devices as the run plan resolves
     them) for `--preset`, `--set target.*|run.dtype|run.cpu_threads` (and the pre-flight's pin,
     `run.gpus`/`run.device`) and `--gpus auto|cpu|0,1` (RegenError if bad); `cuda_count`: the
@@ -86,8 +98,9 @@ class BuiltinEngine:
         self.decoders: list = [None] * len(devices)  # per worker: ((rows, capacity), Decoder)
         # A worker waiting longer than the trainer's compile bound for another's warm-up fails.
         self.serial = SerialLock(options.stop, ThreadedOptions.compile_timeout_s)
-        self.tokenizer = SharedTokenizer(tokenizer_dir, "chat and prompt rows need a tokenizer: --tokenizer DIR or "
-                                                        "target.path")
+        self.tokenizer = SharedTokenizer(
+            tokenizer_dir, "chat and prompt rows need a tokenizer: --tokenizer DIR or target.path"
+        )
         self.eos_ids = self._generation_eos()
         try:
             self.banned = (resolve_mask_token_id(cfg.target, None, tokenizer_dir),)  # MASK never appears in data
@@ -168,8 +181,10 @@ class BuiltinEngine:
             try:
                 ids, convo = self.prompt_ids(row)
                 if len(ids) + o.max_new_tokens > limit:
-                    raise RowError(f"prompt of {len(ids)} tokens + {o.max_new_tokens} new ones exceeds the "
-                                   f"target's context of {limit}")
+                    raise RowError(
+                        f"prompt of {len(ids)} tokens + {o.max_new_tokens} new ones exceeds the "
+                        f"target's context of {limit}"
+                    )
                 ready.append((row, ids, convo))
             except RowError as exc:
                 done[row.index] = Done(row.index, error=str(exc))
@@ -180,9 +195,17 @@ class BuiltinEngine:
             # decoder shape for the run, whatever rows failed.
             prompts = [ids for _, ids, _ in ready] + [[0]] * (o.batch_size - len(ready))
             decoder = self.decoder(worker, len(prompts), max(map(len, prompts)) + o.max_new_tokens)
-            news = generate(self.targets[worker], prompts, o.max_new_tokens, temperature=o.temperature,
-                            top_p=o.top_p, eos_ids=self.eos_ids, generator=gen, banned_ids=self.banned,
-                            decoder=decoder)
+            news = generate(
+                self.targets[worker],
+                prompts,
+                o.max_new_tokens,
+                temperature=o.temperature,
+                top_p=o.top_p,
+                eos_ids=self.eos_ids,
+                generator=gen,
+                banned_ids=self.banned,
+                decoder=decoder,
+            )
             for (row, ids, convo), new in zip(ready, news):
                 finish = "stop" if new and new[-1] in self.eos_ids else "length"
                 if convo is None:

@@ -23,8 +23,19 @@ import socket
 import urllib.error
 import urllib.request
 
-from .regen_rows import (Done, EngineError, Options, Row, RowError, SharedTokenizer, chat_row, conversation, row_kind,
-                         token_ids, token_row)
+from .regen_rows import (
+    Done,
+    EngineError,
+    Options,
+    Row,
+    RowError,
+    SharedTokenizer,
+    chat_row,
+    conversation,
+    row_kind,
+    token_ids,
+    token_row,
+)
 
 REQUEST_TIMEOUT_S = 600.0  # one generation may take minutes on a loaded server
 BASE_DELAY_S, MAX_DELAY_S, RETRY_AFTER_CAP_S = 0.25, 30.0, 60.0
@@ -51,12 +62,14 @@ def with_thinking(content: str, reasoning: str | None) -> str:
 class OpenAIEngine:
     """Regeneration through an OpenAI-compatible endpoint; see the module docstring."""
 
-    def __init__(self, endpoint: str, model: str, concurrency: int, retries: int, options: Options,
-                 tokenizer_dir: str | None):
+    def __init__(
+        self, endpoint: str, model: str, concurrency: int, retries: int, options: Options, tokenizer_dir: str | None
+    ):
         self.url, self.model, self.retries, self.options = base_url(endpoint), model, retries, options
         self.workers = concurrency
-        self.tokenizer = SharedTokenizer(tokenizer_dir, "prompt and token rows need --tokenizer DIR with the "
-                                                        "openai engine")
+        self.tokenizer = SharedTokenizer(
+            tokenizer_dir, "prompt and token rows need --tokenizer DIR with the openai engine"
+        )
 
     def setup(self, worker: int) -> None:
         """Nothing to build: the server holds the model."""
@@ -80,8 +93,13 @@ class OpenAIEngine:
         if row.error is not None:
             raise RowError(row.error)
         o = self.options
-        body = {"model": self.model, "max_tokens": o.max_new_tokens, "temperature": o.temperature, "top_p": o.top_p,
-                "seed": o.seed + row.index}
+        body = {
+            "model": self.model,
+            "max_tokens": o.max_new_tokens,
+            "temperature": o.temperature,
+            "top_p": o.top_p,
+            "seed": o.seed + row.index,
+        }
         kind = row_kind(row.data)
         if kind == "messages":
             convo = conversation(row.data["messages"])
@@ -115,8 +133,9 @@ class OpenAIEngine:
         data = json.dumps(body).encode()
         attempt = 0
         while True:
-            request = urllib.request.Request(f"{self.url}/{path}", data=data, method="POST",
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                f"{self.url}/{path}", data=data, method="POST", headers={"Content-Type": "application/json"}
+            )
             try:
                 with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
                     reply = json.loads(answer.read())
@@ -125,17 +144,23 @@ class OpenAIEngine:
                 if exc.code != 429 and exc.code < 500:
                     raise RowError(f"HTTP {exc.code} from {path}: {detail}") from None
                 why, wait = f"HTTP {exc.code}", retry_after(exc.headers.get("Retry-After"))
-            except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError,
-                    http.client.HTTPException) as exc:  # HTTPException: a body cut short (IncompleteRead)
+            except (
+                urllib.error.URLError,
+                ConnectionError,
+                socket.timeout,
+                TimeoutError,
+                http.client.HTTPException,
+            ) as exc:  # HTTPException: a body cut short (IncompleteRead)
                 why, wait = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}", None
             except ValueError as exc:  # a 200 whose body is not JSON: torn, or not the server's
                 why, wait = f"an answer that is not JSON ({exc})", None
             else:
                 return first_choice(reply, path)
             if attempt == self.retries:
-                raise EngineError(f"{self.url}/{path}: {why} after {attempt + 1} attempts (is the server up? "
-                                  f"--resume continues)")
-            delay = wait if wait is not None else min(MAX_DELAY_S, BASE_DELAY_S * 2 ** attempt)
+                raise EngineError(
+                    f"{self.url}/{path}: {why} after {attempt + 1} attempts (is the server up? --resume continues)"
+                )
+            delay = wait if wait is not None else min(MAX_DELAY_S, BASE_DELAY_S * 2**attempt)
             if self.options.stop.wait(delay):
                 raise Abandoned()
             attempt += 1

@@ -89,14 +89,20 @@ class Output:
 
     def finish(self) -> None:
         """Split the complete partial into the output and the errors file, then remove it."""
-        tmp_out, tmp_err = self.out.with_name(f".{self.out.name}.tmp"), self.errors.with_name(f".{self.errors.name}.tmp")
+        tmp_out, tmp_err = (
+            self.out.with_name(f".{self.out.name}.tmp"),
+            self.errors.with_name(f".{self.errors.name}.tmp"),
+        )
         self.fh.seek(0)
         with open(tmp_out, "wb") as out, open(tmp_err, "wb") as err:
             for line in self.fh:
                 row = json.loads(line)
                 if "_error" in row:
-                    err.write((json.dumps({"index": row["index"], "reason": row["_error"]}, ensure_ascii=False)
-                               + "\n").encode("utf-8"))
+                    err.write(
+                        (
+                            json.dumps({"index": row["index"], "reason": row["_error"]}, ensure_ascii=False) + "\n"
+                        ).encode("utf-8")
+                    )
                 else:
                     out.write(line)
             for fh in (out, err):
@@ -129,8 +135,15 @@ class Progress:
     it the program was starting (imports, the target's build, compiles), which says nothing of
     how fast the rest goes. Until then the line gives the rate since the start, marked as such."""
 
-    def __init__(self, total: int, start: int, metrics: Path | None, log: Callable[[str], None], workers: int = 1,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        total: int,
+        start: int,
+        metrics: Path | None,
+        log: Callable[[str], None],
+        workers: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.total, self.start, self.metrics, self.log = total, start, metrics, log
         self.workers, self.clock = workers, clock
         self.t0 = clock()
@@ -158,13 +171,21 @@ class Progress:
         tok_s = (self.tokens - tokens0) / elapsed
         share = 100 * done / self.total if self.total else 100.0
         label = "tok/s" if steady else "tok/s incl. start-up"
-        self.log(f"regen: {done}/{self.total} rows ({share:.0f}%), {failed} failed, {tok_s:,.0f} {label}, "
-                 f"ETA {duration(eta)}")
+        self.log(
+            f"regen: {done}/{self.total} rows ({share:.0f}%), {failed} failed, {tok_s:,.0f} {label}, "
+            f"ETA {duration(eta)}"
+        )
         if self.metrics is not None:
-            record = {"rows_done": done, "rows_total": self.total, "rows_failed": failed,
-                      "tokens_per_s": round(tok_s, 1), "rate_includes_start_up": not steady,
-                      "tokens_per_s_since_start": round(self.tokens / max(now - self.t0, 1e-9), 1),
-                      "eta_s": None if eta is None else round(eta, 1), "time": time.time()}
+            record = {
+                "rows_done": done,
+                "rows_total": self.total,
+                "rows_failed": failed,
+                "tokens_per_s": round(tok_s, 1),
+                "rate_includes_start_up": not steady,
+                "tokens_per_s_since_start": round(self.tokens / max(now - self.t0, 1e-9), 1),
+                "eta_s": None if eta is None else round(eta, 1),
+                "time": time.time(),
+            }
             with self.metrics.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
 

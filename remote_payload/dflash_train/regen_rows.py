@@ -81,8 +81,11 @@ def conversation(messages: Any) -> list[dict]:
 
 def token_ids(value: Any, vocab_size: int | None = None) -> list[int]:
     """A row's input_ids as a non-empty list of token ids (RowError otherwise)."""
-    if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                            for t in value):
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    ):
         raise RowError("input_ids must be a non-empty list of token ids")
     if vocab_size is not None and max(value) >= vocab_size:
         raise RowError(f"token id {max(value)} is outside the target's vocabulary ({vocab_size})")
@@ -107,12 +110,22 @@ def encode_prompt(tok, kind: str, data: dict, thinking: bool | None) -> tuple[li
 
 def token_row(index: int, prompt: list[int], new: list[int], finish: str) -> dict:
     """The trainer's token row: prompt + response, only the response supervised."""
-    return {"index": index, "input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new),
-            "finish_reason": finish}
+    return {
+        "index": index,
+        "input_ids": prompt + new,
+        "loss_mask": [0] * len(prompt) + [1] * len(new),
+        "finish_reason": finish,
+    }
 
 
-def chat_row(index: int, convo: list[dict], reply: str, finish: str, reply_ids: list[int] | None = None,
-             thinking: bool | None = None) -> dict:
+def chat_row(
+    index: int,
+    convo: list[dict],
+    reply: str,
+    finish: str,
+    reply_ids: list[int] | None = None,
+    thinking: bool | None = None,
+) -> dict:
     """The trainer's chat row: the conversation and the target's reply; with `reply_ids` (the
     tokens the target emitted for it, its end-of-turn token included) and the `enable_thinking`
     its prompt was rendered with, so the trainer supervises exactly those tokens."""

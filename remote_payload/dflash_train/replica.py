@@ -68,9 +68,9 @@ class Replica:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     policy: CompilePolicy
-    train_loss: Callable   # (input_ids, loss_mask, anchors, anchor_valid) -> (loss, acceptance), compiled per policy
+    train_loss: Callable  # (input_ids, loss_mask, anchors, anchor_valid) -> (loss, acceptance), compiled per policy
     run_drafter: Callable  # the drafter, or its compiled wrapper (run.compile_scope: drafter)
-    flex_fn: Callable      # flex_attention for the eager paths (compiled on its own on CUDA)
+    flex_fn: Callable  # flex_attention for the eager paths (compiled on its own on CUDA)
     # Where the first (compiling) forward/backward is: (what, i, n), read by progress lines.
     at: tuple[str, int, int] = ("", 0, 0)
     # Last step's values, read at sync points only (no host sync per step):
@@ -100,17 +100,9 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int, policy: Co
     drafter.to_empty(device="cpu")  # init_weights sets every parameter: skip nn.Linear's own init
     drafter.init_weights(cfg.drafter.init_std, seed)
     drafter.to(device)
-    o = cfg.optim
     on_cuda = device.type == "cuda"
     capture = policy.capture_optimizer
-    # Captured: the graph reads lr from device memory, so lr is a tensor the schedule fills in place.
-    lr = torch.tensor(o.lr, device=device) if capture else o.lr
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay, fused=True if on_cuda else None, capturable=capture)
-    for group in optimizer.param_groups:
-        group["initial_lr"] = o.lr  # a float base lr: a tensor one would cost a host sync per scheduler step
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(cfg.run.steps, o.warmup_ratio, o.min_lr_ratio))
+    optimizer, scheduler = _build_optimizer(cfg, drafter, device, capture)
     flex_fn = flex_attention
     if cfg.drafter.attention == "flex" and on_cuda and policy.effective != "off":
         flex_fn = torch.compile(flex_attention, dynamic=False)  # eager flex is unfused and slow
@@ -121,8 +113,9 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int, policy: Co
     elif policy.effective != "off" and scope == "layers":
         drafter.compile_layers()  # regional (docs/performance.md): names and state_dict unchanged
         target.compile_layers()
-    replica = Replica(cfg, device, target, drafter, optimizer, scheduler, policy, None, run_drafter, flex_fn,
-                      capture_step=capture)
+    replica = Replica(
+        cfg, device, target, drafter, optimizer, scheduler, policy, None, run_drafter, flex_fn, capture_step=capture
+    )
     # Progress probes on the layer loops that run eagerly (inside a compiled graph they would be traced).
     if policy.effective == "off" or scope in ("layers", "drafter"):
         target.on_layer = lambda i, n: setattr(replica, "at", ("target layer", i + 1, n))
@@ -130,26 +123,62 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int, policy: Co
         drafter.on_layer = lambda i, n: setattr(replica, "at", ("draft layer", i + 1, n))
 
     if policy.effective != "off" and scope == "step":
+
         def train_loss(input_ids, loss_mask, anchors, anchor_valid):
             # flex_attention itself is traced into the graph (the standalone compiled one is for eager paths)
             out = _loss(replica, input_ids, loss_mask, anchors, anchor_valid, drafter, flex_attention)
             return out.loss, out.acceptance_length
+
         replica.train_loss = policy.compile(train_loss)
     else:
         # A compiled drafter traces flex_attention itself; an eager one uses the compiled flex.
         train_flex = flex_attention if run_drafter is not drafter else flex_fn
 
         def train_loss(input_ids, loss_mask, anchors, anchor_valid):
-            out = _loss(replica, input_ids, loss_mask, anchors, anchor_valid, run_drafter, train_flex,
-                        replica.target_graph)
+            out = _loss(
+                replica, input_ids, loss_mask, anchors, anchor_valid, run_drafter, train_flex, replica.target_graph
+            )
             return out.loss, out.acceptance_length
+
         replica.train_loss = train_loss
     return replica
 
 
-def _loss(replica: Replica, input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
-          anchor_valid: torch.Tensor, drafter: Callable, flex_fn: Callable,
-          features: Callable | None = None) -> LossOutput:
+def _build_optimizer(
+    cfg: Config, drafter: torch.nn.Module, device: torch.device, capture: bool
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (fused on CUDA; capturable when the optimizer step runs in a CUDA graph) and its
+    warm-up + cosine schedule."""
+    o = cfg.optim
+    # Captured: the graph reads lr from device memory, so lr is a tensor the schedule fills in place.
+    lr = torch.tensor(o.lr, device=device) if capture else o.lr
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(),
+        lr=lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        fused=True if device.type == "cuda" else None,
+        capturable=capture,
+    )
+    for group in optimizer.param_groups:
+        group["initial_lr"] = o.lr  # a float base lr: a tensor one would cost a host sync per scheduler step
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(cfg.run.steps, o.warmup_ratio, o.min_lr_ratio)
+    )
+    return optimizer, scheduler
+
+
+def _loss(
+    replica: Replica,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    drafter: Callable,
+    flex_fn: Callable,
+    features: Callable | None = None,
+) -> LossOutput:
     """Target features -> drafter over all blocks -> decayed CE and acceptance length (tensors on
     the replica's device; traceable as a whole by torch.compile). `features`: what computes the
     target's features (default `target.features`; the captured graph in training steps)."""
@@ -158,30 +187,37 @@ def _loss(replica: Replica, input_ids: torch.Tensor, loss_mask: torch.Tensor, an
     bs = spec.block_size
     n, s = input_ids.shape
     a = anchors.shape[1]
-    feats = (features or replica.target.features)(input_ids, spec.target_layer_ids)      # [N, S, L*H]
-    block_ids = block_input_ids(input_ids, anchors, bs, spec.mask_token_id)              # [N, A*B]
-    embeds = replica.target.embed_tokens(block_ids)                                       # [N, A*B, H]
-    mask = drafter_masks(anchors, s, spec, cfg.drafter.attention)                         # once per batch
+    feats = (features or replica.target.features)(input_ids, spec.target_layer_ids)  # [N, S, L*H]
+    block_ids = block_input_ids(input_ids, anchors, bs, spec.mask_token_id)  # [N, A*B]
+    embeds = replica.target.embed_tokens(block_ids)  # [N, A*B, H]
+    mask = drafter_masks(anchors, s, spec, cfg.drafter.attention)  # once per batch
     use_bf16 = cfg.run.dtype == "bf16"
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
-        hidden = drafter(feats, embeds, anchors, mask, flex_fn)                           # [N, A*B, H]
-    hidden = hidden.view(n, a, bs, -1)[:, :, 1:]                                          # [N, A, B-1, H]
-    label_pos = (anchors[:, :, None] + torch.arange(1, bs, device=dev)).flatten(1)       # [N, A*(B-1)]
+        hidden = drafter(feats, embeds, anchors, mask, flex_fn)  # [N, A*B, H]
+    hidden = hidden.view(n, a, bs, -1)[:, :, 1:]  # [N, A, B-1, H]
+    label_pos = (anchors[:, :, None] + torch.arange(1, bs, device=dev)).flatten(1)  # [N, A*(B-1)]
     labels = input_ids.gather(1, label_pos).view(n, a, bs - 1)
     label_mask = loss_mask.gather(1, label_pos).view(n, a, bs - 1) & anchor_valid[:, :, None]
     # The compiled CE chunk only on CUDA and only when compiling is allowed (`run.compile: off`
     # must mean no torch.compile anywhere, e.g. while debugging the compiler).
     fused = dev.type == "cuda" and cfg.run.compile != "off"
-    return dflash_loss(hidden, replica.target.lm_head.weight, labels, label_mask, anchor_valid,
-                       cfg.optim.gamma, cfg.optim.loss_chunk_rows, fused)
+    return dflash_loss(
+        hidden,
+        replica.target.lm_head.weight,
+        labels,
+        label_mask,
+        anchor_valid,
+        cfg.optim.gamma,
+        cfg.optim.loss_chunk_rows,
+        fused,
+    )
 
 
 def forward_loss(replica: Replica, batch: Batch) -> LossOutput:
     """The loss of one batch through the uncompiled drafter (evaluation, tests, benchmarks):
     no recompile or CUDA-graph capture for a new grad mode or batch shape."""
     b = batch.to(replica.device)
-    return _loss(replica, b.input_ids, b.loss_mask, b.anchors, b.anchor_valid, replica.drafter,
-                 replica.flex_fn)
+    return _loss(replica, b.input_ids, b.loss_mask, b.anchors, b.anchor_valid, replica.drafter, replica.flex_fn)
 
 
 def forward_backward(replica: Replica, batch: Batch) -> torch.Tensor:
@@ -228,8 +264,12 @@ def optimizer_step(replica: Replica) -> torch.Tensor:
 
 def optimizer_tensors(replica: Replica) -> list[torch.Tensor]:
     """Parameters and every tensor of the optimizer state (step counts, moments), in a fixed order."""
-    state = [t for p in replica.drafter.parameters() for t in replica.optimizer.state.get(p, {}).values()
-             if isinstance(t, torch.Tensor)]
+    state = [
+        t
+        for p in replica.drafter.parameters()
+        for t in replica.optimizer.state.get(p, {}).values()
+        if isinstance(t, torch.Tensor)
+    ]
     return list(replica.drafter.parameters()) + state
 
 
@@ -251,7 +291,8 @@ def capture_optimizer_step(replica: Replica) -> None:
             group["lr"] = torch.tensor(group["lr"], device=replica.device)
         group["capturable"] = True
     replica.step_graph, replica.graph_norm = workers.capture_graph(
-        replica.device, lambda: rehearse_optimizer_step(replica), lambda: clip_step_zero(replica))
+        replica.device, lambda: rehearse_optimizer_step(replica), lambda: clip_step_zero(replica)
+    )
 
 
 def rehearse_optimizer_step(replica: Replica) -> None:
@@ -284,11 +325,14 @@ def capture_target_forward(replica: Replica) -> None:
         return
     shape = (cfg.data.batch_size, cfg.data.max_length)  # collate pads every batch to this
     try:
-        replica.target_graph = GraphedFeatures(replica.target, replica.drafter.spec.target_layer_ids, shape,
-                                               replica.device)
+        replica.target_graph = GraphedFeatures(
+            replica.target, replica.drafter.spec.target_layer_ids, shape, replica.device
+        )
     except RuntimeError as exc:
-        raise RuntimeError(f"capturing the target's forward as a CUDA graph failed ({exc}); "
-                           f"set run.capture_target=off to launch it layer by layer") from exc
+        raise RuntimeError(
+            f"capturing the target's forward as a CUDA graph failed ({exc}); "
+            f"set run.capture_target=off to launch it layer by layer"
+        ) from exc
 
 
 def capture_graphs(replica: Replica) -> None:
@@ -299,9 +343,14 @@ def capture_graphs(replica: Replica) -> None:
 
 def drafter_ops(cfg: Config) -> workers.ReplicaOps:
     """The drafter as the workers' ReplicaOps (build, step, parameters, warm-up progress) for a resolved config."""
-    return workers.ReplicaOps(lambda device, seed, policy: build_replica(cfg, device, seed, policy), forward_backward,
-                              optimizer_step, lambda replica: list(replica.drafter.parameters()), warmup_progress,
-                              capture_graphs)
+    return workers.ReplicaOps(
+        lambda device, seed, policy: build_replica(cfg, device, seed, policy),
+        forward_backward,
+        optimizer_step,
+        lambda replica: list(replica.drafter.parameters()),
+        warmup_progress,
+        capture_graphs,
+    )
 
 
 def warmup_progress(replica: Replica) -> str:
@@ -319,8 +368,7 @@ def train_step(replica: Replica, batch: Batch) -> tuple[torch.Tensor, dict[str, 
     """One full step on one replica; metrics stay tensors (no device sync) except the lr used."""
     loss = forward_backward(replica, batch)
     grad_norm = optimizer_step(replica)
-    return loss, {"grad_norm": grad_norm, "lr": replica.last_lr,
-                  "train_acceptance_length": replica.last_acceptance}
+    return loss, {"grad_norm": grad_norm, "lr": replica.last_lr, "train_acceptance_length": replica.last_acceptance}
 
 
 @torch.no_grad()
@@ -330,5 +378,9 @@ def evaluate(replica: Replica, batches: list[Batch]) -> dict[str, float]:
     for batch in batches:
         out = forward_loss(replica, batch)
         k = float(out.num_blocks)
-        loss_sum, acc_sum, blocks = loss_sum + float(out.loss) * k, acc_sum + float(out.acceptance_length) * k, blocks + k
+        loss_sum, acc_sum, blocks = (
+            loss_sum + float(out.loss) * k,
+            acc_sum + float(out.acceptance_length) * k,
+            blocks + k,
+        )
     return {"loss": loss_sum / max(blocks, 1.0), "acceptance_length": acc_sum / max(blocks, 1.0)}

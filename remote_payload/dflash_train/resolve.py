@@ -28,8 +28,7 @@ def fill_config(cfg: Config, notes: list[str]) -> None:
     if d.target_layer_ids is None:
         d.target_layer_ids = default_target_layer_ids(cfg.target.num_layers, d.num_target_features)
     if not d.target_layer_ids or not all(0 <= i < cfg.target.num_layers for i in d.target_layer_ids):
-        raise ConfigError(f"drafter.target_layer_ids {d.target_layer_ids} must lie in "
-                          f"[0, {cfg.target.num_layers - 1}]")
+        raise ConfigError(f"drafter.target_layer_ids {d.target_layer_ids} must lie in [0, {cfg.target.num_layers - 1}]")
     try:
         d.mask_token_id = resolve_mask_token_id(cfg.target, d.mask_token_id, cfg.data.tokenizer_path)
     except ValueError as exc:
@@ -40,7 +39,7 @@ def fill_config(cfg: Config, notes: list[str]) -> None:
         if path is not None and path.startswith(DATASET_PREFIX):
             if cfg.data.dir is None:
                 raise ConfigError(f"data.{key} {path}: a pushed dataset needs data.dir (dflashctl train sets it)")
-            setattr(cfg.data, key, str(Path(cfg.data.dir) / path[len(DATASET_PREFIX):]))
+            setattr(cfg.data, key, str(Path(cfg.data.dir) / path[len(DATASET_PREFIX) :]))
     if cfg.optim.gamma is None:
         cfg.optim.gamma = default_gamma(d.block_size)
     if cfg.run.export_dir is None:
@@ -51,8 +50,12 @@ def _fill_recipe(cfg: Config, notes: list[str]) -> None:
     """Fill the recipe fields left None (the real-target preset) from the target's size."""
     recipe = recipe_for_target(cfg.target.hidden_size)
     filled = []
-    for section, name in (("drafter", "num_layers"), ("data", "max_length"), ("data", "anchors_per_seq"),
-                          ("data", "batch_size")):
+    for section, name in (
+        ("drafter", "num_layers"),
+        ("data", "max_length"),
+        ("data", "anchors_per_seq"),
+        ("data", "batch_size"),
+    ):
         if getattr(getattr(cfg, section), name) is None:
             setattr(getattr(cfg, section), name, getattr(recipe, name))
             filled.append(f"{section}.{name} {getattr(recipe, name)}")
@@ -65,8 +68,10 @@ def _fill_recipe(cfg: Config, notes: list[str]) -> None:
 PRESET_MEANING = {
     "tiny": "a random tiny target on its own greedy text: a first run and the tests (seconds on a CPU)",
     "real-target": "the recipe for a real checkpoint: target.path set, no --preset",
-    "qwen3-8b": ("random weights on random tokens at Qwen3-8B's shape: measures speed and memory, never quality "
-                 "(tau is 1.0 by construction); train on your checkpoint with --set target.path=DIR"),
+    "qwen3-8b": (
+        "random weights on random tokens at Qwen3-8B's shape: measures speed and memory, never quality "
+        "(tau is 1.0 by construction); train on your checkpoint with --set target.path=DIR"
+    ),
     "llama3-8b": "random weights at Llama-3.1-8B's shape through transformers: speed and memory only",
     "qwen3-30b-a3b": "random weights at Qwen3-30B-A3B's shape (MoE) through transformers: speed and memory only",
 }
@@ -76,8 +81,15 @@ def drafter_spec(cfg: Config) -> DrafterSpec:
     """The drafter's architecture from a resolved config."""
     d = cfg.drafter
     shape = dataclasses.replace(shape_of(cfg.target), rope_scaling=drafter_rope(cfg.target))
-    return DrafterSpec(shape, d.num_layers, d.block_size, tuple(d.target_layer_ids), d.mask_token_id,
-                       check_layer_types(d.layer_types, d.sliding_window, d.num_layers), d.sliding_window)
+    return DrafterSpec(
+        shape,
+        d.num_layers,
+        d.block_size,
+        tuple(d.target_layer_ids),
+        d.mask_token_id,
+        check_layer_types(d.layer_types, d.sliding_window, d.num_layers),
+        d.sliding_window,
+    )
 
 
 def check_data_paths(cfg: Config) -> None:
@@ -93,8 +105,9 @@ def check_data_paths(cfg: Config) -> None:
 def summary(cfg: Config, notes: list[str], n_params: int | None = None) -> list[str]:
     """The few lines a run starts with: model, data, devices, compile policy and why."""
     t, d, data, run = cfg.target, cfg.drafter, cfg.data, cfg.run
-    target = t.path or (f"random {t.model_type} shape ({t.num_layers} layers, hidden {t.hidden_size}, "
-                        f"vocab {t.vocab_size})")
+    target = t.path or (
+        f"random {t.model_type} shape ({t.num_layers} layers, hidden {t.hidden_size}, vocab {t.vocab_size})"
+    )
     source = data.train_path if data.source == "jsonl" else f"{data.source} ({data.num_train} sequences)"
     params = "" if n_params is None else f", {n_params / 1e6:.2f}M trainable parameters"
     meaning = PRESET_MEANING.get(cfg.preset, "")

@@ -39,10 +39,10 @@ def dense_sliding_mask(anchors: torch.Tensor, seq_len: int, block_size: int, win
     [N, 1, Q, S+Q] (True = attend)."""
     mask = dense_block_mask(anchors, seq_len, block_size)
     q = anchors.shape[1] * block_size
-    offsets = torch.arange(q, device=anchors.device) % block_size                 # [Q] position in the block
+    offsets = torch.arange(q, device=anchors.device) % block_size  # [Q] position in the block
     q_pos = anchors[:, torch.arange(q, device=anchors.device) // block_size] + offsets  # [N, Q]
     ctx_pos = torch.arange(seq_len, device=anchors.device)
-    near = (q_pos[:, :, None] - ctx_pos[None, None, :]) < window                   # [N, Q, S]
+    near = (q_pos[:, :, None] - ctx_pos[None, None, :]) < window  # [N, Q, S]
     keep = torch.cat([near, torch.ones(*near.shape[:2], q, dtype=torch.bool, device=anchors.device)], -1)
     return mask & keep[:, None]
 
@@ -77,8 +77,8 @@ def draft_masks(spec: DrafterSpec, start: torch.Tensor, slots: int) -> dict[str,
     """The decode masks [1, 1, B, slots] of a block at positions start..start+B-1 over a cache of
     `slots` slots: {layer type: mask}; a sliding layer sees the context within its window."""
     keys = torch.arange(slots, device=start.device)
-    q_pos = start + torch.arange(spec.block_size, device=start.device)            # [B]
-    seen = (keys < start + spec.block_size).expand(spec.block_size, slots)        # context + the block
+    q_pos = start + torch.arange(spec.block_size, device=start.device)  # [B]
+    seen = (keys < start + spec.block_size).expand(spec.block_size, slots)  # context + the block
     masks = {FULL: seen[None, None]}
     if SLIDING in spec.layer_types:
         near = (keys[None] >= start) | (q_pos[:, None] - keys[None] < spec.sliding_window)

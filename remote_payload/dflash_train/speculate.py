@@ -64,8 +64,14 @@ class DraftDecoder:
     the ones past the accepted run are stale and masked until the next write. On CUDA both steps
     are CUDA graphs (decode.StepGraphs) running the layers' compiled parts."""
 
-    def __init__(self, drafter: DFlashDrafter, target: Qwen3Target, capacity: int, graphs: bool | None = None,
-                 compile: bool | None = None):
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        target: Qwen3Target,
+        capacity: int,
+        graphs: bool | None = None,
+        compile: bool | None = None,
+    ):
         self.drafter, self.target, self.capacity = drafter, target, capacity
         self.device = target.embed_tokens.weight.device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
@@ -73,7 +79,7 @@ class DraftDecoder:
         self._layers = CachedLayers(self.graphs if compile is None else compile)
         # As in training: fp32 drafter weights run under bf16 autocast when the target is bf16.
         self._autocast = target.embed_tokens.weight.dtype == torch.bfloat16
-        self.keys: list[torch.Tensor] = []    # [1, nkv, C, d] per draft layer, made by the first context
+        self.keys: list[torch.Tensor] = []  # [1, nkv, C, d] per draft layer, made by the first context
         self.values: list[torch.Tensor] = []
 
     def _rope(self, slots: torch.Tensor, dtype: torch.dtype):
@@ -109,11 +115,11 @@ class DraftDecoder:
     def _context(self, features: torch.Tensor, start: torch.Tensor) -> None:
         d = self.drafter
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            ctx = d.hidden_norm(d.fc(features))                                         # [1, T, H]
+            ctx = d.hidden_norm(d.fc(features))  # [1, T, H]
             slots = start + torch.arange(features.shape[1], device=self.device)
             cos, sin = self._rope(slots, ctx.dtype)
             for i, layer in enumerate(d.layers):
-                k, v = layer.self_attn.keys_values(ctx)                                  # [1, nkv, T, d]
+                k, v = layer.self_attn.keys_values(ctx)  # [1, nkv, T, d]
                 k = apply_rope(k, cos, sin)
                 if len(self.keys) == i:  # the first context fixes the cache's dtype (the autocast one)
                     self.keys.append(k.new_zeros(*k.shape[:2], self.capacity, k.shape[-1]))
@@ -124,21 +130,27 @@ class DraftDecoder:
     def _draft(self, block: torch.Tensor, start: torch.Tensor, window: int) -> torch.Tensor:
         d, t = self.drafter, self.target
         bs = d.spec.block_size
-        slots = start + torch.arange(bs, device=self.device)                             # [B]
+        slots = start + torch.arange(bs, device=self.device)  # [B]
         group = d.spec.shape.num_heads // d.spec.shape.num_kv_heads
         masks = {kind: grouped_mask(m, group) for kind, m in draft_masks(d.spec, start, window).items()}
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            x = t.embed_tokens(block).to(self.keys[0].dtype)                              # [1, B, H]
+            x = t.embed_tokens(block).to(self.keys[0].dtype)  # [1, B, H]
             cos, sin = self._rope(slots, x.dtype)
             for i, layer in enumerate(d.layers):
-                x = self._layers(layer, x, cos, sin, self.keys[i], self.values[i], slots, window,
-                                 masks[d.spec.layer_type(i)])
+                x = self._layers(
+                    layer, x, cos, sin, self.keys[i], self.values[i], slots, window, masks[d.spec.layer_type(i)]
+                )
             hidden = d.norm(x)
-        return t.lm_head(hidden[0, 1:].to(t.lm_head.weight.dtype)).float()                # [B-1, V]
+        return t.lm_head(hidden[0, 1:].to(t.lm_head.weight.dtype)).float()  # [B-1, V]
 
 
-def accept(drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float,
-           generator: torch.Generator | None) -> tuple[int, int]:
+def accept(
+    drafts: torch.Tensor,
+    q_logits: torch.Tensor,
+    p_logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
     """(accepted drafts k, the next token) for drafts [B-1] proposed from q_logits [B-1, V], with
     the target's p_logits [B, V] (row i predicts the token after block position i).
 
@@ -163,9 +175,17 @@ def accept(drafts: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor,
 
 
 @torch.no_grad()
-def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
-              eos_id: int | None = None, temperature: float = 0.0, generator: torch.Generator | None = None,
-              verifier: Decoder | None = None, drafting: DraftDecoder | None = None) -> Decoded:
+def speculate(
+    target: Qwen3Target,
+    drafter: DFlashDrafter,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_id: int | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    verifier: Decoder | None = None,
+    drafting: DraftDecoder | None = None,
+) -> Decoded:
     """Speculative decoding of one prompt (see the module docstring): greedy at temperature 0
     (lossless: the target's greedy text), else sampled with the speculative-sampling rule
     (`accept`), whose output is distributed as the target's samples at that temperature.
@@ -175,23 +195,23 @@ def speculate(target: Qwen3Target, drafter: DFlashDrafter, prompt: list[int], ma
     room = len(prompt) + max_new_tokens + 2 * drafter.spec.block_size
     verifier = verifier or make_decoder(target, 1, room, drafter.spec.target_layer_ids)
     drafting = drafting or DraftDecoder(drafter, target, room)
-    logits, context = verifier.prefill([prompt])                                  # [1, V], [1, P, L*H]
+    logits, context = verifier.prefill([prompt])  # [1, V], [1, P, L*H]
     drafting.add_context(context, 0)
-    out = Decoded([int(pick(logits[0], temperature, generator=generator))])      # the prefill's own token
+    out = Decoded([int(pick(logits[0], temperature, generator=generator))])  # the prefill's own token
     while len(out.tokens) < max_new_tokens and out.tokens[-1] != eos_id:
-        anchor = verifier.length                                                  # position of tokens[-1]
-        q_logits = drafting.draft(out.tokens[-1], anchor)                         # [B-1, V]
-        drafts = pick(q_logits, temperature, generator=generator)                # [B-1]
+        anchor = verifier.length  # position of tokens[-1]
+        q_logits = drafting.draft(out.tokens[-1], anchor)  # [B-1, V]
+        drafts = pick(q_logits, temperature, generator=generator)  # [B-1]
         block = torch.cat([torch.tensor([out.tokens[-1]], device=device), drafts])[None]
-        p_logits, feats = verifier.step(block)                                    # [1, B, V]: predicts B tokens
+        p_logits, feats = verifier.step(block)  # [1, B, V]: predicts B tokens
         k, following = accept(drafts, q_logits, p_logits[0], temperature, generator)
         out.accepted.append(k)
         out.anchors.append(anchor)
-        out.tokens += drafts[:k].tolist() + [following]                           # accepted drafts + the bonus
-        verifier.crop(anchor + k + 1)                                             # anchor and accepted stay cached
-        drafting.add_context(feats, anchor)                                       # valid up to anchor + k
+        out.tokens += drafts[:k].tolist() + [following]  # accepted drafts + the bonus
+        verifier.crop(anchor + k + 1)  # anchor and accepted stay cached
+        drafting.add_context(feats, anchor)  # valid up to anchor + k
     if eos_id is not None and eos_id in out.tokens:
-        out.tokens = out.tokens[:out.tokens.index(eos_id) + 1]
+        out.tokens = out.tokens[: out.tokens.index(eos_id) + 1]
     out.tokens = out.tokens[:max_new_tokens]
     return out
 
@@ -225,8 +245,7 @@ def held_out_prompts(seqs: list[tuple[torch.Tensor, torch.Tensor]], count: int, 
     return prompts
 
 
-def speculative_eval(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[list[int]],
-                     new_tokens: int) -> dict:
+def speculative_eval(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[list[int]], new_tokens: int) -> dict:
     """tau (pooled `spec_tau`, per-prompt mean `spec_tau_prompt_mean`) and acceptance per draft
     position over prompts, decoded greedily. The drafter's
     compiled layers run eagerly here (its shapes change every step: no recompiles), and the
@@ -241,6 +260,11 @@ def speculative_eval(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[
     taus = [r.tau for r in results if r.accepted]
     # The spread of the per-prompt mean: its standard error over prompts (0 with one prompt).
     se = statistics.stdev(taus) / math.sqrt(len(taus)) if len(taus) > 1 else 0.0
-    return {"spec_tau": pooled, "spec_tau_prompt_mean": per_prompt, "spec_tau_prompt_se": se,
-            "spec_by_position": acceptance_by_position(results, drafter.spec.block_size),
-            "spec_prompts": len(prompts), "spec_steps": steps}
+    return {
+        "spec_tau": pooled,
+        "spec_tau_prompt_mean": per_prompt,
+        "spec_tau_prompt_se": se,
+        "spec_by_position": acceptance_by_position(results, drafter.spec.block_size),
+        "spec_prompts": len(prompts),
+        "spec_steps": steps,
+    }

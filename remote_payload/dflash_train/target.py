@@ -60,16 +60,16 @@ class Qwen3Target(nn.Module):
         return self
 
     def _rope(self, seq_len: int, device: torch.device, dtype: torch.dtype):
-        positions = torch.arange(seq_len, device=device)[None]              # [1, S]
+        positions = torch.arange(seq_len, device=device)[None]  # [1, S]
         return rope_cos_sin(positions, self.shape.head_dim, self.shape.rope_theta, dtype)
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, layer_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
         """Hidden states after each layer in `layer_ids`, concatenated: [N, S] -> [N, S, L*H]."""
-        x = self.embed_tokens(input_ids)                                      # [N, S, H]
+        x = self.embed_tokens(input_ids)  # [N, S, H]
         cos, sin = self._rope(input_ids.shape[1], input_ids.device, x.dtype)
         wanted, out = set(layer_ids), {}
-        used = self.layers[: max(layer_ids) + 1]                              # early exit
+        used = self.layers[: max(layer_ids) + 1]  # early exit
         for i, layer in enumerate(used):
             if self.on_layer is not None:
                 self.on_layer(i, len(used))
@@ -90,15 +90,26 @@ class Qwen3Target(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
 
-
 def shape_of(cfg: TargetConfig) -> Shape:
     """The per-layer shape of a target config."""
-    return Shape(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                 cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta)
+    return Shape(
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.rms_norm_eps,
+        cfg.rope_theta,
+    )
 
 
-def build_random_target(cfg: TargetConfig, seed: int, num_built_layers: int | None = None,
-                        device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Qwen3Target:
+def build_random_target(
+    cfg: TargetConfig,
+    seed: int,
+    num_built_layers: int | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Qwen3Target:
     """A randomly initialised target (deterministic for seed + device); no files needed."""
     with torch.device("meta"):
         target = Qwen3Target(cfg, num_built_layers or cfg.num_layers)
@@ -129,19 +140,28 @@ def read_hf_config(path: str | Path) -> TargetConfig:
         raise ValueError(f"{path}: attention_bias=true is not supported")
     rope = raw.get("rope_parameters") or {}
     return TargetConfig(
-        path=str(path), num_layers=raw["num_hidden_layers"], hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"], num_heads=raw["num_attention_heads"],
+        path=str(path),
+        num_layers=raw["num_hidden_layers"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_heads=raw["num_attention_heads"],
         num_kv_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
         head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-        vocab_size=raw["vocab_size"], rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 1e6))),
+        vocab_size=raw["vocab_size"],
+        rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 1e6))),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=raw.get("max_position_embeddings", 40960),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
     )
 
 
-def load_hf_target(path: str | Path, layer_ids: list[int], device: str | torch.device = "cpu",
-                   dtype: torch.dtype = torch.bfloat16, whole: bool = False) -> Qwen3Target:
+def load_hf_target(
+    path: str | Path,
+    layer_ids: list[int],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    whole: bool = False,
+) -> Qwen3Target:
     """Load a HF Qwen3 checkpoint dir (config.json + *.safetensors): only the layers up to
     max(layer_ids), or (whole) every layer, as speculative decoding needs."""
     path = Path(path)
@@ -178,8 +198,7 @@ def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head") else f"model.{name}"
 
 
-def resolve_mask_token_id(target_cfg: TargetConfig, configured: int | None,
-                          tokenizer_path: str | None = None) -> int:
+def resolve_mask_token_id(target_cfg: TargetConfig, configured: int | None, tokenizer_path: str | None = None) -> int:
     """The MASK token id: configured, else `<|MASK|>` from tokenizer.json (in `tokenizer_path`,
     else `target.path`), else the first id the tokenizer does not use."""
     if configured is not None:
@@ -197,8 +216,10 @@ def resolve_mask_token_id(target_cfg: TargetConfig, configured: int | None,
     ids.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
     if MASK_TOKEN in ids:
         if ids[MASK_TOKEN] >= target_cfg.vocab_size:
-            raise ValueError(f"{tok_file}: {MASK_TOKEN} is id {ids[MASK_TOKEN]}, outside the target's "
-                             f"vocabulary ({target_cfg.vocab_size})")
+            raise ValueError(
+                f"{tok_file}: {MASK_TOKEN} is id {ids[MASK_TOKEN]}, outside the target's "
+                f"vocabulary ({target_cfg.vocab_size})"
+            )
         return ids[MASK_TOKEN]
     # Qwen3 checkpoints pad the embedding beyond the tokenizer; the first spare row becomes MASK
     # (z-lab's Qwen3 drafters use 151669 this way).

@@ -20,13 +20,14 @@ class GraphedFeatures:
     """`target.features(input_ids, layer_ids)`, replayed from a CUDA graph captured for one input
     shape; any other shape or layer list runs the target eagerly."""
 
-    def __init__(self, target: Qwen3Target, layer_ids: list[int] | tuple[int, ...], shape: tuple[int, int],
-                 device: torch.device):
+    def __init__(
+        self, target: Qwen3Target, layer_ids: list[int] | tuple[int, ...], shape: tuple[int, int], device: torch.device
+    ):
         self.target, self.layer_ids = target, tuple(layer_ids)
         self.static_ids = torch.zeros(shape, dtype=torch.long, device=device)  # [N, S], copied into per step
 
         def forward() -> torch.Tensor:
-            return target.features(self.static_ids, self.layer_ids)         # [N, S, L*H]
+            return target.features(self.static_ids, self.layer_ids)  # [N, S, L*H]
 
         # One eager call first (cuBLAS/cuDNN handles and plans, the compiled layers' first-call set-up).
         self.graph, self.static_feats = capture_graph(device, forward, forward)

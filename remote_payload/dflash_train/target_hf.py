@@ -25,8 +25,18 @@ from torch import nn
 from .config import ConfigError, TargetConfig
 
 # Architectures whose config.json names no causal-LM class (`architectures`), known as encoders.
-ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "distilbert", "electra", "albert",
-                "modernbert", "mpnet")
+ENCODER_ONLY = (
+    "bert",
+    "roberta",
+    "xlm-roberta",
+    "deberta",
+    "deberta-v2",
+    "distilbert",
+    "electra",
+    "albert",
+    "modernbert",
+    "mpnet",
+)
 # Rope types the drafter's own rope implements (model.rope_inv_freq); a target with another keeps
 # none of its scaling in the drafter: `drafter_rope` refuses it.
 DRAFTER_ROPE_TYPES = ("default", "linear", "llama3")
@@ -41,11 +51,15 @@ def read_target_config(path: str | Path) -> TargetConfig:
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
     return TargetConfig(
-        path=str(path), model_type=raw.get("model_type") or "unknown",
-        num_layers=raw["num_hidden_layers"], hidden_size=raw["hidden_size"],
+        path=str(path),
+        model_type=raw.get("model_type") or "unknown",
+        num_layers=raw["num_hidden_layers"],
+        hidden_size=raw["hidden_size"],
         intermediate_size=raw.get("intermediate_size") or 4 * raw["hidden_size"],
-        num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=raw["vocab_size"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        vocab_size=raw["vocab_size"],
         rope_theta=float(theta),
         rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-6))),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
@@ -62,8 +76,9 @@ def check_causal(raw: dict, where: str) -> None:
     """ValueError unless a config.json describes a decoder-only causal LM."""
     archs = raw.get("architectures") or []
     if raw.get("is_encoder_decoder"):
-        raise ValueError(f"{where}: {raw.get('model_type')} is an encoder-decoder model; a target must be a "
-                         f"decoder-only causal LM")
+        raise ValueError(
+            f"{where}: {raw.get('model_type')} is an encoder-decoder model; a target must be a decoder-only causal LM"
+        )
     if archs and not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in archs):
         raise ValueError(f"{where}: {', '.join(archs)} is not a causal LM (encoder-only models cannot be targets)")
     if not archs and raw.get("model_type") in ENCODER_ONLY:
@@ -117,16 +132,27 @@ def native_misfit(t: TargetConfig) -> str | None:
 
 def hf_config_fields(t: TargetConfig) -> dict[str, Any]:
     """transformers config keywords for a random target of this shape."""
-    fields = dict(num_hidden_layers=t.num_layers, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                  num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim,
-                  vocab_size=t.vocab_size, rms_norm_eps=t.rms_norm_eps,
-                  max_position_embeddings=t.max_position_embeddings, tie_word_embeddings=t.tie_word_embeddings,
-                  rope_parameters={"rope_theta": t.rope_theta, **(t.rope_scaling or {"rope_type": "default"})})
+    fields = dict(
+        num_hidden_layers=t.num_layers,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_attention_heads=t.num_heads,
+        num_key_value_heads=t.num_kv_heads,
+        head_dim=t.head_dim,
+        vocab_size=t.vocab_size,
+        rms_norm_eps=t.rms_norm_eps,
+        max_position_embeddings=t.max_position_embeddings,
+        tie_word_embeddings=t.tie_word_embeddings,
+        rope_parameters={"rope_theta": t.rope_theta, **(t.rope_scaling or {"rope_type": "default"})},
+    )
     if t.attention_bias:
         fields["attention_bias"] = True
     if t.num_experts:
-        fields.update(num_experts=t.num_experts, num_experts_per_tok=t.num_experts_per_tok,
-                      moe_intermediate_size=t.moe_intermediate_size)
+        fields.update(
+            num_experts=t.num_experts,
+            num_experts_per_tok=t.num_experts_per_tok,
+            moe_intermediate_size=t.moe_intermediate_size,
+        )
     return fields
 
 
@@ -139,8 +165,13 @@ def _truncate(config, layers: int):
     return config
 
 
-def build_hf_target(t: TargetConfig, layer_ids: list[int], device: str | torch.device = "cpu",
-                    dtype: torch.dtype = torch.float32, whole: bool = False) -> "HFTarget":
+def build_hf_target(
+    t: TargetConfig,
+    layer_ids: list[int],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    whole: bool = False,
+) -> "HFTarget":
     """The target through transformers: loaded from `t.path`, else random (seeded) of `t`'s shape.
     Only the layers up to max(layer_ids) are built unless `whole` (decoding needs every layer)."""
     import transformers
@@ -152,7 +183,8 @@ def build_hf_target(t: TargetConfig, layer_ids: list[int], device: str | torch.d
         placed = transformers.utils.is_accelerate_available()
         with _quiet(transformers):  # the unbuilt layers' weights are "unused": expected
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                t.path, config=config, dtype=dtype, **({"device_map": str(device)} if placed else {}))
+                t.path, config=config, dtype=dtype, **({"device_map": str(device)} if placed else {})
+            )
         model.to(device)
     else:
         config = _truncate(transformers.AutoConfig.for_model(t.model_type, **hf_config_fields(t)), layers)
@@ -202,9 +234,9 @@ class HFTarget(nn.Module):
         self.lm_head = model.get_output_embeddings()
         self.on_layer: Callable[[int, int], None] | None = None  # (i, n) before layer i: progress probe
         self._stems: dict[int, nn.Module] = {}
-        self._record: set[int] = set()      # layers whose outputs the current forward keeps
+        self._record: set[int] = set()  # layers whose outputs the current forward keeps
         self._outputs: dict[int, torch.Tensor] = {}
-        self._running = 0                   # layers in the current forward (for on_layer)
+        self._running = 0  # layers in the current forward (for on_layer)
         for i, layer in enumerate(self.layers):
             layer.register_forward_pre_hook(self._before(i))
             layer.register_forward_hook(self._after(i))
@@ -213,12 +245,14 @@ class HFTarget(nn.Module):
         def hook(module, args):
             if self.on_layer is not None:
                 self.on_layer(i, self._running)
+
         return hook
 
     def _after(self, i: int):
         def hook(module, args, output):
             if i in self._record:
                 self._outputs[i] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
     @property
@@ -298,7 +332,7 @@ def left_padded(prompts: list[list[int]], pad: torch.Tensor, capacity: int) -> t
         raise ValueError(f"a prompt of {p} tokens does not fit the cache ({capacity})")
     ids = torch.zeros(len(prompts), p, dtype=torch.long)
     for n, q in enumerate(prompts):
-        ids[n, p - len(q):] = torch.tensor(q, dtype=torch.long)
+        ids[n, p - len(q) :] = torch.tensor(q, dtype=torch.long)
     pad.copy_(torch.tensor([p - len(q) for q in prompts]))
     return ids
 
@@ -316,7 +350,7 @@ class HFDecoder:
 
         self.target, self.feature_layers, self.capacity = target, tuple(feature_layers), capacity
         self.device = target.embed_tokens.weight.device
-        self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)     # [N] left padding per row
+        self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)  # [N] left padding per row
         # No config: every layer keeps all its positions (the masks apply a sliding window), so
         # that rejected drafts can be cropped off sliding layers too (Mistral, Qwen2 with windows).
         self.cache = transformers.DynamicCache()
@@ -358,12 +392,17 @@ class HFDecoder:
     def _forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         start, t = self.length, ids.shape[1]
         slots = torch.arange(start + t, device=self.device)
-        attention_mask = (slots[None] >= self.pad[:, None]).long()                       # [N, start+T]
-        positions = (slots[None, start:] - self.pad[:, None]).clamp_min(0)               # [N, T]
+        attention_mask = (slots[None] >= self.pad[:, None]).long()  # [N, start+T]
+        positions = (slots[None, start:] - self.pad[:, None]).clamp_min(0)  # [N, T]
         self.target._running = len(self.target.layers)
         with self.target.recording(self.feature_layers) as rec:
-            out = self.target.model(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
-                                    use_cache=True, **{self._cache_arg: self.cache})
+            out = self.target.model(
+                input_ids=ids,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_arg: self.cache},
+            )
             return out.logits.float(), rec.take()
 
 

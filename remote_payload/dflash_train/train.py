@@ -113,9 +113,14 @@ def use_compile_cache(path: str | None) -> str:
     return f"compile cache: {cache} ({'warm: kept from earlier runs' if warm else 'cold: first run here'})"
 
 
-def run_training(cfg: Config, resume: bool = False, overwrite: bool = False,
-                 stop: StopFlag | None = None, log: Callable[[str], None] = print,
-                 launched_at: float | None = None) -> int:
+def run_training(
+    cfg: Config,
+    resume: bool = False,
+    overwrite: bool = False,
+    stop: StopFlag | None = None,
+    log: Callable[[str], None] = print,
+    launched_at: float | None = None,
+) -> int:
     """Train end to end on every worker device (`run.gpus`, or `run.threads` x `run.device`)
     through `workers.run_threaded`; returns the exit code (128+signal if stopped). A failing
     or stalled worker raises `workers.WorkerError` (with its traceback). `launched_at`: the
@@ -145,8 +150,16 @@ class Trainer:
     step-0 evaluation and the time to first step) and `on_sync` (metrics, evaluation, checkpoint,
     the final evaluation and export); `metrics.Cadence` decides when each happens."""
 
-    def __init__(self, plan: RunPlan, out: Path, group: distributed.NodeGroup | None, stop: StopFlag,
-                 log: Callable[[str], None], notes: list[str], launched_at: float):
+    def __init__(
+        self,
+        plan: RunPlan,
+        out: Path,
+        group: distributed.NodeGroup | None,
+        stop: StopFlag,
+        log: Callable[[str], None],
+        notes: list[str],
+        launched_at: float,
+    ):
         self.plan, self.cfg, self.out, self.group, self.stop, self.log = plan, plan.cfg, out, group, stop, log
         self.notes, self.launched_at = notes, launched_at
         self.devices = list(plan.devices.workers)
@@ -176,19 +189,31 @@ class Trainer:
         cfg = self.cfg
         self.warmup_at = time.monotonic()
         if self.plan.parallel_warmup == "on" and not warmup.warm_up(
-                self.devices, self.out / "config.resolved.yaml", self.out / "warmup", cfg.run.warmup_timeout_s,
-                lambda: self.stop.requested, self.log):
+            self.devices,
+            self.out / "config.resolved.yaml",
+            self.out / "warmup",
+            cfg.run.warmup_timeout_s,
+            lambda: self.stop.requested,
+            self.log,
+        ):
             self.log(f"stopped by signal {self.stop.signum} before step {self.start + 1}: nothing to save")
             return self.stop.exit_code
         self.data = GlobalBatches(self.sampler, pin=self.plan.devices.type == "cuda")
         self.ops = drafter_ops(cfg)
         self.meter = TrainMeter(self.start)
         self.threads_at = time.monotonic()
-        self.should_stop = (self.group.stop_agreement(lambda: self.stop.requested) if self.group
-                            else (lambda: self.stop.requested))
+        self.should_stop = (
+            self.group.stop_agreement(lambda: self.stop.requested) if self.group else (lambda: self.stop.requested)
+        )
         data = self.group.sharded(self.data) if self.group else self.data
-        result = workers.run_threaded(dataclasses.replace(self.ops, build=self.build), self.devices, data,
-                                      self.cadence.total, self.options(), self.on_sync)
+        result = workers.run_threaded(
+            dataclasses.replace(self.ops, build=self.build),
+            self.devices,
+            data,
+            self.cadence.total,
+            self.options(),
+            self.on_sync,
+        )
         return self.outcome(result)
 
     def prepare(self, resume: bool, overwrite: bool) -> bool:
@@ -204,7 +229,8 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         workers.use_cpu_threads(cfg.run.cpu_threads)
         self.sampler, self.eval_batches, self.spec_prompts = load_data(
-            cfg, group.total_replicas if group else self.world)
+            cfg, group.total_replicas if group else self.world
+        )
         self._run_length()
         (out / "config.resolved.yaml").write_text(dump_yaml(cfg))
         self._announce(resume)
@@ -216,8 +242,9 @@ class Trainer:
             if changed:
                 self.log(f"warning: config differs from the checkpoint's in {', '.join(changed)}")
         resume_step = self.start if self.ckpt is not None else None
-        self.metrics = with_tensorboard(MetricsLog(out / "metrics.jsonl", resume_step), cfg.run.tensorboard, out,
-                                        resume_step)
+        self.metrics = with_tensorboard(
+            MetricsLog(out / "metrics.jsonl", resume_step), cfg.run.tensorboard, out, resume_step
+        )
         run = cfg.run
         self.cadence = Cadence(run.log_every, run.eval_every, run.checkpoint_every, run.steps)
         if self.start >= run.steps:
@@ -232,8 +259,10 @@ class Trainer:
             run.steps = run.epochs * per_epoch
         elif run.steps is None:  # the real-target preset: the run's length follows the data
             run.steps = DEFAULT_EPOCHS * per_epoch
-            self.log(f"run length: {run.steps} steps = {DEFAULT_EPOCHS} epochs of {per_epoch} batches "
-                     f"(run.steps unset; set run.steps or run.epochs to choose)")
+            self.log(
+                f"run length: {run.steps} steps = {DEFAULT_EPOCHS} epochs of {per_epoch} batches "
+                f"(run.steps unset; set run.steps or run.epochs to choose)"
+            )
 
     def _announce(self, resume: bool) -> None:
         """The start-up lines: the summary with every decision's reason, the workers, the config file."""
@@ -242,8 +271,10 @@ class Trainer:
             n_params = sum(p.numel() for p in DFlashDrafter(drafter_spec(cfg)).parameters())
         for line in summary(cfg, self.notes, n_params):
             self.log(line)
-        self.log(f"workers: {self.world} thread(s) on {', '.join(self.devices)}, {len(self.sampler.seqs)} training "
-                 f"sequences; compile {policy.effective}: {policy.reason}")
+        self.log(
+            f"workers: {self.world} thread(s) on {', '.join(self.devices)}, {len(self.sampler.seqs)} training "
+            f"sequences; compile {policy.effective}: {policy.reason}"
+        )
         self.log(f"full config: {self.out / 'config.resolved.yaml'}")
         if resume and self.ckpt is None:
             self.log(f"no checkpoint in {self.out}: starting from step 0")
@@ -252,13 +283,25 @@ class Trainer:
         """The threaded run's options: the plan's policy and warm-up, the cadence, faults and hooks."""
         run, debug, group, stop = self.cfg.run, self.cfg.debug, self.group, self.stop
         return workers.ThreadedOptions(
-            policy=self.plan.policy, seed=run.seed, warmup_steps=self.plan.warmup_steps,
-            sync_every=self.cadence.sync_every, barrier_timeout_s=run.barrier_timeout_s,
-            compile_timeout_s=run.compile_timeout_s, start_step=self.start, fail_at=debug.fail_at,
-            hang_at=debug.hang_at, fail_rank=debug.fail_rank, stop_at=debug.stop_at,
-            request_stop=lambda: stop.request(signal.SIGTERM), should_stop=self.should_stop,
-            stop_before_start=lambda: stop.requested, on_start=self.on_start, on_progress=self.log,
-            cross_reduce=group.cross_reduce if group else None, cross_check=group.cross_check if group else None)
+            policy=self.plan.policy,
+            seed=run.seed,
+            warmup_steps=self.plan.warmup_steps,
+            sync_every=self.cadence.sync_every,
+            barrier_timeout_s=run.barrier_timeout_s,
+            compile_timeout_s=run.compile_timeout_s,
+            start_step=self.start,
+            fail_at=debug.fail_at,
+            hang_at=debug.hang_at,
+            fail_rank=debug.fail_rank,
+            stop_at=debug.stop_at,
+            request_stop=lambda: stop.request(signal.SIGTERM),
+            should_stop=self.should_stop,
+            stop_before_start=lambda: stop.requested,
+            on_start=self.on_start,
+            on_progress=self.log,
+            cross_reduce=group.cross_reduce if group else None,
+            cross_check=group.cross_check if group else None,
+        )
 
     def build(self, device: torch.device, seed: int, policy: CompilePolicy) -> Replica:
         """One worker's replica; every replica loads the same checkpoint, so they stay identical."""
@@ -276,20 +319,32 @@ class Trainer:
             t0 = time.monotonic()
             result.update(speculative_eval(replica.target, replica.drafter, prompts, cfg.run.spec_new_tokens))
             result["spec_eval_s"] = time.monotonic() - t0
-            spec = (f", speculative tau {result['spec_tau_prompt_mean']:.3f} +- {result['spec_tau_prompt_se']:.3f} "
-                    f"(mean of per-prompt tau +- its standard error; pooled {result['spec_tau']:.3f}; "
-                    f"{len(prompts)} held-out prompts x {cfg.run.spec_new_tokens} tokens, greedy, "
-                    f"{result['spec_eval_s']:.1f} s)")
+            spec = (
+                f", speculative tau {result['spec_tau_prompt_mean']:.3f} +- {result['spec_tau_prompt_se']:.3f} "
+                f"(mean of per-prompt tau +- its standard error; pooled {result['spec_tau']:.3f}; "
+                f"{len(prompts)} held-out prompts x {cfg.run.spec_new_tokens} tokens, greedy, "
+                f"{result['spec_eval_s']:.1f} s)"
+            )
         self.metrics.write({"event": event, "step": step, "total_steps": self.cadence.total, **result})
         self.spec_tau = result.get("spec_tau_prompt_mean")
-        self.log(f"eval step {step}: held-out loss {result['loss']:.4f}, "
-                 f"teacher-forced acceptance length {result['acceptance_length']:.3f}{spec}")
+        self.log(
+            f"eval step {step}: held-out loss {result['loss']:.4f}, "
+            f"teacher-forced acceptance length {result['acceptance_length']:.3f}{spec}"
+        )
         return result["acceptance_length"]
 
     def save(self, replica: Replica, step: int) -> None:
         """A checkpoint of replica 0 after `step`."""
-        path = save_checkpoint(self.out, step, replica.drafter, replica.optimizer, replica.scheduler,
-                               to_dict(self.cfg), replica.device, self.cfg.run.keep_checkpoints)
+        path = save_checkpoint(
+            self.out,
+            step,
+            replica.drafter,
+            replica.optimizer,
+            replica.scheduler,
+            to_dict(self.cfg),
+            replica.device,
+            self.cfg.run.keep_checkpoints,
+        )
         self.log(f"checkpoint: {path}")
 
     def on_start(self, point: workers.SyncPoint) -> None:
@@ -298,20 +353,29 @@ class Trainer:
         for replica in point.replicas:  # warm-up is over: no progress probes in the steps' layer loops
             stop_progress_probes(replica)
         if self.plan.policy.effective != "off":
-            self.log(f"compiled and warmed up: {' / '.join(f'{s:.1f}' for s in point.warmup_s)} s per worker; "
-                     f"{warmup.cache_stats()}")
+            self.log(
+                f"compiled and warmed up: {' / '.join(f'{s:.1f}' for s in point.warmup_s)} s per worker; "
+                f"{warmup.cache_stats()}"
+            )
         if self.start == 0:
             self.untrained = self.evaluate(point.replicas[0], 0, "eval")
         now = time.monotonic()
         parallel_s = self.threads_at - self.warmup_at
-        timing = {"time_to_first_step_s": now - self.launched_at, "before_workers_s": self.warmup_at - self.launched_at,
-                  "parallel_warmup_s": parallel_s, "workers_ready_s": ready_at - self.threads_at,
-                  "warmup_s": list(point.warmup_s), "first_eval_s": now - ready_at}
+        timing = {
+            "time_to_first_step_s": now - self.launched_at,
+            "before_workers_s": self.warmup_at - self.launched_at,
+            "parallel_warmup_s": parallel_s,
+            "workers_ready_s": ready_at - self.threads_at,
+            "warmup_s": list(point.warmup_s),
+            "first_eval_s": now - ready_at,
+        }
         self.metrics.write({"event": "start", "step": self.start, **timing})
         parallel = f"parallel warm-up {parallel_s:.1f} s; " if self.plan.parallel_warmup == "on" else ""
-        self.log(f"time to first step: {timing['time_to_first_step_s']:.1f} s (start-up, config and data "
-                 f"{timing['before_workers_s']:.1f} s; {parallel}build, compile and warm-up "
-                 f"{timing['workers_ready_s']:.1f} s; step-{self.start} evaluation {timing['first_eval_s']:.1f} s)")
+        self.log(
+            f"time to first step: {timing['time_to_first_step_s']:.1f} s (start-up, config and data "
+            f"{timing['before_workers_s']:.1f} s; {parallel}build, compile and warm-up "
+            f"{timing['workers_ready_s']:.1f} s; step-{self.start} evaluation {timing['first_eval_s']:.1f} s)"
+        )
         self.meter.restart_clock()
 
     def on_sync(self, point: workers.SyncPoint) -> bool:
@@ -343,13 +407,16 @@ class Trainer:
         self.log(f"workers: {self.world} replica(s) in sync at step {total} (parameter checksum {checksum})")
         final = self.evaluate(replica, total, "final")
         if self.main:
-            export_dir = export_drafter(replica.drafter, self.cfg.target, self.cfg.run.export_dir,
-                                        DTYPES[self.cfg.run.dtype])
+            export_dir = export_drafter(
+                replica.drafter, self.cfg.target, self.cfg.run.export_dir, DTYPES[self.cfg.run.dtype]
+            )
             self.log(f"exported drafter to {export_dir}")
         before = f" (untrained: {self.untrained:.3f})" if self.untrained is not None else ""
-        real = (f"; speculative tau {self.spec_tau:.3f} (mean of per-prompt tau: real draft-and-verify decoding, "
-                f"greedy)" if self.spec_tau is not None else
-                " (a proxy: real speculative decoding accepts fewer tokens per step)")
+        real = (
+            f"; speculative tau {self.spec_tau:.3f} (mean of per-prompt tau: real draft-and-verify decoding, greedy)"
+            if self.spec_tau is not None
+            else " (a proxy: real speculative decoding accepts fewer tokens per step)"
+        )
         self.log(f"final held-out teacher-forced acceptance length: {final:.3f}{before}{real}")
 
     def outcome(self, result: workers.ThreadedResult) -> int:

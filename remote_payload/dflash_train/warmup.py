@@ -64,8 +64,9 @@ def last_line(path: Path) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def run_jobs(jobs: Sequence[Job], timeout_s: float, should_stop: Callable[[], bool],
-             env: dict[str, str] | None = None) -> list[JobResult]:
+def run_jobs(
+    jobs: Sequence[Job], timeout_s: float, should_stop: Callable[[], bool], env: dict[str, str] | None = None
+) -> list[JobResult]:
     """Run every job at once, each in its own process group, until all have ended, `timeout_s`
     has passed (the rest are killed) or `should_stop()` is true (all are killed at once). Never
     raises for a job's failure: the results say what happened."""
@@ -77,8 +78,17 @@ def run_jobs(jobs: Sequence[Job], timeout_s: float, should_stop: Callable[[], bo
         with job.log_path.open("w") as out:
             # Its own session: a kill reaches the compile workers inductor forks, and the terminal's
             # Ctrl-C reaches only the trainer, which then ends the warm-up itself.
-            running[i] = (job, subprocess.Popen(job.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                                stdin=subprocess.DEVNULL, start_new_session=True))
+            running[i] = (
+                job,
+                subprocess.Popen(
+                    job.argv,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                ),
+            )
     try:
         while running:
             for i, (job, proc) in list(running.items()):
@@ -91,16 +101,22 @@ def run_jobs(jobs: Sequence[Job], timeout_s: float, should_stop: Callable[[], bo
                     results[job.name] = JobResult(job.name, "ok", seconds)
                 else:
                     why = last_line(job.log_path) or "no output"
-                    results[job.name] = JobResult(job.name, "failed", seconds,
-                                                  f"exit {code}: {why} (log: {job.log_path})")
+                    results[job.name] = JobResult(
+                        job.name, "failed", seconds, f"exit {code}: {why} (log: {job.log_path})"
+                    )
             if not running:
                 break
             if should_stop():
                 _kill_all(running, results, t0, "stopped", "stop requested")
                 break
             if time.monotonic() - t0 > timeout_s:
-                _kill_all(running, results, t0, "timed out", f"still running after {timeout_s:g} s, killed "
-                          f"(run.warmup_timeout_s; log: {{log}})")
+                _kill_all(
+                    running,
+                    results,
+                    t0,
+                    "timed out",
+                    f"still running after {timeout_s:g} s, killed (run.warmup_timeout_s; log: {{log}})",
+                )
                 break
             time.sleep(POLL_S)
     finally:
@@ -108,8 +124,9 @@ def run_jobs(jobs: Sequence[Job], timeout_s: float, should_stop: Callable[[], bo
     return [results[job.name] for job in jobs]
 
 
-def _kill_all(running: dict[int, tuple[Job, subprocess.Popen]], results: dict[str, JobResult], t0: float,
-              status: str, reason: str) -> None:
+def _kill_all(
+    running: dict[int, tuple[Job, subprocess.Popen]], results: dict[str, JobResult], t0: float, status: str, reason: str
+) -> None:
     for i, (job, proc) in list(running.items()):
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -122,8 +139,19 @@ def _kill_all(running: dict[int, tuple[Job, subprocess.Popen]], results: dict[st
 
 def child_argv(config_path: Path, device: str, rank: int, timeout_s: float) -> list[str]:
     """`python -m dflash_train.warmup ...` for one device (rank: the first worker on it)."""
-    return [sys.executable, "-m", "dflash_train.warmup", "--config", str(config_path), "--device", device,
-            "--rank", str(rank), "--timeout-s", f"{timeout_s:g}"]
+    return [
+        sys.executable,
+        "-m",
+        "dflash_train.warmup",
+        "--config",
+        str(config_path),
+        "--device",
+        device,
+        "--rank",
+        str(rank),
+        "--timeout-s",
+        f"{timeout_s:g}",
+    ]
 
 
 def jobs_for(devices: Sequence[str], config_path: Path, log_dir: Path, timeout_s: float) -> list[Job]:
@@ -131,8 +159,9 @@ def jobs_for(devices: Sequence[str], config_path: Path, log_dir: Path, timeout_s
     jobs = []
     for device in dict.fromkeys(devices):
         rank = list(devices).index(device)
-        jobs.append(Job(device, child_argv(config_path, device, rank, timeout_s),
-                        log_dir / f"{device.replace(':', '')}.log"))
+        jobs.append(
+            Job(device, child_argv(config_path, device, rank, timeout_s), log_dir / f"{device.replace(':', '')}.log")
+        )
     return jobs
 
 
@@ -145,13 +174,21 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def warm_up(devices: Sequence[str], config_path: Path, log_dir: Path, timeout_s: float,
-            should_stop: Callable[[], bool], log: Callable[[str], None]) -> bool:
+def warm_up(
+    devices: Sequence[str],
+    config_path: Path,
+    log_dir: Path,
+    timeout_s: float,
+    should_stop: Callable[[], bool],
+    log: Callable[[str], None],
+) -> bool:
     """The trainer's warm-up: one job per device, a line per job that did not succeed and a summary;
     returns False when a stop request ended it (the caller then exits without training)."""
     jobs = jobs_for(devices, config_path, log_dir, timeout_s)
-    log(f"parallel warm-up: {len(jobs)} process(es) compiling on {', '.join(j.name for j in jobs)} "
-        f"(timeout {timeout_s:g} s, logs in {log_dir})")
+    log(
+        f"parallel warm-up: {len(jobs)} process(es) compiling on {', '.join(j.name for j in jobs)} "
+        f"(timeout {timeout_s:g} s, logs in {log_dir})"
+    )
     t0 = time.monotonic()
     results = run_jobs(jobs, timeout_s, should_stop, child_env())
     if any(r.status == "stopped" for r in results):
@@ -160,8 +197,10 @@ def warm_up(devices: Sequence[str], config_path: Path, log_dir: Path, timeout_s:
         if r.status != "ok":
             log(r.line() + "; its worker compiles without the warm cache")
     ok = sum(r.status == "ok" for r in results)
-    log(f"parallel warm-up: {ok}/{len(results)} done in {time.monotonic() - t0:.1f} s; "
-        f"the worker threads now compile{' from the warm cache' if ok else ''}")
+    log(
+        f"parallel warm-up: {ok}/{len(results)} done in {time.monotonic() - t0:.1f} s; "
+        f"the worker threads now compile{' from the warm cache' if ok else ''}"
+    )
     return True
 
 
@@ -170,8 +209,10 @@ def cache_stats() -> str:
     from torch._dynamo.utils import counters
 
     fx, aot = counters["inductor"], counters["aot_autograd"]
-    return (f"compile cache: FX graphs {fx['fxgraph_cache_hit']} from the cache, {fx['fxgraph_cache_miss']} "
-            f"compiled; AOTAutograd {aot['autograd_cache_hit']} from the cache, {aot['autograd_cache_miss']} compiled")
+    return (
+        f"compile cache: FX graphs {fx['fxgraph_cache_hit']} from the cache, {fx['fxgraph_cache_miss']} "
+        f"compiled; AOTAutograd {aot['autograd_cache_hit']} from the cache, {aot['autograd_cache_miss']} compiled"
+    )
 
 
 def child_main(argv: list[str] | None = None) -> int:
@@ -182,8 +223,12 @@ def child_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the run's config.resolved.yaml")
     parser.add_argument("--device", required=True)
     parser.add_argument("--rank", type=int, default=0, help="the first worker on this device (fault injection)")
-    parser.add_argument("--timeout-s", type=float, required=True,
-                        help=f"the launcher's timeout: exit (stacks in the log) {ORPHAN_GRACE_S:g} s after it")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        required=True,
+        help=f"the launcher's timeout: exit (stacks in the log) {ORPHAN_GRACE_S:g} s after it",
+    )
     args = parser.parse_args(argv)
     # Bounded even if the trainer dies without killing us: dump every thread's stack and exit.
     faulthandler.dump_traceback_later(args.timeout_s + ORPHAN_GRACE_S, exit=True)

@@ -28,6 +28,7 @@ import torch
 
 from .compiling import EAGER, CompilePolicy
 
+
 class WorkerError(RuntimeError):
     """A worker thread failed (or stalled); the message holds its traceback."""
 
@@ -172,7 +173,7 @@ class GradBuckets:
             offset = 0
             for i in idx:
                 p = self.params[i]
-                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
         return self.flats
 
@@ -180,7 +181,8 @@ class GradBuckets:
         """True while every param's .grad still aliases the flat buffers (nothing replaced them)."""
         return bool(self.flats) and all(
             p.grad is not None and p.grad.untyped_storage().data_ptr() == self._flat_of(i).untyped_storage().data_ptr()
-            for i, p in enumerate(self.params))
+            for i, p in enumerate(self.params)
+        )
 
     def zero(self) -> None:
         """Zero the attached buffers (one kernel per dtype)."""
@@ -194,8 +196,7 @@ class GradBuckets:
         raise KeyError(i)
 
 
-def _average_local(per_rank: list[list[torch.Tensor]],
-                   cross: Callable[[list[torch.Tensor]], None] | None) -> None:
+def _average_local(per_rank: list[list[torch.Tensor]], cross: Callable[[list[torch.Tensor]], None] | None) -> None:
     """Replicas on one device (CPU tests, or one GPU twice): fixed-order sum into rank 0's buffers,
     mean, the cross-host hook, then a copy into every other rank's buffers. In place."""
     world = len(per_rank)
@@ -211,8 +212,7 @@ def _average_local(per_rank: list[list[torch.Tensor]],
             t.copy_(bucket[0])
 
 
-def _average_nccl(per_rank: list[list[torch.Tensor]],
-                  cross: Callable[[list[torch.Tensor]], None] | None) -> None:
+def _average_nccl(per_rank: list[list[torch.Tensor]], cross: Callable[[list[torch.Tensor]], None] | None) -> None:
     """NCCL across the ranks' GPUs from this one thread, in place.
 
     Enqueued on each device's current stream; every worker thread uses the default stream, so
@@ -299,8 +299,15 @@ def bind_device(device: torch.device) -> None:
 class Coordinator:
     """Owns the barriers, locks and shared slots of one threaded run."""
 
-    def __init__(self, ops: ReplicaOps, devices: Sequence[torch.device], data: Callable[[int, int, int], Any],
-                 steps: int, options: ThreadedOptions, on_sync: Callable[[SyncPoint], bool | None] | None):
+    def __init__(
+        self,
+        ops: ReplicaOps,
+        devices: Sequence[torch.device],
+        data: Callable[[int, int, int], Any],
+        steps: int,
+        options: ThreadedOptions,
+        on_sync: Callable[[SyncPoint], bool | None] | None,
+    ):
         self.ops, self.devices, self.data, self.steps, self.opt = ops, list(devices), data, steps, options
         self.on_sync = on_sync
         self.world = len(self.devices)
@@ -356,8 +363,10 @@ class Coordinator:
 
     def run(self) -> ThreadedResult:
         """Start one thread per device, wait, and raise the first worker failure."""
-        threads = [threading.Thread(target=self._worker, args=(r,), name=f"dflash-worker-{r}", daemon=True)
-                   for r in range(self.world)]
+        threads = [
+            threading.Thread(target=self._worker, args=(r,), name=f"dflash-worker-{r}", daemon=True)
+            for r in range(self.world)
+        ]
         t0 = next_report = time.monotonic()
         for t in threads:
             t.start()
@@ -379,13 +388,15 @@ class Coordinator:
             t.join(max(0.0, deadline - time.monotonic()))
         if self.error is not None:
             raise self.error
-        return ThreadedResult(self.policy, self.finish_after, self.last_losses, self.checksums,
-                              self.warmup_s, self.step_ms, self.replicas)
+        return ThreadedResult(
+            self.policy, self.finish_after, self.last_losses, self.checksums, self.warmup_s, self.step_ms, self.replicas
+        )
 
     def _stopped_before_start(self) -> bool:
         with self.start_lock:
-            return (not self.stepping.is_set() and self.opt.stop_before_start is not None
-                    and self.opt.stop_before_start())
+            return (
+                not self.stepping.is_set() and self.opt.stop_before_start is not None and self.opt.stop_before_start()
+            )
 
     def _start_action(self) -> None:
         """Runs in the last worker to reach step 1: the one point where a run starts stepping.
@@ -402,8 +413,16 @@ class Coordinator:
         self.stop.set()
         for barrier in self.barriers:
             barrier.abort()
-        return ThreadedResult(self.policy, self.opt.start_step, self.last_losses, self.checksums,
-                              self.warmup_s, self.step_ms, self.replicas, stopped_before_start=True)
+        return ThreadedResult(
+            self.policy,
+            self.opt.start_step,
+            self.last_losses,
+            self.checksums,
+            self.warmup_s,
+            self.step_ms,
+            self.replicas,
+            stopped_before_start=True,
+        )
 
     def progress_line(self, elapsed: float) -> str:
         """`start-up 41 s: worker 0 (cuda:0) compile/warm-up: forward: target layer 12/34 (1/2 workers ready)`."""
@@ -479,8 +498,16 @@ class Coordinator:
             if self.opt.cross_check is not None:
                 self.opt.cross_check(sums[0])
             now = time.monotonic()
-            self.point = SyncPoint(step, losses, now - self.last_sync_time, self.replicas, loss_sums,
-                                   step - self.last_sync_step, sums[0], list(self.warmup_s))
+            self.point = SyncPoint(
+                step,
+                losses,
+                now - self.last_sync_time,
+                self.replicas,
+                loss_sums,
+                step - self.last_sync_step,
+                sums[0],
+                list(self.warmup_s),
+            )
             self.last_sync_time, self.last_sync_step = now, step
         except BaseException as exc:  # recorded before the broken barrier wakes the others
             self._fail(None, f"step {step} sync", exc, abort=False)
@@ -527,8 +554,10 @@ class Coordinator:
             self.step_now = step
             self._wait(rank, self.reduced, f"step {step} gradient all-reduce")
             if self.sync_now and not buckets.attached():
-                raise RuntimeError("a gradient was replaced instead of accumulated in place (optimizer_step "
-                                   "must zero grads with set_to_none=False)")
+                raise RuntimeError(
+                    "a gradient was replaced instead of accumulated in place (optimizer_step "
+                    "must zero grads with set_to_none=False)"
+                )
             self.phase[rank] = f"step {step} optimizer"
             self.ops.optimizer_step(replica)
             if self.sync_now:
@@ -616,9 +645,14 @@ def live_workers() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("dflash-worker-") and t.is_alive()]
 
 
-def run_threaded(ops: ReplicaOps, devices: Sequence[torch.device | str], data: Callable[[int, int, int], Any],
-                 steps: int, options: ThreadedOptions | None = None,
-                 on_sync: Callable[[SyncPoint], bool | None] | None = None) -> ThreadedResult:
+def run_threaded(
+    ops: ReplicaOps,
+    devices: Sequence[torch.device | str],
+    data: Callable[[int, int, int], Any],
+    steps: int,
+    options: ThreadedOptions | None = None,
+    on_sync: Callable[[SyncPoint], bool | None] | None = None,
+) -> ThreadedResult:
     """Train one replica per device in one thread each, data-parallel; raise WorkerError on any failure.
 
     `data(step, rank, world)` returns rank's micro-batch for 0-based `step`; `on_sync` runs in
@@ -631,8 +665,9 @@ def run_threaded(ops: ReplicaOps, devices: Sequence[torch.device | str], data: C
     nothing trained (`stopped_before_start`); one requested later (`should_stop`, polled when
     every worker has finished a step's backward) ends the run after that step, as a sync point.
     """
-    coordinator = Coordinator(ops, [torch.device(d) for d in devices], data, steps,
-                              options or ThreadedOptions(), on_sync)
+    coordinator = Coordinator(
+        ops, [torch.device(d) for d in devices], data, steps, options or ThreadedOptions(), on_sync
+    )
     return coordinator.run()
 
 
@@ -643,8 +678,9 @@ def shard_batch(batch: Any, rank: int, world: int) -> Any:
     if n % world:
         raise ValueError(f"batch of {n} sequences does not split into {world} equal micro-batches")
     per = n // world
-    return dataclasses.replace(batch, **{k: v[rank * per:(rank + 1) * per] for k, v in fields.items()
-                                         if isinstance(v, torch.Tensor)})
+    return dataclasses.replace(
+        batch, **{k: v[rank * per : (rank + 1) * per] for k, v in fields.items() if isinstance(v, torch.Tensor)}
+    )
 
 
 def sharded(global_batch: Callable[[int], Any]) -> Callable[[int, int, int], Any]:

@@ -18,8 +18,12 @@ torch.set_num_threads(1)
 
 
 def pytest_addoption(parser):
-    parser.addoption("--regen-golden", action="store_true", default=False,
-                     help="rewrite tests/payload/golden/*.json from this run (after an intended change to the math)")
+    parser.addoption(
+        "--regen-golden",
+        action="store_true",
+        default=False,
+        help="rewrite tests/payload/golden/*.json from this run (after an intended change to the math)",
+    )
 
 
 @pytest.fixture

@@ -42,19 +42,52 @@ def check_greedy(tmp: Path, gpus: str, device: str) -> None:
     rows = prompts(40, 512)
     src = write(tmp / "p.jsonl", rows[:20] + ["not json"] + rows[20:])
     out = tmp / "greedy.jsonl"
-    assert regen.main(["--prompts", str(src), "--out", str(out), "--gpus", gpus, "--set", "run.dtype=fp32",
-                       "--max-new-tokens", "32", "--batch-size", "8"]) == 0
+    assert (
+        regen.main(
+            [
+                "--prompts",
+                str(src),
+                "--out",
+                str(out),
+                "--gpus",
+                gpus,
+                "--set",
+                "run.dtype=fp32",
+                "--max-new-tokens",
+                "32",
+                "--batch-size",
+                "8",
+            ]
+        )
+        == 0
+    )
     got = [json.loads(line) for line in out.read_text().splitlines()]
     target = build_random_target(TargetConfig(), 0, None, device, torch.float32)
-    same = sum(r["input_ids"][len(p["input_ids"]):] == greedy(target, p["input_ids"], 32, graphs=device != "cpu")
-               for r, p in zip(got, rows))
+    same = sum(
+        r["input_ids"][len(p["input_ids"]) :] == greedy(target, p["input_ids"], 32, graphs=device != "cpu")
+        for r, p in zip(got, rows)
+    )
     print(f"greedy: {same}/{len(rows)} rows equal the batch-1 greedy decode on {device}", flush=True)
 
 
 def check_exact(tmp: Path, gpus: str) -> None:
     src = write(tmp / "s.jsonl", prompts(30, 512))
-    opts = ["--prompts", str(src), "--gpus", gpus, "--max-new-tokens", "24", "--batch-size", "4",
-            "--temperature", "1.0", "--top-p", "0.9", "--seed", "5"]
+    opts = [
+        "--prompts",
+        str(src),
+        "--gpus",
+        gpus,
+        "--max-new-tokens",
+        "24",
+        "--batch-size",
+        "4",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "5",
+    ]
     files = []
     for name in ("a", "b"):
         assert regen.main([*opts, "--out", str(tmp / f"{name}.jsonl")]) == 0
@@ -69,8 +102,25 @@ def check_exact(tmp: Path, gpus: str) -> None:
 def check_8b(tmp: Path, gpus: str) -> None:
     src = write(tmp / "b.jsonl", prompts(64, 151936))
     t0 = time.perf_counter()
-    assert regen.main(["--prompts", str(src), "--out", str(tmp / "8b.jsonl"), "--gpus", gpus, "--preset", "qwen3-8b",
-                       "--max-new-tokens", "64", "--batch-size", "16"]) == 0
+    assert (
+        regen.main(
+            [
+                "--prompts",
+                str(src),
+                "--out",
+                str(tmp / "8b.jsonl"),
+                "--gpus",
+                gpus,
+                "--preset",
+                "qwen3-8b",
+                "--max-new-tokens",
+                "64",
+                "--batch-size",
+                "16",
+            ]
+        )
+        == 0
+    )
     print(f"8b: {time.perf_counter() - t0:.1f} s in all (target builds, warm-up, 64 rows)", flush=True)
 
 
@@ -79,8 +129,11 @@ def main() -> None:
     ap.add_argument("--gpus", default="auto")
     ap.add_argument("--dry-run", action="store_true", help="CPU only; skips the 8B part")
     args = ap.parse_args()
-    gpus, device = ("cpu", "cpu") if args.dry_run else (args.gpus, "cuda:0" if args.gpus == "auto"
-                                                        else f"cuda:{args.gpus.split(',')[0]}")
+    gpus, device = (
+        ("cpu", "cpu")
+        if args.dry_run
+        else (args.gpus, "cuda:0" if args.gpus == "auto" else f"cuda:{args.gpus.split(',')[0]}")
+    )
     print(f"torch {torch.__version__} on {device}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         check_greedy(Path(tmp), gpus, device)

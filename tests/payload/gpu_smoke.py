@@ -40,16 +40,33 @@ def check_hf() -> None:
     cfg = TargetConfig(tie_word_embeddings=False)
     ours = build_tiny_target(cfg, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps({
-            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
-            "attention_bias": False, "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-            "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": False, "torch_dtype": "float32",
-            "max_position_embeddings": cfg.max_position_embeddings}))
-        save_file({("" if k.startswith("lm_head") else "model.") + k: v.contiguous()
-                   for k, v in ours.state_dict().items()}, str(Path(tmp) / "model.safetensors"))
+        (Path(tmp) / "config.json").write_text(
+            json.dumps(
+                {
+                    "architectures": ["Qwen3ForCausalLM"],
+                    "model_type": "qwen3",
+                    "hidden_act": "silu",
+                    "attention_bias": False,
+                    "num_hidden_layers": cfg.num_layers,
+                    "hidden_size": cfg.hidden_size,
+                    "intermediate_size": cfg.intermediate_size,
+                    "num_attention_heads": cfg.num_heads,
+                    "num_key_value_heads": cfg.num_kv_heads,
+                    "head_dim": cfg.head_dim,
+                    "vocab_size": cfg.vocab_size,
+                    "rope_theta": cfg.rope_theta,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                    "rms_norm_eps": cfg.rms_norm_eps,
+                    "tie_word_embeddings": False,
+                    "torch_dtype": "float32",
+                    "max_position_embeddings": cfg.max_position_embeddings,
+                }
+            )
+        )
+        save_file(
+            {("" if k.startswith("lm_head") else "model.") + k: v.contiguous() for k, v in ours.state_dict().items()},
+            str(Path(tmp) / "model.safetensors"),
+        )
         hf = AutoModelForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).cuda().eval()
         loaded = load_hf_target(tmp, [1, 3], "cuda", torch.float32)
     ids = torch.randint(0, 511, (2, 48), device="cuda")
@@ -58,16 +75,27 @@ def check_hf() -> None:
     ours = ours.cuda()
     feats = loaded.features(ids, [1, 3])
     ref = torch.cat([out.hidden_states[2], out.hidden_states[4]], -1)
-    print(f"hf: features max abs diff {(feats - ref).abs().max().item():.2e}, "
-          f"logits max abs diff {(ours.logits(ids) - out.logits.float()).abs().max().item():.2e}")
+    print(
+        f"hf: features max abs diff {(feats - ref).abs().max().item():.2e}, "
+        f"logits max abs diff {(ours.logits(ids) - out.logits.float()).abs().max().item():.2e}"
+    )
 
 
 def check_paths() -> None:
     """Flex vs dense on CUDA in fp32: loss and every gradient."""
     grads = {}
     for attention in ("dense", "flex"):
-        plan = resolve_run(load_config(overrides=["run.device=cuda", "run.dtype=fp32", "run.compile=off",
-                                                    f"drafter.attention={attention}", "drafter.num_layers=2"]))
+        plan = resolve_run(
+            load_config(
+                overrides=[
+                    "run.device=cuda",
+                    "run.dtype=fp32",
+                    "run.compile=off",
+                    f"drafter.attention={attention}",
+                    "drafter.num_layers=2",
+                ]
+            )
+        )
         cfg = plan.cfg
         train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
         replica = build_replica(cfg, "cuda", 0, plan.policy)
@@ -110,8 +138,10 @@ def check_8b() -> None:
             train_step(replica, sampler.batch(step))
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) / 5 * 1000
-        print(f"  {ms:.0f} ms/step ({1000 / ms:.2f} samples/s), peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB",
-              flush=True)
+        print(
+            f"  {ms:.0f} ms/step ({1000 / ms:.2f} samples/s), peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB",
+            flush=True,
+        )
         del replica
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -126,19 +156,33 @@ def check_graphstep() -> None:
     gpus = list(range(torch.cuda.device_count()))
     params = {}
     for capture in ("auto", "off"):
-        plan = resolve_run(load_config(overrides=[
-            "data.source=random", f"data.batch_size={2 * len(gpus)}", "data.num_train=64", "run.steps=30",
-            "run.compile=cudagraphs", f"run.capture_optimizer={capture}", f"run.gpus={gpus}"]))
+        plan = resolve_run(
+            load_config(
+                overrides=[
+                    "data.source=random",
+                    f"data.batch_size={2 * len(gpus)}",
+                    "data.num_train=64",
+                    "run.steps=30",
+                    "run.compile=cudagraphs",
+                    f"run.capture_optimizer={capture}",
+                    f"run.gpus={gpus}",
+                ]
+            )
+        )
         cfg = plan.cfg
         train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
         sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, 0)
         opts = workers.ThreadedOptions(policy=plan.policy, seed=0, warmup_steps=plan.warmup_steps, sync_every=10)
-        res = workers.run_threaded(drafter_ops(cfg), [f"cuda:{g}" for g in gpus], workers.sharded(sampler.batch),
-                                   30, opts)
+        res = workers.run_threaded(
+            drafter_ops(cfg), [f"cuda:{g}" for g in gpus], workers.sharded(sampler.batch), 30, opts
+        )
         replica = res.replicas[0]
         params[capture] = [p.detach().float().cpu() for p in replica.drafter.parameters()]
-        print(f"graphstep capture_optimizer={capture}: captured {replica.step_graph is not None}, final losses "
-              f"{res.losses}, checksums {res.checksums}, {max(res.step_ms):.2f} ms/step", flush=True)
+        print(
+            f"graphstep capture_optimizer={capture}: captured {replica.step_graph is not None}, final losses "
+            f"{res.losses}, checksums {res.checksums}, {max(res.step_ms):.2f} ms/step",
+            flush=True,
+        )
     diff = max((a - b).abs().max().item() for a, b in zip(params["auto"], params["off"]))
     print(f"graphstep: max |param auto - off| = {diff:.3g} (lr 2e-3 per step at most)", flush=True)
 
@@ -150,8 +194,14 @@ def check_graphtarget() -> None:
     from dflash_train.replica import capture_target_forward, drafter_ops
 
     gpus = list(range(torch.cuda.device_count()))
-    over = ["data.source=random", "data.batch_size=2", "data.num_train=64", "run.steps=30",
-            "run.compile=default", "run.compile_scope=layers"]
+    over = [
+        "data.source=random",
+        "data.batch_size=2",
+        "data.num_train=64",
+        "run.steps=30",
+        "run.compile=default",
+        "run.compile_scope=layers",
+    ]
     plan = resolve_run(load_config(overrides=over + ["run.device=cuda:0"]))
     cfg = plan.cfg
     replica = build_replica(cfg, "cuda:0", 0, plan.policy)
@@ -159,8 +209,13 @@ def check_graphtarget() -> None:
     layer_ids = replica.drafter.spec.target_layer_ids
     same = []
     for seed in range(3):  # fresh inputs into the static buffer each time
-        ids = torch.randint(0, cfg.target.vocab_size, (2, cfg.data.max_length), device="cuda",
-                            generator=torch.Generator("cuda").manual_seed(seed))
+        ids = torch.randint(
+            0,
+            cfg.target.vocab_size,
+            (2, cfg.data.max_length),
+            device="cuda",
+            generator=torch.Generator("cuda").manual_seed(seed),
+        )
         eager = replica.target.features(ids, layer_ids)
         same.append(torch.equal(replica.target_graph(ids, layer_ids), eager))
     print(f"graphtarget: graph features equal to eager on 3 inputs: {same}", flush=True)
@@ -171,17 +226,27 @@ def check_graphtarget() -> None:
         train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
         sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, 0)
         opts = workers.ThreadedOptions(policy=plan.policy, seed=0, warmup_steps=plan.warmup_steps, sync_every=10)
-        res = workers.run_threaded(drafter_ops(cfg), [f"cuda:{g}" for g in gpus], workers.sharded(sampler.batch),
-                                   30, opts)
+        res = workers.run_threaded(
+            drafter_ops(cfg), [f"cuda:{g}" for g in gpus], workers.sharded(sampler.batch), 30, opts
+        )
         results[capture] = (res.losses, res.checksums)
-        print(f"graphtarget capture_target={capture}: graph {res.replicas[0].target_graph is not None}, final "
-              f"losses {res.losses}, checksums {res.checksums}, {max(res.step_ms):.2f} ms/step", flush=True)
+        print(
+            f"graphtarget capture_target={capture}: graph {res.replicas[0].target_graph is not None}, final "
+            f"losses {res.losses}, checksums {res.checksums}, {max(res.step_ms):.2f} ms/step",
+            flush=True,
+        )
     print(f"graphtarget: {'PASS' if all(same) and results['on'] == results['off'] else 'FAIL'}", flush=True)
 
 
 if __name__ == "__main__":
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}", flush=True)
-    checks = {"hf": check_hf, "paths": check_paths, "tiny": check_tiny, "8b": check_8b, "graphstep": check_graphstep,
-              "graphtarget": check_graphtarget}
+    checks = {
+        "hf": check_hf,
+        "paths": check_paths,
+        "tiny": check_tiny,
+        "8b": check_8b,
+        "graphstep": check_graphstep,
+        "graphtarget": check_graphtarget,
+    }
     for name in sys.argv[1:] or list(checks):
         checks[name]()

@@ -17,8 +17,16 @@ PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 def test_yaml_then_overrides_with_coercion(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("run:\n  steps: 50\n  seed: 3\ndrafter:\n  block_size: 16\n")
-    cfg = load_config(str(path), overrides=["run.steps=7", "optim.lr=1e-3", "drafter.target_layer_ids=[1, 2]",
-                                            "target.tie_word_embeddings=false", "run.gpus=0,1"])
+    cfg = load_config(
+        str(path),
+        overrides=[
+            "run.steps=7",
+            "optim.lr=1e-3",
+            "drafter.target_layer_ids=[1, 2]",
+            "target.tie_word_embeddings=false",
+            "run.gpus=0,1",
+        ],
+    )
     assert (cfg.run.steps, cfg.run.seed, cfg.drafter.block_size) == (7, 3, 16)
     assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.lr, float)
     assert cfg.drafter.target_layer_ids == [1, 2]
@@ -26,23 +34,26 @@ def test_yaml_then_overrides_with_coercion(tmp_path):
     assert cfg.run.gpus == [0, 1]
 
 
-@pytest.mark.parametrize("override,message", [
-    ("drafter.blok_size=3", "unknown config key 'drafter.blok_size'"),
-    ("nosection.x=1", "unknown config key 'nosection.x'"),
-    ("run.steps=abc", "run.steps must be int"),
-    ("run.steps=2.5", "run.steps must be int"),
-    ("target.tie_word_embeddings=3", "must be bool"),
-    ("run.compile=fast", "run.compile must be one of"),
-    ("run.steps", "not of the form key=value"),
-    ("dist.heartbeat_s=0", "dist.heartbeat_s must be a positive number of seconds, got 0.0"),
-    ("dist.timeout_s=-5", "dist.timeout_s must be a positive number of seconds"),
-    ("dist.rendezvous_timeout_s=.inf", "dist.rendezvous_timeout_s must be a positive number of seconds"),
-    ("dist.lost_after_s=1", "dist.lost_after_s 1 must exceed dist.heartbeat_s 1"),
-    ("dist.lost_after_s=soon", "dist.lost_after_s must be float"),
-    ("run.compile_timeout_s=0", "run.compile_timeout_s must be a positive number of seconds, got 0.0"),
-    ("run.barrier_timeout_s=.inf", "run.barrier_timeout_s must be a positive number of seconds, got inf"),
-    ("run.threads=-1", "run.threads must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("drafter.blok_size=3", "unknown config key 'drafter.blok_size'"),
+        ("nosection.x=1", "unknown config key 'nosection.x'"),
+        ("run.steps=abc", "run.steps must be int"),
+        ("run.steps=2.5", "run.steps must be int"),
+        ("target.tie_word_embeddings=3", "must be bool"),
+        ("run.compile=fast", "run.compile must be one of"),
+        ("run.steps", "not of the form key=value"),
+        ("dist.heartbeat_s=0", "dist.heartbeat_s must be a positive number of seconds, got 0.0"),
+        ("dist.timeout_s=-5", "dist.timeout_s must be a positive number of seconds"),
+        ("dist.rendezvous_timeout_s=.inf", "dist.rendezvous_timeout_s must be a positive number of seconds"),
+        ("dist.lost_after_s=1", "dist.lost_after_s 1 must exceed dist.heartbeat_s 1"),
+        ("dist.lost_after_s=soon", "dist.lost_after_s must be float"),
+        ("run.compile_timeout_s=0", "run.compile_timeout_s must be a positive number of seconds, got 0.0"),
+        ("run.barrier_timeout_s=.inf", "run.barrier_timeout_s must be a positive number of seconds, got inf"),
+        ("run.threads=-1", "run.threads must be >= 0"),
+    ],
+)
 def test_bad_overrides_raise_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config(overrides=[override])
@@ -54,11 +65,20 @@ def test_dist_section_from_yaml_and_overrides_reaches_the_node_group(tmp_path):
     path.write_text("dist:\n  timeout_s: 600\n  heartbeat_s: 0.5\n")
     cfg = load_config(str(path), overrides=["dist.rendezvous_timeout_s=2"])
     assert (cfg.dist.timeout_s, cfg.dist.rendezvous_timeout_s, cfg.dist.heartbeat_s, cfg.dist.lost_after_s) == (
-        600.0, 2.0, 0.5, 15.0)
+        600.0,
+        2.0,
+        0.5,
+        15.0,
+    )
     assert isinstance(cfg.dist.timeout_s, float)
     # The config, not the environment, sets the group's timeouts (the old DFLASH_*_S switches are gone).
-    environ = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500",
-               "DFLASH_RDZV_TIMEOUT_S": "9"}
+    environ = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.5",
+        "MASTER_PORT": "29500",
+        "DFLASH_RDZV_TIMEOUT_S": "9",
+    }
     env = NodeEnv.from_env(cfg.dist, environ)
     assert (env.timeout_s, env.rendezvous_timeout_s, env.heartbeat_s, env.lost_after_s) == (600.0, 2.0, 0.5, 15.0)
     path.write_text("dist:\n  heartbeat_s: 20\n")
@@ -74,8 +94,15 @@ def test_bare_off_is_a_string_not_false(tmp_path):
 
 
 def test_plain_strings_stay_strings_without_quotes():
-    cfg = load_config(overrides=["run.export_dir={run_dir}/export", "run.output_dir={run_dir}",
-                                 "data.train_path=a: b", "target.path=12", "run.device='cuda:0'"])
+    cfg = load_config(
+        overrides=[
+            "run.export_dir={run_dir}/export",
+            "run.output_dir={run_dir}",
+            "data.train_path=a: b",
+            "target.path=12",
+            "run.device='cuda:0'",
+        ]
+    )
     assert (cfg.run.export_dir, cfg.run.output_dir) == ("{run_dir}/export", "{run_dir}")
     assert (cfg.data.train_path, cfg.target.path, cfg.run.device) == ("a: b", "12", "cuda:0")
     assert load_config(overrides=["target.path=null"]).target.path is None  # YAML still speaks for null
@@ -105,24 +132,47 @@ def test_cli_exit_code_2_and_one_line(capsys):
 
 
 def test_cli_bad_config_in_a_fresh_process():
-    proc = subprocess.run([sys.executable, "-m", "dflash_train", "--set", "run.steps=0"],
-                          cwd=PAYLOAD, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_train", "--set", "run.steps=0"],
+        cwd=PAYLOAD,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: run.steps must be positive"
 
 
-@pytest.mark.parametrize("rows, expected", [
-    ('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2\n', "bad.jsonl:2: not JSON (Expecting ',' delimiter)"),
-    ('{"input_ids": [[1], [2, 3]]}\n', "bad.jsonl:1: input_ids and loss_mask must be flat lists of integers"),
-    (None, "No such file or directory"),
-], ids=["truncated line", "ragged ids", "missing file"])
+@pytest.mark.parametrize(
+    "rows, expected",
+    [
+        ('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2\n', "bad.jsonl:2: not JSON (Expecting ',' delimiter)"),
+        ('{"input_ids": [[1], [2, 3]]}\n', "bad.jsonl:1: input_ids and loss_mask must be flat lists of integers"),
+        (None, "No such file or directory"),
+    ],
+    ids=["truncated line", "ragged ids", "missing file"],
+)
 def test_bad_data_file_is_one_line_in_a_fresh_process(tmp_path, rows, expected):
     path = tmp_path / "bad.jsonl"
     if rows is not None:
         path.write_text(rows)
-    proc = subprocess.run([sys.executable, "-m", "dflash_train", "--set", "data.source=jsonl",
-                           "--set", f"data.train_path={path}", "--set", f"run.output_dir={tmp_path / 'run'}"],
-                          cwd=PAYLOAD, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_train",
+            "--set",
+            "data.source=jsonl",
+            "--set",
+            f"data.train_path={path}",
+            "--set",
+            f"run.output_dir={tmp_path / 'run'}",
+        ],
+        cwd=PAYLOAD,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: data: ") and expected in lines[0], proc.stderr
@@ -137,8 +187,10 @@ def test_qwen3_8b_preset_resolves_to_the_published_recipe():
     assert cfg.run.dtype == "bf16"
 
 
-@pytest.mark.parametrize("on_cuda, compile_mode, expected", [
-    (True, "default", "flex"), (True, "cudagraphs", "flex"), (True, "off", "dense"), (False, "off", "dense")])
+@pytest.mark.parametrize(
+    "on_cuda, compile_mode, expected",
+    [(True, "default", "flex"), (True, "cudagraphs", "flex"), (True, "off", "dense"), (False, "off", "dense")],
+)
 def test_auto_attention_compiles_nothing_when_compile_is_off(on_cuda, compile_mode, expected):
     # run.compile off is the way around a broken compiler: auto must not pick the compiled flex
     assert auto_attention(on_cuda, compile_mode) == expected

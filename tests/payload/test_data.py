@@ -45,8 +45,7 @@ def test_short_sequences_pad_with_invalid_anchors():
 
 def _seqs(n, length=32):
     g = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, 100, (length,), generator=g), torch.ones(length, dtype=torch.bool))
-            for _ in range(n)]
+    return [(torch.randint(0, 100, (length,), generator=g), torch.ones(length, dtype=torch.bool)) for _ in range(n)]
 
 
 def test_batches_are_a_pure_function_of_step():
@@ -63,8 +62,9 @@ def test_batches_are_a_pure_function_of_step():
 
 def test_jsonl_rows(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}) + "\n\n"
-                    + json.dumps({"input_ids": [1, 2]}) + "\n")
+    path.write_text(
+        json.dumps({"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}) + "\n\n" + json.dumps({"input_ids": [1, 2]}) + "\n"
+    )
     seqs = load_jsonl(path)
     assert [s[0].tolist() for s in seqs] == [[5, 6, 7], [1, 2]]
     assert [s[1].tolist() for s in seqs] == [[False, True, True], [True, True]]
@@ -77,8 +77,11 @@ def test_chat_rows_without_transformers_say_so(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: import fails
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    with pytest.raises(ValueError, match=r"chat rows, which need the `transformers` package; install it "
-                                         r"or pre-tokenise to input_ids/loss_mask"):
+    with pytest.raises(
+        ValueError,
+        match=r"chat rows, which need the `transformers` package; install it "
+        r"or pre-tokenise to input_ids/loss_mask",
+    ):
         load_jsonl(path, tokenizer_path=str(tmp_path))
 
 
@@ -86,8 +89,11 @@ def test_chat_rows_need_a_local_tokenizer_directory(tmp_path):
     # A hub name would make from_pretrained download mid-run; it is refused before that call.
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    with pytest.raises(ValueError, match=r"Qwen/Qwen3-8B is not a tokenizer directory \(no tokenizer_config\.json\); "
-                                         r"data\.tokenizer_path must be a local directory"):
+    with pytest.raises(
+        ValueError,
+        match=r"Qwen/Qwen3-8B is not a tokenizer directory \(no tokenizer_config\.json\); "
+        r"data\.tokenizer_path must be a local directory",
+    ):
         load_jsonl(path, tokenizer_path="Qwen/Qwen3-8B")
 
 
@@ -95,21 +101,26 @@ def test_chat_rows_need_a_local_tokenizer_directory(tmp_path):
 # Chat rows, with a byte-level BPE tokenizer trained here (nothing comes from a model hub).
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # Qwen3's quirk, reduced: only the last assistant turn gets an (empty) think block.
-LAST_TURN_THINKS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
-                    "{{ m['content'] }}<|im_end|>\n{% endfor %}")
+LAST_TURN_THINKS = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
 
 CHATS = [
-    [{"role": "system", "content": "You are brief."},
-     {"role": "user", "content": "Where did the cat sit?"},
-     {"role": "assistant", "content": "The cat sat on the mat, as cats do."},
-     {"role": "user", "content": "And the dog?"},
-     {"role": "assistant", "content": "The dog sat on the log, next to the frog!"}],
-    [{"role": "user", "content": "Say hello."},
-     {"role": "assistant", "content": "Hello there, how are you today?"}],
+    [
+        {"role": "system", "content": "You are brief."},
+        {"role": "user", "content": "Where did the cat sit?"},
+        {"role": "assistant", "content": "The cat sat on the mat, as cats do."},
+        {"role": "user", "content": "And the dog?"},
+        {"role": "assistant", "content": "The dog sat on the log, next to the frog!"},
+    ],
+    [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello there, how are you today?"}],
 ]
 
 
@@ -124,10 +135,16 @@ def save_tokenizer(path, chat_template=CHATML):
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(
         [m["content"] for chat in CHATS for m in chat] + ["system user assistant"],
-        trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL, show_progress=False,
-                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                 chat_template=chat_template)
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=SPECIAL,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template
+    )
     hf.save_pretrained(path)
     return hf
 
@@ -158,7 +175,7 @@ def test_multi_turn_chats_whose_template_rewrites_earlier_turns_train(tmp_path):
     """Qwen3's template gives only the last assistant turn an (empty) think block: rendering each
     prefix disagrees with the whole, so the masks come from the whole conversation's rendering."""
     tok = save_tokenizer(tmp_path / "tok", chat_template=LAST_TURN_THINKS)
-    (ids, mask), = load_jsonl(write_chats(tmp_path / "multi.jsonl", [CHATS[0]]), str(tmp_path / "tok"))
+    ((ids, mask),) = load_jsonl(write_chats(tmp_path / "multi.jsonl", [CHATS[0]]), str(tmp_path / "tok"))
     assert tok.decode(ids[mask].tolist()) == assistant_text(CHATS[0])  # both replies, no think block
     assert "<think>" in tok.decode(ids.tolist())
 
@@ -174,17 +191,22 @@ def chat_run_overrides(tmp_path):
     whose vocabulary is the tokenizer's."""
     vocab_size = len(save_tokenizer(tmp_path / "tok"))
     data = write_chats(tmp_path / "chat.jsonl", CHATS * 5)
-    return [f"run.output_dir={tmp_path / 'run'}", "data.source=jsonl", f"data.train_path={data}",
-            f"data.tokenizer_path={tmp_path / 'tok'}", f"target.vocab_size={vocab_size}",
-            "target.num_layers=4", "data.batch_size=4"]
+    return [
+        f"run.output_dir={tmp_path / 'run'}",
+        "data.source=jsonl",
+        f"data.train_path={data}",
+        f"data.tokenizer_path={tmp_path / 'tok'}",
+        f"target.vocab_size={vocab_size}",
+        "target.num_layers=4",
+        "data.batch_size=4",
+    ]
 
 
 def test_chat_jsonl_trains_end_to_end(tmp_path):
     sets = chat_run_overrides(tmp_path)
     tok_mask = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["added_tokens"][3]
     assert tok_mask["content"] == "<|MASK|>"
-    cfg = load_config(overrides=sets + ["run.steps=4", "run.log_every=1", "run.eval_every=2",
-                                        "run.checkpoint_every=4"])
+    cfg = load_config(overrides=sets + ["run.steps=4", "run.log_every=1", "run.eval_every=2", "run.checkpoint_every=4"])
     # MASK is the tokenizer's <|MASK|>, not the random target's last id (a real BPE token here).
     assert resolve_run(cfg).cfg.drafter.mask_token_id == tok_mask["id"]
     logs = []
@@ -203,11 +225,19 @@ def test_token_ids_beyond_the_target_vocabulary_are_an_error(tmp_path):
     top = max(int(ids.max()) for ids, _ in load_jsonl(tmp_path / "chat.jsonl", str(tmp_path / "tok")))
     train, held_out = build_datasets(load_config(overrides=sets + [f"target.vocab_size={top + 1}"]), 3)
     assert len(train) == 9 and len(held_out) == 1
-    with pytest.raises(ValueError, match=rf"chat\.jsonl has token id {top}, outside the target's "
-                                         rf"vocabulary \({top}\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"chat\.jsonl has token id {top}, outside the target's "
+        rf"vocabulary \({top}\)",
+    ):
         build_datasets(load_config(overrides=sets + [f"target.vocab_size={top}"]), 3)
     small = tmp_path / "small.jsonl"
     small.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
     with pytest.raises(ValueError, match=rf"chat\.jsonl has token id {top}"):  # the eval file's
-        build_datasets(load_config(overrides=sets + [f"target.vocab_size={top}", f"data.train_path={small}",
-                                                     f"data.eval_path={tmp_path / 'chat.jsonl'}"]), 3)
+        build_datasets(
+            load_config(
+                overrides=sets
+                + [f"target.vocab_size={top}", f"data.train_path={small}", f"data.eval_path={tmp_path / 'chat.jsonl'}"]
+            ),
+            3,
+        )

@@ -24,7 +24,7 @@ def recomputed_greedy(prompt: list[int], new: int, banned: int | None = None) ->
         if banned is not None:
             logits[banned] = float("-inf")
         ids = torch.cat([ids, logits.argmax().view(1, 1)], 1)
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 def test_a_left_padded_batch_decodes_each_row_as_alone():

@@ -15,14 +15,25 @@ from dflash_train.train import run_training
 def test_chat_and_text_prompts_go_through_the_runs_tokenizer(tmp_path, capsys):
     tok = save_tokenizer(tmp_path / "tok")
     out = tmp_path / "run"
-    cfg = load_config(overrides=[f"run.output_dir={out}", "run.steps=10", "run.eval_every=10",
-                                 "run.checkpoint_every=10", f"data.tokenizer_path={tmp_path / 'tok'}",
-                                 "drafter.mask_token_id=511"])
+    cfg = load_config(
+        overrides=[
+            f"run.output_dir={out}",
+            "run.steps=10",
+            "run.eval_every=10",
+            "run.checkpoint_every=10",
+            f"data.tokenizer_path={tmp_path / 'tok'}",
+            "drafter.mask_token_id=511",
+        ]
+    )
     assert run_training(cfg, log=lambda line: None) == 0
     chat = CHATS[0][:4]  # up to "And the dog?": answered after that user turn
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"messages": chat + [{"role": "assistant", "content": "ignored"}]}) + "\n"
-                       + json.dumps({"prompt": "Say hello."}) + "\n")
+    prompts.write_text(
+        json.dumps({"messages": chat + [{"role": "assistant", "content": "ignored"}]})
+        + "\n"
+        + json.dumps({"prompt": "Say hello."})
+        + "\n"
+    )
     assert evaluate([str(out), "--prompts", str(prompts), "--max-new-tokens", "6"]) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[-1])
     rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
@@ -40,8 +51,15 @@ def test_the_report_carries_the_prompt_lookup_baseline_unless_turned_off(tmp_pat
     import torch
 
     out = tmp_path / "run"
-    cfg = load_config(overrides=[f"run.output_dir={out}", "run.steps=10", "run.eval_every=10",
-                                 "run.checkpoint_every=10", "run.cpu_threads=1"])
+    cfg = load_config(
+        overrides=[
+            f"run.output_dir={out}",
+            "run.steps=10",
+            "run.eval_every=10",
+            "run.checkpoint_every=10",
+            "run.cpu_threads=1",
+        ]
+    )
     assert run_training(cfg, log=lambda line: None) == 0
     torch.set_num_threads(2)  # as a shell's default would leave it
     try:
@@ -57,7 +75,9 @@ def test_the_report_carries_the_prompt_lookup_baseline_unless_turned_off(tmp_pat
     for figures in (report, free):
         per_prompt = [r["tau"] for r in figures["per_prompt"]]
         assert figures["tau_prompt_mean"] == sum(per_prompt) / 3 and 1.0 <= figures["tau"] <= report["block_size"]
-    assert report["drafter_vs_baseline"] == {key: report[key] / free[key] for key in ("tau", "tau_prompt_mean", "speedup")}
+    assert report["drafter_vs_baseline"] == {
+        key: report[key] / free[key] for key in ("tau", "tau_prompt_mean", "speedup")
+    }
     assert evaluate([str(out), "--count", "2", "--max-new-tokens", "8", "--no-baseline"]) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert report["baseline"] is None and "drafter_vs_baseline" not in report and report["identical"]

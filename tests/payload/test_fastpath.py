@@ -58,8 +58,16 @@ def test_fused_chunk_math_matches_reference(dtype, tol):
 
 def small_problem(seed=0):
     """A small drafter (2 layers, block 4) over a random 3-layer target's features, fp32."""
-    tcfg = TargetConfig(num_layers=3, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
-                        head_dim=8, vocab_size=97, init_std=0.1)
+    tcfg = TargetConfig(
+        num_layers=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=97,
+        init_std=0.1,
+    )
     target = build_random_target(tcfg, seed)
     shape = Shape(32, 64, 4, 2, 8, 1e-6, 10000.0)
     spec = DrafterSpec(shape, num_layers=2, block_size=4, target_layer_ids=(0, 2), mask_token_id=96)
@@ -89,8 +97,16 @@ def run(drafter, target, spec, ids, anchors, fused, chunk_rows=7, reference=Fals
         w = position_weights(bs, 3.0).double() * label_mask
         loss = (ce * w).sum() / w.sum()
     else:
-        loss = dflash_loss(hidden, target.lm_head.weight, labels, label_mask,
-                           torch.ones(n, a, dtype=torch.bool), 3.0, chunk_rows, fused).loss
+        loss = dflash_loss(
+            hidden,
+            target.lm_head.weight,
+            labels,
+            label_mask,
+            torch.ones(n, a, dtype=torch.bool),
+            3.0,
+            chunk_rows,
+            fused,
+        ).loss
     loss.backward()
     return loss.detach(), {k: p.grad.clone() for k, p in drafter.named_parameters()}
 
@@ -112,9 +128,9 @@ def test_fast_path_loss_and_grads_match_plain_reference():
     fast = DFlashDrafter(spec)
     fast.load_state_dict(ref_drafter.state_dict())
     fast.compile_layers(dynamic=False)
-    assert list(fast.state_dict()) == list(ref_drafter.state_dict())   # export names unchanged
+    assert list(fast.state_dict()) == list(ref_drafter.state_dict())  # export names unchanged
     fast_loss, fast_grads = run(fast, fast_target, spec, ids, anchors, fused=True)
     assert rel(fast_loss, ref_loss) < LOSS_TOL, (fast_loss, ref_loss)
     worst = max(rel(fast_grads[k], ref_grads[k]) for k in ref_grads)
     assert worst < GRAD_TOL, worst
-    assert all(fast_grads[k].abs().sum() > 0 for k in fast_grads)    # every parameter got a gradient
+    assert all(fast_grads[k].abs().sum() > 0 for k in fast_grads)  # every parameter got a gradient

@@ -28,8 +28,9 @@ def tiny_losses(plan) -> list[float]:
 def test_tiny_losses_match_golden(tiny_plan, regen_golden):
     losses = tiny_losses(tiny_plan)
     if regen_golden:
-        GOLDEN.write_text(json.dumps({"steps": STEPS, "config": "tiny preset, seed 0, CPU fp32",
-                                      "losses": losses}, indent=1) + "\n")
+        GOLDEN.write_text(
+            json.dumps({"steps": STEPS, "config": "tiny preset, seed 0, CPU fp32", "losses": losses}, indent=1) + "\n"
+        )
     golden = json.loads(GOLDEN.read_text())["losses"]
     assert losses == pytest.approx(golden, rel=1e-5)
     assert losses[-1] < losses[0]  # and it learns

@@ -22,16 +22,19 @@ PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 GPUS = [f"cuda:{i}" for i in range(9)]
 
 
-@pytest.mark.parametrize("setting, gpus, hidden, expected, why", [
-    ("auto", 2, 256, "processes", "2 GPUs > 1"),
-    ("auto", 3, 4096, "threads", "3 GPUs <= 3"),
-    ("auto", 4, 4096, "processes", "4 GPUs > 3"),
-    ("auto", 3, 2048, "threads", "3 GPUs <= 3"),
-    ("auto", 4, 1024, "processes", "4 GPUs > 3"),
-    ("auto", 1, 256, "threads", "one device"),
-    ("threads", 8, 256, "threads", "run.launcher threads"),
-    ("processes", 2, 4096, "processes", "run.launcher processes"),
-])
+@pytest.mark.parametrize(
+    "setting, gpus, hidden, expected, why",
+    [
+        ("auto", 2, 256, "processes", "2 GPUs > 1"),
+        ("auto", 3, 4096, "threads", "3 GPUs <= 3"),
+        ("auto", 4, 4096, "processes", "4 GPUs > 3"),
+        ("auto", 3, 2048, "threads", "3 GPUs <= 3"),
+        ("auto", 4, 1024, "processes", "4 GPUs > 3"),
+        ("auto", 1, 256, "threads", "one device"),
+        ("threads", 8, 256, "threads", "run.launcher threads"),
+        ("processes", 2, 4096, "processes", "run.launcher processes"),
+    ],
+)
 def test_the_decision_follows_the_predicted_gpu_count(setting, gpus, hidden, expected, why):
     value, reason = launcher_decision(setting, GPUS[:gpus], hidden)
     assert value == expected and why in reason
@@ -46,8 +49,11 @@ def test_the_table_and_multi_host_runs():
 
 
 def test_processes_turn_the_parallel_warm_up_off_and_cpu_defaults_to_threads():
-    plan = resolve_run(load_config(overrides=["run.threads=2", "run.compile=default", "run.launcher=processes",
-                                              "run.parallel_warmup=on"]))
+    plan = resolve_run(
+        load_config(
+            overrides=["run.threads=2", "run.compile=default", "run.launcher=processes", "run.parallel_warmup=on"]
+        )
+    )
     cfg, notes = plan.cfg, plan.notes
     assert cfg.run.launcher == "processes" and cfg.run.parallel_warmup == "off"
     assert "launcher: processes (run.launcher processes)" in notes
@@ -56,8 +62,17 @@ def test_processes_turn_the_parallel_warm_up_off_and_cpu_defaults_to_threads():
 
 
 # Small and fast: random tokens, 2 CPU workers of 2 sequences each.
-SMALL = ["data.source=random", "data.num_train=48", "data.num_eval=8", "target.num_layers=4", "run.threads=2",
-         "data.batch_size=2", "run.log_every=3", "run.eval_every=6", "run.checkpoint_every=6"]
+SMALL = [
+    "data.source=random",
+    "data.num_train=48",
+    "data.num_eval=8",
+    "target.num_layers=4",
+    "run.threads=2",
+    "data.batch_size=2",
+    "run.log_every=3",
+    "run.eval_every=6",
+    "run.checkpoint_every=6",
+]
 
 
 def trainer(out: Path, *sets: str) -> subprocess.Popen:
@@ -112,10 +127,14 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step(tmp_path):
 
 
 def test_a_failing_rank_is_named_and_ends_the_run(tmp_path):
-    proc = trainer(tmp_path / "run", "run.launcher=processes", "run.steps=8", "debug.fail_at=step:3",
-                   "debug.fail_rank=1")
+    proc = trainer(
+        tmp_path / "run", "run.launcher=processes", "run.steps=8", "debug.fail_at=step:3", "debug.fail_rank=1"
+    )
     text = proc.communicate(timeout=120)[0]
     assert proc.returncode == 75, text  # rank 0's code: another node failed (distributed.EXIT_NODE_LOST)
     assert "error: node rank1 (rank 1) failed: WorkerError: worker 0 (cpu) failed during step 3" in text
     assert f"launcher: rank 1 exit 1 (log: {tmp_path / 'run' / 'ranks' / '1' / 'train.log'})" in text
-    assert "InjectedFault: injected fault at step:3 on worker 0" in (tmp_path / "run" / "ranks" / "1" / "train.log").read_text()
+    assert (
+        "InjectedFault: injected fault at step:3 on worker 0"
+        in (tmp_path / "run" / "ranks" / "1" / "train.log").read_text()
+    )

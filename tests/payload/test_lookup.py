@@ -36,7 +36,7 @@ def naive_proposal(tokens: list[int], k: int, max_ngram: int) -> list[int]:
     end = len(tokens)
     for n in range(min(max_ngram, end), 0, -1):
         for i in range(end - n - 1, -1, -1):
-            if tokens[i:i + n] == tokens[end - n:]:
+            if tokens[i : i + n] == tokens[end - n :]:
                 copied = list(tokens)
                 for j in range(k):
                     copied.append(copied[i + n + j])
@@ -56,10 +56,10 @@ def test_the_incremental_index_proposes_what_a_scan_of_the_whole_text_finds():
 
 def test_tau_pooled_and_mean_per_prompt_on_known_runs():
     runs = [
-        Decoded([9] * 6, accepted=[3, 0]),        # 5 tokens after the prefill's in 2 steps: tau 2.5
+        Decoded([9] * 6, accepted=[3, 0]),  # 5 tokens after the prefill's in 2 steps: tau 2.5
         Decoded([9] * 5, accepted=[0, 0, 0, 0]),  # 4 in 4: tau 1.0
-        Decoded([9] * 4, accepted=[7]),           # 8 accepted, cut to max_new_tokens 4: 3 in 1 step
-        Decoded([2], accepted=[]),                # the prefill's token was EOS: no step, no tau
+        Decoded([9] * 4, accepted=[7]),  # 8 accepted, cut to max_new_tokens 4: 3 in 1 step
+        Decoded([2], accepted=[]),  # the prefill's token was EOS: no step, no tau
     ]
     assert [r.tau for r in runs] == [2.5, 1.0, 3.0, 0.0]
     pooled, mean = tau_figures(runs)

@@ -46,8 +46,8 @@ def test_chunked_head_matches_full_logits(rows, chunk, seed):
 def test_loss_is_weighted_mean_and_acceptance_counts_leading_run():
     # Head = identity over 4 "tokens": hidden one-hot * 10 predicts that token confidently.
     weight = torch.eye(4)
-    labels = torch.tensor([[[1, 2, 3], [0, 0, 0]]])           # [N=1, A=2, B-1=3]
-    predicted = torch.tensor([[[1, 2, 0], [1, 0, 0]]])        # block 0: 2 right then wrong; block 1: first wrong
+    labels = torch.tensor([[[1, 2, 3], [0, 0, 0]]])  # [N=1, A=2, B-1=3]
+    predicted = torch.tensor([[[1, 2, 0], [1, 0, 0]]])  # block 0: 2 right then wrong; block 1: first wrong
     hidden = F.one_hot(predicted, 4).float() * 10
     mask = torch.ones(1, 2, 3, dtype=torch.bool)
     out = dflash_loss(hidden, weight, labels, mask, torch.tensor([[True, True]]), gamma=4.0, chunk_rows=2)
@@ -61,7 +61,7 @@ def test_invalid_anchors_and_masked_labels_do_not_count():
     weight = torch.eye(4)
     labels = torch.tensor([[[1, 2, 3], [0, 0, 0]]])
     hidden = F.one_hot(labels, 4).float() * 10
-    hidden[0, 1] = -hidden[0, 1]                              # block 1 all wrong, but invalid
+    hidden[0, 1] = -hidden[0, 1]  # block 1 all wrong, but invalid
     valid = torch.tensor([[True, False]])
     mask = valid[:, :, None].expand(1, 2, 3)
     out = dflash_loss(hidden, weight, labels, mask, valid, gamma=4.0, chunk_rows=8)

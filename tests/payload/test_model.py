@@ -4,15 +4,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_train.model import (DFlashDrafter, DrafterSpec, Shape, apply_rope, block_mask,
-                                block_positions, dense_block_mask, flex_block_mask, attend,
-                                rope_cos_sin)
+from dflash_train.model import (
+    DFlashDrafter,
+    DrafterSpec,
+    Shape,
+    apply_rope,
+    block_mask,
+    block_positions,
+    dense_block_mask,
+    flex_block_mask,
+    attend,
+    rope_cos_sin,
+)
 
 # Eager FlexAttention on CPU is the unfused reference path: exactly what these checks want.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
-SHAPE = Shape(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8,
-              rms_norm_eps=1e-6, rope_theta=10000.0)
+SHAPE = Shape(
+    hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0
+)
 
 
 def make_drafter(block_size=4, layers=2, seed=0):
@@ -78,8 +88,8 @@ def naive_drafter(drafter, target_hidden, block_embeds, anchors):
     for b in range(anchors.shape[0]):
         per_block = []
         for j, a in enumerate(anchors[b].tolist()):
-            x = block_embeds[b:b + 1, j * bs:(j + 1) * bs]
-            c = ctx[b:b + 1, :a]
+            x = block_embeds[b : b + 1, j * bs : (j + 1) * bs]
+            c = ctx[b : b + 1, :a]
             cos_q, sin_q = rope_cos_sin(torch.arange(a, a + bs)[None], 8, 10000.0, x.dtype)
             cos_k, sin_k = rope_cos_sin(torch.arange(0, a + bs)[None], 8, 10000.0, x.dtype)
             for layer in drafter.layers:

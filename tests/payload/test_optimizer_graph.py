@@ -11,12 +11,25 @@ import torch
 from dflash_train.config import load_config
 from dflash_train.data import BlockSampler, build_datasets
 from dflash_train.plan import resolve_run
-from dflash_train.replica import (build_replica, forward_backward, optimizer_step, optimizer_tensors,
-                                  rehearse_optimizer_step, scheduled_lr)
+from dflash_train.replica import (
+    build_replica,
+    forward_backward,
+    optimizer_step,
+    optimizer_tensors,
+    rehearse_optimizer_step,
+    scheduled_lr,
+)
 
 # Weight decay on: a rehearsal on zero gradients then still moves the parameters, so undoing it is tested.
-TINY = ["data.source=random", "data.num_train=16", "data.num_eval=4", "target.num_layers=4", "data.batch_size=4",
-        "run.steps=20", "optim.weight_decay=0.1"]
+TINY = [
+    "data.source=random",
+    "data.num_train=16",
+    "data.num_eval=4",
+    "target.num_layers=4",
+    "data.batch_size=4",
+    "run.steps=20",
+    "optim.weight_decay=0.1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +68,10 @@ def train(replica, sampler, steps):
 def test_the_rehearsal_before_capture_leaves_no_trace(setup, trained_first):
     plan, sampler = setup
     seed = plan.cfg.run.seed
-    rehearsed, twin = build_replica(plan.cfg, "cpu", seed, plan.policy), build_replica(plan.cfg, "cpu", seed, plan.policy)
+    rehearsed, twin = (
+        build_replica(plan.cfg, "cpu", seed, plan.policy),
+        build_replica(plan.cfg, "cpu", seed, plan.policy),
+    )
     train(rehearsed, sampler, trained_first)
     train(twin, sampler, trained_first)
     before = [t.detach().clone() for t in optimizer_tensors(rehearsed)]
@@ -67,7 +83,7 @@ def test_the_rehearsal_before_capture_leaves_no_trace(setup, trained_first):
     after = optimizer_tensors(rehearsed)
     assert len(after) == len(before) + (3 * len(grads) if not trained_first else 0)  # step, exp_avg, exp_avg_sq
     assert all(torch.equal(a, b) for a, b in zip(after, before))
-    assert all(not t.any() for t in after[len(before):])  # created by the rehearsal: back to AdamW's zeros
+    assert all(not t.any() for t in after[len(before) :])  # created by the rehearsal: back to AdamW's zeros
     # And training from here is bit for bit the twin's, which never rehearsed.
     lrs = train(rehearsed, sampler, 4)
     train(twin, sampler, 4)

@@ -20,12 +20,26 @@ from dflash_train.replica import build_replica, drafter_ops
 
 PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload" / "dflash_train"
 # The functions that decide how a run executes; plan.resolve_run is their one caller on a run's path.
-DECISIONS = {"resolve_devices", "choose_compile_policy", "auto_compile_scope", "capture_target_decision",
-             "launcher_decision", "parallel_warmup_decision", "auto_attention", "visible_gpus"}
+DECISIONS = {
+    "resolve_devices",
+    "choose_compile_policy",
+    "auto_compile_scope",
+    "capture_target_decision",
+    "launcher_decision",
+    "parallel_warmup_decision",
+    "auto_attention",
+    "visible_gpus",
+}
 # The doctor reports what the plan would pick for every setting (its verdict rows), so it asks them too.
 REPORTERS = {"plan.py", "doctor_checks.py"}
-SMALL = ["data.source=random", "data.num_train=16", "data.num_eval=4", "target.num_layers=4", "data.batch_size=4",
-         "run.steps=4"]
+SMALL = [
+    "data.source=random",
+    "data.num_train=16",
+    "data.num_eval=4",
+    "target.num_layers=4",
+    "data.batch_size=4",
+    "run.steps=4",
+]
 
 
 def plan(*over: str, gpus: int = 0):
@@ -73,8 +87,14 @@ def test_each_decision_is_in_the_plan_with_its_reason():
     assert (p.policy.effective, p.policy.scope, p.policy.capture_target) == ("default", "layers", True)
     assert (p.launcher, p.parallel_warmup, p.warmup_steps) == ("processes", "off", 1)
     told = " | ".join(p.notes)
-    for head in ("devices: ", "compile: default", "compile scope: layers", "target forward: one CUDA graph",
-                 "launcher: processes", "parallel warm-up: off"):
+    for head in (
+        "devices: ",
+        "compile: default",
+        "compile scope: layers",
+        "target forward: one CUDA graph",
+        "launcher: processes",
+        "parallel warm-up: off",
+    ):
         assert head in told, head
     graphs = plan("run.compile=cudagraphs", gpus=1)
     assert (graphs.policy.effective, graphs.policy.scope, graphs.warmup_steps) == ("cudagraphs", "step", 2)
@@ -107,8 +127,12 @@ def test_the_workers_and_replicas_run_the_plans_policy():
     ops = drafter_ops(p.cfg)
     seen = []
     build = ops.build
-    ops = W.ReplicaOps(lambda device, seed, policy: seen.append(policy) or build(device, seed, policy),
-                       ops.forward_backward, ops.optimizer_step, ops.parameters)
+    ops = W.ReplicaOps(
+        lambda device, seed, policy: seen.append(policy) or build(device, seed, policy),
+        ops.forward_backward,
+        ops.optimizer_step,
+        ops.parameters,
+    )
     batches = [torch.zeros(0)]  # never read: no step runs (steps=1 with start_step=1)
     options = W.ThreadedOptions(policy=p.policy, warmup_steps=p.warmup_steps, start_step=1, sync_every=1)
     result = W.run_threaded(ops, list(p.devices.workers), lambda step, rank, world: batches[0], 1, options)

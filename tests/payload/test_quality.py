@@ -44,10 +44,23 @@ MIN_RATIO_OVER_LOOKUP = 1.15
 def tiny_options(out: Path, seed: int = 0) -> "build_target.BuildOptions":
     """The CI target: fixed steps and seeds, one torch thread, a 1 MB slice of the stdlib."""
     return build_target.BuildOptions(
-        out=out, size="tiny", steps=120, seq_len=128, batch_size=16, lr=3e-3, warmup=0.03, seed=seed, device="cpu",
+        out=out,
+        size="tiny",
+        steps=120,
+        seq_len=128,
+        batch_size=16,
+        lr=3e-3,
+        warmup=0.03,
+        seed=seed,
+        device="cpu",
         corpus="stdlib",
-        max_corpus_mb=1.0, tokenizer_mb=1.0, train_prompts=192, eval_prompts=16, prompt_chars=160,
-        cpu_threads=1)
+        max_corpus_mb=1.0,
+        tokenizer_mb=1.0,
+        train_prompts=192,
+        eval_prompts=16,
+        prompt_chars=160,
+        cpu_threads=1,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -77,18 +90,37 @@ def drafter_against_lookup(target_dir: Path, work: Path, seed: int = 0) -> dict:
     rows = work / "rows.jsonl"
     longest = greedy_rows(target_dir, target_dir / "train-prompts.jsonl", rows)
     run_dir = work / "run"
-    cfg = load_config(overrides=[
-        f"target.path={target_dir}", "data.source=jsonl", f"data.train_path={rows}", f"data.max_length={longest}",
-        f"drafter.block_size={BLOCK}", f"run.steps={DRAFTER_STEPS}", f"run.eval_every={DRAFTER_STEPS}",
-        f"run.checkpoint_every={DRAFTER_STEPS}", f"run.log_every={DRAFTER_STEPS}", "run.spec_prompts=0",
-        f"optim.lr={DRAFTER_LR}", "drafter.num_layers=1", "data.anchors_per_seq=8", "data.batch_size=8",
-        f"run.seed={seed}", f"run.output_dir={run_dir}"])
+    cfg = load_config(
+        overrides=[
+            f"target.path={target_dir}",
+            "data.source=jsonl",
+            f"data.train_path={rows}",
+            f"data.max_length={longest}",
+            f"drafter.block_size={BLOCK}",
+            f"run.steps={DRAFTER_STEPS}",
+            f"run.eval_every={DRAFTER_STEPS}",
+            f"run.checkpoint_every={DRAFTER_STEPS}",
+            f"run.log_every={DRAFTER_STEPS}",
+            "run.spec_prompts=0",
+            f"optim.lr={DRAFTER_LR}",
+            "drafter.num_layers=1",
+            "data.anchors_per_seq=8",
+            "data.batch_size=8",
+            f"run.seed={seed}",
+            f"run.output_dir={run_dir}",
+        ]
+    )
     assert run_training(cfg, log=lambda line: None) == 0
     held_out = read_prompts(str(target_dir / "heldout-prompts.jsonl"))
     # As `dflashctl eval` reports it: the drafter and, on the same decode path, prompt lookup.
     report = evaluate_run(run_dir, held_out, NEW_TOKENS, len(held_out), "cpu")
-    return {"tau": report["tau"], "identical": report["identical"], "lookup_tau": report["baseline"]["tau"],
-            "lookup_identical": report["baseline"]["identical"], "prompts": report["prompts"]}
+    return {
+        "tau": report["tau"],
+        "identical": report["identical"],
+        "lookup_tau": report["baseline"]["tau"],
+        "lookup_identical": report["baseline"]["identical"],
+        "prompts": report["prompts"],
+    }
 
 
 def test_the_built_target_loads_in_the_trainer_as_in_transformers(tiny_real_target):
@@ -109,8 +141,9 @@ def test_the_built_target_loads_in_the_trainer_as_in_transformers(tiny_real_targ
     with torch.no_grad():
         expected = hf(input_ids=torch.tensor([prompt])).logits
     torch.testing.assert_close(ours.logits(torch.tensor([prompt])), expected, atol=1e-4, rtol=1e-4)
-    ids_, mask = tokenize_chat([{"role": "user", "content": "def f():"},
-                                {"role": "assistant", "content": "return 1"}], tok)
+    ids_, mask = tokenize_chat(
+        [{"role": "user", "content": "def f():"}, {"role": "assistant", "content": "return 1"}], tok
+    )
     assert tok.decode(ids_[mask]) == "return 1<|im_end|>"
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # what eval and regen continue

@@ -16,9 +16,20 @@ def hf_dir(tmp_path, hidden: int, layers: int = 4):
     """A config.json of a Qwen3 of this width (resolution reads nothing else)."""
     path = tmp_path / f"qwen3-{hidden}"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": 3 * hidden,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": hidden // 8, "vocab_size": 1000}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3",
+                "num_hidden_layers": layers,
+                "hidden_size": hidden,
+                "intermediate_size": 3 * hidden,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "head_dim": hidden // 8,
+                "vocab_size": 1000,
+            }
+        )
+    )
     return path
 
 
@@ -34,8 +45,11 @@ def test_a_real_target_without_a_preset_gets_the_recipe_for_its_size(tmp_path):
     cfg, notes = resolved(f"target.path={hf_dir(tmp_path, 768)}")
     small = recipe_for_target(768)
     assert cfg.preset == "real-target" and cfg.drafter.block_size == 16
-    assert (cfg.drafter.num_layers, cfg.data.max_length, cfg.data.anchors_per_seq, cfg.data.batch_size) == \
-        (small.num_layers, small.max_length, small.anchors_per_seq, small.batch_size) == (3, 512, 64, 16)
+    assert (
+        (cfg.drafter.num_layers, cfg.data.max_length, cfg.data.anchors_per_seq, cfg.data.batch_size)
+        == (small.num_layers, small.max_length, small.anchors_per_seq, small.batch_size)
+        == (3, 512, 64, 16)
+    )
     assert cfg.run.steps is None  # decided from the data's size when the run loads it
     recipe = next(n for n in notes if n.startswith("recipe: "))
     assert "drafter.num_layers 3" in recipe and "hidden size 768 < 2048" in recipe
@@ -44,12 +58,18 @@ def test_a_real_target_without_a_preset_gets_the_recipe_for_its_size(tmp_path):
 
 def test_a_large_target_gets_the_published_drafter_shapes(tmp_path):
     cfg, _ = resolved(f"target.path={hf_dir(tmp_path, 4096)}")
-    assert (cfg.drafter.num_layers, cfg.data.max_length, cfg.data.anchors_per_seq, cfg.data.batch_size) == (5, 3072, 512, 1)
+    assert (cfg.drafter.num_layers, cfg.data.max_length, cfg.data.anchors_per_seq, cfg.data.batch_size) == (
+        5,
+        3072,
+        512,
+        1,
+    )
 
 
 def test_what_the_user_sets_wins_over_the_recipe(tmp_path):
-    cfg, notes = resolved(f"target.path={hf_dir(tmp_path, 768)}", "drafter.num_layers=2",
-                          "data.max_length=256", "run.steps=40")
+    cfg, notes = resolved(
+        f"target.path={hf_dir(tmp_path, 768)}", "drafter.num_layers=2", "data.max_length=256", "run.steps=40"
+    )
     assert (cfg.drafter.num_layers, cfg.data.max_length, cfg.run.steps) == (2, 256, 40)
     assert cfg.data.anchors_per_seq == 64  # still the recipe's
     assert "drafter.num_layers" not in next(n for n in notes if n.startswith("recipe: "))
@@ -70,6 +90,7 @@ def test_without_a_target_path_the_tiny_preset_and_the_random_presets_say_what_t
 
 def test_the_resolved_config_reloads_to_the_same_run(tmp_path):
     from dflash_train.config import dump_yaml, to_dict
+
     cfg, _ = resolved(f"target.path={hf_dir(tmp_path, 768)}", "run.steps=50")
     (tmp_path / "resolved.yaml").write_text(dump_yaml(cfg))
     assert to_dict(load_config(str(tmp_path / "resolved.yaml"))) == to_dict(cfg)
@@ -92,10 +113,19 @@ def test_without_run_steps_a_real_target_trains_the_recipes_epochs_of_its_data(t
     gen = torch.Generator().manual_seed(0)
     rows = [{"input_ids": torch.randint(0, 511, (40,), generator=gen).tolist()} for _ in range(34)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(overrides=[f"target.path={tmp_path / 'target'}", "drafter.mask_token_id=511",
-                                 "data.source=jsonl", f"data.train_path={tmp_path / 'train.jsonl'}",
-                                 "data.eval_fraction=0.06", "data.max_length=48", "data.anchors_per_seq=4", "run.spec_prompts=0",
-                                 f"run.output_dir={tmp_path / 'run'}"])
+    cfg = load_config(
+        overrides=[
+            f"target.path={tmp_path / 'target'}",
+            "drafter.mask_token_id=511",
+            "data.source=jsonl",
+            f"data.train_path={tmp_path / 'train.jsonl'}",
+            "data.eval_fraction=0.06",
+            "data.max_length=48",
+            "data.anchors_per_seq=4",
+            "run.spec_prompts=0",
+            f"run.output_dir={tmp_path / 'run'}",
+        ]
+    )
     logs: list[str] = []
     assert run_training(cfg, log=logs.append) == 0
     # 32 training rows in batches of the recipe's 16: 2 steps an epoch.

@@ -41,7 +41,7 @@ def reference_greedy(prompt: list[int], new: int) -> list[int]:
         logits = target.logits(torch.tensor([ids]))[0, -1]
         logits[target.cfg.vocab_size - 1] = float("-inf")
         ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -53,8 +53,22 @@ def test_greedy_rows_are_the_targets_own_continuation_and_failures_go_to_the_err
     rows = prompts[:3] + ["{not json", {"input_ids": [1] * 60}, {"text": "no known key"}] + prompts[3:]
     src = write_rows(tmp_path / "p.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    code = regen.main(["--prompts", str(src), "--out", str(out), "--max-new-tokens", "6", "--batch-size", "3",
-                       "--set", "target.max_position_embeddings=64", "--metrics", str(tmp_path / "m.jsonl")])
+    code = regen.main(
+        [
+            "--prompts",
+            str(src),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "6",
+            "--batch-size",
+            "3",
+            "--set",
+            "target.max_position_embeddings=64",
+            "--metrics",
+            str(tmp_path / "m.jsonl"),
+        ]
+    )
     assert code == 0
     got = read_jsonl(out)
     assert [r["index"] for r in got] == [0, 1, 2, 6, 7, 8, 9]
@@ -83,8 +97,20 @@ def test_resume_from_a_torn_partial_gives_the_uninterrupted_file(tmp_path, capsy
     3-row batches half done), row 7 torn mid-line, as a kill -9 can leave it."""
     rows = token_prompts(11) + ["garbage"]
     src = write_rows(tmp_path / "p.jsonl", rows)
-    opts = ["--prompts", str(src), "--max-new-tokens", "5", "--batch-size", "3", "--temperature", "1.0",
-            "--top-p", "0.9", "--seed", "7"]
+    opts = [
+        "--prompts",
+        str(src),
+        "--max-new-tokens",
+        "5",
+        "--batch-size",
+        "3",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "7",
+    ]
     assert regen.main([*opts, "--out", str(tmp_path / "ref.jsonl")]) == 0
     ref = (tmp_path / "ref.jsonl").read_bytes()
     lines = ref.decode().splitlines(keepends=True)
@@ -108,30 +134,42 @@ def test_a_damaged_line_inside_the_partial_is_refused(tmp_path, capsys):
 
 def test_bad_options_are_one_line_exit_2(tmp_path, capsys):
     src = write_rows(tmp_path / "p.jsonl", token_prompts(2))
-    cases = [(["--top-p", "0"], "--top-p must be in (0, 1]"),
-             (["--engine", "openai"], "needs --endpoint URL and --model NAME"),
-             (["--set", "drafter.num_layers=2"], "regen takes target.*, run.dtype and run.cpu_threads"),
-             (["--set", "target.num_layers=x"], "target.num_layers must be int"),
-             (["--gpus", "0"], "CUDA is not available")]
+    cases = [
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--engine", "openai"], "needs --endpoint URL and --model NAME"),
+        (["--set", "drafter.num_layers=2"], "regen takes target.*, run.dtype and run.cpu_threads"),
+        (["--set", "target.num_layers=x"], "target.num_layers must be int"),
+        (["--gpus", "0"], "CUDA is not available"),
+    ]
     for extra, message in cases:
         assert regen.main(["--prompts", str(src), "--out", str(tmp_path / "o.jsonl"), *extra]) == 2
         assert message in capsys.readouterr().err
     chats = write_rows(tmp_path / "c.jsonl", [{"messages": CHATS[1]}])
     assert regen.main(["--prompts", str(chats), "--out", str(tmp_path / "o.jsonl"), "--preflight"]) == 2
     assert json.loads(capsys.readouterr().out) == {
-        "ok": False, "error": "config",
-        "message": f"{chats} has messages rows, which need a tokenizer: --tokenizer DIR, or target.path"}
+        "ok": False,
+        "error": "config",
+        "message": f"{chats} has messages rows, which need a tokenizer: --tokenizer DIR, or target.path",
+    }
     assert regen.main(["--prompts", str(src), "--out", str(tmp_path / "o.jsonl"), "--preflight"]) == 0
     answer = json.loads(capsys.readouterr().out)  # the trainer's pre-flight format (plan.preflight_answer)
-    assert {k: answer[k] for k in ("ok", "holds", "pin", "devices")} == {"ok": True, "holds": ["cpu"], "pin": [],
-                                                                          "devices": ["cpu"]}
-    assert answer["summary"] == ["engine: builtin, target random 6 layers, fp32, devices cpu (run.device auto: no CUDA)"]
+    assert {k: answer[k] for k in ("ok", "holds", "pin", "devices")} == {
+        "ok": True,
+        "holds": ["cpu"],
+        "pin": [],
+        "devices": ["cpu"],
+    }
+    assert answer["summary"] == [
+        "engine: builtin, target random 6 layers, fp32, devices cpu (run.device auto: no CUDA)"
+    ]
     assert answer["plan"]["devices"] == ["cpu"] and "gpus" not in answer
 
 
-THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                  "{% if add_generation_prompt %}<|im_start|>assistant\n"
-                  "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
 
 
 def test_chat_rows_get_the_targets_reply_with_thinking_on_or_off(tmp_path):
@@ -169,7 +207,8 @@ def test_chat_rows_get_the_targets_reply_with_thinking_on_or_off(tmp_path):
         assert got[1]["messages"][1]["content"] == expected(CHATS[1][:1], thinking)
         replies[thinking] = got[0]["messages"][4]["content"]
         assert read_jsonl(tmp_path / f"chat-{thinking}.errors.jsonl") == [
-            {"index": 2, "reason": "messages has no user turn to answer"}]
+            {"index": 2, "reason": "messages has no user turn to answer"}
+        ]
     assert replies[None] != replies[False]  # the flag reached the template
 
 
@@ -180,8 +219,22 @@ def standin(tmp_path):
 
     def start(fail: int = 2, statuses: str = "500,429") -> tuple[str, Path]:
         port_file, log = tmp_path / f"port{len(procs)}", tmp_path / f"requests{len(procs)}.jsonl"
-        procs.append(subprocess.Popen([sys.executable, str(STANDIN), "--port-file", str(port_file), "--fail", str(fail),
-                                       "--fail-status", statuses, "--log", str(log)]))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(STANDIN),
+                    "--port-file",
+                    str(port_file),
+                    "--fail",
+                    str(fail),
+                    "--fail-status",
+                    statuses,
+                    "--log",
+                    str(log),
+                ]
+            )
+        )
         deadline = time.monotonic() + 30
         while not port_file.exists():
             assert time.monotonic() < deadline, "the stand-in did not start"
@@ -200,9 +253,28 @@ def test_openai_engine_retries_and_keeps_rows_in_order(tmp_path, standin, capsys
     chats[3] = {"messages": [{"role": "user", "content": "FAIL-ROW please"}]}
     src = write_rows(tmp_path / "chats.jsonl", chats)
     out = tmp_path / "oa.jsonl"
-    code = regen.main(["--prompts", str(src), "--out", str(out), "--engine", "openai", "--endpoint", url + "/v1/",
-                       "--model", "standin", "--concurrency", "3", "--seed", "10", "--thinking", "on",
-                       "--max-new-tokens", "5"])
+    code = regen.main(
+        [
+            "--prompts",
+            str(src),
+            "--out",
+            str(out),
+            "--engine",
+            "openai",
+            "--endpoint",
+            url + "/v1/",
+            "--model",
+            "standin",
+            "--concurrency",
+            "3",
+            "--seed",
+            "10",
+            "--thinking",
+            "on",
+            "--max-new-tokens",
+            "5",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     got = read_jsonl(out)
     assert [r["index"] for r in got] == [0, 1, 2, 4, 5]
@@ -227,8 +299,12 @@ def test_openai_engine_needs_a_tokenizer_for_prompt_rows_and_fails_on_a_dead_ser
     assert "needs --tokenizer DIR" in capsys.readouterr().err
     save_tokenizer(tmp_path / "tok")
     tok = ["--tokenizer", str(tmp_path / "tok")]
-    assert regen.main([*base, *tok, "--out", str(tmp_path / "b.jsonl"), "--endpoint", "http://127.0.0.1:9",
-                       "--retries", "1"]) == 1
+    assert (
+        regen.main(
+            [*base, *tok, "--out", str(tmp_path / "b.jsonl"), "--endpoint", "http://127.0.0.1:9", "--retries", "1"]
+        )
+        == 1
+    )
     assert "after 2 attempts" in capsys.readouterr().err and (tmp_path / ".b.jsonl.partial").exists()
     url, _ = standin(fail=0)
     assert regen.main([*base, *tok, "--out", str(tmp_path / "b.jsonl"), "--endpoint", url, "--resume"]) == 0
@@ -247,9 +323,27 @@ def test_openai_engine_runs_on_the_standard_library_alone(tmp_path, standin):
     python = tmp_path / "bare" / "bin" / "python"
     url, _ = standin(fail=1)
     src = write_rows(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
-    done = subprocess.run([str(python), "-m", "dflash_train.regen", "--prompts", str(src), "--out",
-                           str(tmp_path / "o.jsonl"), "--engine", "openai", "--endpoint", url, "--model", "standin"],
-                          cwd=Path(regen.__file__).parents[1], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "dflash_train.regen",
+            "--prompts",
+            str(src),
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            "--engine",
+            "openai",
+            "--endpoint",
+            url,
+            "--model",
+            "standin",
+        ],
+        cwd=Path(regen.__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode != 0
     (row,) = read_jsonl(tmp_path / "o.jsonl")

@@ -54,39 +54,65 @@ def merge_pair(path, pair: tuple[str, str], avoid: set[int]):
 def test_regenerated_chat_rows_train_on_the_targets_own_reply_tokens(tmp_path, thinking):
     tok = save_tokenizer(tmp_path / "tok", chat_template=THINK_TEMPLATE)
     vocab, mask_id, eos = len(tok), tok.convert_tokens_to_ids("<|MASK|>"), tok.eos_token_id
-    convos = [CHATS[0][:4], CHATS[1][:1]] + [[{"role": "user", "content": f"Where did the {w} sit?"}]
-                                             for w in ("cat", "dog", "frog", "hat")]
+    convos = [CHATS[0][:4], CHATS[1][:1]] + [
+        [{"role": "user", "content": f"Where did the {w} sit?"}] for w in ("cat", "dog", "frog", "hat")
+    ]
     extra = {} if thinking is None else {"enable_thinking": thinking}
 
     def render(tok) -> list[list[int]]:
-        return [tok(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **extra),
-                    add_special_tokens=False)["input_ids"] for c in convos]
+        return [
+            tok(
+                tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **extra),
+                add_special_tokens=False,
+            )["input_ids"]
+            for c in convos
+        ]
 
     prompts = render(tok)
     emitted = [target_greedy(p, vocab, mask_id, eos) for p in prompts]
     # A tokenizer where merges make decode -> encode differ from what the target emitted: two
     # word pieces it emitted side by side become one token (the prompts keep their tokens, so
     # the target emits the same).
-    pair = next((a, b) for new in emitted for a, b in zip(new, new[1:])
-                if all(tok.decode([t]).isalpha() for t in (a, b)))
-    tok = merge_pair(tmp_path / "tok", tuple(tok.convert_ids_to_tokens(list(pair))),
-                     {t for ids in prompts + emitted for t in ids})
+    pair = next(
+        (a, b) for new in emitted for a, b in zip(new, new[1:]) if all(tok.decode([t]).isalpha() for t in (a, b))
+    )
+    tok = merge_pair(
+        tmp_path / "tok", tuple(tok.convert_ids_to_tokens(list(pair))), {t for ids in prompts + emitted for t in ids}
+    )
     assert render(tok) == prompts and len(tok) == vocab
 
     src = write_rows(tmp_path / "chats.jsonl", [{"messages": c} for c in convos])
     out = tmp_path / "regen.jsonl"
     flag = [] if thinking is None else ["--thinking", "off"]
-    assert regen.main(["--prompts", str(src), "--out", str(out), "--set", f"target.vocab_size={vocab}",
-                       "--tokenizer", str(tmp_path / "tok"), "--max-new-tokens", str(NEW), "--batch-size", "3",
-                       *flag]) == 0
+    assert (
+        regen.main(
+            [
+                "--prompts",
+                str(src),
+                "--out",
+                str(out),
+                "--set",
+                f"target.vocab_size={vocab}",
+                "--tokenizer",
+                str(tmp_path / "tok"),
+                "--max-new-tokens",
+                str(NEW),
+                "--batch-size",
+                "3",
+                *flag,
+            ]
+        )
+        == 0
+    )
     rows = read_jsonl(out)
     # The precondition that makes this test mean something: re-encoding the replies' text (what
     # the trainer did with these rows before) gives tokens the target did not emit, through the
     # merge in a reply of whole characters, and through bytes that are not whole UTF-8
     # characters (decoded to U+FFFD) in others.
     renders = [tokenize_chat(r["messages"], tok) for r in rows]
-    differ = [r["messages"][-1]["content"] for r, (ids, m), new in zip(rows, renders, emitted)
-              if ids[m].tolist() != new]
+    differ = [
+        r["messages"][-1]["content"] for r, (ids, m), new in zip(rows, renders, emitted) if ids[m].tolist() != new
+    ]
     assert len(differ) >= 2 and any("\ufffd" not in text for text in differ), differ
 
     seqs = load_jsonl(out, str(tmp_path / "tok"))
@@ -105,11 +131,13 @@ def test_non_canonical_reply_ids_train_as_given_and_ids_that_do_not_match_the_ro
     ids = [t for c in "Hello there" for t in tok(c, add_special_tokens=False)["input_ids"]] + [tok.eos_token_id]
     assert tok("Hello there", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] != ids
     good = {"messages": convo + [{"role": "assistant", "content": "Hello there"}], "reply_ids": ids}
-    (seq, mask), = load_jsonl(write_rows(tmp_path / "ok.jsonl", [good]), str(tmp_path / "tok"))
+    ((seq, mask),) = load_jsonl(write_rows(tmp_path / "ok.jsonl", [good]), str(tmp_path / "tok"))
     assert seq[mask].tolist() == ids and not mask[: -len(ids)].any()
     cases = {
-        "edited": ({**good, "messages": convo + [{"role": "assistant", "content": "Hello you"}]},
-                   "reply_ids do not decode to the assistant reply"),
+        "edited": (
+            {**good, "messages": convo + [{"role": "assistant", "content": "Hello you"}]},
+            "reply_ids do not decode to the assistant reply",
+        ),
         "no reply": ({**good, "messages": convo}, "must end with a user turn and the assistant reply"),
         "bad ids": ({**good, "reply_ids": ["x"]}, "reply_ids must be a non-empty list of token ids"),
         "bad kwargs": ({**good, "chat_template_kwargs": {"tools": []}}, "may only hold enable_thinking"),

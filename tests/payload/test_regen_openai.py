@@ -22,16 +22,31 @@ def standin_module():
 
 
 def openai_args(src, out, url: str, *extra: str) -> list[str]:
-    return ["--prompts", str(src), "--out", str(out), "--engine", "openai", "--endpoint", url, "--model", "standin",
-            "--concurrency", "1", *extra]
+    return [
+        "--prompts",
+        str(src),
+        "--out",
+        str(out),
+        "--engine",
+        "openai",
+        "--endpoint",
+        url,
+        "--model",
+        "standin",
+        "--concurrency",
+        "1",
+        *extra,
+    ]
 
 
 def test_a_null_finish_reason_is_recorded_as_unknown_or_length_never_stop(tmp_path, standin, capsys):
     url, _ = standin(fail=0)
     # --seed 0: row i asks for 3 + i % 4 words, --max-new-tokens 4 caps them.
-    chats = [{"messages": [{"role": "user", "content": "NULL-FINISH short"}]},  # 3 words
-             {"messages": [{"role": "user", "content": "plain"}]},  # 4 words, the server says stop
-             {"messages": [{"role": "user", "content": "NULL-FINISH long"}]}]  # cut at 4
+    chats = [
+        {"messages": [{"role": "user", "content": "NULL-FINISH short"}]},  # 3 words
+        {"messages": [{"role": "user", "content": "plain"}]},  # 4 words, the server says stop
+        {"messages": [{"role": "user", "content": "NULL-FINISH long"}]},
+    ]  # cut at 4
     src = write_rows(tmp_path / "c.jsonl", chats)
     out = tmp_path / "o.jsonl"
     assert regen.main(openai_args(src, out, url, "--max-new-tokens", "4")) == 0, capsys.readouterr().err
@@ -43,8 +58,9 @@ def test_token_rows_hold_exactly_the_tokens_of_the_servers_text(tmp_path, standi
     hf = save_tokenizer(tmp_path / "tok")
     src = write_rows(tmp_path / "p.jsonl", [{"input_ids": [5, 6, 7]}, {"prompt": "NULL-FINISH once"}])
     out = tmp_path / "t.jsonl"
-    assert regen.main(openai_args(src, out, url, "--tokenizer", str(tmp_path / "tok"), "--max-new-tokens",
-                                  "16")) == 0, capsys.readouterr().err
+    assert (
+        regen.main(openai_args(src, out, url, "--tokenizer", str(tmp_path / "tok"), "--max-new-tokens", "16")) == 0
+    ), capsys.readouterr().err
     module = standin_module()
     for row, request in zip(read_jsonl(out), read_jsonl(log)):
         body = request["body"]
@@ -73,10 +89,18 @@ def test_a_torn_200_answer_is_retried_like_a_5xx(tmp_path, standin, capsys):
 
 def test_an_answer_without_choices_is_that_rows_error_named_as_such(tmp_path, standin, capsys):
     url, _ = standin(fail=0)
-    src = write_rows(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "NO-CHOICES"}]},
-                                            {"messages": [{"role": "user", "content": "fine"}]}])
+    src = write_rows(
+        tmp_path / "c.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "NO-CHOICES"}]},
+            {"messages": [{"role": "user", "content": "fine"}]},
+        ],
+    )
     assert regen.main(openai_args(src, tmp_path / "o.jsonl", url)) == 0, capsys.readouterr().err
     assert [r["index"] for r in read_jsonl(tmp_path / "o.jsonl")] == [1]
     (error,) = read_jsonl(tmp_path / "o.errors.jsonl")
-    assert error == {"index": 0, "reason": 'the server\'s answer from chat/completions has no choices: {"id": '
-                                           '"standin", "object": "error", "message": "stand-in: no choices"}'}
+    assert error == {
+        "index": 0,
+        "reason": 'the server\'s answer from chat/completions has no choices: {"id": '
+        '"standin", "object": "error", "message": "stand-in: no choices"}',
+    }

@@ -25,8 +25,10 @@ def _export(tmp_path, overrides: list[str], dtype: torch.dtype):
     return export_drafter(drafter, cfg.target, tmp_path / "export", dtype)
 
 
-@pytest.mark.parametrize("overrides,dtype", [([], torch.bfloat16), ([], torch.float32),
-                                             (["drafter.num_layers=3", "drafter.block_size=16"], torch.bfloat16)])
+@pytest.mark.parametrize(
+    "overrides,dtype",
+    [([], torch.bfloat16), ([], torch.float32), (["drafter.num_layers=3", "drafter.block_size=16"], torch.bfloat16)],
+)
 def test_exports_meet_every_loaders_requirements(tmp_path, overrides, dtype):
     export = _export(tmp_path, overrides, dtype)
     assert check_export(export) == {loader.name: [] for loader in LOADERS}
@@ -42,8 +44,10 @@ def test_the_8b_preset_export_meets_them_too():
     weights = {name: ("BF16", tuple(t.shape)) for name, t in drafter.state_dict().items()}
     assert all(check_loader(loader, config, weights) == [] for loader in LOADERS)
     commands = serve_commands(config, "./run/export", "Qwen/Qwen3-8B")
-    assert commands["vLLM"] == ("vllm serve Qwen/Qwen3-8B --speculative-config '{\"method\": \"dflash\", \"model\": "
-                                "\"./run/export\", \"num_speculative_tokens\": 15}' --attention-backend flash_attn")
+    assert commands["vLLM"] == (
+        'vllm serve Qwen/Qwen3-8B --speculative-config \'{"method": "dflash", "model": '
+        '"./run/export", "num_speculative_tokens": 15}\' --attention-backend flash_attn'
+    )
     assert "--speculative-algorithm DFLASH --speculative-draft-model-path ./run/export" in commands["SGLang"]
     assert "--speculative-num-draft-tokens 16" in commands["SGLang"]
 
@@ -77,15 +81,19 @@ def test_a_missing_weight_fails_every_loader(tiny_export, tmp_path):
 def test_fc_sized_for_other_target_layers_fails(tiny_export, tmp_path):
     def more_layers(config):
         config["dflash_config"]["target_layer_ids"] = [1, 2, 3, 4]
+
     result = _broken(tiny_export, tmp_path, config_edit=more_layers)
-    assert all(any("weight fc.weight has shape [64, 192], expected [64, 256]" in p for p in problems)
-               for problems in result.values())
+    assert all(
+        any("weight fc.weight has shape [64, 192], expected [64, 256]" in p for p in problems)
+        for problems in result.values()
+    )
 
 
 def test_mask_id_beyond_the_vocabulary_and_out_of_range_layers_fail(tiny_export, tmp_path):
     def bad_ids(config):
         config["dflash_config"]["mask_token_id"] = config["vocab_size"]
         config["dflash_config"]["target_layer_ids"] = [1, 2, 6]  # the tiny target has 6 layers: 0..5
+
     problems = _broken(tiny_export, tmp_path, config_edit=bad_ids)[SGLANG.name]
     assert "mask_token_id 512 outside the target vocabulary (512)" in problems
     assert "target_layer_ids [1, 2, 6] outside the target's 6 layers" in problems
@@ -95,6 +103,7 @@ def test_sliding_layers_without_a_window_and_a_causal_flag_fail(tiny_export, tmp
     def sliding(config):
         config["layer_types"] = ["sliding_attention"]
         config["is_causal"] = True
+
     problems = _broken(tiny_export, tmp_path, config_edit=sliding)[VLLM.name]
     assert "sliding_attention layers without sliding_window" in problems
     assert any(p.startswith("is_causal") for p in problems)
@@ -103,14 +112,17 @@ def test_sliding_layers_without_a_window_and_a_causal_flag_fail(tiny_export, tmp
 def test_loader_specific_faults(tiny_export, tmp_path):
     """SGLang alone refuses a non-silu MLP; vLLM alone refuses an unknown weight (its loader
     raises; it also asserts there is no mask_hidden), which SGLang and z-lab's from_pretrained drop."""
+
     def gelu(config):
         config["hidden_act"] = "gelu"
+
     result = _broken(tiny_export, tmp_path, config_edit=gelu)
     assert result[SGLANG.name] == ["hidden_act 'gelu': only silu is supported"]
     assert result[VLLM.name] == result[ZLAB.name] == []
 
     def extra(tensors):
         tensors["mask_hidden"] = torch.zeros(64, dtype=torch.bfloat16)
+
     result = _broken(tiny_export, tmp_path / "extra", weights_edit=extra)
     assert result[SGLANG.name] == result[ZLAB.name] == []
     assert result[VLLM.name] == ["weight mask_hidden is refused by the loader", "unexpected weights mask_hidden"]
@@ -125,6 +137,8 @@ def test_a_config_without_rope_theta_fails_where_a_default_would_misread_it(tiny
 def test_a_renamed_architecture_fails(tiny_export, tmp_path):
     def rename(config):
         config["architectures"] = ["Qwen3ForCausalLM"]
+
     result = _broken(tiny_export, tmp_path, config_edit=rename)
-    assert all(problems == ["architectures ['Qwen3ForCausalLM'] lacks 'DFlashDraftModel'"]
-               for problems in result.values())
+    assert all(
+        problems == ["architectures ['Qwen3ForCausalLM'] lacks 'DFlashDraftModel'"] for problems in result.values()
+    )

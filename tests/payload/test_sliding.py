@@ -32,6 +32,7 @@ def resolved(cfg: Config, notes: list[str] | None = None) -> Config:
         notes.extend(plan.notes)
     return plan.cfg
 
+
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 WINDOW = 3  # the trained drafter's: well inside the 8-token prompts
 MASK_WINDOW = 5
@@ -66,11 +67,14 @@ def test_flex_and_dense_sliding_attention_agree():
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("types,window,message", [
-    (["full_attention"], None, r"lists 1 layer\(s\) for a drafter of 2"),
-    (["full_attention", "local"], 4, "'local' is not full_attention or sliding_attention"),
-    (TYPES, None, "set drafter.sliding_window"),
-])
+@pytest.mark.parametrize(
+    "types,window,message",
+    [
+        (["full_attention"], None, r"lists 1 layer\(s\) for a drafter of 2"),
+        (["full_attention", "local"], 4, "'local' is not full_attention or sliding_attention"),
+        (TYPES, None, "set drafter.sliding_window"),
+    ],
+)
 def test_layer_types_that_do_not_fit_are_config_errors(types, window, message):
     with pytest.raises(ConfigError, match=message):
         check_layer_types(types, window, 2)
@@ -85,9 +89,18 @@ def trained(tmp_path_factory):
     """A tiny drafter of one sliding and one full layer, trained briefly on the demo data; the
     loss on a fixed batch before and after."""
     out = tmp_path_factory.mktemp("sliding") / "run"
-    plan = resolve_run(load_config(preset="tiny", overrides=[
-        f"run.output_dir={out}", "drafter.num_layers=2", f"drafter.layer_types={json.dumps(TYPES)}",
-        f"drafter.sliding_window={WINDOW}"]), cuda_count=0)
+    plan = resolve_run(
+        load_config(
+            preset="tiny",
+            overrides=[
+                f"run.output_dir={out}",
+                "drafter.num_layers=2",
+                f"drafter.layer_types={json.dumps(TYPES)}",
+                f"drafter.sliding_window={WINDOW}",
+            ],
+        ),
+        cuda_count=0,
+    )
     cfg = plan.cfg
     train, held_out = build_datasets(cfg, cfg.drafter.mask_token_id)
     sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
@@ -134,10 +147,11 @@ def test_the_cached_drafter_drafts_what_the_training_forward_drafts(trained):
     drafting.add_context(feats[:, :anchor], 0)
     for accepted in (2, 0, 5):
         hidden = forward_at(replica, ids, feats, anchor)
-        torch.testing.assert_close(drafting.draft(sequence[anchor], anchor), replica.target.lm_head(hidden[0, 1:]),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            drafting.draft(sequence[anchor], anchor), replica.target.lm_head(hidden[0, 1:]), rtol=1e-5, atol=1e-5
+        )
         assert not torch.allclose(hidden, forward_at(replica, ids, feats, anchor, sliding=False))  # the window bites
-        drafting.add_context(feats[:, anchor:anchor + block], anchor)
+        drafting.add_context(feats[:, anchor : anchor + block], anchor)
         anchor += accepted + 1
 
 
@@ -160,8 +174,9 @@ def test_the_export_has_the_published_layout_and_loads_strictly_with_the_same_st
     config = json.loads((out / "config.json").read_text())
     assert (config["layer_types"], config["sliding_window"], config["use_sliding_window"]) == (TYPES, WINDOW, True)
     assert load_exported(out)[0].spec == replica.drafter.spec
-    loaded, info = transformers.AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32,
-                                                          output_loading_info=True)
+    loaded, info = transformers.AutoModel.from_pretrained(
+        str(out), trust_remote_code=True, dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert repr(loaded.spec) == repr(replica.drafter.spec)  # the export carries its own copy of the class
     spec, block = replica.drafter.spec, cfg.drafter.block_size
@@ -171,23 +186,32 @@ def test_the_export_has_the_published_layout_and_loads_strictly_with_the_same_st
     embeds = replica.target.embed_tokens(block_input_ids(ids, anchors, block, spec.mask_token_id))
     masks = drafter_masks(anchors, ids.shape[1], spec, "dense")
     with torch.no_grad():
-        torch.testing.assert_close(loaded.block_forward(feats, embeds, anchors, masks),
-                                   replica.drafter(feats, embeds, anchors, masks))
+        torch.testing.assert_close(
+            loaded.block_forward(feats, embeds, anchors, masks), replica.drafter(feats, embeds, anchors, masks)
+        )
     cache, done = transformers.DynamicCache(), 0
     for anchor in (5, 6, 13, ids.shape[1] - 1):  # context in pieces, past the window
         block_ids = block_input_ids(ids, torch.tensor([[anchor]]), block, spec.mask_token_id)
         embeds = replica.target.embed_tokens(block_ids)
         with torch.no_grad():
-            theirs = loaded(position_ids=torch.arange(done, anchor + block)[None], noise_embedding=embeds,
-                            target_hidden=feats[:, done:anchor], past_key_values=cache, use_cache=True)
+            theirs = loaded(
+                position_ids=torch.arange(done, anchor + block)[None],
+                noise_embedding=embeds,
+                target_hidden=feats[:, done:anchor],
+                past_key_values=cache,
+                use_cache=True,
+            )
         cache.crop(-block)
         torch.testing.assert_close(theirs, forward_at(replica, ids, feats, anchor), rtol=1e-5, atol=1e-5)
         done = anchor
 
 
 def test_the_resolved_spec_carries_the_layer_types():
-    cfg = resolved(load_config(overrides=["drafter.num_layers=2", f"drafter.layer_types={json.dumps(TYPES)}",
-                                          "drafter.sliding_window=64"]))
+    cfg = resolved(
+        load_config(
+            overrides=["drafter.num_layers=2", f"drafter.layer_types={json.dumps(TYPES)}", "drafter.sliding_window=64"]
+        )
+    )
     spec = drafter_spec(cfg)
     assert (spec.layer_type(0), spec.layer_type(1), spec.sliding_window) == (*TYPES, 64)
 
@@ -208,11 +232,17 @@ def test_zlab_quick_start_on_a_sliding_export_decodes_as_the_trainer(trained, tm
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     job, out = tmp_path / "job.json", tmp_path / "out.json"
-    job.write_text(json.dumps({"prompts": prompts, "max_new_tokens": 24,
-                               "runs": [{"temperature": 0.0, "stop_token_ids": None}]}))
+    job.write_text(
+        json.dumps({"prompts": prompts, "max_new_tokens": 24, "runs": [{"temperature": 0.0, "stop_token_ids": None}]})
+    )
     script = Path(__file__).with_name("zlab_quickstart.py")
-    subprocess.run([sys.executable, "-I", str(script), str(tmp_path / "target"), str(export), str(job), str(out)],
-                   cwd=tmp_path, env=env, check=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-I", str(script), str(tmp_path / "target"), str(export), str(job), str(out)],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        timeout=600,
+    )
     (results,) = json.loads(out.read_text())["results"]
     for got, mine in zip(results, ours):
         assert got["spec"] == got["greedy"] == mine.tokens

@@ -52,7 +52,7 @@ def teacher_forced_run(replica, sequence: list[int], anchor: int) -> int:
     with torch.no_grad():
         hidden = replica.drafter(feats, embeds, anchors, block_mask(anchors, ids.shape[1], spec.block_size, "dense"))
         drafts = replica.target.lm_head(hidden[0, 1:]).argmax(-1).tolist()
-    labels = sequence[anchor + 1: anchor + spec.block_size]
+    labels = sequence[anchor + 1 : anchor + spec.block_size]
     run = 0
     while run < len(drafts) and drafts[run] == labels[run]:
         run += 1
@@ -98,9 +98,10 @@ def test_the_cached_drafter_drafts_what_the_training_forward_drafts(trained):
     anchor = len(prompts[0])
     drafting.add_context(feats[:, :anchor], 0)
     for accepted in (2, 0, 5):
-        torch.testing.assert_close(drafting.draft(sequence[anchor], anchor), trained_forward(anchor),
-                                   rtol=1e-5, atol=1e-5)
-        drafting.add_context(feats[:, anchor:anchor + block], anchor)  # a verify step's B positions
+        torch.testing.assert_close(
+            drafting.draft(sequence[anchor], anchor), trained_forward(anchor), rtol=1e-5, atol=1e-5
+        )
+        drafting.add_context(feats[:, anchor : anchor + block], anchor)  # a verify step's B positions
         anchor += accepted + 1
 
 
@@ -116,11 +117,11 @@ def test_sampled_speculation_is_distributed_as_the_target(trained):
         samples.append(out.tokens[1])
         accepted.append(out.accepted[0])
     with torch.no_grad():
-        first = torch.softmax(target.logits(torch.tensor([prompt]))[0, -1], -1)          # p(t1 | prompt)
+        first = torch.softmax(target.logits(torch.tensor([prompt]))[0, -1], -1)  # p(t1 | prompt)
         support = torch.nonzero(first > 1e-7).flatten()
         batch = torch.cat([torch.tensor([prompt]).expand(len(support), -1), support[:, None]], dim=1)
-        second = torch.softmax(target.logits(batch)[:, -1], -1)                           # p(t2 | prompt, t1)
-        exact = (first[support, None] * second).sum(0)                                    # p(t2 | prompt)
+        second = torch.softmax(target.logits(batch)[:, -1], -1)  # p(t2 | prompt, t1)
+        exact = (first[support, None] * second).sum(0)  # p(t2 | prompt)
     empirical = torch.bincount(torch.tensor(samples), minlength=exact.numel()).float() / len(samples)
     # The target's 20 likeliest tokens and the rest as one bin: with 2000 samples an exact sampler
     # is within ~0.02 total variation of this (measured: 0.014 for plain ancestral sampling).
@@ -152,8 +153,9 @@ def test_the_export_loads_with_transformers_automodel_and_drafts_the_same(traine
     embeds = replica.target.embed_tokens(block_input_ids(ids, anchors, spec.block_size, spec.mask_token_id))
     mask = block_mask(anchors, ids.shape[1], spec.block_size, "dense")
     with torch.no_grad():
-        torch.testing.assert_close(loaded.block_forward(feats, embeds, anchors, mask),
-                                   replica.drafter(feats, embeds, anchors, mask))
+        torch.testing.assert_close(
+            loaded.block_forward(feats, embeds, anchors, mask), replica.drafter(feats, embeds, anchors, mask)
+        )
     for prompt in prompts[:4]:
         ours = speculate(replica.target, replica.drafter, prompt, 24)
         theirs = speculate(replica.target, loaded, prompt, 24)
@@ -183,8 +185,13 @@ def test_the_exports_zlab_forward_with_a_cache_drafts_what_the_training_forward_
         embeds = replica.target.embed_tokens(block_ids)
         with torch.no_grad():
             ours = replica.drafter(feats[:, :anchor], embeds, anchors, block_mask(anchors, anchor, block, "dense"))
-            theirs = loaded(position_ids=torch.arange(done, anchor + block)[None], noise_embedding=embeds,
-                            target_hidden=feats[:, done:anchor], past_key_values=cache, use_cache=True)
+            theirs = loaded(
+                position_ids=torch.arange(done, anchor + block)[None],
+                noise_embedding=embeds,
+                target_hidden=feats[:, done:anchor],
+                past_key_values=cache,
+                use_cache=True,
+            )
         cache.crop(-block)  # the block's own keys and values: the cache keeps the context only
         torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
         done = anchor
@@ -194,17 +201,35 @@ def save_target_for_transformers(target, path):
     """Our Qwen3 target as a transformers checkpoint: config.json + one model.safetensors."""
     cfg = target.cfg
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "torch_dtype": "float32"}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "model_type": "qwen3",
+                "num_hidden_layers": cfg.num_layers,
+                "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.intermediate_size,
+                "num_attention_heads": cfg.num_heads,
+                "num_key_value_heads": cfg.num_kv_heads,
+                "head_dim": cfg.head_dim,
+                "vocab_size": cfg.vocab_size,
+                "rope_theta": cfg.rope_theta,
+                "rms_norm_eps": cfg.rms_norm_eps,
+                "max_position_embeddings": cfg.max_position_embeddings,
+                "tie_word_embeddings": cfg.tie_word_embeddings,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     tied = cfg.tie_word_embeddings
-    save_file({("" if k.startswith("lm_head") else "model.") + k: v.contiguous()
-               for k, v in target.state_dict().items() if not (tied and k.startswith("lm_head"))},
-              str(path / "model.safetensors"))
+    save_file(
+        {
+            ("" if k.startswith("lm_head") else "model.") + k: v.contiguous()
+            for k, v in target.state_dict().items()
+            if not (tied and k.startswith("lm_head"))
+        },
+        str(path / "model.safetensors"),
+    )
 
 
 def test_zlab_quick_start_on_the_export_is_lossless_and_stops(trained, tmp_path):
@@ -228,17 +253,27 @@ def test_zlab_quick_start_on_the_export_is_lossless_and_stops(trained, tmp_path)
     script = Path(__file__).with_name("zlab_quickstart.py")
 
     job, out = tmp_path / "job.json", tmp_path / "out.json"
-    runs = [{"temperature": 0.0, "stop_token_ids": None},
-            {"temperature": 0.0, "stop_token_ids": [stop]},
-            # Sampling kept to the one likeliest token: the sampled path must give the greedy text.
-            {"temperature": 1.0, "top_k": 1, "stop_token_ids": None},
-            {"temperature": 0.7, "top_p": 1e-6, "stop_token_ids": None}]
+    runs = [
+        {"temperature": 0.0, "stop_token_ids": None},
+        {"temperature": 0.0, "stop_token_ids": [stop]},
+        # Sampling kept to the one likeliest token: the sampled path must give the greedy text.
+        {"temperature": 1.0, "top_k": 1, "stop_token_ids": None},
+        {"temperature": 0.7, "top_p": 1e-6, "stop_token_ids": None},
+    ]
     job.write_text(json.dumps({"prompts": chosen, "max_new_tokens": new_tokens, "runs": runs}))
-    subprocess.run([sys.executable, "-I", str(script), str(tmp_path / "target"), str(export), str(job), str(out)],
-                   cwd=tmp_path, env=env, check=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-I", str(script), str(tmp_path / "target"), str(export), str(job), str(out)],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        timeout=600,
+    )
     done = json.loads(out.read_text())
-    assert done["attributes"] == {"block_size": cfg.drafter.block_size, "mask_token_id": cfg.drafter.mask_token_id,
-                                  "target_layer_ids": list(replica.drafter.spec.target_layer_ids)}
+    assert done["attributes"] == {
+        "block_size": cfg.drafter.block_size,
+        "mask_token_id": cfg.drafter.mask_token_id,
+        "target_layer_ids": list(replica.drafter.spec.target_layer_ids),
+    }
     plain, stopped, top_k, top_p = done["results"]
     for got, mine in zip(plain, ours):
         assert got["prompt_kept"] and got["spec"] == got["greedy"] == mine.tokens  # lossless, as eval decodes
@@ -266,8 +301,8 @@ def test_the_exports_sampling_rule_keeps_the_targets_distribution(trained, tmp_p
     top2 = torch.tensor([[probs[0, 0], probs[0, 1], 0, 0]])
     torch.testing.assert_close(shipped._probs(logits, 1.0, 1.0, 2), top2 / top2.sum())
     torch.testing.assert_close(shipped._probs(logits, 1.0, float(probs[0, 0]) + 1e-3, 0), top2 / top2.sum())
-    q = torch.tensor([[0.1, 0.6, 0.2, 0.1]])                                 # the drafter's row
-    p = torch.tensor([[0.5, 0.1, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25]])      # the target's rows
+    q = torch.tensor([[0.1, 0.6, 0.2, 0.1]])  # the drafter's row
+    p = torch.tensor([[0.5, 0.1, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25]])  # the target's rows
     torch.manual_seed(0)
     first = []
     for _ in range(20000):

@@ -26,9 +26,11 @@ PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 @pytest.fixture
 def gpus(monkeypatch):
     """This machine as torch would see a box with N GPUs (the resolution logic only asks these two)."""
+
     def see(count: int) -> None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
     return see
 
 
@@ -63,11 +65,14 @@ def test_auto_with_threads_puts_the_replicas_on_gpu_0(gpus):
     assert worker_devices("run.threads=2") == ["cuda:0", "cuda:0"]
 
 
-@pytest.mark.parametrize("over, message", [
-    (["run.device=cuda:4"], "torch sees 4 GPU"),
-    (["run.gpus=[0,5]"], "torch sees 4 GPU"),
-    (["run.device=mps"], "cpu or cuda"),
-])
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        (["run.device=cuda:4"], "torch sees 4 GPU"),
+        (["run.gpus=[0,5]"], "torch sees 4 GPU"),
+        (["run.device=mps"], "cpu or cuda"),
+    ],
+)
 def test_impossible_devices_are_config_errors(gpus, over, message):
     gpus(4)
     with pytest.raises(ConfigError, match=message):
@@ -104,8 +109,11 @@ def test_capture_target_is_on_where_the_target_launches_layer_by_layer(gpus):
     assert setting == "auto"  # kept: an eval or resume elsewhere decides afresh
     assert line.startswith("target forward: one CUDA graph (compile scope layers")
     assert told(*wide, "run.compile_scope=drafter")[1].startswith("target forward: one CUDA graph")
-    for why, over in [("compile scope step", ()), ("run.compile cudagraphs", ("run.compile=cudagraphs",)),
-                      ("run.capture_target off", ("run.capture_target=off",))]:
+    for why, over in [
+        ("compile scope step", ()),
+        ("run.compile cudagraphs", ("run.compile=cudagraphs",)),
+        ("run.capture_target off", ("run.capture_target=off",)),
+    ]:
         assert told(*over)[1].startswith("target forward: layer by layer (" + why), why  # tiny: one step graph
     assert told("run.compile=off")[1] == ""
     with pytest.raises(ConfigError, match="run.capture_target on cannot be used here: compile scope step"):
@@ -135,6 +143,7 @@ def test_closures_of_one_code_share_a_compiled_graph_unless_given_their_own():
     def make(weight):
         def step(x):
             return (x * weight).sum()
+
         return step
 
     x = torch.ones(3)
@@ -145,7 +154,10 @@ def test_closures_of_one_code_share_a_compiled_graph_unless_given_their_own():
     assert len(graphs) == 1  # the second replica reuses the first one's graph (and would its CUDA graph)
     graphs.clear()
     torch._dynamo.reset()
-    mine, theirs = torch.compile(private_code(first), backend=backend), torch.compile(private_code(second), backend=backend)
+    mine, theirs = (
+        torch.compile(private_code(first), backend=backend),
+        torch.compile(private_code(second), backend=backend),
+    )
     assert (float(mine(x)), float(theirs(x))) == (3.0, 6.0)
     assert len(graphs) == 2
 
@@ -173,15 +185,17 @@ def ops_that_block(release: threading.Event, where: str) -> W.ReplicaOps:
     def optimizer_step(replica):
         replica.grad.zero_()
 
-    return W.ReplicaOps(build, forward_backward, optimizer_step, lambda replica: [replica],
-                        progress=lambda replica: "somewhere")
+    return W.ReplicaOps(
+        build, forward_backward, optimizer_step, lambda replica: [replica], progress=lambda replica: "somewhere"
+    )
 
 
 def run_until_stopped(where: str, stop_when, lines: list[str]) -> W.ThreadedResult:
     """run_threaded with a blocked worker until `stop_when()`; the worker is released and gone after."""
     release = threading.Event()
-    options = W.ThreadedOptions(warmup_steps=1, stop_before_start=stop_when, on_progress=lines.append,
-                                progress_every_s=0.2)
+    options = W.ThreadedOptions(
+        warmup_steps=1, stop_before_start=stop_when, on_progress=lines.append, progress_every_s=0.2
+    )
     hung_before = len(W.live_workers())  # workers hung on purpose by other test files stay for good
     try:
         return W.run_threaded(ops_that_block(release, where), ["cpu"], lambda s, r, w: None, 5, options)
@@ -212,8 +226,14 @@ def test_progress_names_the_replica_detail_once_it_is_built():
 
 def trainer(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(PAYLOAD), PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "dflash_train", *args], env=env, cwd=PAYLOAD,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash_train", *args],
+        env=env,
+        cwd=PAYLOAD,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_sigterm_while_a_worker_is_stuck_before_step_1_exits_143_at_once(tmp_path):
@@ -234,13 +254,16 @@ def test_sigterm_while_a_worker_is_stuck_before_step_1_exits_143_at_once(tmp_pat
 # --- the pre-flight ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, code, error", [
-    ([], 0, None),
-    (["--set", "run.steps=abc"], 2, "run.steps must be int, got 'abc'"),
-    (["--set", "run.device=cuda:0"], 2, "CUDA is not available"),
-    (["--set", "data.source=jsonl", "--set", "data.train_path=/no/such.jsonl"], 2, "no such file: /no/such.jsonl"),
-    (["--preset", "nope"], 2, "unknown preset 'nope'"),
-])
+@pytest.mark.parametrize(
+    "args, code, error",
+    [
+        ([], 0, None),
+        (["--set", "run.steps=abc"], 2, "run.steps must be int, got 'abc'"),
+        (["--set", "run.device=cuda:0"], 2, "CUDA is not available"),
+        (["--set", "data.source=jsonl", "--set", "data.train_path=/no/such.jsonl"], 2, "no such file: /no/such.jsonl"),
+        (["--preset", "nope"], 2, "unknown preset 'nope'"),
+    ],
+)
 def test_preflight_answers_one_json_line(tmp_path, args, code, error):
     proc = trainer("--preflight", "--set", f"run.output_dir={tmp_path / 'run'}", *args)
     out = proc.communicate(timeout=120)[0]

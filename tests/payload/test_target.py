@@ -7,16 +7,18 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_train.config import TargetConfig
-from dflash_train.target import (build_tiny_target, default_target_layer_ids, load_hf_target,
-                                 resolve_mask_token_id)
+from dflash_train.target import build_tiny_target, default_target_layer_ids, load_hf_target, resolve_mask_token_id
 
 
-@pytest.mark.parametrize("layers,count,expected", [
-    (36, 5, [1, 9, 17, 25, 33]),   # Qwen3-8B (issue 6)
-    (28, 5, [1, 7, 13, 19, 25]),   # Qwen3-1.7B/0.6B shape (issue 6)
-    (48, 8, [1, 7, 14, 20, 26, 32, 39, 45]),  # z-lab Qwen3.5-122B-A10B-DFlash's published ids
-    (6, 5, [1, 2, 3]),             # tiny: fewer distinct layers than asked for
-])
+@pytest.mark.parametrize(
+    "layers,count,expected",
+    [
+        (36, 5, [1, 9, 17, 25, 33]),  # Qwen3-8B (issue 6)
+        (28, 5, [1, 7, 13, 19, 25]),  # Qwen3-1.7B/0.6B shape (issue 6)
+        (48, 8, [1, 7, 14, 20, 26, 32, 39, 45]),  # z-lab Qwen3.5-122B-A10B-DFlash's published ids
+        (6, 5, [1, 2, 3]),  # tiny: fewer distinct layers than asked for
+    ],
+)
 def test_default_target_layer_ids(layers, count, expected):
     assert default_target_layer_ids(layers, count) == expected
 
@@ -25,13 +27,28 @@ def write_hf_checkpoint(target, path, tie):
     """Save `target` the way HF does: config.json + two safetensors shards with `model.` keys."""
     cfg = target.cfg
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-        "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": tie}))
-    state = {("" if k.startswith("lm_head") else "model.") + k: v.contiguous()
-             for k, v in target.state_dict().items() if not (tie and k.startswith("lm_head"))}
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3",
+                "num_hidden_layers": cfg.num_layers,
+                "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.intermediate_size,
+                "num_attention_heads": cfg.num_heads,
+                "num_key_value_heads": cfg.num_kv_heads,
+                "head_dim": cfg.head_dim,
+                "vocab_size": cfg.vocab_size,
+                "rope_theta": cfg.rope_theta,
+                "rms_norm_eps": cfg.rms_norm_eps,
+                "tie_word_embeddings": tie,
+            }
+        )
+    )
+    state = {
+        ("" if k.startswith("lm_head") else "model.") + k: v.contiguous()
+        for k, v in target.state_dict().items()
+        if not (tie and k.startswith("lm_head"))
+    }
     keys = sorted(state)
     save_file({k: state[k] for k in keys[::2]}, str(path / "model-00001-of-00002.safetensors"))
     save_file({k: state[k] for k in keys[1::2]}, str(path / "model-00002-of-00002.safetensors"))

@@ -32,19 +32,37 @@ def resolved(cfg: Config, notes: list[str] | None = None) -> Config:
         notes.extend(plan.notes)
     return plan.cfg
 
+
 VOCAB = 160
-COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 # The architectures covered (docs/trainer.md): each as transformers' own config class builds it.
 ARCHS = {
-    "llama": dict(model_type="llama", rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                       "original_max_position_embeddings": 64}),
+    "llama": dict(
+        model_type="llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "qwen2": dict(model_type="qwen2"),  # q/k/v biases
     "mistral": dict(model_type="mistral", sliding_window=8, head_dim=12),  # a window the tests pass
     "qwen3": dict(model_type="qwen3", head_dim=16),
-    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      head_dim=16),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16
+    ),
     "phi3": dict(model_type="phi3", pad_token_id=0),  # fused qkv and gate_up projections
 }
 
@@ -98,8 +116,9 @@ def test_batched_greedy_decode_is_the_models_own_generate(checkpoint):
     ours = generate(target, prompts, 12)
     ids = torch.tensor([prompts[0], [0] * 3 + prompts[1]])
     mask = torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
-    theirs = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
-                            eos_token_id=None)[:, 6:]
+    theirs = model.generate(
+        ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
+    )[:, 6:]
     assert ours == theirs.tolist()
     assert len(set(ours[0])) > 2  # the text varies: the comparison can fail
 
@@ -108,8 +127,11 @@ def test_greedy_speculative_decoding_is_lossless(checkpoint):
     """The speculative loop with this target (verify steps of B tokens through the model's cache,
     rejected drafts cropped off it) emits exactly the target's greedy text."""
     arch, path, _ = checkpoint
-    cfg = resolved(load_config(overrides=[f"target.path={path}", "drafter.mask_token_id=1",
-                                          "drafter.num_layers=1", "drafter.block_size=4"]))
+    cfg = resolved(
+        load_config(
+            overrides=[f"target.path={path}", "drafter.mask_token_id=1", "drafter.num_layers=1", "drafter.block_size=4"]
+        )
+    )
     assert cfg.target.backend == ("native" if arch == "qwen3" else "transformers")
     target = build_hf_target(cfg.target, [], whole=True)
     drafter = DFlashDrafter(drafter_spec(cfg))
@@ -135,10 +157,25 @@ def test_a_short_training_run_lowers_the_loss(checkpoint, tmp_path):
     rows = greedy_rows(build_hf_target(read_target_config(path), [], whole=True), 16, 40)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plan = resolve_run(load_config(preset="tiny", overrides=[
-        f"target.path={path}", "target.backend=transformers", "drafter.mask_token_id=1", "data.source=jsonl",
-        f"data.train_path={data}", "data.max_length=40", "data.anchors_per_seq=6", "data.batch_size=4",
-        "drafter.block_size=4", "run.spec_prompts=0", f"run.output_dir={tmp_path / 'run'}"]), cuda_count=0)
+    plan = resolve_run(
+        load_config(
+            preset="tiny",
+            overrides=[
+                f"target.path={path}",
+                "target.backend=transformers",
+                "drafter.mask_token_id=1",
+                "data.source=jsonl",
+                f"data.train_path={data}",
+                "data.max_length=40",
+                "data.anchors_per_seq=6",
+                "data.batch_size=4",
+                "drafter.block_size=4",
+                "run.spec_prompts=0",
+                f"run.output_dir={tmp_path / 'run'}",
+            ],
+        ),
+        cuda_count=0,
+    )
     cfg = plan.cfg
     train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
     sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, cfg.run.seed)
@@ -165,19 +202,28 @@ def test_auto_backend_keeps_the_native_qwen3_and_says_why(tmp_path):
     torch.testing.assert_close(native.features(ids, [1, 2]), generic.features(ids, [1, 2]), rtol=1e-5, atol=1e-5)
     save_tiny(tmp_path / "llama", "llama")
     notes.clear()
-    plan = resolve_run(load_config(overrides=[f"target.path={tmp_path / 'llama'}", "drafter.mask_token_id=1"]),
-                       cuda_count=0)
+    plan = resolve_run(
+        load_config(overrides=[f"target.path={tmp_path / 'llama'}", "drafter.mask_token_id=1"]), cuda_count=0
+    )
     assert plan.cfg.target.backend == plan.to_json()["target_backend"] == "transformers"
     assert "target backend: transformers (auto: model_type llama is not qwen3)" in plan.notes
     with pytest.raises(ConfigError, match="target.backend native cannot run this target: model_type llama"):
-        resolved(load_config(overrides=[f"target.path={tmp_path / 'llama'}", "target.backend=native",
-                                        "drafter.mask_token_id=1"]))
+        resolved(
+            load_config(
+                overrides=[f"target.path={tmp_path / 'llama'}", "target.backend=native", "drafter.mask_token_id=1"]
+            )
+        )
     del model
 
 
-@pytest.mark.parametrize("backend,model_type,expected", [
-    ("auto", "qwen3", "native"), ("auto", "llama", "transformers"), ("transformers", "qwen3", "transformers"),
-])
+@pytest.mark.parametrize(
+    "backend,model_type,expected",
+    [
+        ("auto", "qwen3", "native"),
+        ("auto", "llama", "transformers"),
+        ("transformers", "qwen3", "transformers"),
+    ],
+)
 def test_choose_backend(backend, model_type, expected):
     assert choose_backend(TargetConfig(backend=backend, model_type=model_type))[0] == expected
 
@@ -190,7 +236,12 @@ def test_the_drafter_takes_the_targets_shape_rope_scaling_and_eps(tmp_path):
     shape = drafter_spec(cfg).shape
     c = model.config
     assert (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps) == (
-        c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.rms_norm_eps,
+    )
     assert dict(shape.rope_scaling)["rope_type"] == "llama3"
     expected, _ = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](c, "cpu")
     got = rope_inv_freq(shape.head_dim, shape.rope_theta, shape.rope_scaling)
@@ -202,7 +253,10 @@ def test_an_encoder_only_model_is_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
     assert main(["--preflight", "--set", f"target.path={tmp_path}"]) == 2
     message = json.loads(capsys.readouterr().out)["message"]
-    assert message == f"target.path: {tmp_path}: BertForMaskedLM is not a causal LM (encoder-only models cannot be targets)"
+    assert (
+        message
+        == f"target.path: {tmp_path}: BertForMaskedLM is not a causal LM (encoder-only models cannot be targets)"
+    )
 
 
 def test_a_vocabulary_without_a_spare_row_needs_a_mask_id(tmp_path, capsys):
@@ -222,15 +276,27 @@ def test_the_large_presets_resolve_to_the_transformers_backend(preset, model_typ
     cfg = resolved(load_config(preset=preset), notes)
     assert cfg.target.backend == "transformers" and cfg.target.model_type == model_type
     assert (cfg.target.num_experts_per_tok or None) == active
-    assert drafter_spec(cfg).shape.rope_scaling == (() if preset != "llama3-8b" else
-                                                    tuple(sorted(cfg.target.rope_scaling.items())))
+    assert drafter_spec(cfg).shape.rope_scaling == (
+        () if preset != "llama3-8b" else tuple(sorted(cfg.target.rope_scaling.items()))
+    )
 
 
 def test_a_random_target_of_a_presets_kind_builds_with_its_shape():
     """What the presets build on the GPU, at a tiny width: a random MoE target, deterministic per seed."""
-    t = TargetConfig(model_type="qwen3_moe", num_layers=2, hidden_size=32, intermediate_size=64, num_heads=4,
-                     num_kv_heads=2, head_dim=8, vocab_size=64, num_experts=4, num_experts_per_tok=2,
-                     moe_intermediate_size=16, tie_word_embeddings=False)
+    t = TargetConfig(
+        model_type="qwen3_moe",
+        num_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        tie_word_embeddings=False,
+    )
     a, b = build_hf_target(t, [1], whole=True), build_hf_target(t, [1], whole=True)
     ids = torch.randint(0, 64, (1, 8))
     torch.testing.assert_close(a.logits(ids), b.logits(ids), rtol=0, atol=0)
@@ -252,8 +318,25 @@ def test_regen_through_transformers_is_the_models_own_greedy_generate(tmp_path):
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
     out = tmp_path / "out.jsonl"
-    assert regen.main(["--prompts", str(src), "--out", str(out), "--max-new-tokens", "10", "--batch-size", "2",
-                       "--gpus", "cpu", "--set", f"target.path={tmp_path / 'llama'}"]) == 0
+    assert (
+        regen.main(
+            [
+                "--prompts",
+                str(src),
+                "--out",
+                str(out),
+                "--max-new-tokens",
+                "10",
+                "--batch-size",
+                "2",
+                "--gpus",
+                "cpu",
+                "--set",
+                f"target.path={tmp_path / 'llama'}",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     for row, prompt in zip(rows, prompts):
         theirs = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=eos)
@@ -270,10 +353,22 @@ def test_train_and_eval_through_transformers_are_lossless(tmp_path, capsys):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
-    sets = [f"target.path={tmp_path / 'moe'}", "drafter.mask_token_id=1", "data.source=jsonl",
-            f"data.train_path={data}", "data.max_length=40", "data.anchors_per_seq=4", "data.batch_size=4",
-            "drafter.block_size=4", "run.steps=6", "run.eval_every=6", "run.spec_prompts=2", "run.spec_new_tokens=8",
-            f"run.output_dir={run}", "run.device=cpu"]
+    sets = [
+        f"target.path={tmp_path / 'moe'}",
+        "drafter.mask_token_id=1",
+        "data.source=jsonl",
+        f"data.train_path={data}",
+        "data.max_length=40",
+        "data.anchors_per_seq=4",
+        "data.batch_size=4",
+        "drafter.block_size=4",
+        "run.steps=6",
+        "run.eval_every=6",
+        "run.spec_prompts=2",
+        "run.spec_new_tokens=8",
+        f"run.output_dir={run}",
+        "run.device=cpu",
+    ]
     assert main(["--preset", "tiny"] + [a for s in sets for a in ("--set", s)]) == 0
     assert "target backend: transformers (auto: model_type qwen3_moe is not qwen3)" in capsys.readouterr().out
     assert evaluate.main([str(run), "--count", "2", "--max-new-tokens", "12", "--device", "cpu"]) == 0
@@ -288,16 +383,18 @@ def test_an_export_with_the_targets_rope_scaling_loads_with_the_same_states(tmp_
     from dflash_train.model import block_input_ids, block_mask
 
     save_tiny(tmp_path / "llama", "llama")
-    cfg = resolved(load_config(overrides=[f"target.path={tmp_path / 'llama'}", "drafter.mask_token_id=1",
-                                          "drafter.block_size=4"]))
+    cfg = resolved(
+        load_config(overrides=[f"target.path={tmp_path / 'llama'}", "drafter.mask_token_id=1", "drafter.block_size=4"])
+    )
     target = build_hf_target(cfg.target, cfg.drafter.target_layer_ids)
     drafter = DFlashDrafter(drafter_spec(cfg))
     drafter.init_weights(0.05, 0)
     out = export_drafter(drafter, cfg.target, tmp_path / "export", torch.float32)
     assert json.loads((out / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
     assert load_exported(out)[0].spec == drafter.spec
-    loaded, info = transformers.AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32,
-                                                          output_loading_info=True)
+    loaded, info = transformers.AutoModel.from_pretrained(
+        str(out), trust_remote_code=True, dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert repr(loaded.spec) == repr(drafter.spec)
     ids = torch.randint(2, VOCAB, (1, 90), generator=torch.Generator().manual_seed(3))  # past the original 64 positions
@@ -306,4 +403,6 @@ def test_an_export_with_the_targets_rope_scaling_loads_with_the_same_states(tmp_
     embeds = target.embed_tokens(block_input_ids(ids, anchors, 4, 1))
     mask = block_mask(anchors, ids.shape[1], 4, "dense")
     with torch.no_grad():
-        torch.testing.assert_close(loaded.block_forward(feats, embeds, anchors, mask), drafter(feats, embeds, anchors, mask))
+        torch.testing.assert_close(
+            loaded.block_forward(feats, embeds, anchors, mask), drafter(feats, embeds, anchors, mask)
+        )

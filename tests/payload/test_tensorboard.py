@@ -16,9 +16,19 @@ from dflash_train.config import load_config
 from dflash_train.dashboard import TAGS
 from dflash_train.train import run_training
 
+
 def _config(out: Path, *extra: str):
-    return load_config(overrides=[f"run.output_dir={out}", "run.steps=20", "run.log_every=5", "run.eval_every=10",
-                                  "run.checkpoint_every=10", "run.keep_checkpoints=2", *extra])
+    return load_config(
+        overrides=[
+            f"run.output_dir={out}",
+            "run.steps=20",
+            "run.log_every=5",
+            "run.eval_every=10",
+            "run.checkpoint_every=10",
+            "run.keep_checkpoints=2",
+            *extra,
+        ]
+    )
 
 
 def _events(out: Path) -> dict[str, list[tuple[int, float]]]:
@@ -46,8 +56,16 @@ def test_tensorboard_holds_the_logged_scalars(tmp_path):
     assert run_training(_config(out, "run.tensorboard=true"), log=lambda line: None) == 0
     events = _events(out)
     assert events == _expected(out)
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/acceptance_length_teacher_forced",
-            "eval/acceptance_length_teacher_forced", "eval/spec_tau_prompt_mean", "eval/spec_tau_pooled"} <= set(events)
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "train/acceptance_length_teacher_forced",
+        "eval/acceptance_length_teacher_forced",
+        "eval/spec_tau_prompt_mean",
+        "eval/spec_tau_pooled",
+    } <= set(events)
     assert [step for step, _ in events["train/loss"]] == [5, 10, 15, 20]
     assert [step for step, _ in events["eval/spec_tau_pooled"]] == [10, 20]  # not at step 0: untrained, not decoded
 
@@ -80,8 +98,12 @@ def test_without_tensorboard_the_trainer_stops_at_once_exit_4(tmp_path, capsys, 
     captured = capsys.readouterr()
     message = f"tensorboard is not installed in {sys.executable} (run.tensorboard needs it)"
     if preflight:
-        assert json.loads(captured.out) == {"ok": False, "error": "missing_module", "module": "tensorboard",
-                                            "message": message}
+        assert json.loads(captured.out) == {
+            "ok": False,
+            "error": "missing_module",
+            "module": "tensorboard",
+            "message": message,
+        }
     else:
         assert captured.err == f"error: {message}\n"
         assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained

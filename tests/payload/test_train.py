@@ -39,9 +39,17 @@ THREADED = ["run.threads=2", "data.batch_size=4"]
 def tiny_run(tmp_path_factory):
     """One 120-step tiny run in two worker threads (checkpoints at 60 and 120), shared below."""
     out = tmp_path_factory.mktemp("tiny") / "run"
-    cfg = load_config(overrides=[f"run.output_dir={out}", f"run.steps={STEPS}", "run.log_every=1",
-                                 "run.eval_every=60", "run.checkpoint_every=60", "run.keep_checkpoints=3",
-                                 *THREADED])
+    cfg = load_config(
+        overrides=[
+            f"run.output_dir={out}",
+            f"run.steps={STEPS}",
+            "run.log_every=1",
+            "run.eval_every=60",
+            "run.checkpoint_every=60",
+            "run.keep_checkpoints=3",
+            *THREADED,
+        ]
+    )
     logs = []
     assert run_training(cfg, log=logs.append) == 0
     return out, logs
@@ -68,7 +76,9 @@ def test_evaluations_report_the_real_speculative_tau_beside_the_proxy(tiny_run):
         assert 1.0 <= record["spec_tau"] <= 8 and record["spec_prompts"] == 4 and record["spec_steps"] > 0
         assert 1.0 <= record["spec_tau_prompt_mean"] <= 8  # issue 26: the per-prompt mean beside the pooled
         assert record["spec_tau_prompt_se"] > 0 and record["spec_eval_s"] > 0  # its spread over 4 prompts, its cost
-        assert len(record["spec_by_position"]) == 7 and record["spec_by_position"] == sorted(record["spec_by_position"], reverse=True)
+        assert len(record["spec_by_position"]) == 7 and record["spec_by_position"] == sorted(
+            record["spec_by_position"], reverse=True
+        )
     assert any("teacher-forced acceptance length" in line and "speculative tau" in line for line in logs)
     assert "speculative tau" in logs[-1] and "teacher-forced" in logs[-1]
 
@@ -77,8 +87,17 @@ def test_metrics_records(tiny_run):
     out, _ = tiny_run
     train = [r for r in read_metrics(out) if r["event"] == "train"]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
-    keys = {"step", "total_steps", "loss", "acceptance_length", "lr", "grad_norm", "tokens_per_s",
-            "step_time_s", "gpu_mem_gb"}
+    keys = {
+        "step",
+        "total_steps",
+        "loss",
+        "acceptance_length",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "step_time_s",
+        "gpu_mem_gb",
+    }
     assert keys <= set(train[0])
     assert train[0]["gpu_mem_gb"] is None
     assert train[59]["acceptance_length"] is not None and train[58]["acceptance_length"] is None
@@ -93,8 +112,17 @@ def copy_to_step_60(out: Path, resumed: Path) -> None:
 
 
 def resume_config(resumed: Path, *sets: str):
-    return load_config(overrides=[f"run.output_dir={resumed}", f"run.steps={STEPS}", "run.log_every=1",
-                                  "run.eval_every=60", "run.checkpoint_every=60", *THREADED, *sets])
+    return load_config(
+        overrides=[
+            f"run.output_dir={resumed}",
+            f"run.steps={STEPS}",
+            "run.log_every=1",
+            "run.eval_every=60",
+            "run.checkpoint_every=60",
+            *THREADED,
+            *sets,
+        ]
+    )
 
 
 def test_resume_reproduces_the_uninterrupted_loss(tiny_run, tmp_path):
@@ -193,8 +221,16 @@ SMALL = ["data.source=random", "data.num_train=48", "data.num_eval=8", "target.n
 
 def test_cli_three_threads_end_to_end(tmp_path):
     out = tmp_path / "run"
-    proc = trainer(out, *SMALL, "run.threads=3", "data.batch_size=2", "run.steps=12", "run.log_every=4",
-                   "run.eval_every=6", "run.checkpoint_every=6")
+    proc = trainer(
+        out,
+        *SMALL,
+        "run.threads=3",
+        "data.batch_size=2",
+        "run.steps=12",
+        "run.log_every=4",
+        "run.eval_every=6",
+        "run.checkpoint_every=6",
+    )
     text = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, text
     assert "workers: 3 thread(s) on cpu, cpu, cpu, 48 training sequences" in text and "batch 2 per worker" in text
@@ -212,18 +248,32 @@ def test_cli_three_threads_end_to_end(tmp_path):
     assert [p.name for p in sorted((out / "checkpoints").glob("step_*"))] == ["step_00000006", "step_00000012"]
 
 
-@pytest.mark.parametrize("fault,phase", [("fail_at=build", "build"), ("fail_at=compile", "compile/warm-up"),
-                                         ("fail_at=step:1", "step 1 forward/backward"),
-                                         ("fail_at=step:5", "step 5 forward/backward"),
-                                         ("hang_at=step:1", "step 1 gradient all-reduce")])
+@pytest.mark.parametrize(
+    "fault,phase",
+    [
+        ("fail_at=build", "build"),
+        ("fail_at=compile", "compile/warm-up"),
+        ("fail_at=step:1", "step 1 forward/backward"),
+        ("fail_at=step:5", "step 5 forward/backward"),
+        ("hang_at=step:1", "step 1 gradient all-reduce"),
+    ],
+)
 def test_cli_fault_exits_nonzero_with_the_traceback(tmp_path, fault, phase):
     # A tight step barrier only where a hang must trip it, and the hang in step 1, so that no step
     # has to pass a tight barrier first (a step takes 0.5-1.5 s on a busy 2-core machine; two
     # threads' steps can differ by seconds). Start-up waits keep run.compile_timeout_s's default.
     # A hang would show as communicate's timeout.
     tight = ["run.barrier_timeout_s=4"] if fault.startswith("hang_at") else []
-    proc = trainer(tmp_path / "run", *SMALL, "run.threads=2", "data.batch_size=2", "run.steps=8",
-                   f"debug.{fault}", "debug.fail_rank=1", *tight)
+    proc = trainer(
+        tmp_path / "run",
+        *SMALL,
+        "run.threads=2",
+        "data.batch_size=2",
+        "run.steps=8",
+        f"debug.{fault}",
+        "debug.fail_rank=1",
+        *tight,
+    )
     text = proc.communicate(timeout=120)[0]
     assert proc.returncode == 1, text
     if fault.startswith("fail_at"):

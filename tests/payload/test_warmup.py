@@ -21,16 +21,19 @@ PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 PY = sys.executable
 
 
-@pytest.mark.parametrize("setting, devices, compile_mode, expected, why", [
-    ("auto", ["cuda:0", "cuda:1"], "default", "on", "2 GPUs and compile default"),
-    ("auto", ["cuda:0"], "cudagraphs", "off", "one device"),
-    ("auto", ["cuda:0", "cuda:0"], "default", "off", "one device"),
-    ("auto", ["cpu", "cpu"], "default", "off", "one device"),
-    ("auto", ["cuda:0", "cuda:1"], "off", "off", "nothing to compile"),
-    ("on", ["cpu"], "default", "on", "one process per device (cpu)"),
-    ("on", ["cuda:0", "cuda:1"], "off", "off", "nothing to compile"),
-    ("off", ["cuda:0", "cuda:1"], "default", "off", "one after another"),
-])
+@pytest.mark.parametrize(
+    "setting, devices, compile_mode, expected, why",
+    [
+        ("auto", ["cuda:0", "cuda:1"], "default", "on", "2 GPUs and compile default"),
+        ("auto", ["cuda:0"], "cudagraphs", "off", "one device"),
+        ("auto", ["cuda:0", "cuda:0"], "default", "off", "one device"),
+        ("auto", ["cpu", "cpu"], "default", "off", "one device"),
+        ("auto", ["cuda:0", "cuda:1"], "off", "off", "nothing to compile"),
+        ("on", ["cpu"], "default", "on", "one process per device (cpu)"),
+        ("on", ["cuda:0", "cuda:1"], "off", "off", "nothing to compile"),
+        ("off", ["cuda:0", "cuda:1"], "default", "off", "one after another"),
+    ],
+)
 def test_the_decision_and_its_reason(setting, devices, compile_mode, expected, why):
     value, reason = parallel_warmup_decision(setting, devices, compile_mode)
     assert value == expected and why in reason
@@ -52,11 +55,17 @@ def job(tmp_path: Path, name: str, code: str) -> WU.Job:
 def test_ok_failed_and_hung_children_each_end_with_their_reason(tmp_path):
     # Two calls, so no outcome depends on speed: the first one's timeout only bounds a hang (it ends
     # once both children have), the second one's child can never finish before its 1 s.
-    done = WU.run_jobs([job(tmp_path, "good", "print('compiled')"),
-                        job(tmp_path, "bad", "import sys; print('RuntimeError: no kernel image'); sys.exit(3)")],
-                       timeout_s=120, should_stop=lambda: False)
-    hung = WU.run_jobs([job(tmp_path, "stuck", "import time; time.sleep(600)")], timeout_s=1.0,
-                       should_stop=lambda: False)
+    done = WU.run_jobs(
+        [
+            job(tmp_path, "good", "print('compiled')"),
+            job(tmp_path, "bad", "import sys; print('RuntimeError: no kernel image'); sys.exit(3)"),
+        ],
+        timeout_s=120,
+        should_stop=lambda: False,
+    )
+    hung = WU.run_jobs(
+        [job(tmp_path, "stuck", "import time; time.sleep(600)")], timeout_s=1.0, should_stop=lambda: False
+    )
     results = done + hung
     assert [r.status for r in results] == ["ok", "failed", "timed out"]
     assert results[1].reason.startswith("exit 3: RuntimeError: no kernel image (log: ")
@@ -69,10 +78,15 @@ def test_a_stop_kills_every_child_at_once(tmp_path):
     pid_file = tmp_path / "pid"
     # The pid appears at once (a rename), so the stop comes once child a runs: not after a fixed
     # time, before which a busy machine may not have started it yet.
-    code = (f"import os, time; open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid())); "
-            f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(600)")
-    results = WU.run_jobs([job(tmp_path, "a", code), job(tmp_path, "b", "import time; time.sleep(600)")],
-                          timeout_s=600, should_stop=pid_file.exists)
+    code = (
+        f"import os, time; open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid())); "
+        f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(600)"
+    )
+    results = WU.run_jobs(
+        [job(tmp_path, "a", code), job(tmp_path, "b", "import time; time.sleep(600)")],
+        timeout_s=600,
+        should_stop=pid_file.exists,
+    )
     assert [r.status for r in results] == ["stopped", "stopped"]
     with pytest.raises(ProcessLookupError):  # killed and reaped: no orphan keeps compiling
         os.kill(int(pid_file.read_text()), 0)
@@ -81,8 +95,18 @@ def test_a_stop_kills_every_child_at_once(tmp_path):
 def test_one_job_per_distinct_device_named_for_its_first_worker(tmp_path):
     jobs = WU.jobs_for(["cuda:0", "cuda:1", "cuda:1"], tmp_path / "c.yaml", tmp_path / "logs", 60)
     assert [j.name for j in jobs] == ["cuda:0", "cuda:1"]
-    assert jobs[1].argv[1:] == ["-m", "dflash_train.warmup", "--config", str(tmp_path / "c.yaml"), "--device",
-                                "cuda:1", "--rank", "1", "--timeout-s", "60"]
+    assert jobs[1].argv[1:] == [
+        "-m",
+        "dflash_train.warmup",
+        "--config",
+        str(tmp_path / "c.yaml"),
+        "--device",
+        "cuda:1",
+        "--rank",
+        "1",
+        "--timeout-s",
+        "60",
+    ]
     assert jobs[1].log_path == tmp_path / "logs" / "cuda1.log"
 
 
@@ -91,8 +115,19 @@ FAST = ["data.source=random", "data.num_train=48", "data.num_eval=8", "target.nu
 
 
 def trainer(tmp_path: Path, *sets: str) -> subprocess.Popen:
-    argv = [PY, "-m", "dflash_train", "--set", f"run.output_dir={tmp_path / 'run'}", "--set", "run.compile=default",
-            "--set", "run.parallel_warmup=on", "--set", f"run.compile_cache_dir={tmp_path / 'cache'}"]
+    argv = [
+        PY,
+        "-m",
+        "dflash_train",
+        "--set",
+        f"run.output_dir={tmp_path / 'run'}",
+        "--set",
+        "run.compile=default",
+        "--set",
+        "run.parallel_warmup=on",
+        "--set",
+        f"run.compile_cache_dir={tmp_path / 'cache'}",
+    ]
     for item in [*FAST, *sets]:
         argv += ["--set", item]
     env = dict(os.environ, PYTHONPATH=str(PAYLOAD), PYTHONUNBUFFERED="1")
@@ -138,8 +173,10 @@ def test_a_failed_warm_up_is_one_line_and_the_threads_start_regardless(tmp_path)
     proc = trainer(tmp_path, "debug.fail_at=compile", "run.threads=2", "data.batch_size=2")
     text = proc.communicate(timeout=120)[0]
     # The warm-up's fault, one line with its reason; then worker 0's own (same injected fault).
-    assert ("parallel warm-up: cpu failed after " in text and "exit 1: dflash_train.workers.InjectedFault: "
-            "injected fault at compile in the warm-up of cpu (log: ") in text, text
+    assert (
+        "parallel warm-up: cpu failed after " in text
+        and "exit 1: dflash_train.workers.InjectedFault: injected fault at compile in the warm-up of cpu (log: "
+    ) in text, text
     assert "error: worker 0 (cpu) failed during compile/warm-up:" in text
     assert proc.returncode == 1
 
@@ -148,8 +185,15 @@ def test_a_failed_warm_up_is_one_line_and_the_threads_start_regardless(tmp_path)
 def test_the_threads_compile_from_the_cache_the_warm_up_filled(tmp_path):
     """The cache keys match: after the warm-up process, the threads' compile finds every FX graph
     and AOTAutograd entry in the cache (cold cache dir; about 1 min on 2 CPU cores)."""
-    proc = trainer(tmp_path, "run.threads=2", "data.batch_size=2", "run.steps=2", "run.log_every=2",
-                   "run.eval_every=2", "run.checkpoint_every=2")
+    proc = trainer(
+        tmp_path,
+        "run.threads=2",
+        "data.batch_size=2",
+        "run.steps=2",
+        "run.log_every=2",
+        "run.eval_every=2",
+        "run.checkpoint_every=2",
+    )
     text = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, text
     assert "parallel warm-up: 1/1 done in " in text and "the worker threads now compile from the warm cache" in text
@@ -157,4 +201,8 @@ def test_the_threads_compile_from_the_cache_the_warm_up_filled(tmp_path):
     assert "compiled; AOTAutograd 0 from the cache" in child  # the warm-up itself compiled: the cache was cold
     line = next(line for line in text.splitlines() if line.startswith("compiled and warmed up: "))
     stats = line.split("compile cache: ")[1]
-    assert "FX graphs 0 from the cache" not in stats and " 0 compiled; AOTAutograd" in stats and stats.endswith(" 0 compiled"), line
+    assert (
+        "FX graphs 0 from the cache" not in stats
+        and " 0 compiled; AOTAutograd" in stats
+        and stats.endswith(" 0 compiled")
+    ), line

@@ -24,14 +24,20 @@ from dflash_train import workers as W  # noqa: E402
 from dflash_train.config import load_config  # noqa: E402
 from dflash_train.data import BlockSampler, build_datasets  # noqa: E402
 from dflash_train.plan import resolve_run  # noqa: E402
-from dflash_train.compiling import EAGER  # what the plan picks on the CPU: run.compile off
+from dflash_train.compiling import EAGER  # noqa: E402 - what the plan picks on the CPU: run.compile off
 from dflash_train.replica import build_replica, drafter_ops, forward_backward, optimizer_step  # noqa: E402
 
 STEPS = 6
 # Random tokens: every anchor is valid and every micro-batch has the same loss-weight sum, so the
 # mean of micro-batch gradients equals the global batch's gradient.
-TINY = ["data.source=random", "data.batch_size=6", "data.num_train=36", "data.num_eval=6",
-        "target.num_layers=4", f"run.steps={STEPS}"]
+TINY = [
+    "data.source=random",
+    "data.batch_size=6",
+    "data.num_train=36",
+    "data.num_eval=6",
+    "target.num_layers=4",
+    f"run.steps={STEPS}",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +51,7 @@ def setup():
 def run(cfg, sampler, world=3, steps=STEPS, ops=None, on_sync=None, **options):
     """run_threaded over `world` CPU workers with the drafter ops."""
     opts = W.ThreadedOptions(seed=cfg.run.seed, **{"sync_every": 2, **options})
-    return W.run_threaded(ops or drafter_ops(cfg), ["cpu"] * world, W.sharded(sampler.batch), steps, opts,
-                          on_sync)
+    return W.run_threaded(ops or drafter_ops(cfg), ["cpu"] * world, W.sharded(sampler.batch), steps, opts, on_sync)
 
 
 def worker_threads_alive() -> list[str]:
@@ -55,6 +60,7 @@ def worker_threads_alive() -> list[str]:
 
 def wait_for_workers_to_end(hung_before: set[threading.Thread]) -> None:
     """Every worker thread but those hung on purpose by earlier tests ends (bounded wait)."""
+
     def alive() -> list[str]:
         return [t.name for t in threading.enumerate() if t.name.startswith("dflash-worker-") and t not in hung_before]
 
@@ -96,8 +102,14 @@ def test_replicas_stay_identical_and_match_one_replica_on_the_global_batch(setup
         base.optimizer_step(replica)
 
     opts = W.ThreadedOptions(seed=cfg.run.seed, sync_every=2)
-    result = W.run_threaded(dataclasses.replace(base, optimizer_step=step), ["cpu"] * 3,
-                            W.sharded(sampler.batch), STEPS, opts, on_sync=lambda point: syncs.append(point.step))
+    result = W.run_threaded(
+        dataclasses.replace(base, optimizer_step=step),
+        ["cpu"] * 3,
+        W.sharded(sampler.batch),
+        STEPS,
+        opts,
+        on_sync=lambda point: syncs.append(point.step),
+    )
     assert syncs == [2, 4, 6]
     assert len(set(result.checksums)) == 1
     threaded = [p.detach() for p in result.replicas[0].drafter.parameters()]
@@ -125,14 +137,22 @@ def test_replicas_stay_identical_and_match_one_replica_on_the_global_batch(setup
     diffs = torch.cat([(a - b.detach()).abs().flatten() for a, b in zip(threaded, single.drafter.parameters())])
     assert (diffs > 1e-6).float().mean().item() < 1e-3
     assert diffs.max().item() < sum(lrs)
-    moved = max((a - b).abs().max().item() for a, b in zip(threaded, build_replica(cfg, "cpu", cfg.run.seed, EAGER)
-                                                           .drafter.parameters()))
+    moved = max(
+        (a - b).abs().max().item()
+        for a, b in zip(threaded, build_replica(cfg, "cpu", cfg.run.seed, EAGER).drafter.parameters())
+    )
     assert moved > 10 * 1e-6  # training moved the parameters by far more than the tight tolerance
 
 
-@pytest.mark.parametrize("fail_at,phase", [("build", "build"), ("compile", "compile/warm-up"),
-                                           ("step:1", "step 1 forward/backward"),
-                                           ("step:4", "step 4 forward/backward")])
+@pytest.mark.parametrize(
+    "fail_at,phase",
+    [
+        ("build", "build"),
+        ("compile", "compile/warm-up"),
+        ("step:1", "step 1 forward/backward"),
+        ("step:4", "step 4 forward/backward"),
+    ],
+)
 def test_a_failing_worker_stops_everyone_with_its_traceback(setup, fail_at, phase):
     cfg, sampler = setup
     hung_before = set(threading.enumerate())
@@ -191,17 +211,32 @@ def test_a_diverged_replica_is_an_error(setup):
 
 
 @pytest.mark.timeout(60)  # a hang guard: the timeouts below are 1 s
-@pytest.mark.parametrize("hang_at,timeouts", [("build", {"compile_timeout_s": 1.0}),
-                                              ("compile", {"compile_timeout_s": 1.0}),
-                                              ("step:2", {"barrier_timeout_s": 1.0})])
+@pytest.mark.parametrize(
+    "hang_at,timeouts",
+    [
+        ("build", {"compile_timeout_s": 1.0}),
+        ("compile", {"compile_timeout_s": 1.0}),
+        ("step:2", {"barrier_timeout_s": 1.0}),
+    ],
+)
 def test_a_hung_worker_is_an_error_within_the_timeout(setup, hang_at, timeouts):
     # build/compile: the hung worker holds the lock; the other times out waiting for it, or at
     # the ready barrier if it got through first: start-up waits obey compile_timeout_s alone.
     # step:2: the other worker times out at the gradient barrier (barrier_timeout_s).
     cfg, sampler = setup
     with pytest.raises(W.WorkerError) as err:
-        run(cfg, sampler, world=2, steps=3, ops=two_number_ops(), hang_at=hang_at, fail_rank=1, warmup_steps=0,
-            grace_s=0.5, **timeouts)
+        run(
+            cfg,
+            sampler,
+            world=2,
+            steps=3,
+            ops=two_number_ops(),
+            hang_at=hang_at,
+            fail_rank=1,
+            warmup_steps=0,
+            grace_s=0.5,
+            **timeouts,
+        )
     message = str(err.value)
     assert err.value.rank == 0 and "phases:" in message
     assert "waited 1s for the build/compile lock" in message or "barrier timed out after 1s" in message
@@ -220,8 +255,15 @@ def test_a_slow_build_is_waited_for_past_the_step_barrier_timeout(setup):
         built.append(base.build(device, seed, policy))
         return built[-1]
 
-    result = run(cfg, sampler, world=2, steps=2, ops=dataclasses.replace(base, build=slow_build),
-                 barrier_timeout_s=2.0, warmup_steps=0)
+    result = run(
+        cfg,
+        sampler,
+        world=2,
+        steps=2,
+        ops=dataclasses.replace(base, build=slow_build),
+        barrier_timeout_s=2.0,
+        warmup_steps=0,
+    )
     assert result.steps == 2 and len(set(result.checksums)) == 1
     assert "hang_forever" not in worker_threads_alive()  # the hung daemon thread is simply left behind
 
@@ -237,8 +279,9 @@ def test_cross_host_hooks_see_replica_zero_buffers_and_checksums(setup):
 
     plain = run(cfg, sampler, world=2, steps=4)
     hooked = run(cfg, sampler, world=2, steps=4, cross_reduce=cross_reduce, cross_check=checked.append)
-    assert len(reduced) == 4 and reduced[0] == [("cpu", torch.float32, sum(
-        p.numel() for p in plain.replicas[0].drafter.parameters()))]
+    assert len(reduced) == 4 and reduced[0] == [
+        ("cpu", torch.float32, sum(p.numel() for p in plain.replicas[0].drafter.parameters()))
+    ]
     assert len(checked) == 2 and checked[-1] == hooked.checksums[0]  # sync points 2 and 4
     assert hooked.checksums == plain.checksums  # the default path and an identity hook agree bit for bit
 
@@ -258,8 +301,15 @@ def test_a_stop_request_ends_the_run_at_that_step_with_a_sync(setup):
         steps_done.append(1)
         return len(steps_done) >= 3  # polled once per step
 
-    result = run(cfg, sampler, world=2, steps=STEPS, sync_every=5, should_stop=should_stop,
-                 on_start=lambda point: seen.append(("start", point.step)))
+    result = run(
+        cfg,
+        sampler,
+        world=2,
+        steps=STEPS,
+        sync_every=5,
+        should_stop=should_stop,
+        on_start=lambda point: seen.append(("start", point.step)),
+    )
     assert result.steps == 3 and len(set(result.checksums)) == 1
     assert seen == [("start", 0)]
 
@@ -270,8 +320,9 @@ def test_bad_fault_spec_is_rejected(setup):
         run(cfg, sampler, fail_at="step:0")
 
 
-@pytest.mark.parametrize("version,expected", [("2.11.0+cu130", "TLS"), ("2.12.1", "per-thread"),
-                                              ("2.13.0", "unmeasured")])
+@pytest.mark.parametrize(
+    "version,expected", [("2.11.0+cu130", "TLS"), ("2.12.1", "per-thread"), ("2.13.0", "unmeasured")]
+)
 def test_cudagraphs_policy_turns_trees_off_per_call_on_every_version(version, expected):
     def policy(mode: str, gpus: int):
         over = TINY + [f"run.compile={mode}"]

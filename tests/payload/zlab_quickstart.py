@@ -42,12 +42,22 @@ def main() -> None:
             calls.clear()
             output = draft.spec_generate(input_ids=input_ids, max_new_tokens=n, target=target, **run)
             steps = len(calls) - 1
-            greedy = target.generate(input_ids, max_new_tokens=n, do_sample=False,
-                                     eos_token_id=run["stop_token_ids"], pad_token_id=0)
-            results[-1].append({"spec": output[0, len(prompt):].tolist(), "greedy": greedy[0, len(prompt):].tolist(),
-                                "steps": steps, "prompt_kept": output[0, :len(prompt)].tolist() == prompt})
-    attributes = {"block_size": draft.block_size, "mask_token_id": draft.mask_token_id,
-                  "target_layer_ids": draft.target_layer_ids}
+            greedy = target.generate(
+                input_ids, max_new_tokens=n, do_sample=False, eos_token_id=run["stop_token_ids"], pad_token_id=0
+            )
+            results[-1].append(
+                {
+                    "spec": output[0, len(prompt) :].tolist(),
+                    "greedy": greedy[0, len(prompt) :].tolist(),
+                    "steps": steps,
+                    "prompt_kept": output[0, : len(prompt)].tolist() == prompt,
+                }
+            )
+    attributes = {
+        "block_size": draft.block_size,
+        "mask_token_id": draft.mask_token_id,
+        "target_layer_ids": draft.target_layer_ids,
+    }
     open(out_file, "w").write(json.dumps({"results": results, "attributes": attributes}))
 
 

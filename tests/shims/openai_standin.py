@@ -91,8 +91,11 @@ def make_handler(state: Standin) -> type:
             self.wfile.write(data)
 
         def error(self, status: int, message: str, kind: str = "BadRequestError") -> None:
-            self.reply(status, {"error": {"message": message, "type": kind, "code": status}},
-                       {"Retry-After": "0"} if status == 429 else None)
+            self.reply(
+                status,
+                {"error": {"message": message, "type": kind, "code": status}},
+                {"Retry-After": "0"} if status == 429 else None,
+            )
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             if self.path.rstrip("/") == "/v1/models":
@@ -121,7 +124,9 @@ def make_handler(state: Standin) -> type:
                 self.wfile.write(torn)
                 return
             if status is not None:
-                self.error(status, "stand-in: injected failure", "RateLimitError" if status == 429 else "InternalServerError")
+                self.error(
+                    status, "stand-in: injected failure", "RateLimitError" if status == 429 else "InternalServerError"
+                )
                 return
             if body.get("model") != state.model:
                 self.error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
@@ -145,17 +150,34 @@ def make_handler(state: Standin) -> type:
             message = {"role": "assistant", "content": " ".join(out)}
             if (body.get("chat_template_kwargs") or {}).get("enable_thinking"):
                 message["reasoning_content"] = "thinking " + " ".join(words(text, 2))
-            self.reply(200, {"id": "chatcmpl-standin", "object": "chat.completion", "model": state.model,
-                             "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                             "usage": {"prompt_tokens": len(text.split()), "completion_tokens": len(out),
-                                       "total_tokens": len(text.split()) + len(out)}})
+            self.reply(
+                200,
+                {
+                    "id": "chatcmpl-standin",
+                    "object": "chat.completion",
+                    "model": state.model,
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                    "usage": {
+                        "prompt_tokens": len(text.split()),
+                        "completion_tokens": len(out),
+                        "total_tokens": len(text.split()) + len(out),
+                    },
+                },
+            )
 
         def completion(self, body: dict, text: str) -> None:
             out, finish = generate(body, text)
             finish = None if "NULL-FINISH" in text else finish
-            self.reply(200, {"id": "cmpl-standin", "object": "text_completion", "model": state.model,
-                             "choices": [{"index": 0, "text": " " + " ".join(out), "finish_reason": finish}],
-                             "usage": {"prompt_tokens": 0, "completion_tokens": len(out), "total_tokens": len(out)}})
+            self.reply(
+                200,
+                {
+                    "id": "cmpl-standin",
+                    "object": "text_completion",
+                    "model": state.model,
+                    "choices": [{"index": 0, "text": " " + " ".join(out), "finish_reason": finish}],
+                    "usage": {"prompt_tokens": 0, "completion_tokens": len(out), "total_tokens": len(out)},
+                },
+            )
 
     return Handler
 

@@ -15,8 +15,15 @@ from .read import cmd_read, frame
 from .start import cmd_resume, cmd_start
 
 
-COMMANDS = {"start": cmd_start, "resume": cmd_resume, "list": cmd_list, "show": cmd_show, "stop": cmd_stop, "read": cmd_read,
-            "pack": cmd_pack}
+COMMANDS = {
+    "start": cmd_start,
+    "resume": cmd_resume,
+    "list": cmd_list,
+    "show": cmd_show,
+    "stop": cmd_stop,
+    "read": cmd_read,
+    "pack": cmd_pack,
+}
 
 
 def main(argv):

@@ -109,7 +109,7 @@ def proc_stat(pid):
     except OSError:
         return None
     # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = data[data.rindex(b")") + 2:].split()
+    fields = data[data.rindex(b")") + 2 :].split()
     return fields[0].decode(), int(fields[19])
 
 

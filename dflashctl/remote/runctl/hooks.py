@@ -15,9 +15,16 @@ def fire(run_dir, meta, event, state, code=None, log=None):
     argv = meta.get("on_event")
     if not argv:
         return None
-    env = dict(os.environ, DFLASHCTL_EVENT=event, DFLASHCTL_RUN_ID=meta["run_id"], DFLASHCTL_RUN_NAME=meta.get("name") or "",
-               DFLASHCTL_STATE=state, DFLASHCTL_EXIT_CODE="" if code is None else str(code),
-               DFLASHCTL_HOST=meta.get("host") or "", DFLASHCTL_RUN_DIR=run_dir)
+    env = dict(
+        os.environ,
+        DFLASHCTL_EVENT=event,
+        DFLASHCTL_RUN_ID=meta["run_id"],
+        DFLASHCTL_RUN_NAME=meta.get("name") or "",
+        DFLASHCTL_STATE=state,
+        DFLASHCTL_EXIT_CODE="" if code is None else str(code),
+        DFLASHCTL_HOST=meta.get("host") or "",
+        DFLASHCTL_RUN_DIR=run_dir,
+    )
     note = "dflashctl: event %s\n" % event
     out = open(log, "ab") if log else None  # never this process's stdout there: it carries the answer
     try:
@@ -27,8 +34,16 @@ def fire(run_dir, meta, event, state, code=None, log=None):
         else:
             sys.stdout.write(note)
             sys.stdout.flush()
-        return subprocess.Popen(argv, cwd=run_dir, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                stdout=out, stderr=out, close_fds=True)
+        return subprocess.Popen(
+            argv,
+            cwd=run_dir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            stdout=out,
+            stderr=out,
+            close_fds=True,
+        )
     except OSError as exc:
         if not out:
             print("dflashctl: the event hook cannot start: %s" % exc, flush=True)

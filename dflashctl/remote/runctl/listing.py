@@ -6,8 +6,17 @@ import signal
 import time
 
 from ..wire import EXIT, META, METRICS, STOP
-from .common import (alive, emit, read_exit_code, read_json, request_stop, runs_root, signal_group, signal_process,
-                     write_atomic)
+from .common import (
+    alive,
+    emit,
+    read_exit_code,
+    read_json,
+    request_stop,
+    runs_root,
+    signal_group,
+    signal_process,
+    write_atomic,
+)
 from .state import all_runs, resolve, state_of, summary
 
 
@@ -62,7 +71,11 @@ def cmd_stop(workdir, selector, grace):
     if meta.get("trainer") and not alive(meta.get("supervisor")):
         stop_orphan_trainer(run_dir, meta, grace)
     deadline = time.time() + grace + 30
-    while time.time() < deadline and read_exit_code(run_dir) is None and state_of(run_dir, meta)[0] in ("running", "queued"):
+    while (
+        time.time() < deadline
+        and read_exit_code(run_dir) is None
+        and state_of(run_dir, meta)[0] in ("running", "queued")
+    ):
         time.sleep(0.1)
     meta = read_json(os.path.join(run_dir, META)) or meta
     emit(summary(run_dir, meta))

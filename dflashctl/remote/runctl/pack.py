@@ -2,7 +2,6 @@
 
 import os
 import sys
-import tarfile
 
 from ..wire import CHECKPOINT_CHOICES
 from .common import RunError, emit, runs_root
@@ -15,8 +14,11 @@ def pack_list(run_dir, checkpoints):
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     keep = None  # checkpoint entries to include (None: all)
     if checkpoints == "latest":
-        entries = sorted((e for e in os.listdir(ckpt_dir) if not e.startswith(".")), key=checkpoint_key) \
-            if os.path.isdir(ckpt_dir) else []
+        entries = (
+            sorted((e for e in os.listdir(ckpt_dir) if not e.startswith(".")), key=checkpoint_key)
+            if os.path.isdir(ckpt_dir)
+            else []
+        )
         keep = set(entries[-1:])
     for top, dirs, files in os.walk(run_dir):
         rel_top = os.path.relpath(top, run_dir)
@@ -44,8 +46,14 @@ def cmd_pack(workdir, selector, checkpoints="none"):
         raise RunError("bad_request", "checkpoints must be one of %s" % ", ".join(CHECKPOINT_CHOICES))
     run_id, run_dir, meta = resolve(runs_root(workdir), selector)
     files = pack_list(run_dir, checkpoints)
-    emit({"run_id": run_id, "state": state_of(run_dir, meta)[0], "files": len(files),
-          "bytes": sum(size for _, _, size in files)})
+    emit(
+        {
+            "run_id": run_id,
+            "state": state_of(run_dir, meta)[0],
+            "files": len(files),
+            "bytes": sum(size for _, _, size in files),
+        }
+    )
     out = sys.stdout.buffer
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for rel, path, size in files:

@@ -8,8 +8,18 @@ import signal
 import struct
 import time
 
-from ..wire import (FRAME_DATA, FRAME_END, FRAME_HEARTBEAT, FRAME_METRICS, FRAME_ROTATED, FRAME_START, LOG, META,
-                    METRICS, ROTATED)
+from ..wire import (
+    FRAME_DATA,
+    FRAME_END,
+    FRAME_HEARTBEAT,
+    FRAME_METRICS,
+    FRAME_ROTATED,
+    FRAME_START,
+    LOG,
+    META,
+    METRICS,
+    ROTATED,
+)
 from .common import SUPERVISED, alive, read_json, runs_root
 from .state import last_metrics, resolve, state_of
 
@@ -25,7 +35,7 @@ def frame(kind, payload=b""):
         payload = json.dumps(payload).encode()
     view = memoryview(kind + struct.pack(">I", len(payload)) + payload)
     while view:
-        view = view[os.write(1, view):]
+        view = view[os.write(1, view) :]
 
 
 def start_offset(path, lines, since_step):
@@ -58,7 +68,7 @@ def start_offset(path, lines, since_step):
             if pos + step == end and block.endswith(b"\n"):
                 block = block[:-1]  # the final newline does not start a line
             for i in range(len(block) - 1, -1, -1):
-                if block[i:i + 1] == b"\n":
+                if block[i : i + 1] == b"\n":
                     found += 1
                     if found == lines:
                         return pos + i + 1

@@ -12,8 +12,20 @@ import sys
 import time
 
 from ..wire import EXIT, LOG, META, PREFLIGHT_TIMEOUT_S, REASON, RUN_DIR_TOKEN, STOP, WORKDIR_TOKEN
-from .common import (RUN_ID_RE, SUPERVISED, SUPERVISOR_POLL_S, RunError, emit, marker, read_json, runs_lock, runs_root,
-                     signal_group, utc_iso, write_atomic)
+from .common import (
+    RUN_ID_RE,
+    SUPERVISED,
+    SUPERVISOR_POLL_S,
+    RunError,
+    emit,
+    marker,
+    read_json,
+    runs_lock,
+    runs_root,
+    signal_group,
+    utc_iso,
+    write_atomic,
+)
 from .state import conflicts, queued_ahead, resolve, state_of
 from .supervise import supervise
 
@@ -38,8 +50,10 @@ def interruptible():
 def check_interrupt(interrupts):
     """Before a start commits: an interrupt so far means nothing is started (RunError)."""
     if interrupts:
-        raise RunError("interrupted", "the start was interrupted (signal %d) before the run was created: "
-                                      "nothing was started" % interrupts[0])
+        raise RunError(
+            "interrupted",
+            "the start was interrupted (signal %d) before the run was created: nothing was started" % interrupts[0],
+        )
 
 
 def remove_unborn(root):
@@ -83,8 +97,15 @@ def cmd_start(workdir):
         os.makedirs(meta["cwd"], exist_ok=True)
         sup = spawn_supervisor(run_dir, meta, meta["env"], lock.fileno())
         meta = wait_for_pids(run_dir, sup)
-    emit({"run_id": run_id, "run_dir": run_dir, "pid": (meta.get("trainer") or {}).get("pid"), "gpus": gpus,
-          "queued_behind": meta.get("queued_behind") if meta.get("queued") else None})
+    emit(
+        {
+            "run_id": run_id,
+            "run_dir": run_dir,
+            "pid": (meta.get("trainer") or {}).get("pid"),
+            "gpus": gpus,
+            "queued_behind": meta.get("queued_behind") if meta.get("queued") else None,
+        }
+    )
 
 
 def admit(root, run_id, spec, argv, cwd, interrupts):
@@ -100,8 +121,11 @@ def admit(root, run_id, spec, argv, cwd, interrupts):
         # there, so that the run uses what is locked.
         found = preflight(argv, cwd, spec.get("env") or {}, interrupts)
         if "holds" not in found:  # an older trainer's answer (its `gpus` key), left by `--no-push`
-            raise RunError("preflight", "the trainer in the container predates this dflashctl's run plan: "
-                           "push it (train without --no-push, or dflashctl push)")
+            raise RunError(
+                "preflight",
+                "the trainer in the container predates this dflashctl's run plan: "
+                "push it (train without --no-push, or dflashctl push)",
+            )
         gpus = [str(g) for g in found["holds"]]
         argv += found.get("pin") or []
     busy = [] if spec.get("force") else conflicts(root, gpus) + queued_ahead(root, gpus, run_id)
@@ -153,14 +177,19 @@ def cmd_resume(workdir, selector):
         run_id, run_dir, meta = resolve(root, selector)
         state, _ = state_of(run_dir, meta)
         if state in ("running", "queued"):
-            raise RunError("conflict_running", "run %s is still %s (stop it first: dflashctl runs stop)" % (run_id, state))
+            raise RunError(
+                "conflict_running", "run %s is still %s (stop it first: dflashctl runs stop)" % (run_id, state)
+            )
         if meta.get("group"):
             raise RunError("bad_request", "run %s spans several hosts: resume it with a new `train` on them" % run_id)
         kind = meta.get("kind", "train")
         if spec.get("kind", kind) != kind:
             how = ["dflashctl", "data", "regen"] if kind == "data" else ["dflashctl", "train"]
-            raise RunError("usage", "run %s is a %s run: continue it with %s" % (
-                run_id, kind, shlex.join(how + [meta.get("host") or "HOST", "--resume", run_id])))
+            raise RunError(
+                "usage",
+                "run %s is a %s run: continue it with %s"
+                % (run_id, kind, shlex.join(how + [meta.get("host") or "HOST", "--resume", run_id])),
+            )
         argv = list(meta["argv"])
         if "--resume" not in argv:
             argv.append("--resume")
@@ -181,12 +210,21 @@ def cmd_resume(workdir, selector):
         for key in ("supervisor", "trainer", "pgid"):
             meta.pop(key, None)
         meta["starter"] = marker(os.getpid())
-        meta.update(argv=argv, cwd=cwd, env=env, payload_hash=spec.get("payload_hash") or meta.get("payload_hash"),
-                    resumes=meta.get("resumes", 0) + 1, resumed_at=utc_iso(now), started_ts=now)
+        meta.update(
+            argv=argv,
+            cwd=cwd,
+            env=env,
+            payload_hash=spec.get("payload_hash") or meta.get("payload_hash"),
+            resumes=meta.get("resumes", 0) + 1,
+            resumed_at=utc_iso(now),
+            started_ts=now,
+        )
         write_atomic(os.path.join(run_dir, META), json.dumps(meta, indent=2))
         sup = spawn_supervisor(run_dir, meta, env, lock.fileno())
         meta = wait_for_pids(run_dir, sup)
-    emit({"run_id": run_id, "run_dir": run_dir, "pid": (meta.get("trainer") or {}).get("pid"), "gpus": meta.get("gpus")})
+    emit(
+        {"run_id": run_id, "run_dir": run_dir, "pid": (meta.get("trainer") or {}).get("pid"), "gpus": meta.get("gpus")}
+    )
 
 
 def preflight(argv, cwd, env, interrupts):
@@ -194,11 +232,20 @@ def preflight(argv, cwd, env, interrupts):
     or RunError (config, missing_module, preflight, interrupted) carrying the trainer's one line.
     An interrupt (see interruptible) ends it at once."""
     if not os.path.isdir(cwd):
-        raise RunError("preflight", "no trainer in %s: push it first (dflashctl push), or train without --no-push" % cwd)
+        raise RunError(
+            "preflight", "no trainer in %s: push it first (dflashctl push), or train without --no-push" % cwd
+        )
     child_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
     try:
-        proc = subprocess.Popen(argv + ["--preflight"], cwd=cwd, env=child_env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(
+            argv + ["--preflight"],
+            cwd=cwd,
+            env=child_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
     except OSError as exc:
         raise RunError("preflight", "cannot start the trainer: %s" % exc)
     deadline = time.time() + PREFLIGHT_TIMEOUT_S
@@ -211,8 +258,10 @@ def preflight(argv, cwd, env, interrupts):
                 signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
                 check_interrupt(interrupts)
-                raise RunError("preflight", "the trainer's pre-flight did not answer within %ds (a hung GPU "
-                                            "driver?)" % PREFLIGHT_TIMEOUT_S)
+                raise RunError(
+                    "preflight",
+                    "the trainer's pre-flight did not answer within %ds (a hung GPU driver?)" % PREFLIGHT_TIMEOUT_S,
+                )
     lines = out.decode("utf-8", "replace").strip().splitlines()
     try:
         answer = json.loads(lines[-1])
@@ -223,8 +272,10 @@ def preflight(argv, cwd, env, interrupts):
     if isinstance(answer, dict) and answer.get("error") in ("config", "missing_module"):
         raise RunError(answer["error"], answer.get("message", ""), module=answer.get("module"))
     last = [ln for ln in err.decode("utf-8", "replace").splitlines() if ln.strip()]
-    raise RunError("preflight", "the trainer's pre-flight failed (exit %d): %s"
-                   % (proc.returncode, last[-1] if last else "no output"))
+    raise RunError(
+        "preflight",
+        "the trainer's pre-flight failed (exit %d): %s" % (proc.returncode, last[-1] if last else "no output"),
+    )
 
 
 def spawn_supervisor(run_dir, meta, env, lock_fd):

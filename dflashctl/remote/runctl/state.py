@@ -21,8 +21,11 @@ def state_of(run_dir, meta):
         if meta.get("supervisor") is None:
             # Starting: its starter (runctl start) forks the supervisor. A starter killed before
             # that (kill -9, a client that went away) leaves a run that is lost at once.
-            starting = alive(meta["starter"]) if meta.get("starter") else \
-                time.time() - meta.get("started_ts", 0) < STARTING_GRACE_S
+            starting = (
+                alive(meta["starter"])
+                if meta.get("starter")
+                else time.time() - meta.get("started_ts", 0) < STARTING_GRACE_S
+            )
             return ("running" if starting else "lost"), None
         if alive(meta.get("supervisor")) or alive(meta.get("trainer")):
             # A queued run's supervisor waits for its GPUs; run.json says when it stopped waiting.
@@ -92,8 +95,15 @@ def summary(run_dir, meta):
         report_lost(run_dir, meta)
     out = dict(meta)
     out.setdefault("kind", "train")  # run.json from before kinds
-    out.update(state=state, exit_code=code, ended_ts=ended, last=last_metrics(run_dir), now_ts=time.time(),
-               reason=read_reason(run_dir) if state != "running" else None, eval=eval_figures(run_dir))
+    out.update(
+        state=state,
+        exit_code=code,
+        ended_ts=ended,
+        last=last_metrics(run_dir),
+        now_ts=time.time(),
+        reason=read_reason(run_dir) if state != "running" else None,
+        eval=eval_figures(run_dir),
+    )
     return out
 
 

@@ -9,8 +9,18 @@ import sys
 import time
 
 from ..wire import EXIT, LOG, META, NO_RESTART, REASON, STOP
-from .common import (SUPERVISOR_POLL_S, marker, read_json, request_stop, runs_lock, signal_group, signal_process,
-                     update_meta, utc_iso, write_atomic)
+from .common import (
+    SUPERVISOR_POLL_S,
+    marker,
+    read_json,
+    request_stop,
+    runs_lock,
+    signal_group,
+    signal_process,
+    update_meta,
+    utc_iso,
+    write_atomic,
+)
 from .hooks import fire, wait_hook
 from .state import conflicts, newest_checkpoint, queued_ahead, read_reason, state_of
 
@@ -29,8 +39,11 @@ def supervise(run_dir, meta, env):
     child_env["DFLASHCTL_REASON_FILE"] = os.path.join(run_dir, REASON)
     if meta.get("queued"):
         update_meta(run_dir, supervisor=marker(os.getpid()))
-        print("dflashctl: queued behind %s for GPUs %s" % (", ".join(meta.get("queued_behind") or []),
-                                                          ",".join(meta["gpus"])), flush=True)
+        print(
+            "dflashctl: queued behind %s for GPUs %s"
+            % (", ".join(meta.get("queued_behind") or []), ",".join(meta["gpus"])),
+            flush=True,
+        )
         if not wait_in_queue(run_dir, meta, stop_flag):
             print("dflashctl: the queued run was cancelled before it started", flush=True)
             write_atomic(os.path.join(run_dir, EXIT), "%d\n" % (128 + signal.SIGTERM))
@@ -52,8 +65,9 @@ def run_attempts(run_dir, meta, child_env, stop_flag):
         attempt += 1
         log_from = os.fstat(1).st_size  # where this attempt's output starts (stdout is the log)
         try:
-            child = subprocess.Popen(argv, cwd=meta["cwd"], env=child_env, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+            child = subprocess.Popen(
+                argv, cwd=meta["cwd"], env=child_env, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         except OSError as exc:
             sys.stderr.write("dflashctl: cannot start the trainer: %s\n" % exc)
             sys.stderr.flush()
@@ -68,15 +82,28 @@ def run_attempts(run_dir, meta, child_env, stop_flag):
         if not wants_restart(restart, code, done) or stop_flag or os.path.exists(os.path.join(run_dir, STOP)):
             return code, log_from
         if step is not None and step == failed_at:
-            print("dflashctl: the trainer failed again (exit %d) without getting past its checkpoint at step %s: "
-                  "not restarting" % (code, step), flush=True)
+            print(
+                "dflashctl: the trainer failed again (exit %d) without getting past its checkpoint at step %s: "
+                "not restarting" % (code, step),
+                flush=True,
+            )
             return code, log_from
         failed_at = step
-        delay = min(RESTART_DELAY_CAP_S, float(restart.get("delay_s", 10)) * 2 ** done)
-        print("dflashctl: restart %d/%d after exit code %d, from %s, in %g s" % (
-            done + 1, restart["max"], code, "the checkpoint at step %s" % step if step is not None else "the start",
-            delay), flush=True)
-        update_meta(run_dir, restarts=done + 1, last_restart={"exit_code": code, "checkpoint": step, "at": utc_iso(time.time())})
+        delay = min(RESTART_DELAY_CAP_S, float(restart.get("delay_s", 10)) * 2**done)
+        print(
+            "dflashctl: restart %d/%d after exit code %d, from %s, in %g s"
+            % (
+                done + 1,
+                restart["max"],
+                code,
+                "the checkpoint at step %s" % step if step is not None else "the start",
+                delay,
+            ),
+            flush=True,
+        )
+        update_meta(
+            run_dir, restarts=done + 1, last_restart={"exit_code": code, "checkpoint": step, "at": utc_iso(time.time())}
+        )
         if sleep_unless_stopped(run_dir, delay, stop_flag):
             return code, log_from
         if step is not None and "--resume" not in argv:
@@ -93,8 +120,10 @@ def finish(run_dir, meta, code, log_from):
     elif code not in (0, 2) and meta.get("host") and not meta.get("group") and newest_checkpoint(run_dir) is not None:
         # The trainer's own hint names its flag; this one names the command that does it here.
         command = shlex.join(["dflashctl", "train", meta["host"], "--resume", meta["run_id"]])
-        print("dflashctl: the trainer exited with %d; continue from its newest checkpoint: %s" % (code, command),
-              flush=True)
+        print(
+            "dflashctl: the trainer exited with %d; continue from its newest checkpoint: %s" % (code, command),
+            flush=True,
+        )
     if code != 0 and read_reason(run_dir) is None and not os.path.exists(os.path.join(run_dir, STOP)):
         line = error_line(os.path.join(run_dir, LOG), log_from)
         if line:  # `runs show` says why it failed without a look into the log
@@ -133,7 +162,7 @@ def error_line(log_path, start):
     lines = [ln for ln in lines if ln]
     errors = [ln for ln in lines if ln.startswith("error: ")]
     if errors:
-        return errors[-1][len("error: "):][:2000]
+        return errors[-1][len("error: ") :][:2000]
     if any(ln.startswith("Traceback (most recent call last)") for ln in lines):
         last = [ln for ln in lines if not ln.startswith("dflashctl: ")]
         return last[-1][:2000] if last else None
