@@ -23,6 +23,11 @@ Steps, each a `dflashctl` process against an inventory with the `local` host (no
              RECIPE --set run.steps=N --follow`, then `eval local RUN --prompts heldout-prompts.jsonl
              --json` (prompts from packages the target never saw); prompt lookup is decoded by the
              call's first eval only (`--no-baseline` after it: it does not depend on the drafter)
+With --resumable (and --work), a run longer than the call is stopped near the call's end (the
+trainer checkpoints) and recorded in --work/points.json; the next call with --reuse --resumable
+resumes it (`train local --resume RUN --follow`) before anything else and scores it once it ends
+(a 10-GPU-minute point over two or three 10-minute device calls); points scored by an earlier call
+are not trained again, and their rows come back into the table.
 A point's training minutes are the run's measured step time (its metrics' step_time_s x steps:
 compile, evaluations and checkpoints left out), one full schedule per point (warm-up, cosine
 decay), as a user training for that long would run it. Prints a table of minutes vs tau, speedup,
@@ -55,6 +60,8 @@ OLD_DEFAULTS = (
 )
 # A point's time beside its steps: start-up and compile (a warm cache), evaluations, export, `eval`.
 POINT_OVERHEAD_S = 150.0
+# --resumable: runs stopped at the end of a call, resumed by the next (`--reuse`) call, in --work.
+POINTS = "points.json"
 DRY_RECIPE = (
     "tiny drafter.num_layers=1 drafter.block_size=8 data.max_length=160 data.anchors_per_seq=16 data.batch_size=8"
 )
@@ -72,6 +79,10 @@ class Plan:
     calibrate_steps: int
     minutes: str
     gpus: tuple[str, ...]  # --gpus for train, regen and eval
+    # --resumable: budget kept for `runs stop` after a follow (the trainer writes its checkpoint),
+    # and the least budget a run is started or resumed with (its start-up would eat less).
+    stop_margin_s: float = 60.0
+    min_start_s: float = 120.0
 
 
 GPU = Plan(
@@ -118,6 +129,8 @@ DRY = Plan(
     calibrate_steps=10,
     minutes="0.05,0.1,0.2",
     gpus=("--gpus", "cpu"),
+    stop_margin_s=10.0,
+    min_start_s=20.0,
 )
 
 
@@ -145,10 +158,12 @@ class Bench(LocalHostBench):
         return self.run([sys.executable, "-m", "dflashctl", *args], what, timeout)
 
     def train(
-        self, target: Path, recipe: list[str], steps: int, name: str, evals: int = 1
-    ) -> tuple[str | None, list[dict], float]:
+        self, target: Path, recipe: list[str], steps: int, name: str, evals: int = 1, resumable: bool = False
+    ) -> tuple[str | None, list[dict], float, bool]:
         """One `train local ... --follow` of `steps` steps, evaluated `evals` times in training:
-        (run id or None, its records, CLI seconds)."""
+        (run id or None, its records, CLI seconds, stopped). With `resumable`, a run that would
+        outlast the budget is stopped plan.stop_margin_s before its end (the trainer checkpoints on the
+        stop) for a later call to resume; else it is stopped when the budget is out, and lost."""
         every = max(1, steps // 20)
         sets = [
             f"target.path={target}",
@@ -160,30 +175,33 @@ class Bench(LocalHostBench):
             f"run.eval_every={max(1, steps // evals)}",
             f"run.checkpoint_every={steps}",
         ]
+        argv = [*self.plan.gpus, *[a for s in sets for a in ("--set", s)], "--name", name]
+        return self.follow(argv, name, resumable)
+
+    def resume(self, run_id: str, name: str) -> tuple[str | None, list[dict], float, bool]:
+        """`train local --resume RUN --follow`: a run an earlier call stopped, from its checkpoint."""
+        return self.follow(["--resume", run_id], name, resumable=True)
+
+    def follow(self, argv: list[str], name: str, resumable: bool) -> tuple[str | None, list[dict], float, bool]:
+        """`train local ARGV --follow` within the budget; see train()."""
+        margin = self.plan.stop_margin_s if resumable else 0.0
         code, out, err, secs = self.cli(
-            "train",
-            "local",
-            *self.plan.gpus,
-            *[a for s in sets for a in ("--set", s)],
-            "--name",
-            name,
-            "--follow",
-            what=f"train {name}",
-            timeout=self.left(1800),
+            "train", "local", *argv, "--follow", what=f"train {name}", timeout=max(5.0, self.left(1800) - margin)
         )
-        found = re.search(r"started run (\S+)", err)
-        if code == 124 and found:  # `--follow` killed, the run detached: free the GPU for the next one
+        found = re.search(r"(?:started|resumed) run (\S+)", err)
+        stopped = code == 124 and found is not None
+        if stopped:  # `--follow` killed, the run detached: stop it (a checkpoint) and free the GPU
             self.cli("runs", "stop", "local", found.group(1), what=f"stop {found.group(1)}", timeout=120)
-        if code != 0 or not found:
-            return None, [], secs
-        return found.group(1), self.records(found.group(1)), secs
+        if found is None or (code != 0 and not (stopped and resumable)):
+            return None, [], secs, False
+        return found.group(1), self.records(found.group(1)), secs, stopped
 
 
 def train_seconds(records: list[dict]) -> float:
     """Seconds spent in training steps: each train record's step time x the steps since the last."""
     total, last = 0.0, 0
     for r in records:
-        if r.get("event") == "train":
+        if r.get("event") == "train" and r["step"] > last:  # a resumed run's log repeats no step
             total += r["step_time_s"] * (r["step"] - last)
             last = r["step"]
     return total
@@ -205,6 +223,109 @@ def parse_recipes(given: list[str]) -> list[tuple[str, list[str]]]:
             raise SystemExit(f"--recipe {text!r}: expected 'NAME key=value ...'")
         recipes.append((name, sets))
     return recipes
+
+
+class Scorer:
+    """A finished run's row: its training figures, then `dflashctl eval` on the held-out prompts
+    beside the prompt-lookup baseline (decoded by the call's first eval only: it does not depend on
+    the drafter, so the later rows show that eval's, labelled so)."""
+
+    def __init__(self, bench: Bench, plan: Plan, target: Path, agreement: bool):
+        self.bench, self.plan, self.target, self.agreement = bench, plan, target, agreement
+        self.baseline: dict | None = None
+
+    def score(self, row: dict, records: list[dict], cli_s: float, last: bool) -> bool:
+        """Fill `row` (logged as a ROW line); True if the run or its eval failed."""
+        row["cli_s"] = round(cli_s, 1)
+        final = next((r for r in records if r.get("event") == "final"), None)
+        if row.get("run") is None or final is None:
+            self.bench.log("ROW " + json.dumps(row))
+            return True
+        row.update(
+            train_min=round(train_seconds(records) / 60, 2),
+            held_out_loss=final.get("loss"),
+            teacher_forced=final.get("acceptance_length"),
+            in_training_tau=final.get("spec_tau"),
+            in_training_tau_mean=final.get("spec_tau_prompt_mean"),
+            in_training_tau_se=final.get("spec_tau_prompt_se"),
+            spec_eval_s=final.get("spec_eval_s"),
+            in_training=[
+                {k: r.get(k) for k in ("step", "loss", "spec_tau_prompt_mean", "spec_tau")}
+                for r in records
+                if r.get("event") in ("eval", "final") and r.get("step")
+            ],
+        )
+        failed = self.evaluate(row)
+        if self.agreement and last:
+            failed |= self.agree(row)
+        self.bench.log("ROW " + json.dumps(row))
+        return failed
+
+    def evaluate(self, row: dict) -> bool:
+        """`eval local RUN --prompts heldout-prompts.jsonl`: tau, speedup and the baseline into row."""
+        plan, run_id = self.plan, row["run"]
+        code, text, _, _ = self.bench.cli(
+            "eval",
+            "local",
+            run_id,
+            "--prompts",
+            str(self.target / "heldout-prompts.jsonl"),
+            "--max-new-tokens",
+            str(plan.eval_new_tokens),
+            "--count",
+            str(plan.eval_count),
+            *plan.gpus,
+            "--json",
+            *(["--no-baseline"] if self.baseline else []),
+            what=f"eval {run_id}",
+            timeout=self.bench.left(900),
+        )
+        try:
+            report = json.loads(text)
+        except ValueError:
+            report = {}
+        if self.baseline is None and isinstance(report.get("baseline"), dict):
+            self.baseline = {**report["baseline"], "from_run": run_id}
+        lookup = self.baseline or {}
+        row.update(
+            tau_mean=report.get("tau_prompt_mean"),
+            tau=report.get("tau"),
+            speedup=report.get("speedup"),
+            step_cost=report.get("step_cost"),
+            identical=report.get("identical"),
+            lookup_tau_mean=lookup.get("tau_prompt_mean"),
+            lookup_tau=lookup.get("tau"),
+            lookup_speedup=lookup.get("speedup"),
+            lookup_from_run=lookup.get("from_run"),
+            tau_over_lookup=(report["tau"] / lookup["tau"]) if lookup.get("tau") and report.get("tau") else None,
+            eval_exit=code,
+        )
+        return code != 0 or not report
+
+    def agree(self, row: dict) -> bool:
+        """`eval` on the run's own held-out split with the trainer's prompt count and length."""
+        run_id = row["run"]
+        spec = yaml.safe_load((self.bench.run_dir(run_id) / "config.resolved.yaml").read_text())["run"]
+        code, text, _, _ = self.bench.cli(
+            "eval",
+            "local",
+            run_id,
+            "--max-new-tokens",
+            str(spec["spec_new_tokens"]),
+            "--count",
+            str(spec["spec_prompts"]),
+            "--no-baseline",
+            *self.plan.gpus,
+            "--json",
+            what=f"eval {run_id} (the trainer's held-out split)",
+            timeout=self.bench.left(600),
+        )
+        try:
+            same = json.loads(text)
+        except ValueError:
+            return True
+        row.update(agreement_eval_tau_mean=same.get("tau_prompt_mean"), agreement_eval_tau=same.get("tau"))
+        return code != 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,11 +381,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--set", dest="sets", action="append", default=[], help="key=value for every recipe's runs")
     ap.add_argument("--budget-min", type=float, default=60.0, help="stop starting steps after this many minutes")
+    ap.add_argument(
+        "--resumable",
+        action="store_true",
+        help="runs longer than one call: a run the budget would cut is stopped with a checkpoint and "
+        f"recorded in --work/{POINTS}; the next call with --reuse --resumable resumes it before anything else",
+    )
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script itself")
     args = ap.parse_args(argv)
     plan = DRY if args.dry_run else GPU
-    if args.reuse and args.work is None:
-        raise SystemExit("--reuse needs --work: the workdir of the earlier call")
+    if (args.reuse or args.resumable) and args.work is None:
+        raise SystemExit("--reuse and --resumable need --work: the workdir kept between calls")
     try:
         minutes = [float(m) for m in (args.minutes or plan.minutes).split(",") if m.strip()]
     except ValueError:
@@ -329,13 +456,25 @@ def main(argv: list[str] | None = None) -> int:
             return finish(1)
 
     failed = False
-    baseline: dict | None = None  # the prompt-lookup figures of the call's first eval
+    scorer = Scorer(bench, plan, target, args.agreement)
+    points_path = work / POINTS
+    # --resumable: every point an earlier call started. Stopped ones are resumed first and scored once
+    # they end; scored ones are not trained again (their rows come back into this call's table).
+    earlier = json.loads(points_path.read_text()) if args.resumable and points_path.is_file() else []
+    for row in earlier:
+        if row.get("pending") and bench.left(1e9) >= plan.min_start_s:
+            run_id, records, cli_s, stopped = bench.resume(row["run"], f"{row['recipe']}-{row['steps']}")
+            if not stopped:
+                del row["pending"]
+                failed |= scorer.score(row, records, cli_s, last=True)
+        result["rows"].append(row)
+    started = {(r["recipe"], r["steps"]) for r in earlier}
     fixed_steps = [int(s) for s in args.steps.split(",")] if args.steps else None
     for name, recipe in recipes:
         if fixed_steps:
             points, step_s = [(None, steps) for steps in fixed_steps], None
         else:
-            run_id, records, _ = bench.train(target, recipe, plan.calibrate_steps, f"calibrate-{name}")
+            run_id, records, _, _ = bench.train(target, recipe, plan.calibrate_steps, f"calibrate-{name}")
             step_s = steady_step_s(records)
             if step_s is None:
                 bench.log(f"calibration of {name} failed: no step times")
@@ -345,98 +484,29 @@ def main(argv: list[str] | None = None) -> int:
             points = [(point, max(2, round(point * 60 / step_s))) for point in minutes]
         for i, (point, steps) in enumerate(points):
             need = steps * step_s + POINT_OVERHEAD_S if step_s else None
-            if need and bench.left(1e9) < need:
+            if (name, steps) in started:
+                continue
+            if any(r.get("pending") for r in result["rows"]) or bench.left(1e9) < (
+                plan.min_start_s if args.resumable else need or 0
+            ):
                 bench.log(
-                    f"{name}-{steps}: skipped, about {need:.0f} s needed and {bench.left(1e9):.0f} s of "
-                    f"--budget-min left (a cut-off run leaves no row)"
+                    f"{name}-{steps}: skipped, {bench.left(1e9):.0f} s of --budget-min left (need {need or 0:.0f})"
                 )
                 continue
-            run_id, records, cli_s = bench.train(target, recipe, steps, f"{name}-{steps}", args.evals)
+            run_id, records, cli_s, stopped = bench.train(
+                target, recipe, steps, f"{name}-{steps}", args.evals, args.resumable
+            )
+            row = {"recipe": name, "minutes": point, "steps": steps, "run": run_id}
+            result["rows"].append(row)
+            if stopped:
+                bench.log(f"{name}-{steps}: stopped at the call's end as {run_id}; the next --reuse call resumes it")
+                row["pending"] = True
+                continue
             if records:
                 step_s = steady_step_s(records) or step_s
-            row = {"recipe": name, "minutes": point, "steps": steps, "run": run_id, "cli_s": round(cli_s, 1)}
-            final = next((r for r in records if r.get("event") == "final"), None)
-            if run_id is None or final is None:
-                failed = True
-                bench.log("ROW " + json.dumps(row))
-                result["rows"].append(row)
-                continue
-            row.update(
-                train_min=round(train_seconds(records) / 60, 2),
-                held_out_loss=final.get("loss"),
-                teacher_forced=final.get("acceptance_length"),
-                in_training_tau=final.get("spec_tau"),
-                in_training_tau_mean=final.get("spec_tau_prompt_mean"),
-                in_training_tau_se=final.get("spec_tau_prompt_se"),
-                spec_eval_s=final.get("spec_eval_s"),
-                in_training=[
-                    {k: r.get(k) for k in ("step", "loss", "spec_tau_prompt_mean", "spec_tau")}
-                    for r in records
-                    if r.get("event") in ("eval", "final") and r.get("step")
-                ],
-            )
-            # Prompt lookup needs no drafter: its figures on these prompts are the same for every run, so
-            # only the call's first eval decodes it (the later rows show that eval's, labelled so).
-            eval_code, text, _, _ = bench.cli(
-                "eval",
-                "local",
-                run_id,
-                "--prompts",
-                str(target / "heldout-prompts.jsonl"),
-                "--max-new-tokens",
-                str(plan.eval_new_tokens),
-                "--count",
-                str(plan.eval_count),
-                *plan.gpus,
-                "--json",
-                *(["--no-baseline"] if baseline else []),
-                what=f"eval {run_id}",
-                timeout=bench.left(900),
-            )
-            try:
-                report = json.loads(text)
-            except ValueError:
-                report, failed = {}, True
-            if baseline is None and isinstance(report.get("baseline"), dict):
-                baseline = {**report["baseline"], "from_run": run_id}
-            lookup = baseline or {}
-            if args.agreement and i == len(points) - 1:
-                spec = yaml.safe_load((bench.run_dir(run_id) / "config.resolved.yaml").read_text())["run"]
-                code, text, _, _ = bench.cli(
-                    "eval",
-                    "local",
-                    run_id,
-                    "--max-new-tokens",
-                    str(spec["spec_new_tokens"]),
-                    "--count",
-                    str(spec["spec_prompts"]),
-                    "--no-baseline",
-                    *plan.gpus,
-                    "--json",
-                    what=f"eval {run_id} (the trainer's held-out split)",
-                    timeout=bench.left(600),
-                )
-                try:
-                    same = json.loads(text)
-                    row.update(agreement_eval_tau_mean=same.get("tau_prompt_mean"), agreement_eval_tau=same.get("tau"))
-                except ValueError:
-                    failed = True
-            row.update(
-                tau_mean=report.get("tau_prompt_mean"),
-                tau=report.get("tau"),
-                speedup=report.get("speedup"),
-                step_cost=report.get("step_cost"),
-                identical=report.get("identical"),
-                lookup_tau_mean=lookup.get("tau_prompt_mean"),
-                lookup_tau=lookup.get("tau"),
-                lookup_speedup=lookup.get("speedup"),
-                lookup_from_run=lookup.get("from_run"),
-                tau_over_lookup=(report["tau"] / lookup["tau"]) if lookup.get("tau") and report.get("tau") else None,
-                eval_exit=eval_code,
-            )
-            failed |= eval_code != 0
-            bench.log("ROW " + json.dumps(row))
-            result["rows"].append(row)
+            failed |= scorer.score(row, records, cli_s, last=i == len(points) - 1)
+    if args.resumable:
+        points_path.write_text(json.dumps(result["rows"], indent=1) + "\n")
 
     head = (
         "recipe",
@@ -458,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.log(
             " | ".join(
                 [
-                    r["recipe"],
+                    r["recipe"] + (" (stopped: the next call resumes it)" if r.get("pending") else ""),
                     str(r["steps"]),
                     fmt(r.get("train_min")),
                     f"{fmt(r.get('tau_mean'))}/{fmt(r.get('tau'))}",
