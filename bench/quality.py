@@ -261,29 +261,22 @@ class Scorer:
         self.bench.log("ROW " + json.dumps(row))
         return failed
 
+    def eval_json(self, run_id: str, args: list[str], what: str, timeout: float) -> tuple[int, dict]:
+        """`eval local RUN ARGS --json`: (exit code, its report, {} when it printed none)."""
+        code, text, _, _ = self.bench.cli(
+            "eval", "local", run_id, *args, *self.plan.gpus, "--json", what=what, timeout=self.bench.left(timeout)
+        )
+        try:
+            return code, json.loads(text)
+        except ValueError:
+            return code, {}
+
     def evaluate(self, row: dict) -> bool:
         """`eval local RUN --prompts heldout-prompts.jsonl`: tau, speedup and the baseline into row."""
         plan, run_id = self.plan, row["run"]
-        code, text, _, _ = self.bench.cli(
-            "eval",
-            "local",
-            run_id,
-            "--prompts",
-            str(self.target / "heldout-prompts.jsonl"),
-            "--max-new-tokens",
-            str(plan.eval_new_tokens),
-            "--count",
-            str(plan.eval_count),
-            *plan.gpus,
-            "--json",
-            *(["--no-baseline"] if self.baseline else []),
-            what=f"eval {run_id}",
-            timeout=self.bench.left(900),
-        )
-        try:
-            report = json.loads(text)
-        except ValueError:
-            report = {}
+        args = ["--prompts", str(self.target / "heldout-prompts.jsonl"), "--max-new-tokens", str(plan.eval_new_tokens)]
+        args += ["--count", str(plan.eval_count), *(["--no-baseline"] if self.baseline else [])]
+        code, report = self.eval_json(run_id, args, f"eval {run_id}", 900)
         if self.baseline is None and isinstance(report.get("baseline"), dict):
             self.baseline = {**report["baseline"], "from_run": run_id}
         lookup = self.baseline or {}
@@ -306,26 +299,10 @@ class Scorer:
         """`eval` on the run's own held-out split with the trainer's prompt count and length."""
         run_id = row["run"]
         spec = yaml.safe_load((self.bench.run_dir(run_id) / "config.resolved.yaml").read_text())["run"]
-        code, text, _, _ = self.bench.cli(
-            "eval",
-            "local",
-            run_id,
-            "--max-new-tokens",
-            str(spec["spec_new_tokens"]),
-            "--count",
-            str(spec["spec_prompts"]),
-            "--no-baseline",
-            *self.plan.gpus,
-            "--json",
-            what=f"eval {run_id} (the trainer's held-out split)",
-            timeout=self.bench.left(600),
-        )
-        try:
-            same = json.loads(text)
-        except ValueError:
-            return True
+        args = ["--max-new-tokens", str(spec["spec_new_tokens"]), "--count", str(spec["spec_prompts"]), "--no-baseline"]
+        code, same = self.eval_json(run_id, args, f"eval {run_id} (the trainer's held-out split)", 600)
         row.update(agreement_eval_tau_mean=same.get("tau_prompt_mean"), agreement_eval_tau=same.get("tau"))
-        return code != 0
+        return code != 0 or not same
 
 
 def main(argv: list[str] | None = None) -> int:
