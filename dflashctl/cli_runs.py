@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
@@ -118,7 +118,7 @@ def train_cmd(
     opts = TrainOptions(
         gpus=gpus,
         config=config,
-        overrides=tuple(overrides),
+        overrides=list(overrides),
         preset=preset,
         name=name,
         force=force,
@@ -134,8 +134,17 @@ def train_cmd(
     )
     if config is not None and not config.is_file():
         raise UsageError(f"--config: no such file: {config}")
-    given = (("--config", config), ("--set", overrides), ("--preset", preset), ("--name", name), ("--gpus", gpus))
-    _refuse_with_resume(resume, (*given, ("--max-restarts", max_restarts)))
+    _refuse_with_resume(
+        resume,
+        (
+            ("--config", config),
+            ("--set", overrides),
+            ("--preset", preset),
+            ("--name", name),
+            ("--gpus", gpus),
+            ("--max-restarts", max_restarts),
+        ),
+    )
     hosts = session.inventory.resolve_many(host)
     if len(hosts) > 1:
         if resume is not None or opts.restart or queue:
@@ -153,7 +162,7 @@ class TrainOptions:
 
     gpus: Optional[str]
     config: Optional[Path]
-    overrides: tuple[str, ...]
+    overrides: list[str]
     preset: Optional[str]
     name: Optional[str]
     force: bool
@@ -161,11 +170,11 @@ class TrainOptions:
     source: Optional[Path]  # the payload directory to push (None: the one that ships with dflashctl)
     env: dict
     follow: Optional[bool]
-    resume: Optional[str] = None  # one host only, like the three below
-    restart: Optional[dict] = None
-    hook: list = field(default_factory=list)
-    queue: bool = False
-    rdzv_port: int = 29500  # several hosts only
+    resume: Optional[str]  # one host only, like the three below
+    restart: Optional[dict]
+    hook: list
+    queue: bool
+    rdzv_port: int  # several hosts only
 
 
 def _train_one(state: AppState, session: Session, host: str, opts: TrainOptions) -> int:
@@ -176,13 +185,12 @@ def _train_one(state: AppState, session: Session, host: str, opts: TrainOptions)
     target = session.target(host)
     err = Console(stderr=True)
     gpu_choice = parse_gpus(opts.gpus, target.host.gpus)
-    overrides = list(opts.overrides)
     # A bad --preset, --config or --set fails here, before anything is pushed (--no-push: the
     # payload in the container is not here to ask; its pre-flight decides).
     checked = (
         None
         if opts.no_push or opts.resume is not None
-        else check_trainer_config(opts.source, opts.config, opts.preset, overrides, gpu_choice)
+        else check_trainer_config(opts.source, opts.config, opts.preset, opts.overrides, gpu_choice)
     )
     payload_hash = None if opts.no_push else push_payload(target, opts.source, err)
     if opts.resume is not None:
@@ -193,7 +201,7 @@ def _train_one(state: AppState, session: Session, host: str, opts: TrainOptions)
             target,
             gpus=gpu_choice,
             config_file=opts.config,
-            overrides=overrides,
+            overrides=opts.overrides,
             name=opts.name,
             force=opts.force,
             payload_hash=payload_hash,
@@ -235,13 +243,12 @@ def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOpti
     check_hosts(hosts)
     err = Console(stderr=True)
     gpu_lists = {h.name: parse_gpus(opts.gpus, h.gpus) for h in hosts}
-    overrides = list(opts.overrides)
     # Before anything is pushed, as for one host.
     configs = (
         {}
         if opts.no_push
         else {
-            h.name: check_trainer_config(opts.source, opts.config, opts.preset, overrides, gpu_lists[h.name])
+            h.name: check_trainer_config(opts.source, opts.config, opts.preset, opts.overrides, gpu_lists[h.name])
             for h in hosts
         }
     )
@@ -251,7 +258,7 @@ def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOpti
         hosts,
         gpus=gpu_lists,
         config_file=opts.config,
-        overrides=overrides,
+        overrides=opts.overrides,
         name=opts.name,
         force=opts.force,
         payload_hashes=hashes,
