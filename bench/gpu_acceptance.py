@@ -55,6 +55,21 @@ SMALL = [
 ]
 
 
+def fair(report: dict) -> bool:
+    """Greedy output identical to the target's, or parted from it only at numerical ties."""
+    return bool(report["identical"] or report.get("differences_are_ties"))
+
+
+def verdict(report: dict) -> dict:
+    """Identity, ties and, where an output parted, the target's (gap, reference logit, other logit)."""
+    parted = [r["first_difference"] for r in report["per_prompt"] if r.get("first_difference")]
+    return {
+        "identical": report["identical"],
+        "ties_only": report.get("differences_are_ties"),
+        "gaps": [[d.get(k) for k in ("logit_gap", "reference_logit", "speculative_logit")] for d in parted],
+    }
+
+
 class Acceptance(LocalHostBench):
     """Runs the stages against one scratch workdir and collects their rows."""
 
@@ -190,19 +205,19 @@ class Acceptance(LocalHostBench):
             report = json.loads(out)
         except ValueError:
             return {"ok": False, "exit": code, "note": (out + err)[-300:]}
-        # Random weights make near-ties common: a difference must be a tie, never a real one.
-        fair = report["identical"] or report.get("differences_are_ties")
+        # Random weights make near-ties common: a difference must be a tie, never a real one, for the
+        # drafter and for the prompt-lookup baseline alike.
+        free = report.get("baseline") or {}
         return {
-            "ok": code == 0 and bool(fair),
+            "ok": code == 0 and fair(report) and (not free or fair(free)),
             "exit": code,
             "eval_s": round(secs, 1),
             "tau": round(report["tau"], 3),
-            "identical": report["identical"],
-            "ties_only": report.get("differences_are_ties"),
-            "gaps": [r["first_difference"]["logit_gap"] for r in report["per_prompt"] if r.get("first_difference")],
+            **verdict(report),
             "target_ms_per_token": round(report["target_ms_per_token"], 2),
             "spec_ms_per_step": round(report["spec_ms_per_step"], 2),
             "step_cost": round(report["step_cost"], 3),
+            **({"lookup": {"tau": round(free["tau"], 3), **verdict(free)}} if free else {}),
         }
 
     def bench(self) -> dict:

@@ -93,7 +93,20 @@ def test_a_difference_from_the_reference_is_located_and_weighed():
     found = first_difference(TARGET, prompt, reference, reference[:2] + [worst] + reference[3:])
     assert found["index"] == 2 and found["speculative"] == worst and found["tie"] is False
     assert found["logit_gap"] == pytest.approx(float(logits.max() - logits.min()), rel=1e-5)
+    assert (found["reference_logit"], found["speculative_logit"]) == pytest.approx(
+        (float(logits.max()), float(logits.min())), rel=1e-5
+    )
     assert first_difference(TARGET, prompt, reference, reference[:4])["tie"] is False  # stopped early
+
+
+def test_a_tie_in_bf16_scales_with_the_logits_magnitude():
+    """4 bf16 ulps at the larger logit's magnitude (0.25 up to |logit| 8); fp32 stays exact-ish."""
+    from dflash_train.evaluate import tie_tolerance
+
+    assert tie_tolerance(torch.bfloat16, 3.0) == tie_tolerance(torch.bfloat16, -8.0) == 0.25
+    assert tie_tolerance(torch.bfloat16, 16.0) == 0.5
+    assert tie_tolerance(torch.bfloat16, -40.0) == 1.25
+    assert tie_tolerance(torch.float32, 40.0) == 1e-4
 
 
 @pytest.mark.slow
