@@ -322,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--rows", type=int, default=None, help="regenerate only the first N training prompts")
     ap.add_argument(
+        "--train-prompts",
+        type=int,
+        default=None,
+        help="training prompts the build writes (build_target.py's default 16,384): more fresh rows, fewer epochs",
+    )
+    ap.add_argument(
         "--target",
         type=Path,
         default=None,
@@ -390,11 +396,12 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     target = (args.target or work / "target").resolve()
+    more_prompts = ["--train-prompts", str(args.train_prompts)] if args.train_prompts else []
     if (target / "build.json").is_file():
         bench.log(f"reusing the target in {target}")
     else:
         code, *_ = bench.run(
-            [sys.executable, str(ROOT / "bench" / "build_target.py"), "--out", str(target), *plan.build],
+            [sys.executable, str(ROOT / "bench" / "build_target.py"), "--out", str(target), *plan.build, *more_prompts],
             "build",
             timeout=bench.left(900),
         )
