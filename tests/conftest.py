@@ -1,6 +1,6 @@
 """Shared fixtures: real OpenSSH servers on loopback with the `pct` and `docker` test shims behind them.
 
-The suite runs in four pytest-xdist worker processes (`-n 4 --dist loadfile`, pyproject.toml): each
+The suite runs in three pytest-xdist worker processes (`-n 3 --dist loadfile`, pyproject.toml): each
 file's tests run in order in one worker, beside another file's. So a test may scan /proc or signal
 processes only by what is unique to it (its workdir, tmp path, port or run id, or a setting used by
 one file alone: standin_trainer.signal_cli), and session fixtures (each sshd) exist once per worker.
@@ -61,7 +61,7 @@ import pytest
 
 from sshd import SHIM_VMID, SshdHost
 
-# The files that take longest on 2 busy cores (seconds under `-n 4`, measured for issue 30), longest
+# The files that take longest on 2 busy cores (measured under xdist for issue 30), longest
 # first. xdist hands out whole files (--dist loadfile) in collection order (--no-loadscope-reorder,
 # pyproject.toml): starting the long ones first keeps one of them from running alone at the end
 # while the other workers sit idle. Every other file follows in its usual order. Re-measure with
