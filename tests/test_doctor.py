@@ -21,13 +21,13 @@ import yaml
 from rich.console import Console
 
 from dflashctl.doctor import SCHEMA, DoctorOptions, parse_report, render_report
+from sshd import run_main_in_process
 
 PAYLOAD = Path(__file__).resolve().parent.parent / "remote_payload"
 sys.path.insert(0, str(PAYLOAD))
 
 from dflash_train import doctor as D  # noqa: E402
 
-CLI = [sys.executable, "-c", "from dflashctl.cli import main; main()"]
 CHECK_IDS = [
     "python",
     "torch",
@@ -297,11 +297,10 @@ def local_env(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "DFLASHCTL_INVENTORY": str(inventory), "NO_COLOR": "1", "COLUMNS": "250"}
 
 
-def cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run dflashctl in a subprocess."""
-    return subprocess.run(
-        [*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
-    )
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """Run dflashctl's main() in this process with env as its environment (no signal, pipe or detach
+    here: the smoke children run, hang and are killed on the container side); pytest-timeout bounds it."""
+    return run_main_in_process(args, env, None)
 
 
 def rows(doc: dict) -> dict[str, dict]:
@@ -449,9 +448,7 @@ def test_parse_report_ignores_noise() -> None:
 
 @pytest.mark.slow
 def test_local_compile_default_in_threads(local_env: dict[str, str]) -> None:
-    proc = cli(
-        local_env, "doctor", "local", "--json", "--policies", "off,default", "--smoke-timeout", "300", timeout=700
-    )
+    proc = cli(local_env, "doctor", "local", "--json", "--policies", "off,default", "--smoke-timeout", "300")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     by_id = rows(doc)

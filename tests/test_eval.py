@@ -27,12 +27,25 @@ def one_line(result) -> str:  # type: ignore[no-untyped-def]
     return lines[-1]
 
 
+@pytest.fixture(scope="module")
+def local_run(sshd_host, tmp_path_factory) -> dict[str, str]:
+    """The environment of a `local` host (its work directory module-wide) holding the trained run
+    `ev`: the eval on `local` below and the refusals read it, and neither changes what the other reads."""
+    env = local_env(tmp_path_factory.mktemp("eval-local"))
+    trained = sshd_host.run_cli("train", "local", "--name", "ev", *TRAIN, env=env, timeout=300)
+    assert trained.returncode == 0, trained.stderr
+    return env
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["local", "shim"])
-def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, tmp_path, where):
-    env = local_env(tmp_path) if where == "local" else {}
-    trained = shim_host.run_cli("train", where, "--name", "ev", *TRAIN, env=env, timeout=300)
-    assert trained.returncode == 0, trained.stderr
+def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, request, where):
+    if where == "local":
+        env = request.getfixturevalue("local_run")
+    else:
+        env = {}
+        trained = shim_host.run_cli("train", where, "--name", "ev", *TRAIN, env=env, timeout=300)
+        assert trained.returncode == 0, trained.stderr
     res = shim_host.run_cli(
         "eval", where, "ev", "--count", "6", "--max-new-tokens", "24", "--json", env=env, timeout=300
     )
@@ -86,11 +99,8 @@ def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, tmp_path, where)
     assert bad.returncode == 2 and one_line(bad) == "error: --temperature must be 0 (greedy) or positive, got -1"
 
 
-def test_eval_bad_input_is_one_line(shim_host, tmp_path):
-    env = local_env(tmp_path)
-    # Refusals need an export, not a trained drafter: 2 steps.
-    brief = ["--set", "run.steps=2", "--set", "run.eval_every=2", "--set", "run.checkpoint_every=2", "--follow"]
-    assert shim_host.run_cli("train", "local", "--name", "ev", *brief, env=env, timeout=300).returncode == 0
+def test_eval_bad_input_is_one_line(shim_host, local_run, tmp_path):
+    env = local_run  # refusals need an export, not a trained drafter: the run above has one
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     res = shim_host.run_cli("eval", "local", "ev", "--prompts", str(empty), env=env, timeout=120)

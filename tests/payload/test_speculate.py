@@ -42,12 +42,12 @@ def trained(tmp_path_factory):
     return cfg, replica, prompts
 
 
-def teacher_forced_run(replica, sequence: list[int], anchor: int) -> int:
-    """Drafts the trainer's forward makes at `anchor` of the whole sequence that agree with it, leading run."""
+def teacher_forced_run(replica, sequence: list[int], feats: torch.Tensor, anchor: int) -> int:
+    """Drafts the trainer's forward makes at `anchor` of the whole sequence that agree with it, leading run
+    (`feats`: the target's features of the whole sequence, the same for every anchor)."""
     spec = replica.drafter.spec
     ids = torch.tensor([sequence])
     anchors = torch.tensor([[anchor]])
-    feats = replica.target.features(ids, spec.target_layer_ids)
     embeds = replica.target.embed_tokens(block_input_ids(ids, anchors, spec.block_size, spec.mask_token_id))
     with torch.no_grad():
         hidden = replica.drafter(feats, embeds, anchors, block_mask(anchors, ids.shape[1], spec.block_size, "dense"))
@@ -68,8 +68,9 @@ def test_greedy_speculation_is_lossless_and_matches_teacher_forcing(trained):
         reference = greedy(replica.target, prompt, NEW_TOKENS + block)  # labels beyond the last block too
         assert spec.tokens == reference[:NEW_TOKENS]  # lossless: the target's own greedy text
         full = prompt + reference
+        feats = replica.target.features(torch.tensor([full]), replica.drafter.spec.target_layer_ids)
         for anchor, accepted in zip(spec.anchors, spec.accepted):
-            assert accepted == teacher_forced_run(replica, full, anchor), (prompt, anchor)
+            assert accepted == teacher_forced_run(replica, full, feats, anchor), (prompt, anchor)
         results.append(spec)
     taus = [r.tau for r in results]
     per_position = acceptance_by_position(results, block)
