@@ -17,6 +17,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 
 EXIT_CONFIG, EXIT_MISSING = 2, 4
 
@@ -55,12 +56,15 @@ def main(argv: list[str] | None = None) -> int:
 
         stop = StopFlag()
         stop.install()
+        # Only this run's workers decide the hard exit below: a caller that runs main() twice in one
+        # process (the tests) may still hold an earlier run's abandoned ones.
+        before = threading.enumerate()
         try:
             code = run_training(cfg, resume=args.resume, overwrite=args.overwrite, stop=stop, launched_at=LAUNCHED_AT)
         except WorkerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             code = 1
-        if live_workers():
+        if live_workers(before):
             # Workers still inside a compile (a failure or a stop before step 1): daemon threads that
             # cannot be interrupted, and whose finalizers must not run; leave at once.
             sys.stdout.flush()

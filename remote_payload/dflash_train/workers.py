@@ -19,7 +19,7 @@ import dataclasses
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -640,9 +640,15 @@ def use_cpu_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def live_workers() -> list[str]:
-    """Names of worker threads still running (stuck in a compile, or hung on purpose)."""
-    return [t.name for t in threading.enumerate() if t.name.startswith("dflash-worker-") and t.is_alive()]
+def live_workers(before: Collection[threading.Thread] = ()) -> list[str]:
+    """Names of worker threads still running (stuck in a compile, or hung on purpose), leaving out
+    those in `before`: a snapshot of `threading.enumerate()` taken before a run, so that an earlier
+    run's left-behind workers in the same process are not taken for this run's."""
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("dflash-worker-") and t.is_alive() and t not in before
+    ]
 
 
 def run_threaded(

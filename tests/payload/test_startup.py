@@ -251,6 +251,33 @@ def test_sigterm_while_a_worker_is_stuck_before_step_1_exits_143_at_once(tmp_pat
     assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))
 
 
+def test_an_earlier_runs_left_behind_worker_does_not_end_a_later_run_in_the_same_process(tmp_path, monkeypatch):
+    """main() leaves the process at once (os._exit) only when its own workers are left behind. A
+    worker of an earlier run that is still alive in the process (hung on purpose here; in the
+    suite, by another test file in the same xdist worker) used to make a later run's main() kill
+    the process it was called in."""
+    from dflash_train.__main__ import main
+
+    release = threading.Event()
+    earlier = threading.Thread(target=release.wait, name="dflash-worker-0", daemon=True)
+    earlier.start()
+    others = threading.enumerate()  # with workers other tests of this process left behind
+
+    def refuse_exit(code: int) -> None:
+        raise AssertionError(f"main() called os._exit({code}) with none of its own workers left behind")
+
+    monkeypatch.setattr(os, "_exit", refuse_exit)
+    sets = ["run.device=cpu", "data.source=random", "data.num_train=8", "data.num_eval=4", "run.steps=2"]
+    try:
+        assert W.live_workers() != []
+        code = main(["--set", f"run.output_dir={tmp_path / 'run'}", *[a for s in sets for a in ("--set", s)]])
+        assert code == 0
+        assert W.live_workers(before=others) == []  # its own workers ended
+    finally:
+        release.set()
+        earlier.join(30)
+
+
 # --- the pre-flight ----------------------------------------------------------------------------
 
 
