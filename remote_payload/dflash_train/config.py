@@ -169,6 +169,7 @@ class DebugConfig:
     hang_at: str | None = None  # same places: block forever there (a stalled worker)
     stop_at: str | None = None  # same places: request a stop there, as a SIGTERM at that moment would
     fail_rank: int = 0  # which worker fails or hangs
+    fail_checkpoint: int | None = None  # the step whose checkpoint write raises InjectedFault before its meta
 
 
 @dataclass
@@ -462,6 +463,8 @@ def _check_run(cfg: Config) -> None:
         raise ConfigError("run.compile_scope layers cannot use run.compile cudagraphs (use step)")
     if cfg.debug.fail_rank < 0:
         raise ConfigError("debug.fail_rank must be >= 0")
+    if cfg.debug.fail_checkpoint is not None and cfg.debug.fail_checkpoint < 1:
+        raise ConfigError("debug.fail_checkpoint must be a step >= 1")
 
 
 def parse_fault_site(spec: str) -> str | None:

@@ -19,7 +19,8 @@ import torch
 
 from . import distributed, launcher, warmup, workers
 from .compiling import CompilePolicy, preload_compiler
-from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint
+from .checkpoint_writer import CheckpointWriter
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .dashboard import Records, with_tensorboard
 from .data import Batch, BlockSampler, DataError, build_datasets
@@ -181,6 +182,7 @@ class Trainer:
         self.ops: workers.ReplicaOps | None = None
         self.meter: TrainMeter | None = None
         self.should_stop: Callable[[], bool] | None = None  # across hosts a distributed.AgreedStop
+        self.checkpoints = CheckpointWriter(out, self.cfg.run.keep_checkpoints, log, self.cfg.debug.fail_checkpoint)
 
     def run(self, resume: bool, overwrite: bool) -> int:
         """Train to run.steps; the exit code (128+signal if stopped)."""
@@ -206,14 +208,18 @@ class Trainer:
             self.group.stop_agreement(lambda: self.stop.requested) if self.group else (lambda: self.stop.requested)
         )
         data = self.group.sharded(self.data) if self.group else self.data
-        result = workers.run_threaded(
-            dataclasses.replace(self.ops, build=self.build),
-            self.devices,
-            data,
-            self.cadence.total,
-            self.options(),
-            self.on_sync,
-        )
+        try:
+            result = workers.run_threaded(
+                dataclasses.replace(self.ops, build=self.build),
+                self.devices,
+                data,
+                self.cadence.total,
+                self.options(),
+                self.on_sync,
+            )
+        except BaseException:
+            self.checkpoints.settle()
+            raise
         return self.outcome(result)
 
     def prepare(self, resume: bool, overwrite: bool) -> bool:
@@ -334,18 +340,10 @@ class Trainer:
         return result["acceptance_length"]
 
     def save(self, replica: Replica, step: int) -> None:
-        """A checkpoint of replica 0 after `step`."""
-        path = save_checkpoint(
-            self.out,
-            step,
-            replica.drafter,
-            replica.optimizer,
-            replica.scheduler,
-            to_dict(self.cfg),
-            replica.device,
-            self.cfg.run.keep_checkpoints,
+        """A checkpoint of replica 0 after `step`: copied to host memory now, written in the background."""
+        self.checkpoints.save(
+            step, replica.drafter, replica.optimizer, replica.scheduler, to_dict(self.cfg), replica.device
         )
-        self.log(f"checkpoint: {path}")
 
     def on_start(self, point: workers.SyncPoint) -> None:
         """Rank 0's thread after warm-up, every other worker waiting: step 0's evaluation, the time to first step."""
@@ -384,6 +382,7 @@ class Trainer:
         losses = self.group.mean(point.loss_sums) if self.group else sum(point.loss_sums) / self.world
         self.meter.add(losses, point.steps_since_last)
         stopping = self.should_stop.requested if self.group else self.stop.requested
+        self.checkpoints.poll()  # a failed background write fails the run here, at the next sync point
         if cadence.logs(done, stopping):
             tokens = self.data.take_tokens(self.meter.record_step, done)
             record = self.meter.record(done, cadence.total, tokens, replica, [r.device for r in point.replicas])
@@ -394,6 +393,7 @@ class Trainer:
         if self.main and cadence.checkpoints(done, stopping):
             self.save(replica, done)
         if stopping:
+            self.checkpoints.wait()  # the stop's checkpoint is on disk before the run ends
             self.stopped = done
             return True
         if done == cadence.total:
@@ -411,6 +411,7 @@ class Trainer:
                 replica.drafter, self.cfg.target, self.cfg.run.export_dir, DTYPES[self.cfg.run.dtype]
             )
             self.log(f"exported drafter to {export_dir}")
+        self.checkpoints.wait()  # the last checkpoint, written while the final evaluation and export ran
         before = f" (untrained: {self.untrained:.3f})" if self.untrained is not None else ""
         real = (
             f"; speculative tau {self.spec_tau:.3f} (mean of per-prompt tau: real draft-and-verify decoding, greedy)"

@@ -22,6 +22,7 @@ from dflash_train.target import build_tiny_target
 from dflash_train.compiling import EAGER  # what the plan picks on the CPU: run.compile off
 from dflash_train.replica import build_replica, train_step
 from dflash_train.train import run_training
+from dflash_train.workers import WorkerError
 
 PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 STEPS = 120
@@ -126,20 +127,66 @@ def resume_config(resumed: Path, *sets: str):
 
 
 def test_resume_reproduces_the_uninterrupted_loss(tiny_run, tmp_path):
+    """From the step-60 checkpoint, written in the background while the tiny run trained on, and
+    then from the step-61 one that a stop wrote (issue 31: both copied to host memory, then written)."""
     out, _ = tiny_run
     resumed = tmp_path / "resumed"
     copy_to_step_60(Path(out), resumed)
-    # A stop requested at the start of step 61 (debug.stop_at: as a SIGTERM at that moment).
-    stop = StopFlag()
-    cfg = resume_config(resumed, "debug.stop_at=step:61")
-    assert run_training(cfg, resume=True, stop=stop, log=lambda _: None) == 143
-    assert stop.signum == signal.SIGTERM
-    expected = next(r for r in read_metrics(out) if r["event"] == "train" and r["step"] == 61)
-    got = [r for r in read_metrics(resumed) if r["event"] == "train"]
-    assert got[-1]["step"] == 61 and len(got) == 61  # records after the checkpoint were dropped
-    assert got[-1]["loss"] == expected["loss"]
-    assert got[-1]["grad_norm"] == expected["grad_norm"]
-    assert latest_checkpoint(resumed).name == "step_00000061"
+    uninterrupted = {r["step"]: r for r in read_metrics(out) if r["event"] == "train"}
+    for step in (61, 62):
+        # A stop requested at the start of `step` (debug.stop_at: as a SIGTERM at that moment).
+        stop, logs = StopFlag(), []
+        cfg = resume_config(resumed, f"debug.stop_at=step:{step}")
+        assert run_training(cfg, resume=True, stop=stop, log=logs.append) == 143
+        assert stop.signum == signal.SIGTERM
+        got = [r for r in read_metrics(resumed) if r["event"] == "train"]
+        assert got[-1]["step"] == step and len(got) == step  # records after the checkpoint were dropped
+        assert got[-1]["loss"] == uninterrupted[step]["loss"]
+        assert got[-1]["grad_norm"] == uninterrupted[step]["grad_norm"]
+        assert latest_checkpoint(resumed).name == f"step_{step:08d}"
+        # The stop waited for its checkpoint's write: on disk before the run's last line.
+        written = f"checkpoint: {latest_checkpoint(resumed)} (written in "
+        assert logs[-2].startswith(written), logs[-3:]
+        assert logs[-1].startswith(f"stopped by signal 15 after step {step}")
+
+
+def test_checkpoints_log_the_time_training_was_blocked_and_the_write(tiny_run):
+    """Issue 31: each checkpoint's line says how long the step loop waited (the copy to host memory),
+    and a second line its background write; the last one is written before the final line."""
+    out, logs = tiny_run
+    blocked = [line for line in logs if line.startswith("checkpoint step ")]
+    assert [line.split(":")[0] for line in blocked] == ["checkpoint step 60", "checkpoint step 120"]
+    assert " into new host buffers" in blocked[0] and "new host buffers" not in blocked[1]  # reused
+    assert all(" training blocked " in line and " GB to host memory in " in line for line in blocked)
+    root = out / "checkpoints"
+    written = [line for line in logs if line.startswith("checkpoint: ")]
+    assert [line.split(" ")[1] for line in written] == [str(root / "step_00000060"), str(root / "step_00000120")]
+    assert logs.index(written[1]) < len(logs) - 1 and logs[-1].startswith("final held-out")
+
+
+def test_a_failed_checkpoint_write_fails_the_run(tmp_path):
+    """A background write that fails (debug.fail_checkpoint: after its weights and optimizer files)
+    fails the run at the next sync point, with the write's error; nothing of it is taken by --resume."""
+    out = tmp_path / "run"
+    cfg = load_config(
+        overrides=[
+            f"run.output_dir={out}",
+            *SMALL,
+            "run.steps=4",
+            "run.log_every=2",
+            "run.eval_every=2",
+            "run.checkpoint_every=2",
+            "debug.fail_checkpoint=2",
+        ]
+    )
+    with pytest.raises(WorkerError) as failed:
+        run_training(cfg, log=lambda _: None)
+    message = str(failed.value)
+    assert "worker 0 (cpu) failed during step 4 on_sync" in message
+    assert "CheckpointWriteError: writing the checkpoint of step 2 failed after " in message
+    assert "InjectedFault: injected fault writing checkpoint step 2 (debug.fail_checkpoint)" in message
+    assert latest_checkpoint(out) is None
+    assert not (out / "checkpoints" / ".tmp_step_00000002" / "meta.json").exists()
 
 
 def test_a_stop_requested_before_the_first_step_trains_nothing(tiny_run, tmp_path):

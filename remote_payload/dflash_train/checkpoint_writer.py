@@ -1,0 +1,98 @@
+"""Checkpoints that do not stop training (issue 31): the step loop waits only for the copy of the
+state into host memory (`host_copy`); a background thread writes the files (`checkpoint.write_checkpoint`).
+One write is in flight at a time, and a write's outcome (its line, or its error) is reported in
+the step loop's thread, at the next sync point or when the run waits for it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointState, checkpoint_state, write_checkpoint
+from .host_copy import HostBuffers
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint's files could not be written: the run fails with it."""
+
+
+@dataclass
+class _Write:
+    """One background write; its thread fills in `path` and `seconds`, or `error`."""
+
+    step: int
+    path: Path | None = None
+    seconds: float = 0.0
+    error: BaseException | None = None
+
+
+class CheckpointWriter:
+    """Rank 0's checkpoints of one run: `save` copies and hands the files to a background thread,
+    `poll` reports a finished write, `wait` waits for the one in flight (a stop, the run's end)."""
+
+    def __init__(self, out_dir: Path, keep: int, log: Callable[[str], None], fail_step: int | None = None):
+        self.out_dir, self.keep, self.log, self.fail_step = out_dir, keep, log, fail_step
+        self.buffers = HostBuffers()
+        self.pending: _Write | None = None  # the write in flight, and its thread
+        self.thread: threading.Thread | None = None
+
+    def save(self, step: int, drafter, optimizer, scheduler, config: dict, device: torch.device) -> None:
+        """Copy the state of `step` to host memory, then write it in the background (after the
+        previous write, whose buffers the copy reuses, has finished)."""
+        t0 = time.perf_counter()
+        previous = self.pending.step if self.pending else None
+        self.wait()
+        t1 = time.perf_counter()
+        live = checkpoint_state(step, drafter, optimizer, scheduler, config, device)
+        (weights, optim), allocated = self.buffers.copy((live.weights, live.optim), device)
+        t2 = time.perf_counter()
+        fresh = " into new host buffers" if allocated else ""
+        waited = f", after waiting {t1 - t0:.2f} s for step {previous}'s write" if t1 - t0 >= 0.01 else ""
+        self.log(
+            f"checkpoint step {step}: training blocked {t2 - t0:.2f} s: copied {self.buffers.nbytes / 1e9:.2f} GB "
+            f"to host memory in {t2 - t1:.2f} s{fresh}{waited}; writing it in the background"
+        )
+        self.pending = _Write(step)
+        state = CheckpointState(step, weights, optim, live.meta)
+        self.thread = threading.Thread(target=self._write, args=(self.pending, state), name="dflash-checkpoint-writer")
+        self.thread.start()
+
+    def _write(self, write: _Write, state: CheckpointState) -> None:
+        t0 = time.perf_counter()
+        try:
+            write.path = write_checkpoint(self.out_dir, state, self.keep, fail=state.step == self.fail_step)
+        except BaseException as exc:  # reported by the step loop's thread, which fails the run with it
+            write.error = exc
+        write.seconds = time.perf_counter() - t0
+
+    def poll(self) -> None:
+        """Report the write in flight if it has finished (raises CheckpointWriteError if it failed)."""
+        if self.thread is not None and not self.thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the write in flight, if any, and report it (raises CheckpointWriteError if it failed)."""
+        write, thread = self.pending, self.thread
+        if thread is None:
+            return
+        self.pending = self.thread = None
+        thread.join()
+        if write.error is not None:
+            raise CheckpointWriteError(
+                f"writing the checkpoint of step {write.step} failed after {write.seconds:.1f} s: "
+                f"{type(write.error).__name__}: {write.error}"
+            ) from write.error
+        self.log(f"checkpoint: {write.path} (written in {write.seconds:.2f} s in the background)")
+
+    def settle(self) -> None:
+        """After a failed run: let the write in flight finish (its checkpoint is a good one) and log,
+        rather than raise, its own error, so that the run's failure stays the one reported."""
+        try:
+            self.wait()
+        except CheckpointWriteError as exc:
+            self.log(f"error: {exc}")

@@ -1,0 +1,118 @@
+"""Checkpoint files (issue 31): the copy to host memory keeps its step's state while training changes
+the originals, the buffers are reused, a crash in the middle of a write leaves nothing that
+--resume would take, a failed background write is raised where the run waits for it, and a
+checkpoint written before issue 31 still loads. The end-to-end paths: tests/payload/test_train.py."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.checkpoint import checkpoint_state, latest_checkpoint, load_checkpoint, write_checkpoint
+from dflash_train.checkpoint_writer import CheckpointWriter, CheckpointWriteError
+from dflash_train.host_copy import HostBuffers
+from dflash_train.workers import InjectedFault
+
+CPU = torch.device("cpu")
+OLD = Path(__file__).resolve().parent / "golden" / "old_checkpoint"
+
+
+def trained(steps: int = 1):
+    """A small model with fixed weights, AdamW and LambdaLR after `steps` steps of unit gradients
+    (the recipe tests/payload/golden/old_checkpoint was written from)."""
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.arange(6.0).view(2, 3) / 10)
+        model.bias.copy_(torch.tensor([0.5, -0.5]))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def host_state(step, model, opt, sched, buffers=None):
+    """The checkpoint state of `step` copied into host buffers, as the writer takes it."""
+    live = checkpoint_state(step, model, opt, sched, {"preset": "test"}, CPU)
+    (live.weights, live.optim), _ = (buffers or HostBuffers()).copy((live.weights, live.optim), CPU)
+    return live
+
+
+def assert_same_training_state(a, b):
+    (model_a, opt_a, sched_a), (model_b, opt_b, sched_b) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(model_a.state_dict().values(), model_b.state_dict().values()))
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        state_a, state_b = opt_a.state[pa], opt_b.state[pb]
+        assert state_a.keys() == state_b.keys()
+        assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert sched_a.state_dict() == sched_b.state_dict()
+
+
+def test_the_host_copy_keeps_its_steps_state_while_training_goes_on(tmp_path):
+    model, opt, sched = trained(2)
+    state = host_state(2, model, opt, sched)
+    for p in model.parameters():  # training goes on: parameters and optimizer state change in place
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sched.step()
+    path = write_checkpoint(tmp_path, state)
+    restored = trained(0)
+    meta = load_checkpoint(path, *restored, CPU)
+    assert meta["step"] == 2 and meta["config"] == {"preset": "test"}
+    assert_same_training_state(restored, trained(2))
+
+
+def test_host_buffers_are_reused_while_the_state_keeps_its_shapes():
+    buffers = HostBuffers()
+    model, opt, sched = trained(1)
+    first, allocated = buffers.copy(model.state_dict(), CPU)
+    assert allocated and buffers.nbytes == (6 + 2) * 4
+    with torch.no_grad():
+        model.weight.add_(1)
+    second, allocated = buffers.copy(model.state_dict(), CPU)
+    assert not allocated
+    assert [t.data_ptr() for t in first.values()] == [t.data_ptr() for t in second.values()]
+    assert torch.equal(second["weight"], model.weight.detach())  # the same memory, the new values
+    _, allocated = buffers.copy(torch.nn.Linear(3, 4).state_dict(), CPU)
+    assert allocated  # other shapes: new buffers
+
+
+def test_a_crash_in_the_middle_of_a_write_leaves_no_checkpoint_that_resume_takes(tmp_path):
+    write_checkpoint(tmp_path, host_state(1, *trained(1)), keep=1)
+    with pytest.raises(InjectedFault, match="writing checkpoint step 2"):
+        write_checkpoint(tmp_path, host_state(2, *trained(2)), keep=1, fail=True)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in (root / ".tmp_step_00000002").iterdir()) == ["drafter.safetensors", "optimizer.pt"]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000001"]  # not pruned: step 2 never landed
+    assert latest_checkpoint(tmp_path) == root / "step_00000001"
+
+
+def test_a_failed_background_write_is_raised_where_the_run_waits(tmp_path):
+    logs = []
+    writer = CheckpointWriter(tmp_path, 2, logs.append, fail_step=2)
+    writer.save(1, *trained(1), {"preset": "test"}, CPU)
+    writer.save(2, *trained(2), {"preset": "test"}, CPU)  # waits for step 1's write first
+    with pytest.raises(CheckpointWriteError, match="writing the checkpoint of step 2 failed .*InjectedFault"):
+        writer.wait()
+    writer.wait()  # reported once: nothing in flight any more
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
+    assert logs[0].startswith("checkpoint step 1: training blocked ") and " into new host buffers" in logs[0]
+    assert logs[1].startswith(f"checkpoint: {tmp_path / 'checkpoints' / 'step_00000001'} (written in ")
+    assert logs[2].startswith("checkpoint step 2: training blocked ") and "new host buffers" not in logs[2]
+    assert len(logs) == 3
+
+
+def test_a_checkpoint_written_before_issue_31_still_loads(tmp_path):
+    """golden/old_checkpoint: written by the synchronous save_checkpoint of commit d81cff4 (CRC32
+    computed, weights copied with .cpu()) from `trained(1)`, config {"preset": "old-format"}."""
+    shutil.copytree(OLD, tmp_path, dirs_exist_ok=True)
+    path = latest_checkpoint(tmp_path)
+    assert path.name == "step_00000001"
+    restored = trained(0)
+    meta = load_checkpoint(path, *restored, CPU)
+    assert meta["step"] == 1 and meta["config"] == {"preset": "old-format"}
+    assert_same_training_state(restored, trained(1))
