@@ -77,7 +77,9 @@ class HostBuffers:
 
 
 def _allocate(layout: list[tuple[torch.Size, torch.dtype]], pin: bool) -> list[torch.Tensor]:
-    """One contiguous view per (shape, dtype), packed into as few arenas as the sizes allow."""
+    """One contiguous tensor per (shape, dtype), packed into as few arenas as the sizes allow. Each
+    has a storage of its own over its bytes of an arena (torch.frombuffer): torch.save writes a
+    tensor's whole storage, and a view of an arena would write the arena."""
     spans, arenas, used = [], [], 0  # spans: (arena index, offset, nbytes)
     for shape, dtype in layout:
         nbytes = shape.numel() * dtype.itemsize
@@ -87,8 +89,10 @@ def _allocate(layout: list[tuple[torch.Size, torch.dtype]], pin: bool) -> list[t
         spans.append((len(arenas) - 1, used, nbytes))
         used += -(-nbytes // ALIGN) * ALIGN
         arenas[-1] = max(arenas[-1], used)
-    memory = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for size in arenas]
+    memory = [torch.empty(size, dtype=torch.uint8, pin_memory=pin).numpy() for size in arenas]
     return [
-        memory[arena][offset : offset + nbytes].view(dtype).view(shape)
+        torch.frombuffer(memory[arena], dtype=dtype, count=shape.numel(), offset=offset).view(shape)
+        if nbytes
+        else torch.empty(shape, dtype=dtype)
         for (arena, offset, nbytes), (shape, dtype) in zip(spans, layout)
     ]
