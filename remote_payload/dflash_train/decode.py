@@ -230,10 +230,8 @@ def before_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's work up to attention for new tokens x [N, T, H]: queries [N, nh, T, d], keys
     (RoPE applied) and values [N, nkv, T, d]."""
-    attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    k, v = attn.keys_values(h)
-    return apply_rope(attn.queries(h), cos, sin), apply_rope(k, cos, sin), v
+    q, k, v = layer.self_attn.project(layer.input_layernorm(x))
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def after_attention(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
