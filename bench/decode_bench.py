@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from dflash_train.config import load_config  # noqa: E402
 from dflash_train.decode import Decoder, generate  # noqa: E402
 from dflash_train.replica import build_target  # noqa: E402
+from dflash_train.target import hf_state_dict  # noqa: E402
 from dflash_train.plan import resolve_run  # noqa: E402
 
 
@@ -136,8 +137,8 @@ class Bench:
         )
         with torch.device("meta"):
             model = Qwen3ForCausalLM(hf_cfg)
-        ours = {(k if k.startswith("lm_head") else f"model.{k}"): v for k, v in self.target.state_dict().items()}
-        model.load_state_dict(ours, strict=False, assign=True)  # the same tensors: no second copy
+        # The same tensors (the fused projections' parts as views): no second copy.
+        model.load_state_dict(hf_state_dict(self.target), strict=False, assign=True)
         model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg).to(self.device)
         model.eval().generation_config.eos_token_id = None
         model.generation_config.pad_token_id = 0

@@ -151,7 +151,7 @@ class Decoder:
         positions = (slots[None] - self.pad[:, None]).clamp_min(0)  # [N, T]
         x = m.embed_tokens(ids)  # [N, T, H]
         cos, sin = rope_cos_sin(positions, m.shape.head_dim, m.shape.rope_theta, x.dtype)
-        mask = grouped_mask(self._mask(slots, window, prefill), m.shape.num_heads // m.shape.num_kv_heads)
+        mask = grouped_mask(self._mask(slots, window, prefill), m.shape.num_heads // m.shape.num_kv_heads, self.dtype)
         wanted, feats = set(self.feature_layers), {}
         for i, layer in enumerate(m.layers):
             x = self._layers(layer, x, cos, sin, self.keys[i], self.values[i], slots, window, mask, eager=prefill)
@@ -230,10 +230,10 @@ def before_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's work up to attention for new tokens x [N, T, H]: queries [N, nh, T, d], keys
     (RoPE applied) and values [N, nkv, T, d]."""
-    attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    k, v = attn.keys_values(h)
-    return apply_rope(attn.queries(h), cos, sin), apply_rope(k, cos, sin), v
+    q, k, v = layer.self_attn.project(layer.input_layernorm(x))
+    # Contiguous queries: grouped_attention's reshape is then a view, where it copied them for T > 1
+    # (verify steps); compiled, the RoPE kernel writes this layout itself.
+    return apply_rope(q, cos, sin).contiguous(), apply_rope(k, cos, sin), v
 
 
 def after_attention(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -242,12 +242,17 @@ def after_attention(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> 
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def grouped_mask(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
-    """A [N, 1, T, W] mask repeated for the `group` query heads of a key-value head: [N, 1, g*T, W]."""
+def grouped_mask(mask: torch.Tensor | None, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A [N, 1, T, W] boolean mask (True = attend) repeated for the `group` query heads of a
+    key-value head, as SDPA's additive mask in `dtype` (0 or -inf): [N, 1, g*T, W].
+
+    Additive once per step because SDPA turns a boolean mask into this on every call: a kernel
+    or two in each layer of every step."""
     if mask is None:
         return None
     n, _, t, w = mask.shape
-    return mask[:, :, None].expand(n, 1, group, t, w).reshape(n, 1, group * t, w)
+    grouped = mask[:, :, None].expand(n, 1, group, t, w).reshape(n, 1, group * t, w)
+    return torch.zeros(grouped.shape, dtype=dtype, device=mask.device).masked_fill_(~grouped, float("-inf"))
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -138,21 +138,25 @@ class Attention(nn.Module):
         n, _, t, _ = attn.shape
         return self.o_proj(attn.transpose(1, 2).reshape(n, t, self.num_heads * self.head_dim))
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, T, H] -> normed queries [N, nh, T, d], normed keys and values [N, nkv, T, d] (before RoPE)."""
+        return (self.queries(x), *self.keys_values(x))
+
     def causal(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Causal self-attention (the target's): x [N, S, H], cos/sin [1, S, d] -> [N, S, H]."""
-        q = apply_rope(self.queries(x), cos, sin)
-        k, v = self.keys_values(x)
-        out = F.scaled_dot_product_attention(q, apply_rope(k, cos, sin), v, is_causal=True, enable_gqa=True)
-        return self.output(out)
+        q, k, v = self.project(x)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.output(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm Qwen3 decoder layer; `forward` is the target's causal layer."""
+    """Pre-norm Qwen3 decoder layer; `forward` is the target's causal layer. The target passes
+    its own attention and MLP classes (target.py: fused projections, same math)."""
 
-    def __init__(self, shape: Shape):
+    def __init__(self, shape: Shape, attention: type[nn.Module] = Attention, mlp: type[nn.Module] = MLP):
         super().__init__()
-        self.self_attn = Attention(shape)
-        self.mlp = MLP(shape)
+        self.self_attn = attention(shape)
+        self.mlp = mlp(shape)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 

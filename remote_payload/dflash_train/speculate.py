@@ -132,7 +132,8 @@ class DraftDecoder:
         bs = d.spec.block_size
         slots = start + torch.arange(bs, device=self.device)  # [B]
         group = d.spec.shape.num_heads // d.spec.shape.num_kv_heads
-        masks = {kind: grouped_mask(m, group) for kind, m in draft_masks(d.spec, start, window).items()}
+        dtype = self.keys[0].dtype  # the cache's: SDPA wants an additive mask in the queries' dtype
+        masks = {kind: grouped_mask(m, group, dtype) for kind, m in draft_masks(d.spec, start, window).items()}
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
             x = t.embed_tokens(block).to(self.keys[0].dtype)  # [1, B, H]
             cos, sin = self._rope(slots, x.dtype)

@@ -9,11 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
 from .config import TargetConfig
-from .model import DecoderLayer, RMSNorm, Shape, rope_cos_sin
+from .model import Attention, DecoderLayer, RMSNorm, Shape, rope_cos_sin
 
 MASK_TOKEN = "<|MASK|>"
 
@@ -31,8 +32,71 @@ def default_target_layer_ids(num_layers: int, count: int = 5) -> list[int]:
     return sorted({first + math.floor(i * step + 0.5) for i in range(count)})
 
 
+class FusedAttention(nn.Module):
+    """The target's Qwen3 attention with q, k and v stacked in one weight: one GEMM (a GEMV when
+    decoding one token) reads all three instead of three launches, two of them small."""
+
+    def __init__(self, shape: Shape):
+        super().__init__()
+        h, d = shape.hidden_size, shape.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, d
+        self.qkv_proj = nn.Linear(h, (shape.num_heads + 2 * shape.num_kv_heads) * d, bias=False)  # rows: q | k | v
+        self.o_proj = nn.Linear(shape.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, shape.rms_norm_eps)
+        self.k_norm = RMSNorm(d, shape.rms_norm_eps)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, T, H] -> normed queries [N, nh, T, d], normed keys and values [N, nkv, T, d] (before RoPE)."""
+        n, t, _ = x.shape
+        heads = self.qkv_proj(x).view(n, t, -1, self.head_dim)  # [N, T, nh + 2 nkv, d]
+        q, k, v = heads.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=2)  # views
+        return self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
+
+    output = Attention.output
+    causal = Attention.causal
+
+
+class FusedMLP(nn.Module):
+    """SwiGLU with gate and up stacked in one weight (one GEMM for both)."""
+
+    def __init__(self, shape: Shape):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)  # rows: gate | up
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., H] -> [..., H]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views of [..., 2I]
+        return self.down_proj(F.silu(gate) * up)
+
+
+def hf_parts(name: str, rows: int, shape: Shape) -> list[tuple[str, int]]:
+    """Our parameter `name` of `rows` rows -> the HF checkpoint keys it holds and their row counts,
+    in row order (one key for all but the fused projections)."""
+    hf = name if name.startswith("lm_head") else f"model.{name}"
+    q, kv, inter = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    if name.endswith("self_attn.qkv_proj.weight"):
+        stem = hf.removesuffix("qkv_proj.weight")
+        return [(f"{stem}q_proj.weight", q), (f"{stem}k_proj.weight", kv), (f"{stem}v_proj.weight", kv)]
+    if name.endswith("mlp.gate_up_proj.weight"):
+        stem = hf.removesuffix("gate_up_proj.weight")
+        return [(f"{stem}gate_proj.weight", inter), (f"{stem}up_proj.weight", inter)]
+    return [(hf, rows)]
+
+
+def hf_state_dict(target: "Qwen3Target") -> dict[str, torch.Tensor]:
+    """`state_dict()` under HF Qwen3 keys (a tied LM head too, as HF's own state_dict lists it), the
+    fused projections split back into views (no copies)."""
+    out = {}
+    for name, param in target.state_dict().items():
+        parts = hf_parts(name, param.shape[0], target.shape)
+        out.update(zip([key for key, _ in parts], param.split([rows for _, rows in parts])))
+    return out
+
+
 class Qwen3Target(nn.Module):
-    """Qwen3 causal LM with HF-compatible submodule names (minus the `model.` prefix).
+    """Qwen3 causal LM with HF-compatible submodule names (minus the `model.` prefix), except that
+    each layer's q/k/v and gate/up projections are fused (`hf_parts` maps them).
 
     Only the first `num_built_layers` layers exist: features stop after the last one needed.
     """
@@ -42,7 +106,7 @@ class Qwen3Target(nn.Module):
         self.cfg = cfg
         self.shape = shape_of(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(self.shape) for _ in range(num_built_layers))
+        self.layers = nn.ModuleList(DecoderLayer(self.shape, FusedAttention, FusedMLP) for _ in range(num_built_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -121,8 +185,10 @@ def build_random_target(
         for name, param in target.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
-                param.normal_(0.0, cfg.init_std, generator=gen)
+                continue
+            # A fused weight is drawn part by part in HF order: the values the separate weights had.
+            for part in param.split([rows for _, rows in hf_parts(name, param.shape[0], target.shape)]):
+                part.normal_(0.0, cfg.init_std, generator=gen)
     return target
 
 
@@ -169,22 +235,34 @@ def load_hf_target(
     num_built = cfg.num_layers if whole else max(layer_ids) + 1
     with torch.device("meta"):
         target = Qwen3Target(cfg, num_built)
-    wanted = {_hf_name(name): name for name in target.state_dict()}
+    shapes = {name: meta.shape for name, meta in target.state_dict().items()}
+    wanted = _hf_layout(shapes, target.shape)
     if cfg.tie_word_embeddings:
         wanted.pop("lm_head.weight", None)
     tensors: dict[str, torch.Tensor] = {}
+    found: set[str] = set()
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             for key in f.keys():
-                if key in wanted:
-                    tensors[wanted[key]] = f.get_tensor(key).to(dtype)
-    if not cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
+                if key not in wanted:
+                    continue
+                name, first, rows = wanted[key]
+                found.add(key)
+                if rows == shapes[name][0]:
+                    tensors[name] = f.get_tensor(key).to(dtype)
+                    continue
+                # A fused weight is allocated once and each part copied into its rows as it is read:
+                # the separate tensors never sit in memory beside it.
+                fused = tensors.setdefault(name, torch.empty(shapes[name], dtype=dtype, device=device))
+                fused[first : first + rows].copy_(f.get_tensor(key))
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in found and "embed_tokens.weight" in tensors:
         # Some checkpoints tie without saying so; the LM head is then the embedding.
-        tensors["lm_head.weight"] = tensors.get("embed_tokens.weight")
-    missing = [hf for hf, ours in wanted.items() if ours not in tensors or tensors[ours] is None]
+        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+        found.add("lm_head.weight")
+    missing = [key for key in wanted if key not in found]
     if missing:
         raise KeyError(f"{path}: checkpoint lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
     target.load_state_dict(tensors, strict=False, assign=True)
@@ -193,9 +271,15 @@ def load_hf_target(
     return target.requires_grad_(False)
 
 
-def _hf_name(name: str) -> str:
-    """Our parameter name -> the HF checkpoint key."""
-    return name if name.startswith("lm_head") else f"model.{name}"
+def _hf_layout(shapes: dict[str, torch.Size], shape: Shape) -> dict[str, tuple[str, int, int]]:
+    """HF checkpoint key -> (our parameter, its first row, rows) for parameters of these shapes."""
+    layout = {}
+    for name, size in shapes.items():
+        first = 0
+        for key, rows in hf_parts(name, size[0], shape):
+            layout[key] = (name, first, rows)
+            first += rows
+    return layout
 
 
 def resolve_mask_token_id(target_cfg: TargetConfig, configured: int | None, tokenizer_path: str | None = None) -> int:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "remote_payload"))
 
 from dflash_train.config import TargetConfig, load_config  # noqa: E402
 from dflash_train.data import BlockSampler, build_datasets  # noqa: E402
-from dflash_train.target import build_tiny_target, load_hf_target  # noqa: E402
+from dflash_train.target import build_tiny_target, hf_state_dict, load_hf_target  # noqa: E402
 from dflash_train.plan import resolve_run  # noqa: E402
 from dflash_train.replica import build_replica, forward_loss, train_step  # noqa: E402
 from dflash_train.train import run_training  # noqa: E402
@@ -64,7 +64,7 @@ def check_hf() -> None:
             )
         )
         save_file(
-            {("" if k.startswith("lm_head") else "model.") + k: v.contiguous() for k, v in ours.state_dict().items()},
+            {k: v.clone() for k, v in hf_state_dict(ours).items()},  # clones: fused weights' views share memory
             str(Path(tmp) / "model.safetensors"),
         )
         hf = AutoModelForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).cuda().eval()

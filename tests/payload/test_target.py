@@ -7,7 +7,13 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_train.config import TargetConfig
-from dflash_train.target import build_tiny_target, default_target_layer_ids, load_hf_target, resolve_mask_token_id
+from dflash_train.target import (
+    build_tiny_target,
+    default_target_layer_ids,
+    hf_state_dict,
+    load_hf_target,
+    resolve_mask_token_id,
+)
 
 
 @pytest.mark.parametrize(
@@ -44,11 +50,8 @@ def write_hf_checkpoint(target, path, tie):
             }
         )
     )
-    state = {
-        ("" if k.startswith("lm_head") else "model.") + k: v.contiguous()
-        for k, v in target.state_dict().items()
-        if not (tie and k.startswith("lm_head"))
-    }
+    # Clones: the split projections are views of one fused weight, which safetensors refuses to save.
+    state = {k: v.clone() for k, v in hf_state_dict(target).items() if not (tie and k.startswith("lm_head"))}
     keys = sorted(state)
     save_file({k: state[k] for k in keys[::2]}, str(path / "model-00001-of-00002.safetensors"))
     save_file({k: state[k] for k in keys[1::2]}, str(path / "model-00002-of-00002.safetensors"))
