@@ -278,16 +278,22 @@ def demo_sequences(
     Prompts are masked out of the loss; the continuation is deterministic given its prefix, so
     the drafter has something learnable.
     """
-    n = cfg.num_train + cfg.num_eval
-    gen = seeded_generator(seed, 7)
-    prompts = torch.randint(0, target.cfg.vocab_size - 1, (n, cfg.prompt_length), generator=gen)
-    prompts[prompts >= mask_token_id] += 1  # never the MASK id (random targets reserve the last)
+    prompts = demo_prompts(target.cfg.vocab_size, cfg, mask_token_id, seed)
     new = generate(target, prompts.tolist(), cfg.max_length - cfg.prompt_length, banned_ids=(mask_token_id,))
     ids = torch.cat([prompts, torch.tensor(new, dtype=torch.long)], dim=1)
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, : cfg.prompt_length] = False
     seqs = list(zip(ids.unbind(0), mask.unbind(0)))
     return seqs[: cfg.num_train], seqs[cfg.num_train :]
+
+
+def demo_prompts(vocab_size: int, cfg: DataConfig, mask_token_id: int, seed: int) -> torch.Tensor:
+    """The random prompts the demo sequences start with, [num_train + num_eval, prompt_length]:
+    drawn before (and without) the target's continuations."""
+    n = cfg.num_train + cfg.num_eval
+    prompts = torch.randint(0, vocab_size - 1, (n, cfg.prompt_length), generator=seeded_generator(seed, 7))
+    prompts[prompts >= mask_token_id] += 1  # never the MASK id (random targets reserve the last)
+    return prompts
 
 
 def random_sequences(vocab_size: int, num: int, length: int, mask_token_id: int, seed: int) -> list[Sequence]:

@@ -224,11 +224,27 @@ def inductor_cache_dir(env_value: str | None) -> tuple[str, str]:
     """Where inductor writes its cache, and why there (the user's env var, or torch's default)."""
     if env_value:
         return os.path.abspath(env_value), "$TORCHINDUCTOR_CACHE_DIR"
-    # Importing this module sets the variable as a side effect: put back what the user had.
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    return _torch_default_cache_dir(), "torch default"
 
-    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    return default_cache_dir(), "torch default"
+
+def _torch_default_cache_dir() -> str:
+    """torch's own rule (torch._inductor.runtime.cache_dir_utils.default_cache_dir), read from its
+    file: importing it by name runs torch._inductor's __init__, which imports Dynamo (~1.5 s of
+    CPU, and sets TORCHINDUCTOR_CACHE_DIR as a side effect)."""
+    import importlib.util
+
+    import torch
+
+    path = Path(torch.__file__).parent / "_inductor" / "runtime" / "cache_dir_utils.py"
+    spec = importlib.util.spec_from_file_location("_dflash_doctor_cache_dir_utils", path)
+    if spec is None or spec.loader is None or not path.is_file():  # another layout: the import, its side effect undone
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        return default_cache_dir()
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.default_cache_dir()
 
 
 def check_inductor_cache(path: str, source: str, min_free: float = 2 * GIB) -> Check:

@@ -144,13 +144,11 @@ def evaluate_run(
     from .lookup import lookup_decode
     from .replica import build_target
     from .speculate import DraftDecoder, speculate
-    from .workers import use_cpu_threads
 
     export = run_dir / "export"
     if not (export / "model.safetensors").is_file():
         raise EvalError(f"no export in {run_dir} yet (the run has not finished: an export is written at its last step)")
     cfg, dev, prompts = eval_plan(run_dir, prompts, max_new_tokens, count, device)
-    use_cpu_threads(cfg.run.cpu_threads)  # the run's own setting, as its trainer applied it
     target = build_target(cfg, dev).eval()
     drafter, _ = load_exported(export, dev)
     # In the target's dtype, as a server loads it (bf16 on a GPU): no fp32 weights cast per call.
@@ -205,13 +203,15 @@ def eval_plan(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int, co
 
     from .config import load_config
     from .plan import resolve_run
-    from .train import load_data
+    from .train import spec_prompts
+    from .workers import use_cpu_threads
 
     overrides = [f"run.spec_prompts={max(count, 1)}"] + ([f"run.device={device}", "run.gpus=[]"] if device else [])
     plan = resolve_run(load_config(str(run_dir / "config.resolved.yaml"), overrides=overrides))
     cfg = plan.cfg
+    use_cpu_threads(cfg.run.cpu_threads)  # the run's own setting, as its trainer applied it
     if prompts is None:
-        prompts = load_data(cfg)[2]  # at most run.spec_prompts = count of them
+        prompts = spec_prompts(cfg)  # at most run.spec_prompts = count of them
         if not prompts:
             raise EvalError("the run's held-out split gives no prompts: pass --prompts FILE.jsonl")
     else:

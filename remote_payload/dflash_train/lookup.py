@@ -15,6 +15,9 @@ greedy text. tau is counted as for the drafter (speculate.tau_figures).
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
 
 from .decode import Decoder, make_decoder
@@ -105,6 +108,14 @@ def lookup_decode(
     return out
 
 
+def _eager():
+    """Compiled code (a compiled step's target layers) runs eager here. Without Dynamo imported
+    nothing was compiled: skip set_stance, whose import of Dynamo costs ~1.5 s of CPU."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
 def lookup_eval(
     target: Qwen3Target, prompts: list[list[int]], new_tokens: int, num_tokens: int, max_ngram: int = MAX_NGRAM
 ) -> dict:
@@ -112,7 +123,7 @@ def lookup_eval(
     the drafter (with `lookup_` for `spec_`): the baseline to compare a drafter's figures with."""
     room = max(map(len, prompts)) + new_tokens + num_tokens + 1
     decoder = make_decoder(target, 1, room, compile=False)
-    with torch.compiler.set_stance("force_eager"):
+    with _eager():
         results = [lookup_decode(target, p, new_tokens, num_tokens, max_ngram, decoder=decoder) for p in prompts]
     pooled, per_prompt = tau_figures(results)
     return {

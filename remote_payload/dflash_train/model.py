@@ -25,6 +25,13 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
+def to_empty(module: nn.Module, device: str | torch.device) -> nn.Module:
+    """`module.to_empty(device=device)`: uninitialised storage of each tensor's shape and dtype,
+    without the meta device's empty_like (a Python reference that imports sympy, ~0.5 s of CPU
+    per process)."""
+    return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
 @dataclass(frozen=True)
 class Shape:
     """Width of one Qwen3 decoder layer (shared by target and drafter)."""

@@ -18,7 +18,7 @@ from .compiling import CompilePolicy
 from .config import Config
 from .data import Batch
 from .loss import LossOutput, dflash_loss
-from .model import DFlashDrafter, block_input_ids
+from .model import DFlashDrafter, block_input_ids, to_empty
 from .resolve import drafter_spec
 from .sliding import drafter_masks
 from .target import Qwen3Target, build_random_target, build_tiny_target, load_hf_target
@@ -97,7 +97,7 @@ def build_replica(cfg: Config, device: torch.device | str, seed: int, policy: Co
     target = build_target(cfg, device)
     with torch.device("meta"):
         drafter = DFlashDrafter(drafter_spec(cfg))
-    drafter.to_empty(device="cpu")  # init_weights sets every parameter: skip nn.Linear's own init
+    to_empty(drafter, "cpu")  # init_weights sets every parameter: skip nn.Linear's own init
     drafter.init_weights(cfg.drafter.init_std, seed)
     drafter.to(device)
     on_cuda = device.type == "cuda"

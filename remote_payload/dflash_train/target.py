@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import TargetConfig
-from .model import Attention, DecoderLayer, RMSNorm, Shape, rope_cos_sin
+from .model import Attention, DecoderLayer, RMSNorm, Shape, rope_cos_sin, to_empty
 
 MASK_TOKEN = "<|MASK|>"
 
@@ -105,7 +105,13 @@ class Qwen3Target(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.shape = shape_of(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Its weight passed in: nn.Embedding's own init (normal_) on the meta device, where every
+        # target is built, runs a Python decomposition that imports torch._dynamo (~1.5 s of CPU per
+        # process that never compiles). Built on a real device, it gets that same init.
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(self.shape, FusedAttention, FusedMLP) for _ in range(num_built_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -177,7 +183,7 @@ def build_random_target(
     """A randomly initialised target (deterministic for seed + device); no files needed."""
     with torch.device("meta"):
         target = Qwen3Target(cfg, num_built_layers or cfg.num_layers)
-    target.to_empty(device=device).to(dtype)
+    to_empty(target, device).to(dtype)
     if cfg.tie_word_embeddings:
         target.lm_head.weight = target.embed_tokens.weight  # to_empty breaks the tie
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -23,7 +23,7 @@ from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint
 from .checkpoint_writer import CheckpointWriter
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .dashboard import Records, with_tensorboard
-from .data import Batch, BlockSampler, DataError, build_datasets
+from .data import Batch, BlockSampler, DataError, build_datasets, demo_prompts
 from .export import export_drafter
 from .model import DFlashDrafter
 from .recipe import DEFAULT_EPOCHS
@@ -51,6 +51,18 @@ def load_data(cfg: Config, world: int = 1) -> tuple[BlockSampler, list[Batch], l
     held_out = BlockSampler(eval_seqs, eval_cfg, cfg.drafter.block_size, cfg.run.seed + 1, shuffle=False)
     batches = [held_out.batch(i) for i in range(min(cfg.run.eval_batches, held_out.steps_per_epoch))]
     return sampler, batches, held_out_prompts(eval_seqs, cfg.run.spec_prompts, cfg.data.prompt_length)
+
+
+def spec_prompts(cfg: Config) -> list[list[int]]:
+    """`load_data(cfg)[2]`, the held-out prompts. The demo source's are its random prompts
+    (held_out_prompts cuts each sequence at its first supervised token, the continuation's first):
+    drawn without generating the data (the target's greedy decode of every sequence)."""
+    d = cfg.data
+    if d.source == "demo" and cfg.target.path is None and cfg.target.backend != "transformers":
+        if 0 < d.prompt_length < d.max_length:
+            prompts = demo_prompts(cfg.target.vocab_size, d, cfg.drafter.mask_token_id, cfg.run.seed)
+            return prompts[d.num_train :][: cfg.run.spec_prompts].tolist()
+    return load_data(cfg)[2]
 
 
 class GlobalBatches:

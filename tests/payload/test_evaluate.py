@@ -9,7 +9,8 @@ from test_data import CHATS, save_tokenizer
 
 from dflash_train.config import load_config
 from dflash_train.evaluate import main as evaluate
-from dflash_train.train import run_training
+from dflash_train.plan import resolve_run
+from dflash_train.train import load_data, run_training, spec_prompts
 
 
 def test_chat_and_text_prompts_go_through_the_runs_tokenizer(tmp_path, capsys):
@@ -81,3 +82,12 @@ def test_the_report_carries_the_prompt_lookup_baseline_unless_turned_off(tmp_pat
     assert evaluate([str(out), "--count", "2", "--max-new-tokens", "8", "--no-baseline"]) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert report["baseline"] is None and "drafter_vs_baseline" not in report and report["identical"]
+
+
+def test_a_demo_runs_held_out_prompts_are_drawn_without_its_data():
+    """eval's default prompts (train.spec_prompts): for the demo source, the held-out prompts
+    load_data gives, without generating the sequences they start."""
+    overrides = ["run.spec_prompts=5", "data.num_train=24", "data.num_eval=8", "data.prompt_length=6"]
+    cfg = resolve_run(load_config(overrides=overrides), cuda_count=0).cfg
+    prompts = spec_prompts(cfg)
+    assert prompts == load_data(cfg)[2] and len(prompts) == 5 and {len(p) for p in prompts} == {6}
