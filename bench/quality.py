@@ -286,6 +286,7 @@ class Scorer:
             speedup=report.get("speedup"),
             step_cost=report.get("step_cost"),
             identical=report.get("identical"),
+            differences_are_ties=report.get("differences_are_ties"),
             lookup_tau_mean=lookup.get("tau_prompt_mean"),
             lookup_tau=lookup.get("tau"),
             lookup_speedup=lookup.get("speedup"),

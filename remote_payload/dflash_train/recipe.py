@@ -13,9 +13,24 @@ from dataclasses import dataclass
 # layers over 3,072-token sequences, 512 anchors each, one sequence per GPU (the 8B preset's shapes,
 # which fit one H200 at 215 ms/step: docs/performance.md).
 LARGE_TARGET_HIDDEN = 2048
-# Epochs over the training rows when neither run.steps nor run.epochs is given: issue 26's two H200
-# runs (~12 epochs each) were still gaining tau; the bench's 8,192-row run had flattened by ~8.
+# Epochs over the training rows when neither run.steps nor run.epochs is given: on the quality bench
+# (docs/quality.md) runs of 9-12 epochs generalised (held-out loss 0.84-0.87) and 37 epochs of 16,384
+# rows memorised them (2.25, tau down to prompt lookup's); twice the rows at 9.3 epochs gave the best tau.
 DEFAULT_EPOCHS = 10
+# A run on a real target asking for more epochs than this is told that more rows would serve it better.
+MANY_EPOCHS = 2 * DEFAULT_EPOCHS
+
+
+def epochs_note(steps: int, steps_per_epoch: int) -> str | None:
+    """A start-up line when `steps` repeat a real target's rows more than MANY_EPOCHS times, else None."""
+    epochs = steps / steps_per_epoch
+    if epochs <= MANY_EPOCHS:
+        return None
+    return (
+        f"run length: {steps} steps = {epochs:.0f} epochs of {steps_per_epoch} batches; on the quality bench "
+        f"37 epochs memorised the rows where ~10 epochs of twice the rows reached 1.4x the tau "
+        f"(docs/quality.md): regenerate more prompts, or set run.epochs={DEFAULT_EPOCHS}"
+    )
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from .dashboard import Records, with_tensorboard
 from .data import Batch, BlockSampler, DataError, build_datasets, demo_prompts
 from .export import export_drafter
 from .model import DFlashDrafter
-from .recipe import DEFAULT_EPOCHS
+from .recipe import DEFAULT_EPOCHS, epochs_note
 from .metrics import Cadence, MetricsLog, TrainMeter, train_line
 from .replica import DTYPES, Replica, drafter_ops, evaluate, stop_progress_probes
 from .plan import RunPlan, resolve_run
@@ -281,6 +281,8 @@ class Trainer:
                 f"run length: {run.steps} steps = {DEFAULT_EPOCHS} epochs of {per_epoch} batches "
                 f"(run.steps unset; set run.steps or run.epochs to choose)"
             )
+        elif self.cfg.target.path and (note := epochs_note(run.steps, per_epoch)):
+            self.log(note)
 
     def _announce(self, resume: bool) -> None:
         """The start-up lines: the summary with every decision's reason, the workers, the config file."""

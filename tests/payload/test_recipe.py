@@ -101,10 +101,10 @@ def test_a_recipe_field_set_to_zero_is_refused():
         load_config(overrides=["drafter.num_layers=0"])
 
 
-def test_without_run_steps_a_real_target_trains_the_recipes_epochs_of_its_data(tmp_path):
+def train_on_a_real_tiny_target(tmp_path, *sets: str) -> list[str]:
+    """The trainer's log of a run on a tiny HF target and 34 jsonl rows (32 train: 2 batches of 16)."""
     import torch
     from dflash_train.config import TargetConfig
-    from dflash_train.recipe import DEFAULT_EPOCHS
     from dflash_train.target import build_tiny_target
     from dflash_train.train import run_training
     from test_target import write_hf_checkpoint
@@ -124,10 +124,39 @@ def test_without_run_steps_a_real_target_trains_the_recipes_epochs_of_its_data(t
             "data.anchors_per_seq=4",
             "run.spec_prompts=0",
             f"run.output_dir={tmp_path / 'run'}",
+            *sets,
         ]
     )
     logs: list[str] = []
     assert run_training(cfg, log=logs.append) == 0
+    return logs
+
+
+def test_without_run_steps_a_real_target_trains_the_recipes_epochs_of_its_data(tmp_path):
+    from dflash_train.recipe import DEFAULT_EPOCHS
+
+    logs = train_on_a_real_tiny_target(tmp_path)
     # 32 training rows in batches of the recipe's 16: 2 steps an epoch.
     assert f"run length: {DEFAULT_EPOCHS * 2} steps = {DEFAULT_EPOCHS} epochs of 2 batches" in "\n".join(logs)
     assert any(line.startswith("preset: real-target") for line in logs)
+
+
+def test_many_epochs_of_a_real_targets_rows_are_named_at_start(tmp_path):
+    from dflash_train.recipe import MANY_EPOCHS
+
+    steps = (MANY_EPOCHS + 1) * 2  # 2 batches an epoch
+    logs = train_on_a_real_tiny_target(tmp_path, f"run.steps={steps}")
+    note = [line for line in logs if line.startswith("run length: ")]
+    assert note == [
+        f"run length: {steps} steps = {MANY_EPOCHS + 1} epochs of 2 batches; on the quality bench 37 epochs "
+        "memorised the rows where ~10 epochs of twice the rows reached 1.4x the tau (docs/quality.md): "
+        "regenerate more prompts, or set run.epochs=10"
+    ]
+
+
+def test_the_epochs_rule():
+    from dflash_train.recipe import MANY_EPOCHS, epochs_note
+
+    assert epochs_note(MANY_EPOCHS * 100, 100) is None  # at the limit: quiet
+    assert epochs_note(MANY_EPOCHS * 100 + 1, 100).startswith(f"run length: {MANY_EPOCHS * 100 + 1} steps = ")
+    assert epochs_note(36000, 972).startswith("run length: 36000 steps = 37 epochs of 972 batches; ")
