@@ -12,8 +12,6 @@ from typing import Optional
 
 import click
 import typer
-from rich.console import Console
-from rich.text import Text
 
 # The command groups register their commands on `app` when imported.
 from . import __version__, cli_data, cli_hosts, cli_runs, cli_tools  # noqa: F401
@@ -112,6 +110,9 @@ def _quiet_std_streams() -> None:
 
 
 def _report(state: AppState, exc: BaseException | None, code: int, message: str | None = None) -> int:
+    from rich.console import Console
+    from rich.text import Text
+
     err = Console(stderr=True)
     try:
         if state.debug and exc is not None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional
+from typing import TYPE_CHECKING, Iterator, List, Optional
 
 import typer
-from rich.console import Console
-from rich.text import Text
+
+if TYPE_CHECKING:  # rich is imported where output is drawn: a piped call never loads it
+    from rich.console import Console
 
 from .errors import DflashError, Interrupted, NotFoundError, UsageError
 from .inventory import completions, load_inventory
@@ -62,6 +63,8 @@ def app_state(ctx: typer.Context) -> AppState:
 def detaches(state: AppState, host: str, run_id: str, err: Console) -> Iterator[None]:
     """Once a run exists, a Ctrl-C anywhere after (or an error it caused, such as a channel that a
     Ctrl-C cut while it opened) leaves the run going: one line that names it, exit 130."""
+    from rich.text import Text
+
     try:
         yield
     except DflashError as exc:
@@ -186,6 +189,8 @@ def follow_or_detach(
     """After a start (`what`: `started run ID on HOST, GPUs 0,1`): print the run id and how to
     follow it (None), or follow its log until the run ends (its exit code). --follow defaults to
     whether stdout is a terminal."""
+    from rich.console import Console
+    from rich.text import Text
     from .logs import attach
 
     with detaches(state, target.host.name, run_id, err):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import click
 import typer
-from rich.console import Console
-from rich.text import Text
+
+if TYPE_CHECKING:  # rich is imported where output is drawn: a piped call never loads it
+    from rich.console import Console
 
 from .cli_common import app_state, complete_host, held
 from .cli_common import data_app
@@ -28,6 +29,8 @@ def data_push(
     as_name: Optional[str] = typer.Option(None, "--as", help="The dataset's name there (one file only)."),
 ) -> None:
     """Copy datasets into <workdir>/data/: streamed, hashed, atomic; unchanged files are skipped."""
+    from rich.console import Console
+    from rich.text import Text
     from .data import push_data
     from .runs import fmt_bytes
 
@@ -51,6 +54,7 @@ def data_list(
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """The datasets on a host: name, size, rows, sha256 prefix."""
+    from rich.console import Console
     from .data import list_data
     from .runs import fmt_bytes
     from .tables import Column, show
@@ -125,6 +129,8 @@ def data_regen(
     force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),
 ) -> None:
     """Regenerate responses with the target: a detached run (kind data) writing data/NAME.jsonl."""
+    from rich.console import Console
+    from rich.text import Text
     from .regen import RegenRequest, check_request
 
     fixed = ("host", "resume", "follow", "force")

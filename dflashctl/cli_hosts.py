@@ -6,8 +6,6 @@ import sys
 from typing import List, Optional
 
 import typer
-from rich.console import Console
-from rich.text import Text
 
 from .cli_common import app, app_state, complete_host, hosts_or_all
 from .cli_common import hosts_app
@@ -20,6 +18,7 @@ from .errors import UsageError
 @hosts_app.command("list")
 def hosts_list(ctx: typer.Context) -> None:
     """List the inventory's hosts."""
+    from rich.console import Console
     from .hosts import print_host_table
 
     session = app_state(ctx).session()
@@ -82,6 +81,7 @@ def hosts_disconnect(
     all_hosts: bool = typer.Option(False, "--all", help="Close every persistent connection of this user."),
 ) -> None:
     """Stop the background connection (mux) kept by `persist:`, like `ssh -O exit`."""
+    from rich.console import Console
     from .mux import MuxUnavailable, stop_all_muxes, stop_mux
 
     out = Console(highlight=False)
@@ -145,6 +145,8 @@ def push_cmd(
     ),
 ) -> None:
     """Send remote_payload/ to <workdir>/payload in the container: incremental, atomic, verified."""
+    from rich.console import Console
+    from rich.text import Text
     from pathlib import Path
 
     from .payload import BarProgress, push
@@ -192,11 +194,16 @@ def inspect_cmd(
 
     opts = InspectOptions(target, lines, context, grep, path, source, json_out)
     remote = app_state(ctx).session().target(host)
-    console = Console()
     out = sys.stdout.buffer
 
     def write(text: str) -> None:
         out.write(text.encode("utf-8"))
         out.flush()
 
-    run_inspect(remote, opts, write, pretty=console if console.is_terminal and not json_out else None)
+    # Highlighted on a terminal; in a pipe the exact text, without loading rich (a read's start-up).
+    pretty = None
+    if sys.stdout.isatty() and not json_out:
+        from rich.console import Console
+
+        pretty = Console()
+    run_inspect(remote, opts, write, pretty=pretty)

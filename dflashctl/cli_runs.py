@@ -7,11 +7,12 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
-from rich.console import Console
-from rich.text import Text
+
+if TYPE_CHECKING:  # rich is imported where output is drawn: a piped call never loads it
+    from rich.console import Console
 
 from .cli_common import (
     HOST_THEN_RUN,
@@ -179,6 +180,8 @@ class TrainOptions:
 
 def _train_one(state: AppState, session: Session, host: str, opts: TrainOptions) -> int:
     """`train HOST` (or `--resume RUN`) on one host, options checked; the exit code."""
+    from rich.console import Console
+    from rich.text import Text
     from .devices import parse_gpus
     from .runs import check_trainer_config, push_payload, resume_run, start_run
 
@@ -236,6 +239,7 @@ def _refuse_with_resume(resume: Optional[str], flags: tuple) -> None:
 
 def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOptions) -> int:
     """`train h1,h2`: one run across hosts (docs/multihost.md); returns the exit code."""
+    from rich.console import Console
     from .multihost import check_hosts, push_all, start_group
     from .devices import parse_gpus
     from .runs import check_trainer_config
@@ -272,6 +276,8 @@ def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOpti
 
 def _follow_group(state: AppState, session: Session, hosts: list, group, follow: Optional[bool], err: Console) -> int:
     """Print a started group's id and how to follow it, or follow its first node until the run ends."""
+    from rich.console import Console
+    from rich.text import Text
     from functools import partial
 
     from .logs import attach
@@ -325,6 +331,8 @@ def runs_list(
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """List the runs on a host (or several): state, GPUs, start, duration, last step and loss."""
+    from rich.console import Console
+    from rich.text import Text
     from .multihost import list_group_runs
     from .runs import print_runs
 
@@ -359,6 +367,8 @@ def runs_show(
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Show one run: run.json fields, a metrics summary, and loss / acceptance-length curves."""
+    from rich.console import Console
+    from rich.text import Text
     from .multihost import show_group
     from .plot import require_matplotlib, save_png, terminal_plot
     from .runs import details_table
@@ -391,6 +401,8 @@ def runs_stop(
 ) -> None:
     """Stop a run: SIGTERM to its trainer, SIGKILL to the trainer's process group after the grace period; state
     `stopped`."""
+    from rich.console import Console
+    from rich.text import Text
     from .multihost import stop_group
     from .runs import check_grace, show_run, state_text
 
@@ -436,6 +448,8 @@ def runs_pull(
 ) -> None:
     """Copy a run's directory here: exported drafter with a model card, config, logs, metrics (and checkpoints if
     asked)."""
+    from rich.console import Console
+    from rich.text import Text
     from rich.filesize import decimal
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
@@ -501,6 +515,7 @@ def logs_tail(
     ),
 ) -> None:
     """Print a run's last lines; with -f follow it (surviving dropped connections) to the end."""
+    from rich.console import Console
     from functools import partial
 
     from .logs import attach

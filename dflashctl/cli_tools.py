@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.text import Text
 
 from .cli_common import HOST_THEN_RUN, RUN_ARG, app, app_state, complete_host, run_target, word_is_host_or_run
 from .errors import Interrupted, RemoteError
@@ -24,6 +22,8 @@ def tunnel_cmd(
     ports: str = typer.Argument(..., help="PORT in the container, or PORT:LOCAL to listen on another local port."),
 ) -> None:
     """Forward 127.0.0.1:LOCAL here to PORT inside the container (a served drafter, a dashboard)."""
+    from rich.console import Console
+    from rich.text import Text
     from .tunnel import Tunnel, parse_ports
 
     remote, local = parse_ports(ports)
@@ -68,6 +68,8 @@ def eval_cmd(
     ),
 ) -> None:
     """Measure a finished run's real acceptance length (tau) and speedup by speculative decoding."""
+    from rich.console import Console
+    from rich.text import Text
     from .evaluation import render, run_eval
 
     session = app_state(ctx).session()
@@ -131,6 +133,8 @@ def doctor_cmd(
     inject: Optional[str] = typer.Option(None, "--inject", hidden=True, help="Test hook, see docs/doctor.md."),
 ) -> None:
     """Diagnose a host: GPUs, driver, torch, caches, and threaded torch.compile smoke tests."""
+    from rich.console import Console
+    from rich.text import Text
     import json
 
     from .doctor import DoctorOptions, render_report, run_doctor

@@ -564,3 +564,34 @@ def test_package_found_only_through_a_pth_file(sshd_host, tmp_path):
     assert result.returncode == 0, result.stderr
     expected = (Path(__file__).resolve().parent.parent / "dflashctl" / "errors.py").read_text().splitlines()[:2]
     assert result.stdout.splitlines() == [f"{n}: {line}" for n, line in enumerate(expected, 1)]
+
+
+def test_the_cli_highlights_on_a_terminal_and_prints_the_exact_lines_in_a_pipe(shim_host, reference):
+    """Whether to draw is the CLI's stdout being a terminal (a pipe never loads rich: start-up)."""
+    import os
+    import pty
+
+    args = ["inspect", "compile_fx", "--lines", "1825:1830", "--host", "local"]
+    piped = shim_host.run_cli(*args, process=True)
+    lines = reference["modules"]["torch._inductor.compile_fx"]
+    assert piped.returncode == 0 and piped.stdout == numbered(lines, 1825, 1830)
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        [*CLI, *args], stdin=subprocess.DEVNULL, stdout=secondary, stderr=subprocess.PIPE, env=shim_host.env
+    )
+    os.close(secondary)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # EIO: the CLI closed the terminal's other end
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(primary)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    proc.stderr.close()
+    text = drawn.decode()
+    assert "compile_fx.py" in text and "1825" in text  # a titled panel with line numbers
+    assert text.splitlines() != piped.stdout.splitlines()
