@@ -15,6 +15,8 @@ Stages (each bounded; all run even if one fails; exit 1 if any failed):
   8b-stop-compile  a cold-cache start stopped while it compiles: exit 143 at once, no compiler error logged
   small-cg     the small config with run.compile cudagraphs on one GPU, then two replicas on it
   small-pair   the small config twice on a fresh run.compile_cache_dir: time to first step cold, then warm
+  8b-regen     `dflashctl data regen local --preset qwen3-8b --batch-size 64 --max-new-tokens 512 --follow`
+               of 256 random-id prompts: output tokens/s of the batches after the first (goal >= 8,500)
   doctor       `dflashctl doctor local`
   preset:NAME[:K=V...]  another target's preset (e.g. preset:llama3-8b, preset:qwen3-30b-a3b:target.num_layers=24):
                30 steps through `train --follow` from the warm cache, then `eval` of its export as 8b-eval does
@@ -35,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from userpath import ROOT, LocalHostBench
+from userpath import ROOT, LocalHostBench, output_tokens, write_random_prompts
 
 SMALL = [
     "target.hidden_size=256",
@@ -370,6 +372,53 @@ class Acceptance(LocalHostBench):
             "warm_over_cold": round(warm / cold, 3) if cold == cold and cold > 0 else None,
         }
 
+    def regen(self) -> dict:
+        """`data push` 256 prompts of 128 random ids, `data regen --preset P --batch-size 64
+        --max-new-tokens 512 --follow`: the batches' output tokens/s (goal >= 8,500 at the 8B shape)."""
+        rows, length, new, batch, vocab = (16, 8, 16, 4, 511) if self.dry else (256, 128, 512, 64, 151600)
+        prompts = self.work / "regen-prompts.jsonl"
+        write_random_prompts(prompts, rows, length, vocab)
+        code, out, err, _ = self.cli("data", "push", "local", str(prompts), timeout=self.left(120))
+        if code != 0:
+            return {"ok": False, "exit": code, "note": f"push: {err.strip()[-300:]}"}
+        code, out, err, secs = self.cli(
+            "data",
+            "regen",
+            "local",
+            "--prompts",
+            prompts.name,
+            "--out",
+            "acceptance-regen",
+            "--preset",
+            self.preset,
+            "--batch-size",
+            str(batch),
+            "--max-new-tokens",
+            str(new),
+            *(["--gpus", "cpu"] if self.dry else []),
+            "--follow",
+            timeout=self.left(400),
+        )
+        self.log(err[-3000:])
+        match = re.search(r"started regen run (\S+)", err)
+        if code != 0 or not match:
+            return {"ok": False, "exit": code, "note": err.strip()[-300:]}
+        rates = [r["tokens_per_s"] for r in self.records(match.group(1)) if r.get("tokens_per_s")]
+        tokens = output_tokens(self.work / "dflashctl" / "data" / "acceptance-regen.jsonl")
+        batches_rate = rates[-1] if rates else None  # counted from the end of the first batch
+        return {
+            "ok": True,
+            "exit": code,
+            "rows": rows,
+            "batch": batch,
+            "max_new_tokens": new,
+            "output_tokens": tokens,
+            "regen_s": round(secs, 1),
+            "whole_command_tokens_per_s": round(tokens / secs, 1),
+            "tokens_per_s": batches_rate,
+            "goal_8500_met": None if self.dry or batches_rate is None else batches_rate >= 8500,
+        }
+
     def doctor(self) -> dict:
         code, out, err, secs = self.cli("doctor", "local", "--json", timeout=self.left(240))
         self.log(err[-3000:])
@@ -428,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/dflash-acceptance", help="scratch workdir (GBs of checkpoints at 8B)")
     ap.add_argument("--budget-s", type=float, default=560)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny preset: check the script itself")
-    ap.add_argument("--stages", default="cold,eval,bench,warm,stopcompile,cudagraphs,smallpair,doctor")
+    ap.add_argument("--stages", default="cold,eval,bench,warm,stopcompile,regen,cudagraphs,smallpair,doctor")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -448,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         "stopcompile": ("8b-stop-compile", acc.stop_compile),
         "cudagraphs": ("small-cudagraphs", acc.small_cudagraphs),
         "smallpair": ("small-pair", acc.small_pair),
+        "regen": ("8b-regen", acc.regen),
         "doctor": ("doctor", acc.doctor),
     }
     for key in args.stages.split(","):

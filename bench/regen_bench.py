@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -22,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from userpath import ROOT, output_tokens, write_random_prompts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,14 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     env = dict(os.environ, DFLASHCTL_INVENTORY=str(inventory), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    rng = random.Random(0)
     prompts = work / "bench-prompts.jsonl"
-    prompts.write_text(
-        "".join(
-            json.dumps({"input_ids": [rng.randrange(vocab) for _ in range(128 if not args.dry_run else 8)]}) + "\n"
-            for _ in range(rows)
-        )
-    )
+    write_random_prompts(prompts, rows, 8 if args.dry_run else 128, vocab)
 
     def cli(*cmd: str, timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -94,11 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = work / "dflashctl" / "runs" / run.group(1) / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steady = next((r.get("tokens_per_s") for r in reversed(records) if r.get("tokens_per_s")), None)
-    made = work / "dflashctl" / "data" / "bench-regen.jsonl"
-    tokens = sum(
-        len(row["input_ids"]) - sum(1 for m in row["loss_mask"] if not m)
-        for row in map(json.loads, made.read_text().splitlines())
-    )
+    tokens = output_tokens(work / "dflashctl" / "data" / "bench-regen.jsonl")
     row = {
         "preset": preset,
         "rows": rows,

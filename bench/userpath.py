@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import time
@@ -70,3 +71,19 @@ class LocalHostBench:
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_random_prompts(path: Path, rows: int, length: int, vocab: int) -> None:
+    """`rows` jsonl prompts of `length` seeded random token ids below `vocab` (speed, not quality)."""
+    rng = random.Random(0)
+    path.write_text(
+        "".join(json.dumps({"input_ids": [rng.randrange(vocab) for _ in range(length)]}) + "\n" for _ in range(rows))
+    )
+
+
+def output_tokens(regenerated: Path) -> int:
+    """Tokens the target generated in a `data regen` output file (the rows' unmasked tokens)."""
+    return sum(
+        len(row["input_ids"]) - sum(1 for m in row["loss_mask"] if not m)
+        for row in map(json.loads, regenerated.read_text().splitlines())
+    )
