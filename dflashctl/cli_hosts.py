@@ -145,27 +145,26 @@ def push_cmd(
     ),
 ) -> None:
     """Send remote_payload/ to <workdir>/payload in the container: incremental, atomic, verified."""
-    from rich.console import Console
-    from rich.text import Text
     from pathlib import Path
 
     from .payload import BarProgress, push
 
     target = app_state(ctx).session().target(host)
-    console = Console()
     src = Path(source).expanduser() if source else None
     if dry_run:
         result = push(target, src, dry_run=True)
         for path in result.sent_paths:
-            console.print(Text(f"send    {path}"), soft_wrap=True)  # never wrap a path: scripts read these
+            typer.echo(f"send    {path}")  # one line per path, never wrapped: scripts read these
         for path in result.deleted_paths:
-            console.print(Text(f"delete  {path}"), soft_wrap=True)
-    elif console.is_terminal:
-        with BarProgress(console) as bar:
+            typer.echo(f"delete  {path}")
+    elif sys.stdout.isatty():  # a bar on a terminal; in a pipe nothing loads rich (a push's start-up)
+        from rich.console import Console
+
+        with BarProgress(Console()) as bar:
             result = push(target, src, progress=bar)
     else:
         result = push(target, src)
-    console.print(Text(result.summary()), soft_wrap=True)
+    typer.echo(result.summary())
 
 
 # --- inspect -----------------------------------------------------------------------------------

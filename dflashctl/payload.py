@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, NoReturn, Protocol
 
-from rich.console import Console
 from rich.filesize import decimal
 
 import dflashctl
@@ -31,6 +30,7 @@ from .remote import payload_sync as wire
 
 if TYPE_CHECKING:
     import pathspec
+    from rich.console import Console
     from rich.progress import TaskID
 
 SCRIPT = "payload_sync"
