@@ -44,6 +44,7 @@ import re
 import statistics
 import sys
 import tempfile
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -329,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         help="training prompts the build writes (build_target.py's default 16,384): more fresh rows, fewer epochs",
     )
     ap.add_argument(
+        "--regen-batch",
+        type=int,
+        default=None,
+        help="prompts per regeneration batch (GPU default 256; more rows call for larger batches)",
+    )
+    ap.add_argument(
         "--target",
         type=Path,
         default=None,
@@ -374,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script itself")
     args = ap.parse_args(argv)
     plan = DRY if args.dry_run else GPU
+    if args.regen_batch:
+        plan = dataclasses.replace(plan, regen_batch=args.regen_batch)
     if (args.reuse or args.resumable) and args.work is None:
         raise SystemExit("--reuse and --resumable need --work: the workdir kept between calls")
     try:
