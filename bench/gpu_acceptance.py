@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from userpath import ROOT, LocalHostBench, output_tokens, write_random_prompts
+from userpath import ROOT, LocalHostBench
 
 SMALL = [
     "target.hidden_size=256",
@@ -373,51 +373,10 @@ class Acceptance(LocalHostBench):
         }
 
     def regen(self) -> dict:
-        """`data push` 256 prompts of 128 random ids, `data regen --preset P --batch-size 64
-        --max-new-tokens 512 --follow`: the batches' output tokens/s (goal >= 8,500 at the 8B shape)."""
-        rows, length, new, batch, vocab = (16, 8, 16, 4, 511) if self.dry else (256, 128, 512, 64, 151600)
-        prompts = self.work / "regen-prompts.jsonl"
-        write_random_prompts(prompts, rows, length, vocab)
-        code, out, err, _ = self.cli("data", "push", "local", str(prompts), timeout=self.left(120))
-        if code != 0:
-            return {"ok": False, "exit": code, "note": f"push: {err.strip()[-300:]}"}
-        code, out, err, secs = self.cli(
-            "data",
-            "regen",
-            "local",
-            "--prompts",
-            prompts.name,
-            "--out",
-            "acceptance-regen",
-            "--preset",
-            self.preset,
-            "--batch-size",
-            str(batch),
-            "--max-new-tokens",
-            str(new),
-            *(["--gpus", "cpu"] if self.dry else []),
-            "--follow",
-            timeout=self.left(400),
-        )
-        self.log(err[-3000:])
-        match = re.search(r"started regen run (\S+)", err)
-        if code != 0 or not match:
-            return {"ok": False, "exit": code, "note": err.strip()[-300:]}
-        rates = [r["tokens_per_s"] for r in self.records(match.group(1)) if r.get("tokens_per_s")]
-        tokens = output_tokens(self.work / "dflashctl" / "data" / "acceptance-regen.jsonl")
-        batches_rate = rates[-1] if rates else None  # counted from the end of the first batch
-        return {
-            "ok": True,
-            "exit": code,
-            "rows": rows,
-            "batch": batch,
-            "max_new_tokens": new,
-            "output_tokens": tokens,
-            "regen_s": round(secs, 1),
-            "whole_command_tokens_per_s": round(tokens / secs, 1),
-            "tokens_per_s": batches_rate,
-            "goal_8500_met": None if self.dry or batches_rate is None else batches_rate >= 8500,
-        }
+        """bench/regen_bench.py's job in this call: output tokens/s (goal >= 8,500 at the 8B shape)."""
+        row = self.regen_random("acceptance-regen", self.dry, 400)
+        rate = row.get("tokens_per_s")
+        return {**row, "goal_8500_met": None if self.dry or rate is None else rate >= 8500}
 
     def doctor(self) -> dict:
         code, out, err, secs = self.cli("doctor", "local", "--json", timeout=self.left(240))

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -71,6 +73,41 @@ class LocalHostBench:
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def regen_random(self, name: str, dry: bool, timeout: float) -> dict:
+        """`data push` 256 prompts of 128 random ids, then `data regen --preset qwen3-8b --batch-size 64
+        --max-new-tokens 512 --follow` into dataset `name` (dry: the tiny preset on the CPU, 16 x 16):
+        a row with the whole command's and the later batches' output tokens/s."""
+        preset, rows, length, new, batch, vocab = (
+            ("tiny", 16, 8, 16, 4, 511) if dry else ("qwen3-8b", 256, 128, 512, 64, 151600)
+        )
+        prompts = self.work / f"{name}-prompts.jsonl"
+        write_random_prompts(prompts, rows, length, vocab)
+        cli = [sys.executable, "-m", "dflashctl"]
+        code, _, err, _ = self.process([*cli, "data", "push", "local", str(prompts)], self.left(120))
+        if code != 0:
+            return {"ok": False, "exit": code, "note": f"push: {err.strip()[-300:]}"}
+        regen = ["data", "regen", "local", "--prompts", prompts.name, "--out", name, "--preset", preset]
+        regen += ["--batch-size", str(batch), "--max-new-tokens", str(new), *(["--gpus", "cpu"] if dry else [])]
+        code, _, err, secs = self.process([*cli, *regen, "--follow"], self.left(timeout))
+        self.log(err[-3000:])
+        match = re.search(r"started regen run (\S+)", err)
+        if code != 0 or not match:
+            return {"ok": False, "exit": code, "note": err.strip()[-300:]}
+        rates = [r["tokens_per_s"] for r in self.records(match.group(1)) if r.get("tokens_per_s")]
+        tokens = output_tokens(self.work / "dflashctl" / "data" / f"{name}.jsonl")
+        return {
+            "ok": True,
+            "exit": code,
+            "preset": preset,
+            "rows": rows,
+            "batch": batch,
+            "max_new_tokens": new,
+            "output_tokens": tokens,
+            "regen_s": round(secs, 1),
+            "whole_command_tokens_per_s": round(tokens / secs, 1),
+            "tokens_per_s": rates[-1] if rates else None,  # the last progress record: from the first batch's end
+        }
 
 
 def write_random_prompts(path: Path, rows: int, length: int, vocab: int) -> None:
