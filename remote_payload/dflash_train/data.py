@@ -6,6 +6,7 @@ an uninterrupted run would have seen, with no sampler state to checkpoint.
 
 from __future__ import annotations
 
+import array
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,7 +140,9 @@ class BlockSampler:
 def load_jsonl(path: str | Path, tokenizer_path: str | None = None) -> list[Sequence]:
     """Rows of {"input_ids", "loss_mask"?} or chat {"messages", "reply_ids"?} (tokenised with the
     target's chat template via `transformers`, imported only if such rows appear)."""
-    seqs, tokenizer = [], None
+    seqs: list[Sequence | None] = []
+    tokens = TokenRows()
+    tokenizer = None
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -150,18 +153,14 @@ def load_jsonl(path: str | Path, tokenizer_path: str | None = None) -> list[Sequ
                 raise DataError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
             if "input_ids" in row:
                 try:
-                    ids = torch.tensor(row["input_ids"], dtype=torch.long)
-                    mask = torch.tensor(row.get("loss_mask", [1] * len(row["input_ids"])), dtype=torch.bool)
-                except (TypeError, ValueError):
-                    raise DataError(
-                        f"{path}:{line_no}: input_ids and loss_mask must be flat lists of integers"
-                    ) from None
-                if mask.shape != ids.shape:
-                    raise DataError(f"{path}:{line_no}: loss_mask and input_ids differ in length")
+                    tokens.add(len(seqs), row["input_ids"], row.get("loss_mask"))
+                except ValueError as exc:
+                    raise DataError(f"{path}:{line_no}: {exc}") from None
+                seqs.append(None)
             elif "messages" in row:
                 tokenizer = tokenizer or load_tokenizer(tokenizer_path, path)
                 try:
-                    ids, mask = (
+                    seqs.append(
                         tokenize_target_reply(row, tokenizer)
                         if "reply_ids" in row
                         else tokenize_chat(row["messages"], tokenizer)
@@ -170,8 +169,43 @@ def load_jsonl(path: str | Path, tokenizer_path: str | None = None) -> list[Sequ
                     raise DataError(f"{path}:{line_no}: {exc}") from None
             else:
                 raise DataError(f"{path}:{line_no}: row has neither input_ids nor messages")
-            seqs.append((ids, mask))
+    for i, seq in tokens.sequences():
+        seqs[i] = seq
     return seqs
+
+
+class TokenRows:
+    """Token rows gathered into two flat arrays as they are read, made tensors once at the end and
+    split into views: a tensor per row was a third of the time of reading 65,536 regenerated rows."""
+
+    def __init__(self):
+        self.ids, self.mask = array.array("q"), array.array("b")
+        self.rows: list[tuple[int, int]] = []  # (index in the file's sequences, length)
+
+    def add(self, index: int, ids, mask) -> None:
+        """One row's input_ids and loss_mask (None: all supervised); ValueError if not flat integer lists."""
+        mask = [1] * len(ids) if mask is None and isinstance(ids, list) else mask
+        if not isinstance(ids, list) or not isinstance(mask, list):
+            raise ValueError("input_ids and loss_mask must be flat lists of integers")
+        if len(mask) != len(ids):
+            raise ValueError("loss_mask and input_ids differ in length")
+        size = len(self.ids)
+        try:
+            self.ids.extend(ids)
+            self.mask.extend(mask)
+        except (TypeError, OverflowError):
+            del self.ids[size:], self.mask[size:]
+            raise ValueError("input_ids and loss_mask must be flat lists of integers") from None
+        self.rows.append((index, len(ids)))
+
+    def sequences(self) -> list[tuple[int, Sequence]]:
+        """(index, (input_ids, loss_mask)) per row, in the order added."""
+        if not self.rows:
+            return []
+        ids = torch.frombuffer(self.ids, dtype=torch.long) if self.ids else torch.zeros(0, dtype=torch.long)
+        mask = (torch.frombuffer(self.mask, dtype=torch.int8) if self.mask else torch.zeros(0, dtype=torch.int8)).bool()
+        lengths = [n for _, n in self.rows]
+        return [(i, seq) for (i, _), seq in zip(self.rows, zip(ids.split(lengths), mask.split(lengths)))]
 
 
 def load_tokenizer(tokenizer_path: str | None, data_path: str | Path):

@@ -73,6 +73,25 @@ def test_jsonl_rows(tmp_path):
         load_jsonl(path)
 
 
+@pytest.mark.parametrize("ids", [[1, "2"], [1, [2]], [1, 2.5], [1, None], 7, [1, 2**63]])
+def test_a_token_row_that_is_not_a_flat_list_of_integers_names_its_line(tmp_path, ids):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"input_ids": [5, 6]}) + "\n" + json.dumps({"input_ids": ids}) + "\n")
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: input_ids and loss_mask must be flat lists of integers"):
+        load_jsonl(path)
+
+
+def test_token_rows_and_chat_rows_keep_the_files_order(tmp_path):
+    save_tokenizer(tmp_path / "tok")
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"input_ids": [5, 6, 7]}, {"messages": CHATS[0]}, {"input_ids": [8], "loss_mask": [0]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seqs = load_jsonl(path, str(tmp_path / "tok"))
+    ((chat_ids, _),) = load_jsonl(write_chats(tmp_path / "one.jsonl", [CHATS[0]]), str(tmp_path / "tok"))
+    assert [s[0].tolist() for s in seqs] == [[5, 6, 7], chat_ids.tolist(), [8]]
+    assert [s[1].dtype for s in seqs] == [torch.bool] * 3 and seqs[2][1].tolist() == [False]
+
+
 def test_chat_rows_without_transformers_say_so(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: import fails
     path = tmp_path / "chat.jsonl"
