@@ -74,12 +74,13 @@ class LocalHostBench:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-    def regen_random(self, name: str, dry: bool, timeout: float) -> dict:
-        """`data push` 256 prompts of 128 random ids, then `data regen --preset qwen3-8b --batch-size 64
-        --max-new-tokens 512 --follow` into dataset `name` (dry: the tiny preset on the CPU, 16 x 16):
-        a row with the whole command's and the later batches' output tokens/s."""
+    def regen_random(self, name: str, dry: bool, timeout: float, batch: int = 64) -> dict:
+        """`data push` 4 batches (at least 256 prompts) of 128 random ids, then `data regen --preset
+        qwen3-8b --batch-size BATCH --max-new-tokens 512 --follow` into dataset `name` (dry: the tiny
+        preset on the CPU, 16 x 16 at batch 4): a row with the whole command's and the later batches'
+        output tokens/s."""
         preset, rows, length, new, batch, vocab = (
-            ("tiny", 16, 8, 16, 4, 511) if dry else ("qwen3-8b", 256, 128, 512, 64, 151600)
+            ("tiny", 16, 8, 16, 4, 511) if dry else ("qwen3-8b", max(256, 4 * batch), 128, 512, batch, 151600)
         )
         prompts = self.work / f"{name}-prompts.jsonl"
         write_random_prompts(prompts, rows, length, vocab)
