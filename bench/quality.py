@@ -145,9 +145,9 @@ def fmt(value, spec: str = ".2f") -> str:
 class Bench(LocalHostBench):
     """One scratch workdir, its inventory, and the CLI as whole processes."""
 
-    def __init__(self, out: Path, work: Path, plan: Plan, budget_min: float, reuse: bool):
+    def __init__(self, out: Path, work: Path, plan: Plan, budget_min: float, reuse: bool, curve: bool = False):
         super().__init__(out, work, "quality.log", budget_min * 60, keep=reuse)
-        self.plan = plan
+        self.plan, self.curve = plan, curve
 
     def run(self, argv: list[str], what: str, timeout: float) -> tuple[int, str, str, float]:
         """A whole process: (exit code, stdout, stderr, seconds); its output goes to the log."""
@@ -178,6 +178,13 @@ class Bench(LocalHostBench):
             f"run.eval_every={max(1, steps // evals)}",
             f"run.checkpoint_every={steps}",
         ]
+        if self.curve:  # each in-training evaluation decodes eval's prompts: tau against minutes from one run
+            plan = self.plan
+            sets += [
+                f"data.spec_prompts_path={target / 'heldout-prompts.jsonl'}",
+                f"run.spec_prompts={plan.eval_count}",
+                f"run.spec_new_tokens={plan.eval_new_tokens}",
+            ]
         argv = [*self.plan.gpus, *[a for s in sets for a in ("--set", s)], "--name", name]
         return self.follow(argv, name, resumable)
 
@@ -200,12 +207,13 @@ class Bench(LocalHostBench):
         return found.group(1), self.records(found.group(1)), secs, stopped
 
 
-def train_seconds(records: list[dict]) -> float:
-    """Seconds spent in training steps: each train record's step time x the steps since the last."""
+def train_seconds(records: list[dict], upto: int | None = None) -> float:
+    """Seconds spent in training steps (up to step `upto`): each train record's step time x the steps
+    since the last."""
     total, last = 0.0, 0
     for r in records:
-        if r.get("event") == "train" and r["step"] > last:  # a resumed run's log repeats no step
-            total += r["step_time_s"] * (r["step"] - last)
+        if r.get("event") == "train" and r["step"] > last and (upto is None or r["step"] <= upto):
+            total += r["step_time_s"] * (r["step"] - last)  # a resumed run's log repeats no step
             last = r["step"]
     return total
 
@@ -253,7 +261,10 @@ class Scorer:
             in_training_tau_se=final.get("spec_tau_prompt_se"),
             spec_eval_s=final.get("spec_eval_s"),
             in_training=[
-                {k: r.get(k) for k in ("step", "loss", "spec_tau_prompt_mean", "spec_tau")}
+                {
+                    **{k: r.get(k) for k in ("step", "loss", "spec_tau_prompt_mean", "spec_tau")},
+                    "train_min": round(train_seconds(records, r["step"]) / 60, 2),
+                }
                 for r in records
                 if r.get("event") in ("eval", "final") and r.get("step")
             ],
@@ -356,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         help="in-training evaluations per run (held-out split, the trainer's own decode)",
     )
     ap.add_argument(
+        "--curve",
+        action="store_true",
+        help="the in-training evaluations decode eval's held-out prompts (data.spec_prompts_path, eval's "
+        "count and length): with --evals K, tau on the goal's prompts at K points of each run",
+    )
+    ap.add_argument(
         "--agreement",
         action="store_true",
         help="at each recipe's last point, also `eval` the run's held-out split as the trainer did "
@@ -400,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     work = (args.work or Path(tempfile.mkdtemp(prefix="dflash-quality-"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    bench = Bench(out, work, plan, args.budget_min, args.reuse)
+    bench = Bench(out, work, plan, args.budget_min, args.reuse, args.curve)
     result: dict = {"minutes": minutes, "recipes": dict(recipes), "plan": plan.__dict__, "rows": []}
 
     def finish(code: int) -> int:
@@ -539,6 +556,17 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             )
         )
+    if args.curve:  # tau on eval's prompts at each in-training evaluation
+        bench.log("")
+        bench.log(
+            "recipe | run steps | step | train min | tau mean/pooled (in training, eval's prompts) | held-out loss"
+        )
+        for r in result["rows"]:
+            for e in r.get("in_training") or []:
+                bench.log(
+                    f"{r['recipe']} | {r['steps']} | {e['step']} | {fmt(e.get('train_min'))} | "
+                    f"{fmt(e.get('spec_tau_prompt_mean'))}/{fmt(e.get('spec_tau'))} | {fmt(e.get('loss'), '.3f')}"
+                )
     return finish(1 if failed else 0)
 
 

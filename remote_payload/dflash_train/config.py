@@ -78,6 +78,8 @@ class DataConfig:
     num_train: int = 256  # demo/random: number of training sequences
     num_eval: int = 32  # demo/random: number of held-out sequences
     prompt_length: int = 8  # demo: random prompt tokens before the greedy continuation
+    spec_prompts_path: str | None = None  # prompts of the in-training speculative decode (jsonl rows
+    # as `dflashctl eval --prompts` takes, `data:NAME` too); None: the held-out split's
 
 
 @dataclass

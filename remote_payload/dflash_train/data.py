@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import torch
 
 from .config import Config, DataConfig
 from .decode import generate
-from .regen_rows import encode_prompt
+from .regen_rows import KINDS, RegenError, RowError, encode_prompt, row_kind, token_ids
+from .regen_rows import load_tokenizer as load_prompt_tokenizer
 from .target import Qwen3Target, build_tiny_target
 
 Sequence = tuple[torch.Tensor, torch.Tensor]  # (input_ids [T] long, loss_mask [T] bool)
@@ -335,6 +337,52 @@ def random_sequences(vocab_size: int, num: int, length: int, mask_token_id: int,
     ids = torch.randint(0, vocab_size - 1, (num, length), generator=seeded_generator(seed, 11))
     ids[ids >= mask_token_id] += 1
     return [(row, torch.ones(length, dtype=torch.bool)) for row in ids.unbind(0)]
+
+
+def read_prompt_rows(source: str | Path) -> list[dict]:
+    """Prompt rows from a JSONL file (`-`: stdin): `{"input_ids": [...]}`, `{"messages": [...]}`
+    or `{"prompt": "..."}` per line, as `data regen` reads them (encoded by `encode_prompt_rows`),
+    each with its line number."""
+    text = sys.stdin.read() if str(source) == "-" else Path(source).read_text()
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or not any(kind in row for kind in KINDS):
+            raise DataError(f"prompts line {number}: expected a JSON object with input_ids, messages or prompt")
+        rows.append({**row, "line": number})
+    if not rows:
+        raise DataError("the prompts file has no prompts")
+    return rows
+
+
+def encode_prompt_rows(rows: list[dict], tokenizer_dir: str | None, vocab_size: int) -> list[list[int]]:
+    """Token ids of each prompt row: its input_ids, or its text / chat (with the template's
+    generation prompt) through the run's tokenizer."""
+    tok, prompts = None, []
+    for row in rows:
+        kind = row_kind(row)
+        try:
+            if kind == "input_ids":
+                prompts.append(token_ids(row["input_ids"], vocab_size))
+                continue
+            if tok is None:
+                if tokenizer_dir is None:
+                    raise DataError(
+                        f"prompts line {row['line']} is a {kind} row, but the run has no tokenizer "
+                        "(data.tokenizer_path or target.path): give input_ids"
+                    )
+                tok = load_prompt_tokenizer(tokenizer_dir)
+            prompts.append(encode_prompt(tok, kind, row, thinking=None)[0])
+        except RowError as exc:
+            raise DataError(f"prompts line {row['line']}: {exc}") from None
+        except RegenError as exc:
+            raise DataError(str(exc)) from None
+    return prompts
 
 
 def check_vocab(seqs: list[Sequence], vocab_size: int, path: str | Path) -> list[Sequence]:

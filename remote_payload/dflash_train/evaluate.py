@@ -35,52 +35,23 @@ class EvalError(ValueError):
 
 
 def read_prompts(source: str) -> list[dict]:
-    """Prompt rows from a JSONL file (`-`: stdin): `{"input_ids": [...]}`, `{"messages": [...]}`
-    or `{"prompt": "..."}` per line, as `data regen` reads them (encoded by `encode_prompts`)."""
-    from .regen_rows import KINDS
+    """data.read_prompt_rows, its error as an EvalError (one line for the user)."""
+    from .data import DataError, read_prompt_rows
 
-    text = sys.stdin.read() if source == "-" else Path(source).read_text()
-    rows = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
-        if not isinstance(row, dict) or not any(kind in row for kind in KINDS):
-            raise EvalError(f"prompts line {number}: expected a JSON object with input_ids, messages or prompt")
-        rows.append({**row, "line": number})
-    if not rows:
-        raise EvalError("the prompts file has no prompts")
-    return rows
+    try:
+        return read_prompt_rows(source)
+    except DataError as exc:
+        raise EvalError(str(exc)) from None
 
 
 def encode_prompts(rows: list[dict], tokenizer_dir: str | None, vocab_size: int) -> list[list[int]]:
-    """Token ids of each prompt row: its input_ids, or its text / chat (with the template's
-    generation prompt) through the run's tokenizer."""
-    from .regen_rows import RegenError, RowError, encode_prompt, load_tokenizer, row_kind, token_ids
+    """data.encode_prompt_rows, its error as an EvalError (one line for the user)."""
+    from .data import DataError, encode_prompt_rows
 
-    tok, prompts = None, []
-    for row in rows:
-        kind = row_kind(row)
-        try:
-            if kind == "input_ids":
-                prompts.append(token_ids(row["input_ids"], vocab_size))
-                continue
-            if tok is None:
-                if tokenizer_dir is None:
-                    raise EvalError(
-                        f"prompts line {row['line']} is a {kind} row, but the run has no tokenizer "
-                        "(data.tokenizer_path or target.path): give input_ids"
-                    )
-                tok = load_tokenizer(tokenizer_dir)
-            prompts.append(encode_prompt(tok, kind, row, thinking=None)[0])
-        except RowError as exc:
-            raise EvalError(f"prompts line {row['line']}: {exc}") from None
-        except RegenError as exc:
-            raise EvalError(str(exc)) from None
-    return prompts
+    try:
+        return encode_prompt_rows(rows, tokenizer_dir, vocab_size)
+    except DataError as exc:
+        raise EvalError(str(exc)) from None
 
 
 def tie_tolerance(dtype, magnitude: float) -> float:

@@ -34,7 +34,7 @@ def fill_config(cfg: Config, notes: list[str]) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     check_layer_types(d.layer_types, d.sliding_window, d.num_layers)
-    for key in ("train_path", "eval_path"):
+    for key in ("train_path", "eval_path", "spec_prompts_path"):
         path = getattr(cfg.data, key)
         if path is not None and path.startswith(DATASET_PREFIX):
             if cfg.data.dir is None:
@@ -96,7 +96,7 @@ def check_data_paths(cfg: Config) -> None:
     """The data files a jsonl run reads exist (a pre-flight check; their rows are read at start)."""
     if cfg.data.source != "jsonl":
         return
-    for key in ("train_path", "eval_path"):
+    for key in ("train_path", "eval_path", "spec_prompts_path"):
         path = getattr(cfg.data, key)
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"data.{key}: no such file: {path}")

@@ -23,7 +23,7 @@ from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint
 from .checkpoint_writer import CheckpointWriter
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .dashboard import Records, with_tensorboard
-from .data import Batch, BlockSampler, DataError, build_datasets, demo_prompts
+from .data import Batch, BlockSampler, DataError, build_datasets, demo_prompts, encode_prompt_rows, read_prompt_rows
 from .export import export_drafter
 from .model import DFlashDrafter
 from .recipe import DEFAULT_EPOCHS, epochs_note
@@ -50,14 +50,29 @@ def load_data(cfg: Config, world: int = 1) -> tuple[BlockSampler, list[Batch], l
     eval_cfg = dataclasses.replace(cfg.data, batch_size=min(cfg.data.batch_size, len(eval_seqs)))
     held_out = BlockSampler(eval_seqs, eval_cfg, cfg.drafter.block_size, cfg.run.seed + 1, shuffle=False)
     batches = [held_out.batch(i) for i in range(min(cfg.run.eval_batches, held_out.steps_per_epoch))]
+    if cfg.data.spec_prompts_path:
+        return sampler, batches, prompts_from_file(cfg)
     return sampler, batches, held_out_prompts(eval_seqs, cfg.run.spec_prompts, cfg.data.prompt_length)
 
 
-def spec_prompts(cfg: Config) -> list[list[int]]:
-    """`load_data(cfg)[2]`, the held-out prompts. The demo source's are its random prompts
-    (held_out_prompts cuts each sequence at its first supervised token, the continuation's first):
-    drawn without generating the data (the target's greedy decode of every sequence)."""
+def prompts_from_file(cfg: Config) -> list[list[int]]:
+    """The first run.spec_prompts prompts of data.spec_prompts_path, as token ids (ConfigError if bad)."""
     d = cfg.data
+    try:
+        rows = read_prompt_rows(d.spec_prompts_path)[: cfg.run.spec_prompts]
+        return encode_prompt_rows(rows, d.tokenizer_path or cfg.target.path, cfg.target.vocab_size)
+    except (DataError, OSError) as exc:
+        raise ConfigError(f"data.spec_prompts_path {d.spec_prompts_path}: {exc}") from None
+
+
+def spec_prompts(cfg: Config) -> list[list[int]]:
+    """`load_data(cfg)[2]`, the speculative evaluation's prompts: data.spec_prompts_path's, else
+    the held-out split's. The demo source's are its random prompts (held_out_prompts cuts each
+    sequence at its first supervised token, the continuation's first): drawn without generating the
+    data (the target's greedy decode of every sequence)."""
+    d = cfg.data
+    if d.spec_prompts_path:
+        return prompts_from_file(cfg)
     if d.source == "demo" and cfg.target.path is None and cfg.target.backend != "transformers":
         if 0 < d.prompt_length < d.max_length:
             prompts = demo_prompts(cfg.target.vocab_size, d, cfg.drafter.mask_token_id, cfg.run.seed)

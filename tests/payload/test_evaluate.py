@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_data import CHATS, save_tokenizer
 
-from dflash_train.config import load_config
+from dflash_train.config import ConfigError, load_config
 from dflash_train.evaluate import main as evaluate
 from dflash_train.plan import resolve_run
 from dflash_train.train import load_data, run_training, spec_prompts
@@ -91,3 +92,34 @@ def test_a_demo_runs_held_out_prompts_are_drawn_without_its_data():
     cfg = resolve_run(load_config(overrides=overrides), cuda_count=0).cfg
     prompts = spec_prompts(cfg)
     assert prompts == load_data(cfg)[2] and len(prompts) == 5 and {len(p) for p in prompts} == {6}
+
+
+def test_the_in_training_decode_takes_its_prompts_from_a_file_when_given(tmp_path):
+    """data.spec_prompts_path (a pushed `data:NAME` too): the trainer's speculative evaluation decodes
+    the first run.spec_prompts prompts of that file, as `eval --prompts` does, not the held-out split."""
+    rows = [{"input_ids": [5, 6, 7]}, {"input_ids": [9, 1]}, {"input_ids": [4] * 5}]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [
+        "run.spec_prompts=2",
+        "data.source=random",
+        "data.num_train=24",
+        "data.num_eval=8",
+        f"data.dir={tmp_path}",
+        "data.spec_prompts_path=data:prompts.jsonl",
+    ]
+    cfg = resolve_run(load_config(overrides=overrides), cuda_count=0).cfg
+    assert cfg.data.spec_prompts_path == str(tmp_path / "prompts.jsonl")
+    assert spec_prompts(cfg) == load_data(cfg)[2] == [[5, 6, 7], [9, 1]]
+
+
+def test_a_spec_prompts_file_that_cannot_be_read_is_one_config_error(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "no prompt here"}\n')
+    for path, said in (
+        (tmp_path / "bad.jsonl", "prompts line 1: expected a JSON object"),
+        (tmp_path / "no", "No such"),
+    ):
+        cfg = resolve_run(
+            load_config(overrides=["data.source=random", f"data.spec_prompts_path={path}"]), cuda_count=0
+        ).cfg
+        with pytest.raises(ConfigError, match=f"data.spec_prompts_path {path}: .*{said}"):
+            load_data(cfg)
