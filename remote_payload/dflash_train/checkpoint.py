@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .workers import InjectedFault
+from .faults import InjectedFault
 
 WEIGHTS, META, OPTIM = "drafter.safetensors", "meta.json", "optimizer.pt"
 

@@ -238,6 +238,7 @@ def child_main(argv: list[str] | None = None) -> int:
     from . import workers
     from .config import load_config
     from .data import BlockSampler, random_sequences
+    from .faults import InjectedFault
     from .replica import drafter_ops
     from .plan import resolve_run
 
@@ -262,7 +263,7 @@ def child_main(argv: list[str] | None = None) -> int:
         if cfg.debug.hang_at == "compile":
             workers.hang_forever()
         if cfg.debug.fail_at == "compile":
-            raise workers.InjectedFault(f"injected fault at compile in the warm-up of {args.device}")
+            raise InjectedFault(f"injected fault at compile in the warm-up of {args.device}")
     t0 = time.monotonic()
     ops.forward_backward(replica, batch)
     if device.type == "cuda":

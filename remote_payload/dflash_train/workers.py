@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .compiling import EAGER, CompilePolicy
+from .faults import InjectedFault
 
 
 class WorkerError(RuntimeError):
@@ -40,10 +41,6 @@ class WorkerError(RuntimeError):
 
 class DivergenceError(RuntimeError):
     """Replicas that must be identical are not."""
-
-
-class InjectedFault(RuntimeError):
-    """Raised on purpose by `ThreadedOptions.fail_at` (tests of the failure paths)."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 from dflash_train.checkpoint import checkpoint_state, latest_checkpoint, load_checkpoint, write_checkpoint
 from dflash_train.checkpoint_writer import CheckpointWriter, CheckpointWriteError
 from dflash_train.host_copy import HostBuffers
-from dflash_train.workers import InjectedFault
+from dflash_train.faults import InjectedFault
 
 CPU = torch.device("cpu")
 OLD = Path(__file__).resolve().parent / "golden" / "old_checkpoint"

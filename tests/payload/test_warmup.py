@@ -177,7 +177,7 @@ def test_a_failed_warm_up_is_one_line_and_the_threads_start_regardless(tmp_path)
     # The warm-up's fault, one line with its reason; then worker 0's own (same injected fault).
     assert (
         "parallel warm-up: cpu failed after " in text
-        and "exit 1: dflash_train.workers.InjectedFault: injected fault at compile in the warm-up of cpu (log: "
+        and "exit 1: dflash_train.faults.InjectedFault: injected fault at compile in the warm-up of cpu (log: "
     ) in text, text
     assert "error: worker 0 (cpu) failed during compile/warm-up:" in text
     assert proc.returncode == 1
