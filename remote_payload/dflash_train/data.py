@@ -397,14 +397,22 @@ def check_vocab(seqs: list[Sequence], vocab_size: int, path: str | Path) -> list
     return seqs
 
 
+def demo_refused(cfg: Config) -> str | None:
+    """Why the demo source cannot be built for this target (None: it can)."""
+    if cfg.target.path is not None:
+        return "data.source demo needs the random target (unset target.path)"
+    if cfg.target.backend == "transformers":
+        return "data.source demo needs the native random target: use data.source random or jsonl"
+    return None
+
+
 def build_datasets(cfg: Config, mask_token_id: int) -> tuple[list[Sequence], list[Sequence]]:
     """(train, held-out) sequences for the configured source (the same on every machine)."""
     d, seed = cfg.data, cfg.run.seed
     if d.source == "demo":
-        if cfg.target.path is not None:
-            raise DataError("data.source demo needs the random target (unset target.path)")
-        if cfg.target.backend == "transformers":
-            raise DataError("data.source demo needs the native random target: use data.source random or jsonl")
+        why = demo_refused(cfg)
+        if why is not None:
+            raise DataError(why)
         # Generated on CPU in fp32 so the data do not depend on where training runs.
         return demo_sequences(build_tiny_target(cfg.target, cfg.target.seed), d, mask_token_id, seed)
     if d.source == "random":

@@ -23,7 +23,16 @@ from .checkpoint import StopFlag, latest_checkpoint, load_checkpoint
 from .checkpoint_writer import CheckpointWriter
 from .config import Config, ConfigError, dump_yaml, to_dict
 from .dashboard import Records, with_tensorboard
-from .data import Batch, BlockSampler, DataError, build_datasets, demo_prompts, encode_prompt_rows, read_prompt_rows
+from .data import (
+    Batch,
+    BlockSampler,
+    DataError,
+    build_datasets,
+    demo_prompts,
+    demo_refused,
+    encode_prompt_rows,
+    read_prompt_rows,
+)
 from .export import export_drafter
 from .model import DFlashDrafter
 from .recipe import DEFAULT_EPOCHS, epochs_note
@@ -73,7 +82,7 @@ def spec_prompts(cfg: Config) -> list[list[int]]:
     d = cfg.data
     if d.spec_prompts_path:
         return prompts_from_file(cfg)
-    if d.source == "demo" and cfg.target.path is None and cfg.target.backend != "transformers":
+    if d.source == "demo" and demo_refused(cfg) is None:
         if 0 < d.prompt_length < d.max_length:
             prompts = demo_prompts(cfg.target.vocab_size, d, cfg.drafter.mask_token_id, cfg.run.seed)
             return prompts[d.num_train :][: cfg.run.spec_prompts].tolist()
