@@ -8,11 +8,10 @@ import sys
 import pytest
 import torch
 
-from dflash_train.config import DataConfig
-from dflash_train.config import load_config
-from dflash_train.data import BlockSampler, build_datasets, load_jsonl, sample_anchors, seeded_generator
+from dflash_train.config import DataConfig, load_config
+from dflash_train.data import BlockSampler, DataError, build_datasets, load_jsonl, sample_anchors, seeded_generator
 from dflash_train.plan import resolve_run
-from dflash_train.train import run_training
+from dflash_train.train import run_training, spec_prompts
 
 
 def test_anchors_predict_a_supervised_token_and_have_room_for_a_block():
@@ -260,3 +259,16 @@ def test_token_ids_beyond_the_target_vocabulary_are_an_error(tmp_path):
             ),
             3,
         )
+
+
+@pytest.mark.parametrize(
+    "field, value, said",
+    [("path", "/models/any", "needs the random target"), ("backend", "transformers", "needs the native random")],
+)
+def test_the_demo_source_refuses_a_target_it_cannot_generate_with(field, value, said):
+    cfg = load_config()  # the demo source
+    setattr(cfg.target, field, value)
+    with pytest.raises(DataError, match=said):
+        build_datasets(cfg, 0)
+    with pytest.raises(ValueError, match=said):  # eval's default prompts: the same refusal, not demo prompts
+        spec_prompts(cfg)
