@@ -14,10 +14,9 @@ from .errors import UsageError
 from .payload import default_source
 from .remote.wire import RUN_DIR_TOKEN, WORKDIR_TOKEN
 from .runs import StartedRun, launch
-from .trainer_config import check_config
+from .trainer_config import REGEN_OPTIONS_MODULE, check_config, load_module
 
 REGEN_MODULE = "dflash_train.regen"
-ENGINES = ("builtin", "openai")
 
 
 @dataclass(frozen=True)
@@ -49,34 +48,33 @@ def out_name(out: str) -> str:
 
 
 def check_request(req: RegenRequest) -> None:
-    """Everything that can be checked here, before the host is asked (UsageError, exit 2)."""
-    if req.engine not in ENGINES:
-        raise UsageError(f"--engine must be builtin or openai, got {req.engine!r}")
+    """Everything that can be checked here, before the host is asked (UsageError, exit 2): the
+    options by the payload's own rules (dflash_train/regen_options.py), the names, --set, --gpus."""
     check_name(req.prompts)
     out_name(req.out)
-    if req.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
-    if not 0 <= req.temperature < float("inf"):
-        raise UsageError(f"--temperature must be 0 (greedy) or positive, got {req.temperature:g}")
-    if not 0 < req.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {req.top_p:g}")
-    if req.batch_size is not None and req.batch_size < 1:
-        raise UsageError("--batch-size must be at least 1")
-    if req.engine == "openai":
-        if not req.endpoint or not req.model:
-            raise UsageError("--engine openai needs --endpoint URL (reachable from the container) and --model NAME")
-        if not req.endpoint.startswith(("http://", "https://")):
-            raise UsageError(f"--endpoint must be an http:// or https:// URL, got {req.endpoint!r}")
-        if req.concurrency < 1 or req.retries < 0:
-            raise UsageError("--concurrency must be at least 1 and --retries 0 or more")
+    rules = load_module(default_source(), REGEN_OPTIONS_MODULE)
+    if rules is not None and hasattr(rules, "check_options"):  # else the program checks them in the container
         given = [
             flag for flag, value in (("--gpus", req.gpus), ("--preset", req.preset), ("--set", req.overrides)) if value
         ]
-        if given:
-            raise UsageError(f"{', '.join(given)}: for the builtin engine (the server holds the model)")
-    elif req.endpoint or req.model:
-        raise UsageError("--endpoint and --model are for --engine openai")
-    else:  # --preset and --set, by the trainer's own config code in the payload about to be pushed
+        try:
+            rules.check_options(
+                req.engine,
+                req.max_new_tokens,
+                req.temperature,
+                req.top_p,
+                req.batch_size,
+                req.endpoint,
+                req.model,
+                req.concurrency,
+                req.retries,
+                given,
+            )
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    if (
+        req.engine == "builtin"
+    ):  # --preset and --set, by the trainer's own config code in the payload about to be pushed
         check_config(default_source(), None, req.preset, req.overrides)
     parse_gpus(req.gpus)  # a UsageError for a bad --gpus, before anything is pushed
 

@@ -14,28 +14,29 @@ from typing import Any, Sequence
 from .errors import UsageError
 
 CONFIG_MODULE = Path("dflash_train") / "config.py"
-_LOADED_AS = "_dflashctl_payload_config"  # a private name: never the payload's own package
+REGEN_OPTIONS_MODULE = Path("dflash_train") / "regen_options.py"
 
 
-def load_module(source: Path) -> ModuleType | None:
-    """The payload's config module, or None when the payload has none that this machine can
-    load (another trainer, or one whose config needs a module not installed here)."""
-    path = source / CONFIG_MODULE
+def load_module(source: Path, relative: Path = CONFIG_MODULE) -> ModuleType | None:
+    """The payload's module at `relative` (its config code by default), or None when the payload
+    has none that this machine can load (another trainer, or code that needs a module not
+    installed here)."""
+    path = source / relative
     if not path.is_file():
         return None
-    spec = importlib.util.spec_from_file_location(_LOADED_AS, path)
+    loaded_as = "_dflashctl_payload_" + path.stem  # a private name: never the payload's own package
+    spec = importlib.util.spec_from_file_location(loaded_as, path)
     if spec is None or spec.loader is None:
         return None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[_LOADED_AS] = module  # dataclasses and get_type_hints look their module up here
+    sys.modules[loaded_as] = module  # dataclasses and get_type_hints look their module up here
     try:
         spec.loader.exec_module(module)
     except ImportError:
         return None
     except Exception as exc:  # a broken payload: say so in one line rather than push it
-        raise UsageError(f"cannot load the trainer's config code {path}: {type(exc).__name__}: {exc}") from None
-    needed = ("load_config", "to_dict", "ConfigError")
-    return module if all(hasattr(module, name) for name in needed) else None
+        raise UsageError(f"cannot load the trainer's code {path}: {type(exc).__name__}: {exc}") from None
+    return module
 
 
 def check_config(
@@ -45,7 +46,7 @@ def check_config(
     naming the key, if it refuses them); None when `source` has no config code to ask, so the
     trainer's pre-flight in the container is the check."""
     module = load_module(source)
-    if module is None:
+    if module is None or not all(hasattr(module, name) for name in ("load_config", "to_dict", "ConfigError")):
         return None
     try:
         cfg = module.load_config(str(config_file) if config_file else None, preset, list(overrides))

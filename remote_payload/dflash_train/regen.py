@@ -36,6 +36,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
+from .regen_options import ENGINES, check_options
 from .regen_output import Output, Progress, partial_path
 from .regen_rows import KINDS, Done, Options, RegenError, Row, count_rows, first_row, read_batches
 
@@ -143,7 +144,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m dflash_train.regen", description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", required=True, help="input JSONL")
     ap.add_argument("--out", required=True, help="output JSONL (the errors file goes beside it)")
-    ap.add_argument("--engine", choices=("builtin", "openai"), default="builtin")
+    ap.add_argument("--engine", choices=ENGINES, default="builtin")
     ap.add_argument("--gpus", default="auto", help="builtin: auto (every visible GPU, else cpu), cpu, or 0,1")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -179,25 +180,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     """Options that make no sense, whatever the machine (RegenError)."""
-    if args.max_new_tokens < 1:
-        raise RegenError("--max-new-tokens must be at least 1")
-    if not 0 <= args.temperature < float("inf"):
-        raise RegenError(f"--temperature must be 0 (greedy) or positive, got {args.temperature:g}")
-    if not 0 < args.top_p <= 1:
-        raise RegenError(f"--top-p must be in (0, 1], got {args.top_p:g}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise RegenError("--batch-size must be at least 1")
-    if args.engine == "openai":
-        if not args.endpoint or not args.model:
-            raise RegenError("the openai engine needs --endpoint URL and --model NAME")
-        if not args.endpoint.startswith(("http://", "https://")):
-            raise RegenError(f"--endpoint must be an http:// or https:// URL, got {args.endpoint!r}")
-        if args.concurrency < 1 or args.retries < 0:
-            raise RegenError("--concurrency must be at least 1 and --retries 0 or more")
-        if args.overrides or args.preset or args.gpus != "auto":
-            raise RegenError("--set, --preset and --gpus are for the builtin engine")
-    elif args.endpoint or args.model:
-        raise RegenError("--endpoint and --model are for the openai engine")
+    given = [f for f, v in (("--gpus", args.gpus != "auto"), ("--preset", args.preset), ("--set", args.overrides)) if v]
+    try:
+        check_options(
+            args.engine,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_p,
+            args.batch_size,
+            args.endpoint,
+            args.model,
+            args.concurrency,
+            args.retries,
+            given,
+        )
+    except ValueError as exc:
+        raise RegenError(str(exc)) from None
     prompts = Path(args.prompts)
     if not prompts.is_file():
         raise RegenError(f"no such prompts file: {prompts}")

@@ -136,7 +136,10 @@ def test_bad_options_are_one_line_exit_2(tmp_path, capsys):
     src = write_rows(tmp_path / "p.jsonl", token_prompts(2))
     cases = [
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
-        (["--engine", "openai"], "needs --endpoint URL and --model NAME"),
+        (
+            ["--engine", "openai"],
+            "--engine openai needs --endpoint URL (reachable from the container) and --model NAME",
+        ),
         (["--set", "drafter.num_layers=2"], "regen takes target.*, run.dtype and run.cpu_threads"),
         (["--set", "target.num_layers=x"], "target.num_layers must be int"),
         (["--gpus", "0"], "CUDA is not available"),
