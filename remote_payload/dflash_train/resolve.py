@@ -93,10 +93,10 @@ def drafter_spec(cfg: Config) -> DrafterSpec:
 
 
 def check_data_paths(cfg: Config) -> None:
-    """The data files a jsonl run reads exist (a pre-flight check; their rows are read at start)."""
-    if cfg.data.source != "jsonl":
-        return
-    for key in ("train_path", "eval_path", "spec_prompts_path"):
+    """The data files the run reads exist (a pre-flight check; their rows are read at start): a jsonl
+    run's train and eval files, and any run's data.spec_prompts_path."""
+    keys = ("train_path", "eval_path", "spec_prompts_path") if cfg.data.source == "jsonl" else ("spec_prompts_path",)
+    for key in keys:
         path = getattr(cfg.data, key)
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"data.{key}: no such file: {path}")

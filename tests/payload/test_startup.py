@@ -288,6 +288,7 @@ def test_an_earlier_runs_left_behind_worker_does_not_end_a_later_run_in_the_same
         (["--set", "run.steps=abc"], 2, "run.steps must be int, got 'abc'"),
         (["--set", "run.device=cuda:0"], 2, "CUDA is not available"),
         (["--set", "data.source=jsonl", "--set", "data.train_path=/no/such.jsonl"], 2, "no such file: /no/such.jsonl"),
+        (["--set", "data.spec_prompts_path=/no/p.jsonl"], 2, "data.spec_prompts_path: no such file: /no/p.jsonl"),
         (["--preset", "nope"], 2, "unknown preset 'nope'"),
     ],
 )
