@@ -54,27 +54,11 @@ def check_request(req: RegenRequest) -> None:
     out_name(req.out)
     rules = load_module(default_source(), REGEN_OPTIONS_MODULE)
     if rules is not None and hasattr(rules, "check_options"):  # else the program checks them in the container
-        given = [
-            flag for flag, value in (("--gpus", req.gpus), ("--preset", req.preset), ("--set", req.overrides)) if value
-        ]
         try:
-            rules.check_options(
-                req.engine,
-                req.max_new_tokens,
-                req.temperature,
-                req.top_p,
-                req.batch_size,
-                req.endpoint,
-                req.model,
-                req.concurrency,
-                req.retries,
-                given,
-            )
+            rules.check_options(req)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    if (
-        req.engine == "builtin"
-    ):  # --preset and --set, by the trainer's own config code in the payload about to be pushed
+    if req.engine == "builtin":  # --preset and --set, by the trainer's own config code about to be pushed
         check_config(default_source(), None, req.preset, req.overrides)
     parse_gpus(req.gpus)  # a UsageError for a bad --gpus, before anything is pushed
 

@@ -180,20 +180,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     """Options that make no sense, whatever the machine (RegenError)."""
-    given = [f for f, v in (("--gpus", args.gpus != "auto"), ("--preset", args.preset), ("--set", args.overrides)) if v]
     try:
-        check_options(
-            args.engine,
-            args.max_new_tokens,
-            args.temperature,
-            args.top_p,
-            args.batch_size,
-            args.endpoint,
-            args.model,
-            args.concurrency,
-            args.retries,
-            given,
-        )
+        check_options(args)
     except ValueError as exc:
         raise RegenError(str(exc)) from None
     prompts = Path(args.prompts)

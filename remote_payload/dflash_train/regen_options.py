@@ -4,41 +4,44 @@ file by path (so it imports the standard library alone)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 ENGINES = ("builtin", "openai")
 
 
-def check_options(
-    engine: str,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    batch_size: int | None,
-    endpoint: str | None,
-    model: str | None,
-    concurrency: int,
-    retries: int,
-    builtin_flags: list[str],
-) -> None:
-    """ValueError naming the first option that makes no sense whatever the machine; `builtin_flags`:
-    the builtin engine's options that were given (--gpus, --preset, --set)."""
+def check_options(opts: Any) -> None:
+    """ValueError naming the first option that makes no sense whatever the machine. `opts` has the
+    options as attributes, as the program's parsed arguments and the CLI's request both do: engine,
+    max_new_tokens, temperature, top_p, batch_size, endpoint, model, concurrency, retries, and the
+    builtin engine's gpus (None or "auto" when not given), preset and overrides."""
+    engine, endpoint, model = opts.engine, opts.endpoint, opts.model
     if engine not in ENGINES:
         raise ValueError(f"--engine must be builtin or openai, got {engine!r}")
-    if max_new_tokens < 1:
+    if opts.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
-    if not 0 <= temperature < float("inf"):
-        raise ValueError(f"--temperature must be 0 (greedy) or positive, got {temperature:g}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {top_p:g}")
-    if batch_size is not None and batch_size < 1:
+    if not 0 <= opts.temperature < float("inf"):
+        raise ValueError(f"--temperature must be 0 (greedy) or positive, got {opts.temperature:g}")
+    if not 0 < opts.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {opts.top_p:g}")
+    if opts.batch_size is not None and opts.batch_size < 1:
         raise ValueError("--batch-size must be at least 1")
     if engine == "openai":
         if not endpoint or not model:
             raise ValueError("--engine openai needs --endpoint URL (reachable from the container) and --model NAME")
         if not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"--endpoint must be an http:// or https:// URL, got {endpoint!r}")
-        if concurrency < 1 or retries < 0:
+        if opts.concurrency < 1 or opts.retries < 0:
             raise ValueError("--concurrency must be at least 1 and --retries 0 or more")
-        if builtin_flags:
-            raise ValueError(f"{', '.join(builtin_flags)}: for the builtin engine (the server holds the model)")
+        given = [
+            flag
+            for flag, value in (
+                ("--gpus", opts.gpus not in (None, "auto")),
+                ("--preset", opts.preset),
+                ("--set", opts.overrides),
+            )
+            if value
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)}: for the builtin engine (the server holds the model)")
     elif endpoint or model:
         raise ValueError("--endpoint and --model are for --engine openai")
