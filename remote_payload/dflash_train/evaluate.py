@@ -34,26 +34,6 @@ class EvalError(ValueError):
     """Bad input for the evaluation: one line for the user."""
 
 
-def read_prompts(source: str) -> list[dict]:
-    """data.read_prompt_rows, its error as an EvalError (one line for the user)."""
-    from .data import DataError, read_prompt_rows
-
-    try:
-        return read_prompt_rows(source)
-    except DataError as exc:
-        raise EvalError(str(exc)) from None
-
-
-def encode_prompts(rows: list[dict], tokenizer_dir: str | None, vocab_size: int) -> list[list[int]]:
-    """data.encode_prompt_rows, its error as an EvalError (one line for the user)."""
-    from .data import DataError, encode_prompt_rows
-
-    try:
-        return encode_prompt_rows(rows, tokenizer_dir, vocab_size)
-    except DataError as exc:
-        raise EvalError(str(exc)) from None
-
-
 def tie_tolerance(dtype, magnitude: float) -> float:
     """The logit gap below which two decode paths may legitimately pick different tokens, for
     logits of `magnitude`: a block of B tokens per forward and one token per forward round
@@ -173,6 +153,7 @@ def eval_plan(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int, co
     import torch
 
     from .config import load_config
+    from .data import encode_prompt_rows
     from .plan import resolve_run
     from .train import spec_prompts
     from .workers import use_cpu_threads
@@ -186,7 +167,7 @@ def eval_plan(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int, co
         if not prompts:
             raise EvalError("the run's held-out split gives no prompts: pass --prompts FILE.jsonl")
     else:
-        prompts = encode_prompts(prompts[:count], cfg.data.tokenizer_path or cfg.target.path, cfg.target.vocab_size)
+        prompts = encode_prompt_rows(prompts[:count], cfg.data.tokenizer_path or cfg.target.path, cfg.target.vocab_size)
     limit = cfg.target.max_position_embeddings
     for i, prompt in enumerate(prompts):
         if len(prompt) + max_new_tokens + cfg.drafter.block_size > limit:
@@ -354,10 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.temperature < float("inf"):
             raise EvalError(f"--temperature must be 0 (greedy) or positive, got {args.temperature:g}")
         run_dir = Path(args.run_dir)
-        prompts = read_prompts(args.prompts) if args.prompts else None
         from .config import ConfigError
+        from .data import DataError, read_prompt_rows
 
         try:
+            prompts = read_prompt_rows(args.prompts) if args.prompts else None
             report = evaluate_run(
                 run_dir,
                 prompts,
@@ -369,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress,
                 args.baseline,
             )
-        except ConfigError as exc:
+        except (ConfigError, DataError) as exc:  # DataError: a prompts file that cannot be read or encoded
             raise EvalError(str(exc)) from None
     except EvalError as exc:
         print(f"{USAGE_PREFIX}{exc}", file=sys.stderr, flush=True)

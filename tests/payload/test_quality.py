@@ -20,7 +20,8 @@ import torch
 
 from dflash_train.config import load_config
 from dflash_train.decode import generate
-from dflash_train.evaluate import encode_prompts, evaluate_run, read_prompts
+from dflash_train.data import encode_prompt_rows, read_prompt_rows
+from dflash_train.evaluate import evaluate_run
 from dflash_train.regen_rows import token_row
 from dflash_train.plan import resolve_run
 from dflash_train.target import load_hf_target, read_hf_config
@@ -76,7 +77,7 @@ def greedy_rows(target_dir: Path, prompts_file: Path, out: Path) -> int:
     `data regen` writes), with the MASK token never generated; the longest row's length."""
     cfg = read_hf_config(target_dir)
     target = load_hf_target(target_dir, [], "cpu", torch.float32, whole=True)
-    prompts = encode_prompts(read_prompts(str(prompts_file)), str(target_dir), cfg.vocab_size)
+    prompts = encode_prompt_rows(read_prompt_rows(str(prompts_file)), str(target_dir), cfg.vocab_size)
     mask = json.loads((target_dir / "build.json").read_text())["special_ids"][build_target.MASK]
     new = generate(target, prompts, NEW_TOKENS, banned_ids=(mask,))
     rows = [token_row(i, p, n, "length") for i, (p, n) in enumerate(zip(prompts, new))]
@@ -111,7 +112,7 @@ def drafter_against_lookup(target_dir: Path, work: Path, seed: int = 0) -> dict:
         ]
     )
     assert run_training(cfg, log=lambda line: None) == 0
-    held_out = read_prompts(str(target_dir / "heldout-prompts.jsonl"))
+    held_out = read_prompt_rows(str(target_dir / "heldout-prompts.jsonl"))
     # As `dflashctl eval` reports it: the drafter and, on the same decode path, prompt lookup.
     report = evaluate_run(run_dir, held_out, NEW_TOKENS, len(held_out), "cpu")
     return {
