@@ -179,11 +179,10 @@ class Bench(LocalHostBench):
             f"run.checkpoint_every={steps}",
         ]
         if self.curve:  # each in-training evaluation decodes eval's prompts: tau against minutes from one run
-            plan = self.plan
             sets += [
                 f"data.spec_prompts_path={target / 'heldout-prompts.jsonl'}",
-                f"run.spec_prompts={plan.eval_count}",
-                f"run.spec_new_tokens={plan.eval_new_tokens}",
+                f"run.spec_prompts={self.plan.eval_count}",
+                f"run.spec_new_tokens={self.plan.eval_new_tokens}",
             ]
         argv = [*self.plan.gpus, *[a for s in sets for a in ("--set", s)], "--name", name]
         return self.follow(argv, name, resumable)
