@@ -48,7 +48,7 @@ def test_a_real_target_without_a_preset_gets_the_recipe_for_its_size(tmp_path):
     assert (
         (cfg.drafter.num_layers, cfg.data.max_length, cfg.data.anchors_per_seq, cfg.data.batch_size)
         == (small.num_layers, small.max_length, small.anchors_per_seq, small.batch_size)
-        == (3, 512, 64, 16)
+        == (3, 512, 64, 32)
     )
     assert cfg.run.steps is None  # decided from the data's size when the run loads it
     recipe = next(n for n in notes if n.startswith("recipe: "))
@@ -102,7 +102,8 @@ def test_a_recipe_field_set_to_zero_is_refused():
 
 
 def train_on_a_real_tiny_target(tmp_path, *sets: str) -> list[str]:
-    """The trainer's log of a run on a tiny HF target and 34 jsonl rows (32 train: 2 batches of 16)."""
+    """The trainer's log of a run on a tiny HF target and 34 jsonl rows (32 train: 2 batches of 16,
+    set here so the run-length rule is tested apart from the recipe's batch size)."""
     import torch
     from dflash_train.config import TargetConfig
     from dflash_train.target import build_tiny_target
@@ -122,6 +123,7 @@ def train_on_a_real_tiny_target(tmp_path, *sets: str) -> list[str]:
             "data.eval_fraction=0.06",
             "data.max_length=48",
             "data.anchors_per_seq=4",
+            "data.batch_size=16",
             "run.spec_prompts=0",
             f"run.output_dir={tmp_path / 'run'}",
             *sets,
@@ -136,7 +138,7 @@ def test_without_run_steps_a_real_target_trains_the_recipes_epochs_of_its_data(t
     from dflash_train.recipe import DEFAULT_EPOCHS
 
     logs = train_on_a_real_tiny_target(tmp_path)
-    # 32 training rows in batches of the recipe's 16: 2 steps an epoch.
+    # 32 training rows in batches of 16: 2 steps an epoch.
     assert f"run length: {DEFAULT_EPOCHS * 2} steps = {DEFAULT_EPOCHS} epochs of 2 batches" in "\n".join(logs)
     assert any(line.startswith("preset: real-target") for line in logs)
 
