@@ -24,6 +24,7 @@ class LocalHostBench:
         self.out, self.work = out, work
         self.deadline = time.monotonic() + budget_s
         self.logfile = (out / logname).open("w")
+        self.printing = True
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True, exist_ok=True)
@@ -34,10 +35,16 @@ class LocalHostBench:
         )
 
     def log(self, text: str) -> None:
-        """Print and keep a line."""
-        print(text, flush=True)
+        """Keep a line, and print it while stdout is open: a reader that went away (a `| grep` that
+        exited) must not end a bench mid-run (session 16 lost a build that way)."""
         self.logfile.write(text + "\n")
         self.logfile.flush()
+        if self.printing:
+            try:
+                print(text, flush=True)
+            except BrokenPipeError:
+                self.printing = False
+                sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the process's stdout from here on)
 
     def left(self, cap: float) -> float:
         """Seconds a step may take: its cap, or what is left of the budget."""
