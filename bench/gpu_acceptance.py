@@ -19,6 +19,9 @@ Stages (each bounded; all run even if one fails; exit 1 if any failed):
                of 256 random-id prompts: output tokens/s of the batches after the first (goal >= 8,500);
                `regen:N` (e.g. regen:256) the same at --batch-size N over 4 batches
   doctor       `dflashctl doctor local`
+  imports      a fresh process importing torch, Dynamo and Inductor, twice (the warm start's largest
+               part), torch's compiled-bytecode state, and the same through the workdir's bytecode
+               cache once a run has filled it
   preset:NAME[:K=V...]  another target's preset (e.g. preset:llama3-8b, preset:qwen3-30b-a3b:target.num_layers=24):
                30 steps through `train --follow` from the warm cache, then `eval` of its export as 8b-eval does
 It prints a table (time to first step cold/warm, ms/step against the bench's fast row, MFU
@@ -373,6 +376,42 @@ class Acceptance(LocalHostBench):
             "warm_over_cold": round(warm / cold, 3) if cold == cold and cold > 0 else None,
         }
 
+    def imports(self) -> dict:
+        """What a fresh process pays to import torch, Dynamo and Inductor (the warm start's largest
+        part), whether torch's install has compiled bytecode, and the same imports through the
+        workdir's bytecode cache (`run.bytecode_cache_dir`) once a run has filled one."""
+        probe = (
+            "import importlib.util, json, os, sys, time; t = time.monotonic(); "
+            "import torch, torch._dynamo, torch._inductor.compile_fx; "
+            "d = os.path.dirname(torch.__file__); "
+            "files = [f for _, _, fs in os.walk(d) for f in fs]; "
+            "print(json.dumps({'import_s': round(time.monotonic() - t, 2), "
+            "'py': sum(f.endswith('.py') for f in files), 'pyc': sum(f.endswith('.pyc') for f in files), "
+            "'dont_write_bytecode': sys.flags.dont_write_bytecode, 'init_compiled': "
+            "os.path.exists(importlib.util.cache_from_source(torch.__file__))}))"
+        )
+        row: dict = {}
+        for label in ("plain", "again"):
+            code, out, err, _ = self.process([sys.executable, "-c", probe], timeout=self.left(120))
+            if code != 0:
+                return {"ok": False, "note": err[-300:]}
+            found = json.loads(out.splitlines()[-1])
+            row[f"{label}_import_s"] = found.pop("import_s")
+            row.update(found)
+        cache = self.work / "dflashctl" / "cache" / "bytecode"
+        if cache.is_dir() and any(cache.iterdir()):
+            env = {k: v for k, v in self.env().items() if k != "PYTHONDONTWRITEBYTECODE"}
+            proc = subprocess.run(
+                [sys.executable, "-c", probe],
+                env={**env, "PYTHONPYCACHEPREFIX": str(cache)},
+                capture_output=True,
+                text=True,
+                timeout=self.left(120),
+            )
+            if proc.returncode == 0:
+                row["cached_import_s"] = json.loads(proc.stdout.splitlines()[-1])["import_s"]
+        return {"ok": True, **row}
+
     def regen(self, batch: int = 64) -> dict:
         """bench/regen_bench.py's job in this call: output tokens/s (goal >= 8,500 at the 8B shape and
         batch 64; other batches say what a larger `--batch-size` buys)."""
@@ -439,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/dflash-acceptance", help="scratch workdir (GBs of checkpoints at 8B)")
     ap.add_argument("--budget-s", type=float, default=560)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny preset: check the script itself")
-    ap.add_argument("--stages", default="cold,eval,bench,warm,stopcompile,regen,cudagraphs,smallpair,doctor")
+    ap.add_argument("--stages", default="cold,eval,bench,warm,stopcompile,regen,cudagraphs,smallpair,doctor,imports")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -461,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         "smallpair": ("small-pair", acc.small_pair),
         "regen": ("8b-regen", acc.regen),
         "doctor": ("doctor", acc.doctor),
+        "imports": ("imports", acc.imports),
     }
     for key in args.stages.split(","):
         if key.startswith("preset:"):
