@@ -319,6 +319,89 @@ class Scorer:
         return code != 0 or not same
 
 
+def report_lines(rows: list[dict], curve: bool) -> list[str]:
+    """The bench's tables: one row per run; with `curve`, tau at each in-training evaluation, and
+    every recipe's tau at the first recipe's evaluation minutes (per GPU-minute, not per step)."""
+    head = (
+        "recipe",
+        "steps",
+        "train min",
+        "tau mean/pooled",
+        "speedup",
+        "lookup tau mean/pooled",
+        "lookup speedup",
+        "tau/lookup",
+        "held-out loss",
+        "tf accept",
+        "in-training tau mean +- se",
+        "eval on that split",
+    )
+    lines = ["", " | ".join(head)]
+    for r in rows:
+        lines.append(
+            " | ".join(
+                [
+                    r["recipe"] + (" (stopped: the next call resumes it)" if r.get("pending") else ""),
+                    str(r["steps"]),
+                    fmt(r.get("train_min")),
+                    f"{fmt(r.get('tau_mean'))}/{fmt(r.get('tau'))}",
+                    fmt(r.get("speedup")),
+                    f"{fmt(r.get('lookup_tau_mean'))}/{fmt(r.get('lookup_tau'))}",
+                    fmt(r.get("lookup_speedup")),
+                    fmt(r.get("tau_over_lookup")),
+                    fmt(r.get("held_out_loss"), ".3f"),
+                    fmt(r.get("teacher_forced"), ".2f"),
+                    f"{fmt(r.get('in_training_tau_mean'))} +- {fmt(r.get('in_training_tau_se'))}",
+                    fmt(r.get("agreement_eval_tau_mean")),
+                ]
+            )
+        )
+    if not curve:
+        return lines
+    lines += [
+        "",
+        "recipe | run steps | step | train min | tau mean/pooled (in training, eval's prompts) | held-out loss",
+    ]
+    for r in rows:
+        for e in r.get("in_training") or []:
+            lines.append(
+                f"{r['recipe']} | {r['steps']} | {e['step']} | {fmt(e.get('train_min'))} | "
+                f"{fmt(e.get('spec_tau_prompt_mean'))}/{fmt(e.get('spec_tau'))} | {fmt(e.get('loss'), '.3f')}"
+            )
+    return lines + equal_minutes_lines(rows)
+
+
+def tau_at(points: list[tuple[float, float]], minute: float) -> float | None:
+    """A run's tau at `minute` of training, linear between its evaluations; None outside them."""
+    for (m0, t0), (m1, t1) in zip(points, points[1:]):
+        if m0 <= minute <= m1:
+            return t0 if m1 == m0 else t0 + (t1 - t0) * (minute - m0) / (m1 - m0)
+    return points[0][1] if len(points) == 1 and points[0][0] == minute else None
+
+
+def equal_minutes_lines(rows: list[dict]) -> list[str]:
+    """Each run's in-training tau (pooled, eval's prompts) at the first run's evaluation minutes,
+    and its ratio to the first run's: recipes compared per GPU-minute."""
+    curves = [
+        (r["recipe"], sorted((e["train_min"], e["spec_tau"]) for e in r.get("in_training") or [] if e.get("spec_tau")))
+        for r in rows
+    ]
+    curves = [(name, points) for name, points in curves if points]
+    if len(curves) < 2:
+        return []
+    base_name, base = curves[0]
+    marks = [m for m, _ in base]
+    lines = ["", f"pooled tau at {base_name}'s evaluation minutes (linear between a run's evaluations; - outside them)"]
+    lines.append("recipe | " + " | ".join(f"{m:.2f} min" for m in marks))
+    for name, points in curves:
+        cells = []
+        for m, base_tau in base:
+            tau = tau_at(points, m)
+            cells.append("-" if tau is None else f"{tau:.2f} ({tau / base_tau:.2f}x)")
+        lines.append(f"{name} | " + " | ".join(cells))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build, push, regenerate, train and evaluate; print the table; 1 if a step failed."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -397,7 +480,12 @@ def main(argv: list[str] | None = None) -> int:
         f"recorded in --work/{POINTS}; the next call with --reuse --resumable resumes it before anything else",
     )
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script itself")
+    ap.add_argument("--report", type=Path, help="print the tables of an earlier call's quality.json, run nothing")
     args = ap.parse_args(argv)
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        print("\n".join(report_lines(saved["rows"], saved.get("curve", False))))
+        return 0
     plan = DRY if args.dry_run else GPU
     if args.regen_batch:
         plan = dataclasses.replace(plan, regen_batch=args.regen_batch)
@@ -417,7 +505,13 @@ def main(argv: list[str] | None = None) -> int:
     work = (args.work or Path(tempfile.mkdtemp(prefix="dflash-quality-"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(out, work, plan, args.budget_min, args.reuse, args.curve)
-    result: dict = {"minutes": minutes, "recipes": dict(recipes), "plan": plan.__dict__, "rows": []}
+    result: dict = {
+        "minutes": minutes,
+        "recipes": dict(recipes),
+        "plan": plan.__dict__,
+        "curve": args.curve,
+        "rows": [],
+    }
 
     def finish(code: int) -> int:
         (out / "quality.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -520,52 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.resumable:
         points_path.write_text(json.dumps(result["rows"], indent=1) + "\n")
 
-    head = (
-        "recipe",
-        "steps",
-        "train min",
-        "tau mean/pooled",
-        "speedup",
-        "lookup tau mean/pooled",
-        "lookup speedup",
-        "tau/lookup",
-        "held-out loss",
-        "tf accept",
-        "in-training tau mean +- se",
-        "eval on that split",
-    )
-    bench.log("")
-    bench.log(" | ".join(head))
-    for r in result["rows"]:
-        bench.log(
-            " | ".join(
-                [
-                    r["recipe"] + (" (stopped: the next call resumes it)" if r.get("pending") else ""),
-                    str(r["steps"]),
-                    fmt(r.get("train_min")),
-                    f"{fmt(r.get('tau_mean'))}/{fmt(r.get('tau'))}",
-                    fmt(r.get("speedup")),
-                    f"{fmt(r.get('lookup_tau_mean'))}/{fmt(r.get('lookup_tau'))}",
-                    fmt(r.get("lookup_speedup")),
-                    fmt(r.get("tau_over_lookup")),
-                    fmt(r.get("held_out_loss"), ".3f"),
-                    fmt(r.get("teacher_forced"), ".2f"),
-                    f"{fmt(r.get('in_training_tau_mean'))} +- {fmt(r.get('in_training_tau_se'))}",
-                    fmt(r.get("agreement_eval_tau_mean")),
-                ]
-            )
-        )
-    if args.curve:  # tau on eval's prompts at each in-training evaluation
-        bench.log("")
-        bench.log(
-            "recipe | run steps | step | train min | tau mean/pooled (in training, eval's prompts) | held-out loss"
-        )
-        for r in result["rows"]:
-            for e in r.get("in_training") or []:
-                bench.log(
-                    f"{r['recipe']} | {r['steps']} | {e['step']} | {fmt(e.get('train_min'))} | "
-                    f"{fmt(e.get('spec_tau_prompt_mean'))}/{fmt(e.get('spec_tau'))} | {fmt(e.get('loss'), '.3f')}"
-                )
+    for line in report_lines(result["rows"], args.curve):
+        bench.log(line)
     return finish(1 if failed else 0)
 
 

@@ -56,13 +56,13 @@ def recipe_for_target(hidden_size: int) -> Recipe:
             f"z-lab's published Qwen3-4B/8B drafters",
         )
     # Batch 32, not 16: a 95M target's step is launch-bound, so twice the sequences cost 1.58x the
-    # step time; on the quality bench that gave 1.26x the tau in the same training minutes.
+    # step time; on the quality bench that gave 1.22x the tau in the same training minutes.
     return Recipe(
         3,
         512,
         64,
         32,
         f"target hidden size {hidden_size} < {LARGE_TARGET_HIDDEN}: the shapes that reached "
-        f"tau 5.66 on a 95M target on an H200, and batch 32 for 1.26x the tau of 16 per "
+        f"tau 5.66 on a 95M target on an H200, and batch 32 for 1.22x the tau of 16 per "
         f"training minute (docs/quality.md)",
     )
