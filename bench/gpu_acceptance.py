@@ -401,15 +401,11 @@ class Acceptance(LocalHostBench):
         cache = self.work / "dflashctl" / "cache" / "bytecode"
         if cache.is_dir() and any(cache.iterdir()):
             env = {k: v for k, v in self.env().items() if k != "PYTHONDONTWRITEBYTECODE"}
-            proc = subprocess.run(
-                [sys.executable, "-c", probe],
-                env={**env, "PYTHONPYCACHEPREFIX": str(cache)},
-                capture_output=True,
-                text=True,
-                timeout=self.left(120),
+            code, out, _, _ = self.process(
+                [sys.executable, "-c", probe], self.left(120), env={**env, "PYTHONPYCACHEPREFIX": str(cache)}
             )
-            if proc.returncode == 0:
-                row["cached_import_s"] = json.loads(proc.stdout.splitlines()[-1])["import_s"]
+            if code == 0:
+                row["cached_import_s"] = json.loads(out.splitlines()[-1])["import_s"]
         return {"ok": True, **row}
 
     def regen(self, batch: int = 64) -> dict:

@@ -56,11 +56,16 @@ class LocalHostBench:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         return env
 
-    def process(self, argv: list[str], timeout: float) -> tuple[int, str, str, float]:
-        """A whole process in the workdir: (exit code, stdout, stderr, seconds); 124 on timeout."""
+    def process(
+        self, argv: list[str], timeout: float, env: dict[str, str] | None = None
+    ) -> tuple[int, str, str, float]:
+        """A whole process in the workdir (in `env`, default `self.env()`): (exit code, stdout,
+        stderr, seconds); 124 on timeout."""
         t0 = time.monotonic()
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env(), cwd=self.work)
+            proc = subprocess.run(
+                argv, capture_output=True, text=True, timeout=timeout, env=env or self.env(), cwd=self.work
+            )
         except subprocess.TimeoutExpired as exc:
             out, err = (
                 text.decode(errors="replace") if isinstance(text, bytes) else (text or "")

@@ -186,15 +186,14 @@ class TokenRows:
 
     def add(self, index: int, ids, mask) -> None:
         """One row's input_ids and loss_mask (None: all supervised); ValueError if not flat integer lists."""
-        mask = [1] * len(ids) if mask is None and isinstance(ids, list) else mask
-        if not isinstance(ids, list) or not isinstance(mask, list):
+        if not isinstance(ids, list) or not isinstance(mask, (list, type(None))):
             raise ValueError("input_ids and loss_mask must be flat lists of integers")
-        if len(mask) != len(ids):
+        if mask is not None and len(mask) != len(ids):
             raise ValueError("loss_mask and input_ids differ in length")
         size = len(self.ids)
         try:
             self.ids.extend(ids)
-            self.mask.extend(mask)
+            self.mask.extend([1] * len(ids) if mask is None else mask)
         except (TypeError, OverflowError):
             del self.ids[size:], self.mask[size:]
             raise ValueError("input_ids and loss_mask must be flat lists of integers") from None
