@@ -145,7 +145,8 @@ class Decoder:
     def _forward(
         self, ids: torch.Tensor, start: torch.Tensor, window: int, prefill: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target over ids [N, T] written at slots start..start+T-1, attending to `window` slots."""
+        """The target over ids [N, T] written at slots start..start+T-1, attending to `window` slots:
+        (logits [N, T, V], or [N, 1, V] for a prefill; features [N, T, L*H] or None)."""
         m, t = self.target, ids.shape[1]
         slots = start + torch.arange(t, device=self.device)  # [T]
         positions = (slots[None] - self.pad[:, None]).clamp_min(0)  # [N, T]
@@ -157,7 +158,9 @@ class Decoder:
             x = self._layers(layer, x, cos, sin, self.keys[i], self.values[i], slots, window, mask, eager=prefill)
             if i in wanted:
                 feats[i] = x
-        logits = m.lm_head(m.norm(x)).float()  # [N, T, V]
+        # A prefill needs the last position's logits only: the head over every prompt position would
+        # be [N, P, V] in fp32 (at batch 32 x 1,500 tokens of a 152k vocabulary, 29 GB).
+        logits = m.lm_head(m.norm(x[:, -1:] if prefill else x)).float()  # [N, T or 1, V]
         return logits, torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
 
     def _mask(self, slots: torch.Tensor, window: int, prefill: bool) -> torch.Tensor | None:

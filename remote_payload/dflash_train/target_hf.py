@@ -357,6 +357,8 @@ class HFDecoder:
         params = inspect.signature(target.model.forward).parameters
         # transformers 5 names the cache argument `cache` (`past_key_values` goes in 5.40); 4.x the latter.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        # A prefill asks for the last position's logits alone where the model takes it (transformers >= 4.50).
+        self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
     @property
     def length(self) -> int:
@@ -369,7 +371,7 @@ class HFDecoder:
         [N, P, L*H] or None)."""
         ids = left_padded(prompts, self.pad, self.capacity)
         self.crop(0)
-        logits, feats = self._forward(ids.to(self.device))
+        logits, feats = self._forward(ids.to(self.device), last_only=True)
         return logits[:, -1], feats
 
     @torch.no_grad()
@@ -389,7 +391,9 @@ class HFDecoder:
         """Nothing to capture on this path: 0 steps."""
         return 0
 
-    def _forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, ids: torch.Tensor, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over ids [N, T] after the cache: (logits [N, T, V], or [N, 1, V] with `last_only`
+        (a prefill: not the head over every prompt position), features or None)."""
         start, t = self.length, ids.shape[1]
         slots = torch.arange(start + t, device=self.device)
         attention_mask = (slots[None] >= self.pad[:, None]).long()  # [N, start+T]
@@ -402,6 +406,7 @@ class HFDecoder:
                 position_ids=positions,
                 use_cache=True,
                 **{self._cache_arg: self.cache},
+                **(self._keep_last if last_only else {}),
             )
             return out.logits.float(), rec.take()
 

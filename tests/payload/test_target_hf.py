@@ -123,6 +123,22 @@ def test_batched_greedy_decode_is_the_models_own_generate(checkpoint):
     assert len(set(ours[0])) > 2  # the text varies: the comparison can fail
 
 
+def test_a_prefill_asks_the_model_for_the_last_positions_logits_only(checkpoint):
+    """As the native decoder: the model's head runs on one position per row of the prompts."""
+    arch, path, model = checkpoint
+    target = build_hf_target(read_target_config(path), [], whole=True)
+    prompts = [[5, 9, 2, 77, 31, 8], [40, 3, 3, 12, 6, 1]]
+    heads = []
+    hook = target.lm_head.register_forward_hook(lambda _m, args, _out: heads.append(args[0].shape[1]))
+    try:
+        last, _ = HFDecoder(target, 2, 32).prefill(prompts)
+    finally:
+        hook.remove()
+    assert heads == [1]
+    with torch.no_grad():
+        torch.testing.assert_close(last, model(torch.tensor(prompts)).logits[:, -1], rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_speculative_decoding_is_lossless(checkpoint):
     """The speculative loop with this target (verify steps of B tokens through the model's cache,
     rejected drafts cropped off it) emits exactly the target's greedy text."""
