@@ -57,15 +57,20 @@ class HostBuffers:
         """The bytes the buffers hold."""
         return sum(v.nbytes for v in self.views)
 
+    def reserve(self, state: Any, device: torch.device) -> None:
+        """Allocate buffers that fit `state` (its tensors' shapes and dtypes) before the first copy:
+        from another thread while training goes on, so that the copy finds them."""
+        layout = [(t.shape, t.dtype) for t in tensors_of(state)]
+        if layout != self.layout:
+            self.views = _allocate(layout, pin=device.type == "cuda")
+            self.layout = layout
+
     def copy(self, state: Any, device: torch.device) -> tuple[Any, bool]:
         """`state` with every tensor replaced by its copy here, complete when this returns (the
         caller may change the originals at once), and whether the buffers were allocated for it."""
         sources = list(tensors_of(state))
-        layout = [(t.shape, t.dtype) for t in sources]
-        allocated = layout != self.layout
-        if allocated:
-            self.views = _allocate(layout, pin=device.type == "cuda")
-            self.layout = layout
+        allocated = [(t.shape, t.dtype) for t in sources] != self.layout
+        self.reserve(state, device)
         cuda = device.type == "cuda"
         for dst, src in zip(self.views, sources):
             dst.copy_(src, non_blocking=cuda)

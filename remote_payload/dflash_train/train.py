@@ -421,6 +421,10 @@ class Trainer:
         self.meter.add(losses, point.steps_since_last)
         stopping = self.should_stop.requested if self.group else self.stop.requested
         self.checkpoints.poll()  # a failed background write fails the run here, at the next sync point
+        if self.main and done > self.start and not self.checkpoints.reserved:  # the optimizer holds its state now
+            self.checkpoints.reserve(
+                replica.drafter, replica.optimizer, replica.scheduler, to_dict(self.cfg), replica.device
+            )
         if cadence.logs(done, stopping):
             tokens = self.data.take_tokens(self.meter.record_step, done)
             record = self.meter.record(done, cadence.total, tokens, replica, [r.device for r in point.replicas])

@@ -83,6 +83,25 @@ def test_host_buffers_are_reused_while_the_state_keeps_its_shapes():
     assert allocated  # other shapes: new buffers
 
 
+def test_buffers_reserved_ahead_take_the_first_checkpoint_with_no_allocation_of_its_own(tmp_path):
+    logs = []
+    writer = CheckpointWriter(tmp_path, 2, logs.append)
+    model, opt, sched = trained(1)
+    writer.reserve(model, opt, sched, {"preset": "test"}, CPU)  # in the background, as after the first step
+    writer.reserve(model, opt, sched, {"preset": "test"}, CPU)  # once: a later call is a no-op
+    writer.save(1, model, opt, sched, {"preset": "test"}, CPU)  # waits for the allocation, then copies
+    writer.wait()
+    assert logs[0].startswith("checkpoint step 1: training blocked ") and "new host buffers" not in logs[0]
+    assert_same_training_state(load_after(tmp_path), (model, opt, sched))
+
+
+def load_after(out_dir):
+    """A fresh model, optimizer and scheduler restored from the latest checkpoint in out_dir."""
+    restored = trained(0)
+    load_checkpoint(latest_checkpoint(out_dir), *restored, CPU)
+    return restored
+
+
 def test_a_crash_in_the_middle_of_a_write_leaves_no_checkpoint_that_resume_takes(tmp_path):
     write_checkpoint(tmp_path, host_state(1, *trained(1)), keep=1)
     with pytest.raises(InjectedFault, match="writing checkpoint step 2"):

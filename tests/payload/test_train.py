@@ -151,12 +151,14 @@ def test_resume_reproduces_the_uninterrupted_loss(tiny_run, tmp_path):
 
 
 def test_checkpoints_log_the_time_training_was_blocked_and_the_write(tiny_run):
-    """Issue 31: each checkpoint's line says how long the step loop waited (the copy to host memory),
-    and a second line its background write; the last one is written before the final line."""
+    """Issue 31: each checkpoint's line says how long the step loop waited (the copy to host memory,
+    into buffers allocated ahead), and a second line its background write; the last one is written
+    before the final line."""
     out, logs = tiny_run
     blocked = [line for line in logs if line.startswith("checkpoint step ")]
     assert [line.split(":")[0] for line in blocked] == ["checkpoint step 60", "checkpoint step 120"]
-    assert " into new host buffers" in blocked[0] and "new host buffers" not in blocked[1]  # reused
+    # The buffers were allocated in the background after the first step: no checkpoint allocates.
+    assert not any("new host buffers" in line for line in blocked)
     assert all(" training blocked " in line and " GB to host memory in " in line for line in blocked)
     root = out / "checkpoints"
     written = [line for line in logs if line.startswith("checkpoint: ")]
