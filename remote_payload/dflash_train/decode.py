@@ -115,7 +115,7 @@ class Decoder:
         if self.length + t > self.capacity:
             raise ValueError(f"the cache is full ({self.capacity} positions)")
         window = window_for(self.length + t, self.capacity, self.graphs)
-        start = torch.tensor([self.length], device=self.device)
+        start = on_device(self.length, self.device)
         self.length += t
         if not self.graphs:
             return self._forward(ids, start, window)
@@ -221,6 +221,13 @@ def make_decoder(
     if isinstance(target, HFTarget):
         return HFDecoder(target, batch, capacity, feature_layers)
     return Decoder(target, batch, capacity, feature_layers, graphs, compile)
+
+
+def on_device(value: int, device: torch.device) -> torch.Tensor:
+    """[value] as a long tensor on `device`, made there by a fill kernel: torch.tensor(..., device=)
+    copies from host memory and waits for the stream to drain (a blocking copy does), which took the
+    GPU's work of one step out of overlap with the host's launch of the next."""
+    return torch.full((1,), value, dtype=torch.long, device=device)
 
 
 def window_for(need: int, capacity: int, graphs: bool) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decode import CachedLayers, Decoder, StepGraphs, grouped_mask, make_decoder, pick, window_for
+from .decode import CachedLayers, Decoder, StepGraphs, grouped_mask, make_decoder, on_device, pick, window_for
 from .model import DFlashDrafter, apply_rope, rope_cos_sin
 from .sliding import draft_masks
 from .target import Qwen3Target
@@ -93,7 +93,7 @@ class DraftDecoder:
         t = features.shape[1]
         if start + t > self.capacity:
             raise ValueError(f"the drafter's cache is full ({self.capacity} positions)")
-        first = torch.tensor([start], device=self.device)
+        first = on_device(start, self.device)
         if not self.keys or not self.graphs:
             self._context(features, first)
         else:
@@ -104,9 +104,9 @@ class DraftDecoder:
         """The drafter's logits [B-1, V] (fp32) for the block [last, MASK x (B-1)] at position
         `start` (the position of `last`), after the context of positions < start."""
         spec = self.drafter.spec
-        block = torch.full((1, spec.block_size), spec.mask_token_id, dtype=torch.long)
-        block[0, 0] = last
-        block, first = block.to(self.device), torch.tensor([start], device=self.device)
+        block = torch.full((1, spec.block_size), spec.mask_token_id, dtype=torch.long, device=self.device)
+        block[0, 0] = last  # a fill on the device: no copy from host memory, no wait (decode.on_device)
+        first = on_device(start, self.device)
         window = window_for(start + spec.block_size, self.capacity, self.graphs)
         if not self.graphs:
             return self._draft(block, first, window)
@@ -192,7 +192,6 @@ def speculate(
     (`accept`), whose output is distributed as the target's samples at that temperature.
     `verifier` (a batch-1 Decoder with the drafter's feature layers) and `drafting`: to reuse,
     with their CUDA graphs, across prompts."""
-    device = next(target.parameters()).device
     room = len(prompt) + max_new_tokens + 2 * drafter.spec.block_size
     verifier = verifier or make_decoder(target, 1, room, drafter.spec.target_layer_ids)
     drafting = drafting or DraftDecoder(drafter, target, room)
@@ -203,7 +202,7 @@ def speculate(
         anchor = verifier.length  # position of tokens[-1]
         q_logits = drafting.draft(out.tokens[-1], anchor)  # [B-1, V]
         drafts = pick(q_logits, temperature, generator=generator)  # [B-1]
-        block = torch.cat([torch.tensor([out.tokens[-1]], device=device), drafts])[None]
+        block = torch.cat([drafts.new_full((1,), out.tokens[-1]), drafts])[None]  # made on the device
         p_logits, feats = verifier.step(block)  # [1, B, V]: predicts B tokens
         k, following = accept(drafts, q_logits, p_logits[0], temperature, generator)
         out.accepted.append(k)

@@ -12,6 +12,8 @@ graphstep  run.capture_optimizer auto (clip + AdamW + zero grads replayed as one
 graphtarget  run.capture_target on (the target's feature forward replayed as one CUDA graph) vs
        off, compile default, per-layer scope: the graph's features against eager ones on fresh
        inputs, then 30 steps on every GPU (one thread each): losses and checksums must be equal
+nosync  the decode path's steps (the target's decode and verify steps, the drafter's context and
+       draft steps) replayed under torch.cuda.set_sync_debug_mode("error"): none waits for the GPU
 """
 
 import json
@@ -238,6 +240,40 @@ def check_graphtarget() -> None:
     print(f"graphtarget: {'PASS' if all(same) and results['on'] == results['off'] else 'FAIL'}", flush=True)
 
 
+def check_nosync() -> None:
+    """After their capture, decode steps launch without waiting for the GPU: a wait (a blocking copy
+    from host memory, an item()) would keep the GPU's step from overlapping the host's next launch."""
+    from dflash_train.decode import Decoder
+    from dflash_train.model import DFlashDrafter, DrafterSpec
+    from dflash_train.speculate import DraftDecoder
+
+    target = build_tiny_target(TargetConfig(), seed=0).cuda().to(torch.bfloat16)
+    spec = DrafterSpec(target.shape, 2, 8, (1, 3), target.cfg.vocab_size - 1)
+    drafter = DFlashDrafter(spec).cuda()
+    drafter.init_weights(0.02, seed=0)
+    decoder, drafting = Decoder(target, 1, 512, spec.target_layer_ids), DraftDecoder(drafter, target, 512)
+    _, feats = decoder.prefill([[3, 1, 4, 1, 5, 9, 2, 6]])
+    drafting.add_context(feats, 0)
+    one, block = torch.tensor([[7]], device="cuda"), torch.arange(8, device="cuda")[None]
+    for _ in range(2):  # the first call of each shape captures its graph (and waits): not the check
+        decoder.step(one)
+        _, verified = decoder.step(block)
+        drafting.add_context(verified, decoder.length - 8)
+        drafting.draft(7, decoder.length)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            decoder.step(one)
+            _, verified = decoder.step(block)
+            drafting.add_context(verified, decoder.length - 8)
+            drafting.draft(7, decoder.length)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    print(f"nosync: 80 decode steps launched with no wait for the GPU (cache at {decoder.length} of 512)", flush=True)
+
+
 if __name__ == "__main__":
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}", flush=True)
     checks = {
@@ -247,6 +283,7 @@ if __name__ == "__main__":
         "8b": check_8b,
         "graphstep": check_graphstep,
         "graphtarget": check_graphtarget,
+        "nosync": check_nosync,
     }
     for name in sys.argv[1:] or list(checks):
         checks[name]()
