@@ -95,10 +95,9 @@ def lookup_decode(
         proposed = index.propose(num_tokens)
         block = torch.tensor([[out.tokens[-1]] + proposed], device=device)
         p_logits, _ = decoder.step(block)
-        k, following = accept(block[0, 1:], None, p_logits[0], 0.0, None)
+        k, new = accept(block[0, 1:], None, p_logits[0], 0.0, None)
         out.accepted.append(k)
         out.anchors.append(anchor)
-        new = proposed[:k] + [following]
         out.tokens += new
         index.extend(new)
         decoder.crop(anchor + k + 1)

@@ -147,32 +147,36 @@ class DraftDecoder:
 
 def accept(
     drafts: torch.Tensor,
-    q_logits: torch.Tensor,
+    q_logits: torch.Tensor | None,
     p_logits: torch.Tensor,
     temperature: float,
     generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """(accepted drafts k, the next token) for drafts [B-1] proposed from q_logits [B-1, V], with
-    the target's p_logits [B, V] (row i predicts the token after block position i).
+) -> tuple[int, list[int]]:
+    """(accepted drafts k, the tokens emitted: those k drafts and the next token) for drafts [B-1]
+    proposed from q_logits [B-1, V], with the target's p_logits [B, V] (row i predicts the token
+    after block position i).
 
     Greedy: the drafts that equal the target's argmax, then its argmax. Sampling: the standard
     speculative-sampling rule, so that the output is distributed as the target's own samples:
     draft i stands with probability min(1, p(d_i) / q(d_i)); the first that falls is replaced by
     a sample of max(0, p - q), renormalised; if all stand, the next token is sampled from p."""
     if temperature == 0:
-        predicted = p_logits.argmax(-1)
-        k = int((predicted[:-1] == drafts).long().cumprod(0).sum())
-        return k, int(predicted[k])
+        # One wait for the GPU per verify step: the drafts and the target's choices come back together.
+        both = torch.cat([drafts, p_logits.argmax(-1)]).tolist()
+        proposed, predicted = both[: len(drafts)], both[len(drafts) :]
+        k = next((i for i, (a, b) in enumerate(zip(proposed, predicted)) if a != b), len(proposed))
+        return k, proposed[:k] + [predicted[k]]
     p = torch.softmax(p_logits / temperature, -1)
     q = torch.softmax(q_logits / temperature, -1)
     device = p.device
-    for i, token in enumerate(drafts.tolist()):
+    proposed = drafts.tolist()
+    for i, token in enumerate(proposed):
         ratio = p[i, token] / q[i, token].clamp_min(1e-20)
         if torch.rand((), generator=generator, device=device) >= ratio:  # rejected
             residual = (p[i] - q[i]).clamp_min(0)
             residual = residual if residual.sum() > 0 else p[i]
-            return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
+            return i, proposed[:i] + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
+    return len(proposed), proposed + [int(torch.multinomial(p[-1], 1, generator=generator))]
 
 
 @torch.no_grad()
@@ -204,10 +208,10 @@ def speculate(
         drafts = pick(q_logits, temperature, generator=generator)  # [B-1]
         block = torch.cat([drafts.new_full((1,), out.tokens[-1]), drafts])[None]  # made on the device
         p_logits, feats = verifier.step(block)  # [1, B, V]: predicts B tokens
-        k, following = accept(drafts, q_logits, p_logits[0], temperature, generator)
+        k, emitted = accept(drafts, q_logits, p_logits[0], temperature, generator)
         out.accepted.append(k)
         out.anchors.append(anchor)
-        out.tokens += drafts[:k].tolist() + [following]  # accepted drafts + the bonus
+        out.tokens += emitted  # accepted drafts + the bonus
         verifier.crop(anchor + k + 1)  # anchor and accepted stay cached
         drafting.add_context(feats, anchor)  # valid up to anchor + k
     if eos_id is not None and eos_id in out.tokens:
