@@ -60,6 +60,8 @@ class CheckpointWriter:
         self.reserving.start()
 
     def _reserve(self, state, device: torch.device) -> None:
+        if device.type == "cuda":  # a new thread's current device is cuda:0: no context made on another GPU
+            torch.cuda.set_device(device)
         try:
             self.buffers.reserve(state, device)
         except (RuntimeError, MemoryError) as exc:  # host memory short: the first save allocates, as before
