@@ -303,6 +303,10 @@ class Acceptance(LocalHostBench):
             "checkpoint_blocked_s": blocked,
             "checkpoint_write_s": [float(v) for v in re.findall(r"\(written in ([\d.]+) s in the background\)", text)],
             "stopped_after": re.findall(r"stopped by signal \d+ after step \d+", text)[-1:],
+            # The trainer's part of the stop (sync point, checkpoint on disk); stop_latency_s less this is the exit.
+            "trainer_stop_s": next(
+                (float(s) for s in re.findall(r"--resume \(stopped ([\d.]+) s after the signal\)", text)[-1:]), None
+            ),
             "said": said[-200:],
         }
 

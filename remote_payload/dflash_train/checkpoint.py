@@ -9,6 +9,7 @@ import json
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ class StopFlag:
 
     def __init__(self):
         self.signum: int | None = None
+        self.at: float | None = None  # time.monotonic() when it arrived: what a stop's latency counts from
 
     @property
     def requested(self) -> bool:
@@ -49,7 +51,7 @@ class StopFlag:
     def request(self, signum: int) -> None:
         """Record a stop, as the signal handler does (the first signal's number is kept)."""
         if self.signum is None:
-            self.signum = signum
+            self.signum, self.at = signum, time.monotonic()
 
     def _handle(self, signum, _frame) -> None:
         self.request(signum)

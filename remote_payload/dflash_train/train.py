@@ -470,6 +470,9 @@ class Trainer:
             return stop.exit_code
         if self.stopped is not None:
             by = f"signal {stop.signum}" if stop.requested else "another node's stop request"
-            self.log(f"stopped by {by} after step {self.stopped}; to continue, run again with --resume")
+            # What the trainer's part of a stop took (reaching a sync point, the checkpoint on disk); the
+            # rest of what `runs stop` waits is the process's exit.
+            took = f" (stopped {time.monotonic() - stop.at:.1f} s after the signal)" if stop.at is not None else ""
+            self.log(f"stopped by {by} after step {self.stopped}; to continue, run again with --resume{took}")
             return stop.exit_code if stop.requested else 128 + signal.SIGTERM
         return 0

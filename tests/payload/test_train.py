@@ -2,6 +2,7 @@
 resume, SIGTERM, export, and `python -m dflash_train` in several threads with injected faults."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -148,6 +149,7 @@ def test_resume_reproduces_the_uninterrupted_loss(tiny_run, tmp_path):
         written = f"checkpoint: {latest_checkpoint(resumed)} (written in "
         assert logs[-2].startswith(written), logs[-3:]
         assert logs[-1].startswith(f"stopped by signal 15 after step {step}")
+        assert re.search(r"--resume \(stopped \d+\.\d s after the signal\)$", logs[-1]), logs[-1]
 
 
 def test_checkpoints_log_the_time_training_was_blocked_and_the_write(tiny_run):
