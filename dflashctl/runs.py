@@ -30,6 +30,7 @@ from .transport import Completed
 
 TRAINER_MODULE = "dflash_train"
 COMPILE_CACHE = f"{WORKDIR_TOKEN}/cache/compile"  # Inductor/Triton caches kept between runs on the host
+BYTECODE_CACHE = f"{WORKDIR_TOKEN}/cache/bytecode"  # torch's compiled bytecode, where its install has none
 CONFIG_NAME = "config.input.yaml"  # the --config file as given, copied into the run directory
 
 # Exit codes of `train --follow` and `logs tail -f` for how the run ended (see docs/runs.md).
@@ -81,7 +82,12 @@ def trainer_argv(
 def trainer_sets(run_dir: str, gpus: GpuChoice, overrides: Sequence[str]) -> list[str]:
     """The trainer's `--set` items: dflashctl's own (run directory, caches, the device choice), then
     the user's overrides, which come last and so win."""
-    sets = [f"run.output_dir={run_dir}", f"run.compile_cache_dir={COMPILE_CACHE}", f"data.dir={WORKDIR_TOKEN}/data"]
+    sets = [
+        f"run.output_dir={run_dir}",
+        f"run.compile_cache_dir={COMPILE_CACHE}",
+        f"run.bytecode_cache_dir={BYTECODE_CACHE}",
+        f"data.dir={WORKDIR_TOKEN}/data",
+    ]
     return [*sets, *gpus.trainer_sets(), *overrides]
 
 

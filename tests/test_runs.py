@@ -23,6 +23,7 @@ from dflashctl.devices import CPU, GpuChoice, parse_gpus
 from dflashctl.errors import ConflictError, NotFoundError, UsageError
 from dflashctl.inventory import HostSpec
 from dflashctl.runs import (
+    BYTECODE_CACHE,
     COMPILE_CACHE,
     RUN_DIR_TOKEN,
     list_runs,
@@ -84,6 +85,8 @@ def test_trainer_argv_places_gpus_and_output_dir_before_user_overrides():
         "run.output_dir=/w/runs/r1",
         "--set",
         f"run.compile_cache_dir={COMPILE_CACHE}",
+        "--set",
+        f"run.bytecode_cache_dir={BYTECODE_CACHE}",
         "--set",
         "data.dir={workdir}/data",
         "--set",

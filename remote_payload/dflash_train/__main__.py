@@ -48,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         return _missing(exc, args.preflight)
     try:
         cfg = load_config(args.config, args.preset, args.overrides)
+        from .bytecode import keep_bytecode
+
+        kept = keep_bytecode(cfg.run.bytecode_cache_dir)  # before anything imports torch
         if args.preflight:
             return _preflight(cfg)
+        if kept:
+            print(kept, flush=True)
         from .checkpoint import StopFlag
         from .train import run_training
         from .workers import WorkerError, live_workers

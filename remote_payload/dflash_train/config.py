@@ -127,6 +127,9 @@ class RunConfig:
     # the drafter | layers: each draft and target layer (regional; not with cudagraphs)
     compile_cache_dir: str | None = None  # Inductor/Triton caches (TORCHINDUCTOR_CACHE_DIR); None:
     # torch's default under /tmp. dflashctl sets <workdir>/cache/compile so a second run starts warm
+    bytecode_cache_dir: str | None = None  # compiled bytecode of torch's source when its install has
+    # none and Python may not write it there (bytecode.py); None: Python's own. dflashctl sets
+    # <workdir>/cache/bytecode
     launcher: Literal["auto", "threads", "processes"] = (
         "auto"  # threads (one thread per device, this process) | processes (one process
     )
