@@ -399,6 +399,9 @@ class Trainer:
         parallel_s = self.threads_at - self.warmup_at
         timing = {
             "time_to_first_step_s": now - self.launched_at,
+            # The process's start on the wall clock: a caller that knows when its command began (the
+            # CLI's pre-flight, another import of torch, comes first) can tell the whole wait.
+            "launched_at_unix": time.time() - (now - self.launched_at),
             "before_workers_s": self.warmup_at - self.launched_at,
             "parallel_warmup_s": parallel_s,
             "workers_ready_s": ready_at - self.threads_at,
