@@ -141,6 +141,13 @@ class Acceptance(LocalHostBench):
         windows = [r["step_time_s"] * 1e3 for r in records if r.get("event") == "train"][1:]
         return round(sorted(windows)[len(windows) // 2], 2) if windows else None
 
+    def slowest_ms(self, records: list[dict]) -> float | None:
+        """The slowest training window's ms/step after the first: a stall the median hides (the
+        checkpoint buffers' allocation in the background must not move the first checkpoint's
+        block into another step)."""
+        windows = [r["step_time_s"] * 1e3 for r in records if r.get("event") == "train"][1:]
+        return round(max(windows), 2) if windows else None
+
     def start_record(self, records: list[dict]) -> dict:
         return next((r for r in records if r.get("event") == "start"), {})
 
@@ -307,6 +314,7 @@ class Acceptance(LocalHostBench):
             "from_command_s": self.from_command(start, began),
             "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1),
             "ms_per_step": self.steady_ms(recs),
+            "slowest_ms_per_step": self.slowest_ms(recs),
             "stop_latency_s": round(secs, 1),
             "checkpoint_saved": bool(saved),
             "first_checkpoint_blocked_s": blocked.get(PERIODIC_CHECKPOINT),
