@@ -42,9 +42,11 @@ sys.path.insert(0, str(ROOT / "remote_payload"))
 # change more often, and the GPU path must not depend on them).
 from dflash_train.config import DataConfig, TargetConfig  # noqa: E402
 from dflash_train.data import BlockSampler, random_sequences  # noqa: E402
-from dflash_train.loss import default_gamma, dflash_loss  # noqa: E402
+from dflash_train.loss import dflash_loss  # noqa: E402
 from dflash_train.model import DFlashDrafter, DrafterSpec, block_input_ids, block_mask  # noqa: E402
-from dflash_train.target import build_random_target, default_target_layer_ids, shape_of  # noqa: E402
+from dflash_train.resolve import default_gamma  # noqa: E402
+from dflash_train.target import build_random_target, shape_of  # noqa: E402
+from dflash_train.target_config import default_target_layer_ids  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
 # Target shapes (Qwen3 configs). Drafter: 5 layers of the target's width, 5 feature layers.

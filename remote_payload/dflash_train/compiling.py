@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 # Inductor options for "cudagraphs": reduce-overhead's CUDA graphs without CUDAGraph Trees.
 # Passed to every torch.compile call, never set in torch._inductor.config: from torch 2.12 config
 # overrides are per-thread, so a value set by the main thread is not seen by the workers.
@@ -40,6 +38,8 @@ class CompilePolicy:
         compiled graph of its own: see `private_code`)."""
         if self.effective == "off":
             return fn
+        import torch  # here: the policy itself is chosen by the pre-flight, which does not import torch
+
         if self.effective == "default":
             return torch.compile(fn)
         if isinstance(fn, torch.nn.Module):
@@ -75,6 +75,7 @@ def preload_compiler() -> None:
     the import lock."""
 
     def load() -> None:
+        import torch  # noqa: F401
         import torch._dynamo  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
 

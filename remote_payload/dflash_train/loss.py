@@ -9,14 +9,6 @@ from dataclasses import dataclass
 import torch
 
 
-def default_gamma(block_size: int) -> float:
-    """gamma for w_k = exp(-(k-1)/gamma): 4 for B=8, 5 for B=10, 7 for B=16, interpolated otherwise."""
-    # The paper's three points (App. A.1) joined linearly: slope 1/2 below B=10, 1/3 above, floor 1.
-    if block_size <= 10:
-        return max(1.0, 5.0 + (block_size - 10) / 2)
-    return 5.0 + (block_size - 10) / 3
-
-
 def position_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1: [B-1] fp32."""
     k = torch.arange(1, block_size, device=device, dtype=torch.float32)

@@ -13,8 +13,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
+from . import torch_build
 from .compiling import CUDAGRAPH_OPTIONS, CompilePolicy
 from .config import Config, ConfigError, RunConfig
 from .resolve import fill_config, summary
@@ -56,7 +55,7 @@ class DevicePlan:
     @property
     def type(self) -> str:
         """`cuda` or `cpu`: every worker runs on one kind."""
-        return torch.device(self.workers[0]).type
+        return self.workers[0].split(":")[0]
 
 
 @dataclass(frozen=True)
@@ -111,15 +110,11 @@ def preflight_answer(devices: DevicePlan, summary_lines: list[str], plan: dict) 
     }
 
 
-def visible_gpus() -> int:
-    """How many GPUs torch sees here (0 without CUDA)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def resolve_run(
-    cfg: Config, cuda_count: int | None = None, multi_host: bool = False, torch_version: str = torch.__version__
+    cfg: Config, cuda_count: int | None = None, multi_host: bool = False, torch_version: str | None = None
 ) -> RunPlan:
-    """The plan of `cfg` on a machine with `cuda_count` visible GPUs (default: what torch sees);
+    """The plan of `cfg` on a machine with `cuda_count` visible GPUs (default: what torch will see)
+    and torch `torch_version` (default: the installed one's), found without importing torch;
     raises ConfigError on a config this machine cannot run. `multi_host`: this process is one node
     of a multi-host run (WORLD_SIZE > 1, docs/multihost.md)."""
     cfg = copy.deepcopy(cfg)
@@ -151,7 +146,7 @@ def resolve_run(
     if on_cuda and run.compile != "off":
         notes.append(f"target forward: {'one CUDA graph' if capture == 'on' else 'layer by layer'} ({why})")
     policy = dataclasses.replace(
-        choose_compile_policy(run.compile, devices.type, torch_version),
+        choose_compile_policy(run.compile, devices.type, torch_version or torch_build.installed().version),
         scope=run.compile_scope,
         capture_target=capture == "on",
     )
@@ -184,7 +179,7 @@ def plan_devices(run: RunConfig, cuda_count: int | None = None, notes: list[str]
     """The device part of the plan, alone (data regen has no training step to plan): the worker
     devices of `run` on a machine with `cuda_count` GPUs (default: what torch sees); fills run.device,
     run.gpus and run.threads in place, and each decision's line into `notes`."""
-    count = visible_gpus() if cuda_count is None else cuda_count
+    count = torch_build.visible_gpus() if cuda_count is None else cuda_count
     return resolve_devices(run, count, [] if notes is None else notes)
 
 
@@ -215,16 +210,11 @@ def resolve_devices(run: RunConfig, count: int, notes: list[str]) -> DevicePlan:
         # A restart of the run must not move to another device: pinned to the one seen now.
         pin = ("--set", f"run.device={run.device}") if count else ()
         return _device_plan(run, pin, f"run.device auto: {'CUDA' if count else 'no CUDA'}", notes)
-    try:
-        device = torch.device(run.device)
-    except RuntimeError:
-        raise ConfigError(f"run.device {run.device!r} is not a device (cpu, cuda, cuda:N)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"run.device {run.device!r}: the trainer runs on cpu or cuda")
-    if device.type == "cuda":
+    kind, index = parse_device(run.device)
+    if kind == "cuda":
         if not count:
             raise ConfigError(f"run.device {run.device} requested but CUDA is not available")
-        index = 0 if device.index is None else device.index  # torch.cuda.set_device needs an index
+        index = 0 if index is None else index  # torch.cuda.set_device needs an index
         if index >= count:
             raise ConfigError(f"run.device {run.device}: torch sees {count} GPU(s)")
         run.device = f"cuda:{index}"
@@ -359,7 +349,18 @@ def torch_version_tuple(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def choose_compile_policy(mode: str, device_type: str, version: str = torch.__version__) -> CompilePolicy:
+def parse_device(text: str) -> tuple[str, int | None]:
+    """`cpu`, `cuda` or `cuda:N` as (type, index or None), read as torch.device reads them;
+    ConfigError for anything else."""
+    kind, _, index = text.partition(":")
+    if not kind.isidentifier() or (index and not index.isdigit()) or text.endswith(":"):
+        raise ConfigError(f"run.device {text!r} is not a device (cpu, cuda, cuda:N)")
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"run.device {text!r}: the trainer runs on cpu or cuda")
+    return kind, int(index) if index else None
+
+
+def choose_compile_policy(mode: str, device_type: str, version: str | None = None) -> CompilePolicy:
     """The compile policy for worker threads, from the config's `compile` and the torch version
     (scope and captures are added by `resolve_run`)."""
     if mode not in COMPILE_MODES:
@@ -369,7 +370,7 @@ def choose_compile_policy(mode: str, device_type: str, version: str = torch.__ve
     if mode == "default" or device_type != "cuda":
         why = "inductor without CUDA graphs" if mode == "default" else "CUDA graphs need CUDA: default compile"
         return CompilePolicy(mode, "default", None, why)
-    ver = torch_version_tuple(version)
+    ver = torch_version_tuple(version or torch_build.installed().version)
     if ver < (2, 12):
         why = (
             "CUDAGraph Trees keep their state in TLS stashed only by the importing thread "

@@ -40,8 +40,9 @@ from .regen_rows import (
     token_row,
 )
 from .replica import DTYPES
-from .target import build_random_target, load_hf_target, resolve_mask_token_id
-from .target_hf import build_hf_target, resolve_target_config
+from .target import build_random_target, load_hf_target
+from .target_config import resolve_mask_token_id, resolve_target_config
+from .target_hf import build_hf_target
 from .workers import SerialLock, Stopped, ThreadedOptions, bind_device, use_cpu_threads
 
 ALLOWED_SETS = ("target.", "run.dtype=", "run.cpu_threads=", "run.gpus=", "run.device=")  # run.*: a pre-flight pin

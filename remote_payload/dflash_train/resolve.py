@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import Config, ConfigError
-from .loss import default_gamma
-from .model import DrafterSpec
 from .recipe import recipe_for_target
-from .sliding import check_layer_types
-from .target import default_target_layer_ids, resolve_mask_token_id, shape_of
-from .target_hf import drafter_rope, resolve_target_config
+from .target_config import default_target_layer_ids, drafter_rope, resolve_mask_token_id, resolve_target_config
 
+if TYPE_CHECKING:
+    from .model import DrafterSpec
+
+FULL, SLIDING = "full_attention", "sliding_attention"  # drafter.layer_types (sliding.py's masks)
 DATASET_PREFIX = "data:"  # data.train_path: data:NAME is <data.dir>/NAME (`dflashctl data push`)
 
 
@@ -44,6 +45,29 @@ def fill_config(cfg: Config, notes: list[str]) -> None:
         cfg.optim.gamma = default_gamma(d.block_size)
     if cfg.run.export_dir is None:
         cfg.run.export_dir = str(Path(cfg.run.output_dir) / "export")
+
+
+def default_gamma(block_size: int) -> float:
+    """gamma for w_k = exp(-(k-1)/gamma): 4 for B=8, 5 for B=10, 7 for B=16, interpolated otherwise."""
+    # The paper's three points (App. A.1) joined linearly: slope 1/2 below B=10, 1/3 above, floor 1.
+    if block_size <= 10:
+        return max(1.0, 5.0 + (block_size - 10) / 2)
+    return 5.0 + (block_size - 10) / 3
+
+
+def check_layer_types(layer_types: list[str] | None, sliding_window: int | None, num_layers: int) -> tuple[str, ...]:
+    """The per-layer types of a drafter of `num_layers` layers (() when all are full); ConfigError
+    if they do not fit."""
+    if layer_types is None:
+        return ()
+    if len(layer_types) != num_layers:
+        raise ConfigError(f"drafter.layer_types lists {len(layer_types)} layer(s) for a drafter of {num_layers}")
+    bad = sorted(set(layer_types) - {FULL, SLIDING})
+    if bad:
+        raise ConfigError(f"drafter.layer_types: {bad[0]!r} is not {FULL} or {SLIDING}")
+    if SLIDING in layer_types and (sliding_window is None or sliding_window < 1):
+        raise ConfigError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window (>= 1)")
+    return () if SLIDING not in layer_types else tuple(layer_types)
 
 
 def _fill_recipe(cfg: Config, notes: list[str]) -> None:
@@ -79,6 +103,9 @@ PRESET_MEANING = {
 
 def drafter_spec(cfg: Config) -> DrafterSpec:
     """The drafter's architecture from a resolved config."""
+    from .model import DrafterSpec  # torch: not on the pre-flight's path
+    from .target import shape_of
+
     d = cfg.drafter
     shape = dataclasses.replace(shape_of(cfg.target), rope_scaling=drafter_rope(cfg.target))
     return DrafterSpec(

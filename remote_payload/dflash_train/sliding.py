@@ -13,25 +13,8 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from .config import ConfigError
 from .model import DrafterSpec, block_mask, dense_block_mask
-
-FULL, SLIDING = "full_attention", "sliding_attention"
-
-
-def check_layer_types(layer_types: list[str] | None, sliding_window: int | None, num_layers: int) -> tuple[str, ...]:
-    """The per-layer types of a drafter of `num_layers` layers (() when all are full); ConfigError
-    if they do not fit."""
-    if layer_types is None:
-        return ()
-    if len(layer_types) != num_layers:
-        raise ConfigError(f"drafter.layer_types lists {len(layer_types)} layer(s) for a drafter of {num_layers}")
-    bad = sorted(set(layer_types) - {FULL, SLIDING})
-    if bad:
-        raise ConfigError(f"drafter.layer_types: {bad[0]!r} is not {FULL} or {SLIDING}")
-    if SLIDING in layer_types and (sliding_window is None or sliding_window < 1):
-        raise ConfigError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window (>= 1)")
-    return () if SLIDING not in layer_types else tuple(layer_types)
+from .resolve import FULL, SLIDING
 
 
 def dense_sliding_mask(anchors: torch.Tensor, seq_len: int, block_size: int, window: int) -> torch.Tensor:

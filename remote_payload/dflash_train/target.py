@@ -4,7 +4,6 @@ or initialised at random (the tiny demo target and the benchmark shapes)."""
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,21 +14,6 @@ from torch import nn
 
 from .config import TargetConfig
 from .model import Attention, DecoderLayer, RMSNorm, Shape, rope_cos_sin, to_empty
-
-MASK_TOKEN = "<|MASK|>"
-
-
-def default_target_layer_ids(num_layers: int, count: int = 5) -> list[int]:
-    """`count` layers spread evenly from layer 1 to layer num_layers-3, rounded half up, deduplicated.
-
-    36 layers -> [1, 9, 17, 25, 33]; 28 -> [1, 7, 13, 19, 25]; 6 -> [1, 2, 3].
-    """
-    first, last = 1, max(1, num_layers - 3)
-    count = max(1, min(count, last - first + 1))
-    if count == 1:
-        return [min(first, num_layers - 1)]
-    step = (last - first) / (count - 1)
-    return sorted({first + math.floor(i * step + 0.5) for i in range(count)})
 
 
 class FusedAttention(nn.Module):
@@ -286,34 +270,3 @@ def _hf_layout(shapes: dict[str, torch.Size], shape: Shape) -> dict[str, tuple[s
             layout[key] = (name, first, rows)
             first += rows
     return layout
-
-
-def resolve_mask_token_id(target_cfg: TargetConfig, configured: int | None, tokenizer_path: str | None = None) -> int:
-    """The MASK token id: configured, else `<|MASK|>` from tokenizer.json (in `tokenizer_path`,
-    else `target.path`), else the first id the tokenizer does not use."""
-    if configured is not None:
-        if not 0 <= configured < target_cfg.vocab_size:
-            raise ValueError(f"mask_token_id {configured} outside the vocabulary ({target_cfg.vocab_size})")
-        return configured
-    tok_dir = tokenizer_path or target_cfg.path
-    if tok_dir is None:
-        return target_cfg.vocab_size - 1  # the random target reserves its last id; demo data never uses it
-    tok_file = Path(tok_dir) / "tokenizer.json"
-    if not tok_file.exists():
-        raise ValueError(f"{tok_dir} has no tokenizer.json: set drafter.mask_token_id")
-    tok = json.loads(tok_file.read_text())
-    ids = dict(tok["model"]["vocab"])
-    ids.update({t["content"]: t["id"] for t in tok.get("added_tokens", [])})
-    if MASK_TOKEN in ids:
-        if ids[MASK_TOKEN] >= target_cfg.vocab_size:
-            raise ValueError(
-                f"{tok_file}: {MASK_TOKEN} is id {ids[MASK_TOKEN]}, outside the target's "
-                f"vocabulary ({target_cfg.vocab_size})"
-            )
-        return ids[MASK_TOKEN]
-    # Qwen3 checkpoints pad the embedding beyond the tokenizer; the first spare row becomes MASK
-    # (z-lab's Qwen3 drafters use 151669 this way).
-    first_unused = max(ids.values()) + 1
-    if first_unused >= target_cfg.vocab_size:
-        raise ValueError("no spare embedding row for the MASK token: set drafter.mask_token_id")
-    return first_unused

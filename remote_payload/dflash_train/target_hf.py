@@ -14,120 +14,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .config import ConfigError, TargetConfig
-
-# Architectures whose config.json names no causal-LM class (`architectures`), known as encoders.
-ENCODER_ONLY = (
-    "bert",
-    "roberta",
-    "xlm-roberta",
-    "deberta",
-    "deberta-v2",
-    "distilbert",
-    "electra",
-    "albert",
-    "modernbert",
-    "mpnet",
-)
-# Rope types the drafter's own rope implements (model.rope_inv_freq); a target with another keeps
-# none of its scaling in the drafter: `drafter_rope` refuses it.
-DRAFTER_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def read_target_config(path: str | Path) -> TargetConfig:
-    """TargetConfig fields from any HF causal LM's `config.json` (ValueError, one line, for a
-    model that cannot be a target: an encoder-only or encoder-decoder one)."""
-    raw = json.loads((Path(path) / "config.json").read_text())
-    check_causal(raw, str(path))
-    heads = raw["num_attention_heads"]
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
-    return TargetConfig(
-        path=str(path),
-        model_type=raw.get("model_type") or "unknown",
-        num_layers=raw["num_hidden_layers"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw.get("intermediate_size") or 4 * raw["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        vocab_size=raw["vocab_size"],
-        rope_theta=float(theta),
-        rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-6))),
-        max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        rope_scaling=rope_scaling_of(rope),
-        attention_bias=bool(raw.get("attention_bias", raw.get("model_type") == "qwen2")),
-        num_experts=int(raw.get("num_experts") or raw.get("num_local_experts") or 0),
-        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
-        moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
-    )
-
-
-def check_causal(raw: dict, where: str) -> None:
-    """ValueError unless a config.json describes a decoder-only causal LM."""
-    archs = raw.get("architectures") or []
-    if raw.get("is_encoder_decoder"):
-        raise ValueError(
-            f"{where}: {raw.get('model_type')} is an encoder-decoder model; a target must be a decoder-only causal LM"
-        )
-    if archs and not any(a.endswith("ForCausalLM") or a.endswith("ForConditionalGeneration") for a in archs):
-        raise ValueError(f"{where}: {', '.join(archs)} is not a causal LM (encoder-only models cannot be targets)")
-    if not archs and raw.get("model_type") in ENCODER_ONLY:
-        raise ValueError(f"{where}: model_type {raw['model_type']} is encoder-only; a target must be a causal LM")
-
-
-def rope_scaling_of(rope: dict) -> dict | None:
-    """A config's rope parameters less theta, or None when they are plain rope."""
-    rest = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    kind = rest.pop("rope_type", rest.pop("type", "default"))
-    return None if kind == "default" else {"rope_type": kind, **rest}
-
-
-def drafter_rope(target: TargetConfig) -> tuple[tuple[str, Any], ...]:
-    """The target's rope scaling as the drafter's Shape holds it (hashable), or ConfigError for a
-    rope type the drafter does not implement."""
-    scaling = target.rope_scaling or {}
-    kind = scaling.get("rope_type", "default")
-    if kind not in DRAFTER_ROPE_TYPES:
-        raise ConfigError(f"target rope_type {kind!r}: the drafter implements {', '.join(DRAFTER_ROPE_TYPES)} only")
-    return () if kind == "default" else tuple(sorted(scaling.items()))
-
-
-def choose_backend(t: TargetConfig) -> tuple[str, str]:
-    """(native | transformers, why) for `target.backend`: auto takes the hand-written Qwen3 where
-    it computes the same model (faster: fused, one CUDA graph per step), transformers elsewhere."""
-    why_not = native_misfit(t)
-    if t.backend == "native":
-        if why_not:
-            raise ConfigError(f"target.backend native cannot run this target: {why_not}")
-        return "native", "target.backend native"
-    if t.backend == "transformers":
-        return "transformers", "target.backend transformers"
-    if why_not:
-        return "transformers", f"auto: {why_not}"
-    return "native", "auto: a dense Qwen3 without biases or rope scaling (the hand-written path is faster)"
-
-
-def native_misfit(t: TargetConfig) -> str | None:
-    """Why the hand-written Qwen3 cannot compute this target, or None when it can."""
-    if t.model_type != "qwen3":
-        return f"model_type {t.model_type} is not qwen3"
-    if t.attention_bias:
-        return "attention_bias"
-    if t.rope_scaling:
-        return f"rope scaling {t.rope_scaling.get('rope_type')}"
-    if t.num_experts:
-        return "mixture of experts"
-    return None
+from .config import TargetConfig
 
 
 def hf_config_fields(t: TargetConfig) -> dict[str, Any]:
@@ -409,23 +302,3 @@ class HFDecoder:
                 **(self._keep_last if last_only else {}),
             )
             return out.logits.float(), rec.take()
-
-
-def resolve_target_config(t: TargetConfig, notes: list[str] | None = None) -> TargetConfig:
-    """The target's fields read from its config.json (when `t.path` is set) with the backend
-    decided (`choose_backend`, its reason appended to `notes`); ConfigError for a target that
-    cannot be one, or whose rope the drafter cannot take."""
-    if t.path is not None:
-        try:
-            loaded = read_target_config(t.path)
-        except (OSError, KeyError, ValueError) as exc:
-            raise ConfigError(f"target.path: {exc}") from None
-        loaded.seed, loaded.init_std, loaded.backend = t.seed, t.init_std, t.backend
-        t = loaded
-    else:
-        t = copy.deepcopy(t)
-    t.backend, why = choose_backend(t)
-    drafter_rope(t)
-    if notes is not None:
-        notes.append(f"target backend: {t.backend} ({why})")
-    return t

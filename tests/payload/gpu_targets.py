@@ -27,7 +27,8 @@ from dflash_train.data import BlockSampler, build_datasets  # noqa: E402
 from dflash_train.decode import generate  # noqa: E402
 from dflash_train.replica import build_replica, forward_loss  # noqa: E402
 from dflash_train.plan import resolve_run  # noqa: E402
-from dflash_train.target_hf import build_hf_target, read_target_config  # noqa: E402
+from dflash_train.target_config import read_target_config  # noqa: E402
+from dflash_train.target_hf import build_hf_target  # noqa: E402
 
 SLIDING = [
     "drafter.num_layers=2",

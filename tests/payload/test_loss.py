@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_train.loss import default_gamma, dflash_loss, head_cross_entropy, position_weights
+from dflash_train.loss import dflash_loss, head_cross_entropy, position_weights
+from dflash_train.resolve import default_gamma
 
 
 @pytest.mark.parametrize("block_size,gamma", [(8, 4.0), (10, 5.0), (16, 7.0), (4, 2.0), (22, 9.0)])

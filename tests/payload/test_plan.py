@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dflash_train import __main__ as trainer_main
+from dflash_train import torch_build
 from dflash_train import workers as W
 from dflash_train.config import ConfigError, load_config
 from dflash_train.plan import resolve_run
@@ -57,8 +58,7 @@ def test_gpus_cpu_on_a_gpu_host_is_the_cpu_everywhere():
 
 
 def test_gpus_cpu_preflight_on_a_gpu_host_holds_the_cpu(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch_build, "visible_gpus", lambda: 4)
     assert trainer_main.main(["--preflight", "--set", "run.device=cpu", *[a for s in SMALL for a in ("--set", s)]]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert (answer["holds"], answer["pin"], answer["devices"]) == (["cpu"], [], ["cpu"])

@@ -21,7 +21,8 @@ from dflash_train.model import attend, block_input_ids
 from dflash_train.replica import build_replica, forward_loss, train_step
 from dflash_train.plan import resolve_run
 from dflash_train.resolve import drafter_spec
-from dflash_train.sliding import check_layer_types, dense_sliding_mask, drafter_masks, flex_sliding_mask
+from dflash_train.resolve import check_layer_types
+from dflash_train.sliding import dense_sliding_mask, drafter_masks, flex_sliding_mask
 from dflash_train.speculate import DraftDecoder, speculate
 
 

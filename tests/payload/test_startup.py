@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_train import torch_build
 from dflash_train import workers as W
 from dflash_train.config import ConfigError, load_config
 from dflash_train.compiling import private_code
@@ -25,11 +26,10 @@ PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 
 @pytest.fixture
 def gpus(monkeypatch):
-    """This machine as torch would see a box with N GPUs (the resolution logic only asks these two)."""
+    """This machine as torch would see a box with N GPUs (the resolution logic asks torch_build only)."""
 
     def see(count: int) -> None:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch_build, "visible_gpus", lambda: count)
 
     return see
 

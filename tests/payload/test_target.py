@@ -7,13 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_train.config import TargetConfig
-from dflash_train.target import (
-    build_tiny_target,
-    default_target_layer_ids,
-    hf_state_dict,
-    load_hf_target,
-    resolve_mask_token_id,
-)
+from dflash_train.target import build_tiny_target, hf_state_dict, load_hf_target
+from dflash_train.target_config import default_target_layer_ids, resolve_mask_token_id
 
 
 @pytest.mark.parametrize(

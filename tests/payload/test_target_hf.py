@@ -22,7 +22,8 @@ from dflash_train.plan import resolve_run  # noqa: E402
 from dflash_train.resolve import drafter_spec  # noqa: E402
 from dflash_train.speculate import speculate  # noqa: E402
 from dflash_train.target import load_hf_target  # noqa: E402
-from dflash_train.target_hf import HFDecoder, HFTarget, build_hf_target, choose_backend, read_target_config  # noqa: E402
+from dflash_train.target_config import choose_backend, read_target_config  # noqa: E402
+from dflash_train.target_hf import HFDecoder, HFTarget, build_hf_target  # noqa: E402
 
 
 def resolved(cfg: Config, notes: list[str] | None = None) -> Config:
