@@ -247,7 +247,7 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
             return None, answer
         return OpenAIEngine(args.endpoint, args.model, args.concurrency, args.retries, opts, args.tokenizer), answer
     from .plan import preflight_answer
-    from .regen_builtin import BuiltinEngine, resolve_target
+    from .regen_plan import resolve_target
 
     cfg, devices = resolve_target(args.preset, args.overrides, args.gpus)
     check_tokenizer(args, cfg.target.path)
@@ -268,6 +268,8 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
     )
     if preflight:
         return None, answer
+    from .regen_builtin import BuiltinEngine  # torch: after the pre-flight's answer
+
     return BuiltinEngine(cfg, list(devices.workers), args.tokenizer or cfg.target.path, opts), answer
 
 

@@ -16,7 +16,7 @@ from dflash_train import torch_build
 from dflash_train import workers as W
 from dflash_train.config import ConfigError, load_config
 from dflash_train.plan import resolve_run
-from dflash_train.regen_builtin import resolve_target
+from dflash_train.regen_plan import resolve_target
 from dflash_train.replica import build_replica, drafter_ops
 
 PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload" / "dflash_train"

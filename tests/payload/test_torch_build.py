@@ -82,3 +82,17 @@ def test_the_preflight_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code, str(PAYLOAD)], capture_output=True, text=True, check=True)
     answer, last = out.stdout.splitlines()
     assert '"ok": true' in answer and last == "False 0"
+
+
+def test_the_regen_preflight_does_not_import_torch(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [1, 2, 3]}\n')
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from dflash_train.regen import main; "
+        "code = main(['--prompts', sys.argv[2], '--out', sys.argv[3], '--gpus', 'cpu', '--preflight']); "
+        "print('torch' in sys.modules, code)"
+    )
+    argv = [sys.executable, "-c", code, str(PAYLOAD), str(prompts), str(tmp_path / "out.jsonl")]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
+    answer, last = out.stdout.splitlines()
+    assert '"holds": ["cpu"]' in answer and last == "False 0"
