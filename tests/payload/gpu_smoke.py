@@ -249,8 +249,9 @@ def check_nosync() -> None:
 
     target = build_tiny_target(TargetConfig(), seed=0).cuda().to(torch.bfloat16)
     spec = DrafterSpec(target.shape, 2, 8, (1, 3), target.cfg.vocab_size - 1)
-    drafter = DFlashDrafter(spec).cuda()
-    drafter.init_weights(0.02, seed=0)
+    drafter = DFlashDrafter(spec)
+    drafter.init_weights(0.02, seed=0)  # drawn on the CPU, as the trainer does
+    drafter = drafter.cuda().to(torch.bfloat16)
     decoder, drafting = Decoder(target, 1, 512, spec.target_layer_ids), DraftDecoder(drafter, target, 512)
     _, feats = decoder.prefill([[3, 1, 4, 1, 5, 9, 2, 6]])
     drafting.add_context(feats, 0)
