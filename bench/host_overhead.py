@@ -153,7 +153,7 @@ def child(args) -> dict:
         policy=plan.policy,
         seed=cfg.run.seed,
         warmup_steps=plan.warmup_steps,
-        sync_every=SYNC_EVERY,
+        sync_at=W.every(SYNC_EVERY),
         barrier_timeout_s=600,
         compile_timeout_s=600,
     )

@@ -175,7 +175,7 @@ class Bench(LocalHostBench):
             *recipe,
             f"run.steps={steps}",
             f"run.log_every={every}",
-            f"run.eval_every={max(1, steps // evals)}",
+            f"run.eval_every={max(1, -(-steps // evals))}",  # rounded up: the last falls on the final evaluation
             f"run.checkpoint_every={steps}",
         ]
         if self.curve:  # each in-training evaluation decodes eval's prompts: tau against minutes from one run

@@ -118,7 +118,7 @@ def child_threads(args) -> dict:
     plan = make_config(args.config, args.world, args.compile, args.device, args.steps)
     cfg = plan.cfg
     sampler = sampler_for(cfg)
-    opts = W.ThreadedOptions(policy=plan.policy, seed=cfg.run.seed, sync_every=SYNC_EVERY, barrier_timeout_s=240)
+    opts = W.ThreadedOptions(policy=plan.policy, seed=cfg.run.seed, sync_at=W.every(SYNC_EVERY), barrier_timeout_s=240)
     windows: list[tuple[int, float]] = []
 
     def on_sync(point) -> bool:

@@ -92,7 +92,7 @@ def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str
     import torch
 
     from .replica import drafter_ops
-    from .workers import ReplicaOps, ThreadedOptions, run_threaded
+    from .workers import ReplicaOps, ThreadedOptions, every, run_threaded
 
     plan = smoke_plan(devices[0].split(":")[0], policy_name)
     cfg = plan.cfg
@@ -109,7 +109,7 @@ def threaded_smoke(policy_name: str, devices: list[str], steps: int, inject: str
     # Injected faults use the trainer's own mechanism (run config `debug.fail_at` / `debug.hang_at`),
     # at "build": before anything is built, so the CI tests of these paths stay fast.
     fault = {"fail_at": "build"} if inject == "crash" else {"hang_at": "build"} if inject == "hang" else {}
-    options = ThreadedOptions(policy=policy, warmup_steps=2, sync_every=steps, **fault)
+    options = ThreadedOptions(policy=policy, warmup_steps=2, sync_at=every(steps), **fault)
     # Every worker gets the same micro-batch, so equal losses are a correctness check.
     result = run_threaded(wrapped, devices, lambda step, rank, world: batches[step % len(batches)], steps, options)
     return {

@@ -4,8 +4,8 @@ running training figures between two records (`TrainMeter`), and metrics.jsonl (
 from __future__ import annotations
 
 import json
-import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +21,10 @@ class Cadence:
     checkpoint_every: int
     total: int
 
-    @property
-    def sync_every(self) -> int:
-        """The workers' sync-point interval: every step that logs, evaluates or checkpoints is one."""
-        return math.gcd(self.log_every, self.eval_every, self.checkpoint_every)
+    def syncs(self, step: int) -> bool:
+        """Whether the workers stop at `step` for a sync point: the steps that log, evaluate or
+        checkpoint, and no others (each waits for the GPU; the last step and a stop are ones too)."""
+        return step % self.log_every == 0 or step % self.eval_every == 0 or step % self.checkpoint_every == 0
 
     def evaluates(self, step: int) -> bool:
         """A held-out evaluation after `step` (the last step's is the final one, told apart)."""
@@ -40,24 +40,29 @@ class Cadence:
 
 
 class TrainMeter:
-    """The mean loss and the time of the steps since the last train record."""
+    """The mean loss and the step time of the steps since the last train record: the time from the
+    end of one sync point to the next, summed over the sync points between two records (a sync
+    point's own work, an evaluation or a checkpoint, is not step time)."""
 
-    def __init__(self, record_step: int):
-        self.loss_sum, self.steps, self.record_step = 0.0, 0, record_step
-        self.t0 = time.perf_counter()
+    def __init__(self, record_step: int, clock: Callable[[], float] = time.perf_counter):
+        self.loss_sum, self.steps, self.step_s, self.record_step = 0.0, 0, 0.0, record_step
+        self.clock = clock
+        self.t0 = clock()
 
     def add(self, mean_loss_sum: float, steps: int) -> None:
-        """One sync point's loss (summed over its steps, averaged over replicas) and step count."""
+        """At a sync point: its loss (summed over its steps, averaged over replicas), its step count,
+        and the time since the last one ended."""
+        self.step_s += self.clock() - self.t0
         self.loss_sum += mean_loss_sum
         self.steps += steps
 
     def restart_clock(self) -> None:
-        """Time from now on (after an evaluation or a checkpoint, which are not step time)."""
-        self.t0 = time.perf_counter()
+        """Steps run from now on (at the end of a sync point, or the start of training)."""
+        self.t0 = self.clock()
 
     def record(self, step: int, total: int, tokens: int, replica, devices: list[torch.device]) -> dict:
         """The train record of the steps up to `step`; the meter starts over."""
-        elapsed = time.perf_counter() - self.t0
+        elapsed = max(self.step_s, 1e-9)
         steps = max(self.steps, 1)
         record = {
             "event": "train",
@@ -72,7 +77,7 @@ class TrainMeter:
             "gpu_mem_gb": gpu_mem_gb(devices),
             "train_acceptance_length": float(replica.last_acceptance),
         }
-        self.loss_sum, self.steps, self.record_step = 0.0, 0, step
+        self.loss_sum, self.steps, self.step_s, self.record_step = 0.0, 0, 0.0, step
         return record
 
 

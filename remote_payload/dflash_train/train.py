@@ -330,7 +330,7 @@ class Trainer:
             policy=self.plan.policy,
             seed=run.seed,
             warmup_steps=self.plan.warmup_steps,
-            sync_every=self.cadence.sync_every,
+            sync_at=self.cadence.syncs,
             barrier_timeout_s=run.barrier_timeout_s,
             compile_timeout_s=run.compile_timeout_s,
             start_step=self.start,

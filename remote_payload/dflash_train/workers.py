@@ -58,6 +58,13 @@ class ReplicaOps:
     warm_up_step: Callable[[Any], None] | None = None
 
 
+def every(n: int) -> Callable[[int], bool]:
+    """A sync schedule for `ThreadedOptions.sync_at`: every `n`-th step."""
+    if n < 1:
+        raise ValueError(f"a sync interval must be positive, not {n}")
+    return lambda step: step % n == 0
+
+
 @dataclass
 class ThreadedOptions:
     """Knobs of the threaded run. The trainer fills them from the run config (train.py)."""
@@ -65,7 +72,9 @@ class ThreadedOptions:
     policy: CompilePolicy = EAGER  # the run plan's (plan.resolve_run); eager by default
     seed: int = 0
     warmup_steps: int = 2  # fwd+bwd calls per worker under the warm-up lock (compile + capture)
-    sync_every: int = 10  # compare checksums and call on_sync every this many steps (and at the end)
+    # The steps that are sync points (checksums compared, on_sync called; the last step and a
+    # requested stop are too). Each one waits for the GPU: the trainer names only the steps it needs.
+    sync_at: Callable[[int], bool] = every(10)
     barrier_timeout_s: float = 1800.0  # a step barrier not passed in time: error
     # Start-up waits (the build/compile lock, the barriers before step 1) include other workers'
     # builds and compiles, minutes on a GPU and seconds on a loaded CPU: a separate, longer bound.
@@ -321,8 +330,8 @@ class Coordinator:
         self.fault = _parse_fault(options.fail_at, "fail_at")
         self.hang = _parse_fault(options.hang_at, "hang_at")
         self.stop_site = _parse_fault(options.stop_at, "stop_at")
-        if options.sync_every < 1 or steps < 1:
-            raise ValueError("steps and sync_every must be positive")
+        if steps < 1:
+            raise ValueError("steps must be positive")
         if not 0 <= options.start_step <= steps:
             raise ValueError(f"start_step {options.start_step} outside [0, {steps}]")
         self.stop = threading.Event()
@@ -477,7 +486,7 @@ class Coordinator:
                 self.reduce([b.flats for b in self.buckets], self.opt.cross_reduce)
             if self.opt.should_stop is not None and self.opt.should_stop():
                 self.finish_after = min(self.finish_after, step)
-            self.sync_now = step % self.opt.sync_every == 0 or step >= self.finish_after
+            self.sync_now = self.opt.sync_at(step) or step >= self.finish_after
         except BaseException as exc:  # recorded before the broken barrier wakes the others
             self._fail(None, f"step {step} gradient all-reduce", exc, abort=False)
             raise
@@ -659,7 +668,7 @@ def run_threaded(
     """Train one replica per device in one thread each, data-parallel; raise WorkerError on any failure.
 
     `data(step, rank, world)` returns rank's micro-batch for 0-based `step`; `on_sync` runs in
-    rank 0's thread every `options.sync_every` steps, at the last step and at a requested stop,
+    rank 0's thread at the steps `options.sync_at` names, at the last step and at a requested stop,
     while all other workers wait; it may return True to end the run there. A single device is
     the same loop with one thread (world 1: no gradient reduction).
 

@@ -174,7 +174,9 @@ def check_graphstep() -> None:
         cfg = plan.cfg
         train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
         sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, 0)
-        opts = workers.ThreadedOptions(policy=plan.policy, seed=0, warmup_steps=plan.warmup_steps, sync_every=10)
+        opts = workers.ThreadedOptions(
+            policy=plan.policy, seed=0, warmup_steps=plan.warmup_steps, sync_at=workers.every(10)
+        )
         res = workers.run_threaded(
             drafter_ops(cfg), [f"cuda:{g}" for g in gpus], workers.sharded(sampler.batch), 30, opts
         )
@@ -227,7 +229,9 @@ def check_graphtarget() -> None:
         cfg = plan.cfg
         train, _ = build_datasets(cfg, cfg.drafter.mask_token_id)
         sampler = BlockSampler(train, cfg.data, cfg.drafter.block_size, 0)
-        opts = workers.ThreadedOptions(policy=plan.policy, seed=0, warmup_steps=plan.warmup_steps, sync_every=10)
+        opts = workers.ThreadedOptions(
+            policy=plan.policy, seed=0, warmup_steps=plan.warmup_steps, sync_at=workers.every(10)
+        )
         res = workers.run_threaded(
             drafter_ops(cfg), [f"cuda:{g}" for g in gpus], workers.sharded(sampler.batch), 30, opts
         )

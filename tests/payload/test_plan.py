@@ -134,6 +134,6 @@ def test_the_workers_and_replicas_run_the_plans_policy():
         ops.parameters,
     )
     batches = [torch.zeros(0)]  # never read: no step runs (steps=1 with start_step=1)
-    options = W.ThreadedOptions(policy=p.policy, warmup_steps=p.warmup_steps, start_step=1, sync_every=1)
+    options = W.ThreadedOptions(policy=p.policy, warmup_steps=p.warmup_steps, start_step=1, sync_at=W.every(1))
     result = W.run_threaded(ops, list(p.devices.workers), lambda step, rank, world: batches[0], 1, options)
     assert result.policy is p.policy and seen == [p.policy, p.policy]

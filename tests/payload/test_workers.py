@@ -23,6 +23,7 @@ sys.path.insert(0, str(PAYLOAD))
 from dflash_train import workers as W  # noqa: E402
 from dflash_train.config import load_config  # noqa: E402
 from dflash_train.data import BlockSampler, build_datasets  # noqa: E402
+from dflash_train.metrics import Cadence  # noqa: E402
 from dflash_train.plan import resolve_run  # noqa: E402
 from dflash_train.compiling import EAGER  # noqa: E402 - what the plan picks on the CPU: run.compile off
 from dflash_train.replica import build_replica, drafter_ops, forward_backward, optimizer_step  # noqa: E402
@@ -50,7 +51,7 @@ def setup():
 
 def run(cfg, sampler, world=3, steps=STEPS, ops=None, on_sync=None, **options):
     """run_threaded over `world` CPU workers with the drafter ops."""
-    opts = W.ThreadedOptions(seed=cfg.run.seed, **{"sync_every": 2, **options})
+    opts = W.ThreadedOptions(seed=cfg.run.seed, **{"sync_at": W.every(2), **options})
     return W.run_threaded(ops or drafter_ops(cfg), ["cpu"] * world, W.sharded(sampler.batch), steps, opts, on_sync)
 
 
@@ -101,7 +102,7 @@ def test_replicas_stay_identical_and_match_one_replica_on_the_global_batch(setup
             first_grads[id(replica)] = [p.grad.clone() for p in replica.drafter.parameters()]
         base.optimizer_step(replica)
 
-    opts = W.ThreadedOptions(seed=cfg.run.seed, sync_every=2)
+    opts = W.ThreadedOptions(seed=cfg.run.seed, sync_at=W.every(2))
     result = W.run_threaded(
         dataclasses.replace(base, optimizer_step=step),
         ["cpu"] * 3,
@@ -293,6 +294,14 @@ def test_cross_host_hooks_see_replica_zero_buffers_and_checksums(setup):
     assert err.value.rank is None
 
 
+def test_on_sync_runs_at_the_steps_the_cadence_names_and_at_the_end(setup):
+    cfg, sampler = setup
+    syncs = []
+    cadence = Cadence(log_every=4, eval_every=3, checkpoint_every=100, total=STEPS + 1)
+    run(cfg, sampler, world=2, steps=STEPS + 1, sync_at=cadence.syncs, on_sync=lambda point: syncs.append(point.step))
+    assert syncs == [3, 4, 6, 7]
+
+
 def test_a_stop_request_ends_the_run_at_that_step_with_a_sync(setup):
     cfg, sampler = setup
     seen, steps_done = [], []
@@ -306,7 +315,7 @@ def test_a_stop_request_ends_the_run_at_that_step_with_a_sync(setup):
         sampler,
         world=2,
         steps=STEPS,
-        sync_every=5,
+        sync_at=W.every(5),
         should_stop=should_stop,
         on_start=lambda point: seen.append(("start", point.step)),
     )
