@@ -43,6 +43,8 @@ from pathlib import Path
 
 from userpath import ROOT, LocalHostBench
 
+from dflashctl.remote.wire import EXIT
+
 SMALL = [
     "target.hidden_size=256",
     "target.intermediate_size=768",
@@ -299,7 +301,10 @@ class Acceptance(LocalHostBench):
         # for no write in flight.
         second = f"step_{2 * PERIODIC_CHECKPOINT:08d} (written in "
         reached = self.wait_for(lambda: second in self.log_text(run_id), self.left(200), "the second checkpoint")
+        stop_began = time.time()
         code, said, secs = self.stop(run_id)
+        exit_file = self.run_dir(run_id) / EXIT  # written by the supervisor once the trainer has exited
+        exit_recorded = exit_file.stat().st_mtime - stop_began if exit_file.is_file() else None
         self.keep_log(run_id, "8b-warm-stop")
         text, recs = self.log_text(run_id), self.records(run_id)
         start = self.start_record(recs)
@@ -326,6 +331,9 @@ class Acceptance(LocalHostBench):
             "trainer_stop_s": next(
                 (float(s) for s in re.findall(r"--resume \(stopped ([\d.]+) s after the signal\)", text)[-1:]), None
             ),
+            # From `runs stop`'s start to the trainer's exit being recorded: less trainer_stop_s, the
+            # process's exit; stop_latency_s less this, the CLI's own wait and return.
+            "exit_recorded_s": None if exit_recorded is None else round(exit_recorded, 1),
             "said": said[-200:],
         }
 
