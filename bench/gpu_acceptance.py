@@ -138,17 +138,22 @@ class Acceptance(LocalHostBench):
 
     # -- stages ----------------------------------------------------------------------------
 
+    @staticmethod
+    def windows_ms(records: list[dict]) -> list[float]:
+        """The ms/step of each training window after the first (which holds step 1)."""
+        return [r["step_time_s"] * 1e3 for r in records if r.get("event") == "train"][1:]
+
     def steady_ms(self, records: list[dict]) -> float | None:
-        """Median ms/step of the training windows after the first (which holds step 1); of an even
-        count the lower middle one (the cold stage has two: run 18 reported its stalled one)."""
-        windows = [r["step_time_s"] * 1e3 for r in records if r.get("event") == "train"][1:]
-        return round(sorted(windows)[(len(windows) - 1) // 2], 2) if windows else None
+        """Median ms/step of the windows after the first; of an even count the lower middle one
+        (the cold stage has two: run 18 reported its stalled one)."""
+        windows = sorted(self.windows_ms(records))
+        return round(windows[(len(windows) - 1) // 2], 2) if windows else None
 
     def slowest_ms(self, records: list[dict]) -> float | None:
-        """The slowest training window's ms/step after the first: a stall the median hides (the
-        checkpoint buffers' allocation in the background must not move the first checkpoint's
-        block into another step)."""
-        windows = [r["step_time_s"] * 1e3 for r in records if r.get("event") == "train"][1:]
+        """The slowest window's ms/step after the first: a stall the median hides (the checkpoint
+        buffers' allocation in the background must not move the first checkpoint's block into
+        another step)."""
+        windows = self.windows_ms(records)
         return round(max(windows), 2) if windows else None
 
     def start_record(self, records: list[dict]) -> dict:

@@ -146,7 +146,7 @@ def resolve_run(
     if on_cuda and run.compile != "off":
         notes.append(f"target forward: {'one CUDA graph' if capture == 'on' else 'layer by layer'} ({why})")
     policy = dataclasses.replace(
-        choose_compile_policy(run.compile, devices.type, torch_version or torch_build.installed().version),
+        choose_compile_policy(run.compile, devices.type, torch_version),
         scope=run.compile_scope,
         capture_target=capture == "on",
     )
