@@ -17,6 +17,11 @@ from .checkpoint import CheckpointState, checkpoint_state, write_checkpoint
 from .host_copy import HostBuffers
 
 
+# Between two arenas of the buffers' background allocation: the launches an arena's pinning held up
+# catch up (an 8B step is ~0.22 s), and ~50 arenas take ~2.5 s more in all, well before a checkpoint.
+RESERVE_PAUSE_S = 0.05
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint's files could not be written: the run fails with it."""
 
@@ -63,7 +68,7 @@ class CheckpointWriter:
         if device.type == "cuda":  # a new thread's current device is cuda:0: no context made on another GPU
             torch.cuda.set_device(device)
         try:
-            self.buffers.reserve(state, device)
+            self.buffers.reserve(state, device, RESERVE_PAUSE_S)
         except (RuntimeError, MemoryError) as exc:  # host memory short: the first save allocates, as before
             self.log(f"checkpoint: host buffers not allocated ahead ({type(exc).__name__}: {exc}); the first save will")
 

@@ -7,14 +7,18 @@ They are pinned for a CUDA source, so that the device-to-host copy runs at full 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 # The pinned allocator rounds every allocation up to a power of two: tensors are packed into arenas
-# of this size rather than allocated one by one (which could waste up to half of the 12.6 GB).
-ARENA_BYTES = 2**30
+# of this size rather than allocated one by one (which could waste up to half of the 12.6 GB). Each
+# arena is one pinning call, during which the training thread's launches wait (session 17's H200: 1
+# GiB arenas, ~0.45 s each, stalled the 8B steps 11-20 by 5.3-6.5 s in all); 256 MiB holds the 8B
+# drafter's MLP weights (201 MB in fp32) whole, and a larger tensor (its 335 MB fc) gets its own.
+ARENA_BYTES = 2**28
 ALIGN = 64  # every tensor starts at a multiple of this, so any dtype can view its bytes
 
 
@@ -57,12 +61,13 @@ class HostBuffers:
         """The bytes the buffers hold."""
         return sum(v.nbytes for v in self.views)
 
-    def reserve(self, state: Any, device: torch.device) -> None:
+    def reserve(self, state: Any, device: torch.device, pause_s: float = 0.0) -> None:
         """Allocate buffers that fit `state` (its tensors' shapes and dtypes) before the first copy:
-        from another thread while training goes on, so that the copy finds them."""
+        from another thread while training goes on, so that the copy finds them, with `pause_s`
+        between arenas for the training thread to catch up on the launches each one held up."""
         layout = [(t.shape, t.dtype) for t in tensors_of(state)]
         if layout != self.layout:
-            self.views = _allocate(layout, pin=device.type == "cuda")
+            self.views = _allocate(layout, pin=device.type == "cuda", pause_s=pause_s)
             self.layout = layout
 
     def copy(self, state: Any, device: torch.device) -> tuple[Any, bool]:
@@ -81,7 +86,7 @@ class HostBuffers:
         return _replaced(state, iter(self.views)), allocated
 
 
-def _allocate(layout: list[tuple[torch.Size, torch.dtype]], pin: bool) -> list[torch.Tensor]:
+def _allocate(layout: list[tuple[torch.Size, torch.dtype]], pin: bool, pause_s: float = 0.0) -> list[torch.Tensor]:
     """One contiguous tensor per (shape, dtype), packed into as few arenas as the sizes allow. Each
     has a storage of its own over its bytes of an arena (torch.frombuffer): torch.save writes a
     tensor's whole storage, and a view of an arena would write the arena."""
@@ -94,7 +99,11 @@ def _allocate(layout: list[tuple[torch.Size, torch.dtype]], pin: bool) -> list[t
         spans.append((len(arenas) - 1, used, nbytes))
         used += -(-nbytes // ALIGN) * ALIGN
         arenas[-1] = max(arenas[-1], used)
-    memory = [torch.empty(size, dtype=torch.uint8, pin_memory=pin).numpy() for size in arenas]
+    memory = []
+    for size in arenas:
+        if memory and pause_s:
+            time.sleep(pause_s)
+        memory.append(torch.empty(size, dtype=torch.uint8, pin_memory=pin).numpy())
     return [
         torch.frombuffer(memory[arena], dtype=dtype, count=shape.numel(), offset=offset).view(shape)
         if nbytes
