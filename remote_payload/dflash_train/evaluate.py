@@ -306,6 +306,17 @@ def baseline_report(lookups: list, rows: list[dict], num_tokens: int, target_ms:
     }
 
 
+def run_bytecode_dir(run_dir: Path) -> str | None:
+    """The run's `run.bytecode_cache_dir`, read without torch (None when the run's config cannot be
+    read: the evaluation says why when it reads it)."""
+    from .config import ConfigError, load_config
+
+    try:
+        return load_config(str(run_dir / "config.resolved.yaml")).run.bytecode_cache_dir
+    except (ConfigError, OSError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, evaluate, write eval.json, print the report line; see the module docstring."""
     ap = argparse.ArgumentParser(prog="python -m dflash_train.evaluate", description=__doc__.splitlines()[0])
@@ -335,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.temperature < float("inf"):
             raise EvalError(f"--temperature must be 0 (greedy) or positive, got {args.temperature:g}")
         run_dir = Path(args.run_dir)
+        from .bytecode import keep_bytecode
+
+        kept = keep_bytecode(run_bytecode_dir(run_dir))  # before anything imports torch
+        if kept:
+            progress(kept)
         from .config import ConfigError
         from .data import DataError, read_prompt_rows
 

@@ -10,6 +10,7 @@ from test_data import CHATS, save_tokenizer
 
 from dflash_train.config import ConfigError, load_config
 from dflash_train.evaluate import main as evaluate
+from dflash_train.evaluate import run_bytecode_dir
 from dflash_train.plan import resolve_run
 from dflash_train.train import load_data, run_training, spec_prompts
 
@@ -123,3 +124,12 @@ def test_a_spec_prompts_file_that_cannot_be_read_is_one_config_error(tmp_path):
         ).cfg
         with pytest.raises(ConfigError, match=f"data.spec_prompts_path {path}: .*{said}"):
             load_data(cfg)
+
+
+def test_eval_finds_the_runs_bytecode_cache_from_its_config_and_none_without_one(tmp_path):
+    (tmp_path / "config.resolved.yaml").write_text("run:\n  bytecode_cache_dir: /work/cache/bytecode\n")
+    assert run_bytecode_dir(tmp_path) == "/work/cache/bytecode"
+    assert run_bytecode_dir(tmp_path / "no-such-run") is None
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.resolved.yaml").write_text("run: [\n")
+    assert run_bytecode_dir(tmp_path / "bad") is None  # the evaluation reports the broken config itself
