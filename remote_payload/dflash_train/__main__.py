@@ -116,21 +116,7 @@ def _missing(exc: ImportError, preflight: bool) -> int:
     return EXIT_MISSING
 
 
-def exit_now(code: int) -> None:
-    """End the process with `code`, without the interpreter's teardown where nothing needs it.
-
-    The teardown of a process that loaded torch takes 1.1-1.5 s on a CPU box and more with CUDA state
-    (contexts, pinned and device memory), and `runs stop` waits it out. Every file the trainer writes
-    is closed by now; a thread Python would wait for (non-daemon) still has work: then the normal exit."""
-    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
-        sys.exit(code)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing left to say there
-            pass
-    os._exit(code)
-
-
 if __name__ == "__main__":
+    from .fast_exit import exit_now
+
     exit_now(main())

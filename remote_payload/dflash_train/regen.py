@@ -357,4 +357,6 @@ def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) ->
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .fast_exit import exit_now
+
+    exit_now(main())

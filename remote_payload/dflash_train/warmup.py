@@ -273,4 +273,6 @@ def child_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(child_main())
+    from .fast_exit import exit_now
+
+    exit_now(child_main())

@@ -1,4 +1,4 @@
-"""The trainer's exit (`__main__.exit_now`): without the interpreter's teardown once nothing needs it,
+"""A payload process's exit (`fast_exit.exit_now`): without the interpreter's teardown once nothing needs it,
 with everything printed and the exit code kept; a non-daemon thread still at work is waited for."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 
 
 def run(body: str) -> subprocess.CompletedProcess:
-    code = "import atexit, threading, time\nfrom dflash_train.__main__ import exit_now\n" + body
+    code = "import atexit, threading, time\nfrom dflash_train.fast_exit import exit_now\n" + body
     return subprocess.run([sys.executable, "-c", code], cwd=PAYLOAD, capture_output=True, text=True, timeout=120)
 
 
