@@ -25,6 +25,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 USAGE_PREFIX = "eval error: "
@@ -317,6 +318,15 @@ def run_bytecode_dir(run_dir: Path) -> str | None:
         return None
 
 
+def keep_run_bytecode(run_dir: Path, say: Callable[[str], None]) -> None:
+    """Keep torch's bytecode where the run's trainer did (bytecode.keep_bytecode), said in one line."""
+    from .bytecode import keep_bytecode
+
+    kept = keep_bytecode(run_bytecode_dir(run_dir))
+    if kept:
+        say(kept)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, evaluate, write eval.json, print the report line; see the module docstring."""
     ap = argparse.ArgumentParser(prog="python -m dflash_train.evaluate", description=__doc__.splitlines()[0])
@@ -346,11 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.temperature < float("inf"):
             raise EvalError(f"--temperature must be 0 (greedy) or positive, got {args.temperature:g}")
         run_dir = Path(args.run_dir)
-        from .bytecode import keep_bytecode
-
-        kept = keep_bytecode(run_bytecode_dir(run_dir))  # before anything imports torch
-        if kept:
-            progress(kept)
+        keep_run_bytecode(run_dir, progress)  # before anything imports torch
         from .config import ConfigError
         from .data import DataError, read_prompt_rows
 
