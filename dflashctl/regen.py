@@ -13,7 +13,7 @@ from .devices import CPU, parse_gpus
 from .errors import UsageError
 from .payload import default_source
 from .remote.wire import RUN_DIR_TOKEN, WORKDIR_TOKEN
-from .runs import StartedRun, launch
+from .runs import BYTECODE_CACHE, StartedRun, launch
 from .trainer_config import REGEN_OPTIONS_MODULE, check_config, load_module
 
 REGEN_MODULE = "dflash_train.regen"
@@ -106,7 +106,7 @@ def regen_argv(interpreter: str, req: RegenRequest, prompts: str, out: str, gpus
     argv += ["--gpus", gpus]
     if req.preset:
         argv += ["--preset", req.preset]
-    for item in req.overrides:
+    for item in [f"run.bytecode_cache_dir={BYTECODE_CACHE}", *req.overrides]:  # the user's come last and win
         argv += ["--set", item]
     return argv
 

@@ -9,7 +9,8 @@ from .plan import DevicePlan, plan_devices
 from .regen_rows import RegenError
 from .target_config import resolve_target_config
 
-ALLOWED_SETS = ("target.", "run.dtype=", "run.cpu_threads=", "run.gpus=", "run.device=")  # run.*: a pre-flight pin
+# run.gpus/run.device: a pre-flight pin; run.bytecode_cache_dir: dflashctl's, as for a training run
+ALLOWED_SETS = ("target.", "run.dtype=", "run.cpu_threads=", "run.gpus=", "run.device=", "run.bytecode_cache_dir=")
 
 
 def resolve_target(
