@@ -90,12 +90,15 @@ def _allocate(layout: list[tuple[torch.Size, torch.dtype]], pin: bool, pause_s: 
     """One contiguous tensor per (shape, dtype), packed into as few arenas as the sizes allow. Each
     has a storage of its own over its bytes of an arena (torch.frombuffer): torch.save writes a
     tensor's whole storage, and a view of an arena would write the arena."""
-    spans, arenas, used = [], [], 0  # spans: (arena index, offset, nbytes)
+    spans, arenas, used, room = [], [], 0, 0  # spans: (arena index, offset, nbytes)
     for shape, dtype in layout:
         nbytes = shape.numel() * dtype.itemsize
-        if not arenas or used + nbytes > max(arenas[-1], ARENA_BYTES):
+        if not arenas or used + nbytes > room:
             arenas.append(0)
             used = 0
+            # What the allocator will give: a power of two, so a tensor larger than ARENA_BYTES leaves
+            # room in its arena for the tensors after it.
+            room = max(ARENA_BYTES, 1 << max(nbytes - 1, 0).bit_length())
         spans.append((len(arenas) - 1, used, nbytes))
         used += -(-nbytes // ALIGN) * ALIGN
         arenas[-1] = max(arenas[-1], used)

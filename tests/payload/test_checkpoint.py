@@ -137,3 +137,17 @@ def test_a_checkpoint_written_before_issue_31_still_loads(tmp_path):
     meta = load_checkpoint(path, *restored, CPU)
     assert meta["step"] == 1 and meta["config"] == {"preset": "old-format"}
     assert_same_training_state(restored, trained(1))
+
+
+def test_a_tensor_larger_than_an_arena_shares_its_power_of_two_with_the_next(monkeypatch):
+    from dflash_train import host_copy
+
+    monkeypatch.setattr(host_copy, "ARENA_BYTES", 256)
+    f32 = torch.float32
+    big, small, other = host_copy._allocate(
+        [(torch.Size([100]), f32), (torch.Size([10]), f32), (torch.Size([30]), f32)], pin=False
+    )
+    # 400 bytes get a 512-byte arena (what a pinned allocation of 400 would take anyway); the next 40
+    # bytes go after them, aligned to 64, and the 120 after those no longer fit there.
+    assert small.data_ptr() - big.data_ptr() == 448
+    assert other.data_ptr() - big.data_ptr() not in range(0, 512)
