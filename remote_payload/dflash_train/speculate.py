@@ -105,7 +105,7 @@ class DraftDecoder:
         `start` (the position of `last`), after the context of positions < start."""
         spec = self.drafter.spec
         block = torch.full((1, spec.block_size), spec.mask_token_id, dtype=torch.long, device=self.device)
-        block[0, 0] = last  # a fill on the device: no copy from host memory, no wait (decode.on_device)
+        block[0, 0].fill_(last)  # a kernel argument: item assignment would copy from host memory and wait
         first = on_device(start, self.device)
         window = window_for(start + spec.block_size, self.capacity, self.graphs)
         if not self.graphs:
