@@ -592,12 +592,10 @@ def main(argv: list[str] | None = None) -> int:
             need = steps * step_s + POINT_OVERHEAD_S if step_s else None
             if (name, steps) in started:
                 continue
-            if any(r.get("pending") for r in result["rows"]) or bench.left(1e9) < (
-                plan.min_start_s if args.resumable else need or 0
-            ):
-                bench.log(
-                    f"{name}-{steps}: skipped, {bench.left(1e9):.0f} s of --budget-min left (need {need or 0:.0f})"
-                )
+            # a resumable run needs only enough budget to start (and checkpoint); else the whole point
+            least = plan.min_start_s if args.resumable else need or 0
+            if any(r.get("pending") for r in result["rows"]) or bench.left(1e9) < least:
+                bench.log(f"{name}-{steps}: skipped, {bench.left(1e9):.0f} s of --budget-min left (need {least:.0f})")
                 continue
             run_id, records, cli_s, stopped = bench.train(
                 target, recipe, steps, f"{name}-{steps}", args.evals, args.resumable

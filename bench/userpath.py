@@ -15,6 +15,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The benches import dflashctl from this checkout, as the CLI processes they start do (PYTHONPATH
+# below): the GPU machine has a bare copy of the tree, where the package is not installed.
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 
 class LocalHostBench:
