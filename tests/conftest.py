@@ -53,6 +53,7 @@ Methods:
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -96,6 +97,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return rank.get(item.path.relative_to(root).as_posix(), len(rank))
 
     items.sort(key=key)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """os.environ as it was before each test. Code run in-process may set variables that later
+    subprocesses would inherit: torch's first compile in a process sets TORCHINDUCTOR_CACHE_DIR to
+    its default, and a trainer started after that used that shared cache instead of its own
+    run.compile_cache_dir (the environment wins), so a cold-cache test found it warm."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _require_sshd() -> None:
