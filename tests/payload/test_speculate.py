@@ -21,7 +21,7 @@ from dflash_train.model import block_input_ids, block_mask
 from dflash_train.compiling import EAGER  # what the plan picks on the CPU: run.compile off
 from dflash_train.replica import build_replica, train_step
 from dflash_train.plan import resolve_run
-from dflash_train.decode import greedy
+from dflash_train.decode import greedy, make_decoder
 from dflash_train.speculate import DraftDecoder, acceptance_by_position, held_out_prompts, speculate
 from dflash_train.target import hf_state_dict
 
@@ -116,9 +116,16 @@ def test_sampled_speculation_is_distributed_as_the_target(trained):
     _, replica, prompts = trained
     target, drafter, prompt = replica.target, replica.drafter, prompts[0]
     generator = torch.Generator().manual_seed(0)
+    # One verifier and drafting cache for every call, as speculative_eval reuses them across
+    # prompts: each call's prefill starts them over (a fresh pair per call cost ~40% of its time).
+    room = len(prompt) + 2 + 2 * drafter.spec.block_size
+    verifier = make_decoder(target, 1, room, drafter.spec.target_layer_ids)
+    drafting = DraftDecoder(drafter, target, room)
     samples, accepted = [], []
     for _ in range(SAMPLES):
-        out = speculate(target, drafter, prompt, 2, temperature=1.0, generator=generator)
+        out = speculate(
+            target, drafter, prompt, 2, temperature=1.0, generator=generator, verifier=verifier, drafting=drafting
+        )
         samples.append(out.tokens[1])
         accepted.append(out.accepted[0])
     with torch.no_grad():
