@@ -258,6 +258,7 @@ class Scorer:
             in_training_tau=final.get("spec_tau"),
             in_training_tau_mean=final.get("spec_tau_prompt_mean"),
             in_training_tau_se=final.get("spec_tau_prompt_se"),
+            in_training_split=self.in_training_split(row["run"]),
             spec_eval_s=final.get("spec_eval_s"),
             in_training=[
                 {
@@ -309,6 +310,13 @@ class Scorer:
         )
         return code != 0 or not report
 
+    def in_training_split(self, run_id: str) -> str:
+        """What the run's in-training tau decoded: `--curve` runs decode eval's prompts, the others
+        the trainer's own (fewer and shorter), so the two figures compare only within a kind."""
+        cfg = yaml.safe_load((self.bench.run_dir(run_id) / "config.resolved.yaml").read_text())
+        whose = "eval's prompts" if cfg["data"].get("spec_prompts_path") else "the run's held-out split"
+        return f"{cfg['run']['spec_prompts']} x {cfg['run']['spec_new_tokens']} tokens, {whose}"
+
     def agree(self, row: dict) -> bool:
         """`eval` on the run's own held-out split with the trainer's prompt count and length."""
         run_id = row["run"]
@@ -351,7 +359,8 @@ def report_lines(rows: list[dict], curve: bool) -> list[str]:
                     fmt(r.get("tau_over_lookup")),
                     fmt(r.get("held_out_loss"), ".3f"),
                     fmt(r.get("teacher_forced"), ".2f"),
-                    f"{fmt(r.get('in_training_tau_mean'))} +- {fmt(r.get('in_training_tau_se'))}",
+                    f"{fmt(r.get('in_training_tau_mean'))} +- {fmt(r.get('in_training_tau_se'))}"
+                    + (f" ({r['in_training_split']})" if r.get("in_training_split") else ""),
                     fmt(r.get("agreement_eval_tau_mean")),
                 ]
             )
