@@ -22,6 +22,8 @@ Stages (each bounded; all run even if one fails; exit 1 if any failed):
   imports      a fresh process importing torch, Dynamo and Inductor, twice (the warm start's largest
                part), torch's compiled-bytecode state, and the same through the workdir's bytecode
                cache once a run has filled it
+  smoke:NAME   tests/payload/gpu_smoke.py NAME (e.g. smoke:nosync: no decode step waits for the GPU,
+               which found a host copy in the drafting step in session 18); skipped on the CPU
   preset:NAME[:K=V...]  another target's preset (e.g. preset:llama3-8b, preset:qwen3-30b-a3b:target.num_layers=24):
                30 steps through `train --follow` from the warm cache, then `eval` of its export as 8b-eval does
 It prints a table (time to first step cold/warm, ms/step against the bench's fast row, MFU
@@ -446,6 +448,15 @@ class Acceptance(LocalHostBench):
                 row["cached_import_s"] = json.loads(out.splitlines()[-1])["import_s"]
         return {"ok": True, **row}
 
+    def smoke(self, name: str) -> dict:
+        """One of tests/payload/gpu_smoke.py's checks as its own process: ok when it exits 0."""
+        if self.dry:
+            return {"ok": True, "note": "skipped: the GPU smoke checks need CUDA"}
+        script = ROOT / "tests" / "payload" / "gpu_smoke.py"
+        code, out, err, _ = self.process([sys.executable, str(script), name], self.left(300))
+        said = (out + err).strip().splitlines()
+        return {"ok": code == 0, "exit": code, "said": said[-1][-300:] if said else ""}
+
     def regen(self, batch: int = 64) -> dict:
         """bench/regen_bench.py's job in this call: output tokens/s (goal >= 8,500 at the 8B shape and
         batch 64; other batches say what a larger `--batch-size` buys)."""
@@ -512,7 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/dflash-acceptance", help="scratch workdir (GBs of checkpoints at 8B)")
     ap.add_argument("--budget-s", type=float, default=560)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny preset: check the script itself")
-    ap.add_argument("--stages", default="cold,eval,bench,warm,stopcompile,regen,cudagraphs,smallpair,doctor,imports")
+    ap.add_argument(
+        "--stages", default="cold,eval,bench,warm,stopcompile,regen,cudagraphs,smallpair,doctor,imports,smoke:nosync"
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -540,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
         if key.startswith("preset:"):
             spec = key.split(":", 1)[1]
             acc.stage(f"preset {spec}", lambda spec=spec: acc.other_preset(spec))
+        elif key.startswith("smoke:"):
+            name = key.split(":", 1)[1]
+            acc.stage(f"smoke {name}", lambda name=name: acc.smoke(name))
         elif key.startswith("regen:"):  # regen:256: the regen stage at another --batch-size
             batch = int(key.split(":", 1)[1])
             acc.stage(f"8b-regen-b{batch}", lambda batch=batch: acc.regen(batch))
