@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -45,3 +46,10 @@ def keep_bytecode(directory: str | None, package: str = "torch") -> str | None:
         f"bytecode cache: {cache} ({state}; {package} was installed without compiled bytecode and "
         f"{why}: each start would compile its source again)"
     )
+
+
+def keep_bytecode_saying(directory: str | None, say: Callable[[str], None]) -> None:
+    """keep_bytecode, with its start-up line (if any) handed to `say` at once."""
+    kept = keep_bytecode(directory)
+    if kept:
+        say(kept)

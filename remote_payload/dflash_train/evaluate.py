@@ -25,8 +25,9 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
+
+from .bytecode import keep_bytecode_saying
 
 USAGE_PREFIX = "eval error: "
 
@@ -318,15 +319,6 @@ def run_bytecode_dir(run_dir: Path) -> str | None:
         return None
 
 
-def keep_run_bytecode(run_dir: Path, say: Callable[[str], None]) -> None:
-    """Keep torch's bytecode where the run's trainer did (bytecode.keep_bytecode), said in one line."""
-    from .bytecode import keep_bytecode
-
-    kept = keep_bytecode(run_bytecode_dir(run_dir))
-    if kept:
-        say(kept)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, evaluate, write eval.json, print the report line; see the module docstring."""
     ap = argparse.ArgumentParser(prog="python -m dflash_train.evaluate", description=__doc__.splitlines()[0])
@@ -356,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.temperature < float("inf"):
             raise EvalError(f"--temperature must be 0 (greedy) or positive, got {args.temperature:g}")
         run_dir = Path(args.run_dir)
-        keep_run_bytecode(run_dir, progress)  # before anything imports torch
+        keep_bytecode_saying(run_bytecode_dir(run_dir), progress)  # where the run's trainer kept it; before torch
         from .config import ConfigError
         from .data import DataError, read_prompt_rows
 

@@ -268,11 +268,9 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
     )
     if preflight:
         return None, answer
-    from .bytecode import keep_bytecode
+    from .bytecode import keep_bytecode_saying
 
-    kept = keep_bytecode(cfg.run.bytecode_cache_dir)  # before the engine imports torch
-    if kept:
-        print(kept, flush=True)
+    keep_bytecode_saying(cfg.run.bytecode_cache_dir, lambda line: print(line, flush=True))  # before torch
     from .regen_builtin import BuiltinEngine  # torch: after the pre-flight's answer
 
     return BuiltinEngine(cfg, list(devices.workers), args.tokenizer or cfg.target.path, opts), answer
