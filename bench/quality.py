@@ -48,7 +48,6 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from userpath import ROOT, LocalHostBench
 
 REGEN_NAME = "quality-regen"
@@ -313,14 +312,14 @@ class Scorer:
     def in_training_split(self, run_id: str) -> str:
         """What the run's in-training tau decoded: `--curve` runs decode eval's prompts, the others
         the trainer's own (fewer and shorter), so the two figures compare only within a kind."""
-        cfg = yaml.safe_load((self.bench.run_dir(run_id) / "config.resolved.yaml").read_text())
+        cfg = self.bench.run_config(run_id)
         whose = "eval's prompts" if cfg["data"].get("spec_prompts_path") else "the run's held-out split"
         return f"{cfg['run']['spec_prompts']} x {cfg['run']['spec_new_tokens']} tokens, {whose}"
 
     def agree(self, row: dict) -> bool:
         """`eval` on the run's own held-out split with the trainer's prompt count and length."""
         run_id = row["run"]
-        spec = yaml.safe_load((self.bench.run_dir(run_id) / "config.resolved.yaml").read_text())["run"]
+        spec = self.bench.run_config(run_id)["run"]
         args = ["--max-new-tokens", str(spec["spec_new_tokens"]), "--count", str(spec["spec_prompts"]), "--no-baseline"]
         code, same = self.eval_json(run_id, args, f"eval {run_id} (the trainer's held-out split)", 600)
         row.update(agreement_eval_tau_mean=same.get("tau_prompt_mean"), agreement_eval_tau=same.get("tau"))

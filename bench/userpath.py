@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 # The benches import dflashctl from this checkout, as the CLI processes they start do (PYTHONPATH
 # below): the GPU machine has a bare copy of the tree, where the package is not installed.
@@ -82,6 +84,10 @@ class LocalHostBench:
     def run_dir(self, run_id: str) -> Path:
         """A run's directory in the workdir."""
         return self.work / "dflashctl" / "runs" / run_id
+
+    def run_config(self, run_id: str) -> dict:
+        """The run's config as the trainer resolved it (config.resolved.yaml)."""
+        return yaml.safe_load((self.run_dir(run_id) / "config.resolved.yaml").read_text())
 
     def records(self, run_id: str) -> list[dict]:
         """The run's metrics.jsonl records (none before it writes any)."""
