@@ -511,6 +511,14 @@ def main(argv: list[str] | None = None) -> int:
     # Absolute: the build and the CLI run with the workdir as their current directory.
     out = Path(args.out).resolve()
     work = (args.work or Path(tempfile.mkdtemp(prefix="dflash-quality-"))).resolve()
+    target = (args.target or work / "target").resolve()
+    if args.reuse and not (target / "build.json").is_file():
+        # A device machine released between calls comes back bare: building again would spend ~6
+        # minutes of the call on what the caller meant to reuse (session 19 lost two calls so).
+        raise SystemExit(
+            f"--reuse: {target} holds no build from an earlier call (a machine released between calls "
+            "starts bare); run without --reuse to build and regenerate again"
+        )
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(out, work, plan, args.budget_min, args.reuse, args.curve)
     result: dict = {
@@ -525,7 +533,6 @@ def main(argv: list[str] | None = None) -> int:
         (out / "quality.json").write_text(json.dumps(result, indent=1) + "\n")
         return code
 
-    target = (args.target or work / "target").resolve()
     more_prompts = ["--train-prompts", str(args.train_prompts)] if args.train_prompts else []
     if (target / "build.json").is_file():
         bench.log(f"reusing the target in {target}")
