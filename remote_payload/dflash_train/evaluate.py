@@ -96,7 +96,7 @@ def evaluate_run(
     from .export import load_exported
     from .lookup import lookup_decode
     from .replica import build_target
-    from .speculate import DraftDecoder, speculate
+    from .speculate import DraftDecoder, decode_room, speculate
 
     export = run_dir / "export"
     if not (export / "model.safetensors").is_file():
@@ -110,7 +110,7 @@ def evaluate_run(
     generator = torch.Generator(device=dev).manual_seed(seed)
     # One decoder for every prompt and both loops: its compiled steps and CUDA graphs are made
     # once, in a warm-up decode of the first prompt that the timings leave out.
-    room = max(map(len, prompts)) + max_new_tokens + 2 * cfg.drafter.block_size
+    room = decode_room(max(map(len, prompts)), max_new_tokens, cfg.drafter.block_size)
     decoder = make_decoder(target, 1, room, cfg.drafter.target_layer_ids)
     drafting = DraftDecoder(drafter, target, room)
     progress("warm-up decode (compiles the decode steps and captures their CUDA graphs on a GPU)")

@@ -179,6 +179,12 @@ def accept(
     return len(proposed), proposed + [int(torch.multinomial(p[-1], 1, generator=generator))]
 
 
+def decode_room(longest_prompt: int, new_tokens: int, block_size: int) -> int:
+    """Positions a verifier and drafting cache need: the prompt, the new tokens, and a block drafted
+    past the end plus the one being verified."""
+    return longest_prompt + new_tokens + 2 * block_size
+
+
 @torch.no_grad()
 def speculate(
     target: Qwen3Target,
@@ -196,7 +202,7 @@ def speculate(
     (`accept`), whose output is distributed as the target's samples at that temperature.
     `verifier` (a batch-1 Decoder with the drafter's feature layers) and `drafting`: to reuse,
     with their CUDA graphs, across prompts."""
-    room = len(prompt) + max_new_tokens + 2 * drafter.spec.block_size
+    room = decode_room(len(prompt), max_new_tokens, drafter.spec.block_size)
     verifier = verifier or make_decoder(target, 1, room, drafter.spec.target_layer_ids)
     drafting = drafting or DraftDecoder(drafter, target, room)
     logits, context = verifier.prefill([prompt])  # [1, V], [1, P, L*H]
@@ -254,7 +260,7 @@ def speculative_eval(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[
     position over prompts, decoded greedily. The drafter's
     compiled layers run eagerly here (its shapes change every step: no recompiles), and the
     target's decode steps are not compiled (no compile in the middle of training)."""
-    room = max(map(len, prompts)) + new_tokens + 2 * drafter.spec.block_size
+    room = decode_room(max(map(len, prompts)), new_tokens, drafter.spec.block_size)
     verifier = make_decoder(target, 1, room, drafter.spec.target_layer_ids, compile=False)
     drafting = DraftDecoder(drafter, target, room, compile=False)
     with torch.compiler.set_stance("force_eager"):

@@ -22,7 +22,7 @@ from dflash_train.compiling import EAGER  # what the plan picks on the CPU: run.
 from dflash_train.replica import build_replica, train_step
 from dflash_train.plan import resolve_run
 from dflash_train.decode import greedy, make_decoder
-from dflash_train.speculate import DraftDecoder, acceptance_by_position, held_out_prompts, speculate
+from dflash_train.speculate import DraftDecoder, acceptance_by_position, decode_room, held_out_prompts, speculate
 from dflash_train.target import hf_state_dict
 
 PROMPTS = 20
@@ -118,7 +118,7 @@ def test_sampled_speculation_is_distributed_as_the_target(trained):
     generator = torch.Generator().manual_seed(0)
     # One verifier and drafting cache for every call, as speculative_eval reuses them across
     # prompts: each call's prefill starts them over (a fresh pair per call cost ~40% of its time).
-    room = len(prompt) + 2 + 2 * drafter.spec.block_size
+    room = decode_room(len(prompt), 2, drafter.spec.block_size)
     verifier = make_decoder(target, 1, room, drafter.spec.target_layer_ids)
     drafting = DraftDecoder(drafter, target, room)
     samples, accepted = [], []
