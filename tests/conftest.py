@@ -99,17 +99,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=key)
 
 
+_STARTING_ENVIRONMENT = dict(os.environ)
+
+
 @pytest.fixture(autouse=True)
 def _environment_restored() -> Iterator[None]:
-    """os.environ as it was before each test. Code run in-process may set variables that later
-    subprocesses would inherit: torch's first compile in a process sets TORCHINDUCTOR_CACHE_DIR to
-    its default, and a trainer started after that used that shared cache instead of its own
-    run.compile_cache_dir (the environment wins), so a cold-cache test found it warm."""
-    saved = dict(os.environ)
+    """os.environ as this worker started, after each test. Code run in-process may set variables
+    that later subprocesses would inherit: torch's first compile in a process sets
+    TORCHINDUCTOR_CACHE_DIR to its default, and a trainer started after that used that shared
+    cache instead of its own run.compile_cache_dir (the environment wins), so a cold-cache test
+    found it warm. The snapshot is the worker's start, not each test's: a module-scoped fixture
+    that compiles runs before a test's own snapshot would be taken."""
     yield
-    if os.environ != saved:
+    if os.environ != _STARTING_ENVIRONMENT:
         os.environ.clear()
-        os.environ.update(saved)
+        os.environ.update(_STARTING_ENVIRONMENT)
 
 
 def _require_sshd() -> None:

@@ -130,7 +130,9 @@ def trainer(tmp_path: Path, *sets: str) -> subprocess.Popen:
     ]
     for item in [*FAST, *sets]:
         argv += ["--set", item]
-    env = dict(os.environ, PYTHONPATH=str(PAYLOAD), PYTHONUNBUFFERED="1")
+    # Without TORCHINDUCTOR_CACHE_DIR, which would win over run.compile_cache_dir: the cache is cold.
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(PYTHONPATH=str(PAYLOAD), PYTHONUNBUFFERED="1")
     return subprocess.Popen(argv, cwd=PAYLOAD, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
