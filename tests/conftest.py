@@ -111,9 +111,12 @@ def _environment_restored() -> Iterator[None]:
     found it warm. The snapshot is the worker's start, not each test's: a module-scoped fixture
     that compiles runs before a test's own snapshot would be taken."""
     yield
-    if os.environ != _STARTING_ENVIRONMENT:
+    wanted = dict(_STARTING_ENVIRONMENT)
+    if "PYTEST_CURRENT_TEST" in os.environ:  # pytest's own, removed by pytest after teardown
+        wanted["PYTEST_CURRENT_TEST"] = os.environ["PYTEST_CURRENT_TEST"]
+    if os.environ != wanted:
         os.environ.clear()
-        os.environ.update(_STARTING_ENVIRONMENT)
+        os.environ.update(wanted)
 
 
 def _require_sshd() -> None:
