@@ -28,6 +28,11 @@ trainer checkpoints) and recorded in --work/points.json; the next call with --re
 resumes it (`train local --resume RUN --follow`) before anything else and scores it once it ends
 (a 10-GPU-minute point over two or three 10-minute device calls); points scored by an earlier call
 are not trained again, and their rows come back into the table.
+With --parallel (and --steps), every point of the call, and every run an earlier call stopped, starts
+at once (`train local --detach --force`: the runs share the GPU, where a 95M target's launch-bound
+steps should overlap; how much they gain is not yet measured), then each is followed to its end and
+evaluated alone. Such runs
+compare by steps only: their step times, and so their minutes, are a shared GPU's (marked in the table).
 A point's training minutes are the run's measured step time (its metrics' step_time_s x steps:
 compile, evaluations and checkpoints left out), one full schedule per point (warm-up, cosine
 decay), as a user training for that long would run it. Prints a table of minutes vs tau, speedup,
@@ -44,6 +49,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +172,10 @@ class Bench(LocalHostBench):
         (run id or None, its records, CLI seconds, stopped). With `resumable`, a run that would
         outlast the budget is stopped plan.stop_margin_s before its end (the trainer checkpoints on the
         stop) for a later call to resume; else it is stopped when the budget is out, and lost."""
+        return self.follow(self.train_argv(target, recipe, steps, name, evals), name, resumable)
+
+    def train_argv(self, target: Path, recipe: list[str], steps: int, name: str, evals: int) -> list[str]:
+        """`train local`'s arguments for one point (see train())."""
         every = max(1, steps // 20)
         sets = [
             f"target.path={target}",
@@ -183,8 +193,7 @@ class Bench(LocalHostBench):
                 f"run.spec_prompts={self.plan.eval_count}",
                 f"run.spec_new_tokens={self.plan.eval_new_tokens}",
             ]
-        argv = [*self.plan.gpus, *[a for s in sets for a in ("--set", s)], "--name", name]
-        return self.follow(argv, name, resumable)
+        return [*self.plan.gpus, *[a for s in sets for a in ("--set", s)], "--name", name]
 
     def resume(self, run_id: str, name: str) -> tuple[str | None, list[dict], float, bool]:
         """`train local --resume RUN --follow`: a run an earlier call stopped, from its checkpoint."""
@@ -203,6 +212,37 @@ class Bench(LocalHostBench):
         if found is None or (code != 0 and not (stopped and resumable)):
             return None, [], secs, False
         return found.group(1), self.records(found.group(1)), secs, stopped
+
+    def together(
+        self, jobs: list[tuple[str, list[str]]], resumable: bool
+    ) -> list[tuple[str | None, list[dict], float, bool]]:
+        """--parallel: start every job's `train local ARGV` detached at once (`--force`: the runs
+        share the GPU), then follow each to its end (`logs tail -f`) within the budget; once the
+        budget is out the rest are stopped, as follow() stops one. Per job, as train() returns:
+        (run id or None, records, seconds from the first start to its end, stopped)."""
+        t0 = time.monotonic()
+        started = []
+        for name, argv in jobs:
+            code, _, err, _ = self.cli(
+                "train", "local", *argv, "--detach", "--force", what=f"start {name}", timeout=self.left(600)
+            )
+            found = re.search(r"(?:started|resumed) run (\S+)", err)
+            started.append(found.group(1) if code == 0 and found else None)
+        margin = self.plan.stop_margin_s if resumable else 0.0
+        results = []
+        for (name, _), run_id in zip(jobs, started):
+            if run_id is None:
+                results.append((None, [], 0.0, False))
+                continue
+            code, *_ = self.cli(
+                "logs", "tail", "local", run_id, "-f", what=f"follow {name}", timeout=max(5.0, self.left(1800) - margin)
+            )
+            stopped = code == 124
+            if stopped:
+                self.cli("runs", "stop", "local", run_id, what=f"stop {run_id}", timeout=120)
+            ok = code == 0 or (stopped and resumable)
+            results.append((run_id if ok else None, self.records(run_id) if ok else [], time.monotonic() - t0, stopped))
+        return results
 
 
 def train_seconds(records: list[dict], upto: int | None = None) -> float:
@@ -348,7 +388,9 @@ def report_lines(rows: list[dict], curve: bool) -> list[str]:
         lines.append(
             " | ".join(
                 [
-                    r["recipe"] + (" (stopped: the next call resumes it)" if r.get("pending") else ""),
+                    r["recipe"]
+                    + (f" ({r['shared']} runs shared the GPU)" if r.get("shared", 1) > 1 else "")
+                    + (" (stopped: the next call resumes it)" if r.get("pending") else ""),
                     str(r["steps"]),
                     fmt(r.get("train_min")),
                     f"{fmt(r.get('tau_mean'))}/{fmt(r.get('tau'))}",
@@ -400,6 +442,8 @@ def equal_minutes_lines(rows: list[dict]) -> list[str]:
     base_name, base = curves[0]
     marks = [m for m, _ in base]
     lines = ["", f"pooled tau at {base_name}'s evaluation minutes (linear between a run's evaluations; - outside them)"]
+    if any(r.get("shared", 1) > 1 for r in rows):
+        lines.append("(runs that shared the GPU: their minutes are not one run's alone; compare them by steps)")
     lines.append("recipe | " + " | ".join(f"{m:.2f} min" for m in marks))
     for name, points in curves:
         cells = []
@@ -408,6 +452,48 @@ def equal_minutes_lines(rows: list[dict]) -> list[str]:
             cells.append("-" if tau is None else f"{tau:.2f} ({tau / base_tau:.2f}x)")
         lines.append(f"{name} | " + " | ".join(cells))
     return lines
+
+
+def train_together(
+    bench: Bench,
+    scorer: Scorer,
+    earlier: list[dict],
+    recipes: list[tuple[str, list[str]]],
+    steps: list[int],
+    target: Path,
+    args: argparse.Namespace,
+    result: dict,
+) -> bool:
+    """--parallel: the runs an earlier call stopped and every new (recipe, steps) point train at once
+    on the GPU, then each is scored alone (eval times its speedup with the GPU to itself). Rows are
+    marked `shared` (runs started together): their training minutes are a shared GPU's. True if a
+    run or its eval failed."""
+    jobs: list[tuple[dict, str, list[str]]] = []  # (row, name, train argv)
+    for row in earlier:
+        result["rows"].append(row)
+        if row.get("pending"):
+            jobs.append((row, f"{row['recipe']}-{row['steps']}", ["--resume", row["run"]]))
+    done = {(r["recipe"], r["steps"]) for r in earlier}
+    for name, recipe in recipes:
+        for n in steps:
+            if (name, n) not in done:
+                row = {"recipe": name, "minutes": None, "steps": n, "run": None}
+                result["rows"].append(row)
+                jobs.append((row, f"{name}-{n}", bench.train_argv(target, recipe, n, f"{name}-{n}", args.evals)))
+    if not jobs or bench.left(1e9) < bench.plan.min_start_s:
+        bench.log(f"{len(jobs)} run(s) to train together: skipped, {bench.left(1e9):.0f} s of --budget-min left")
+        return False
+    failed = False
+    outcomes = bench.together([(name, argv) for _, name, argv in jobs], args.resumable)
+    for (row, name, _), (run_id, records, secs, stopped) in zip(jobs, outcomes):
+        row["run"], row["shared"] = run_id or row["run"], len(jobs)
+        if stopped:
+            row["pending"] = True
+            bench.log(f"{name}: stopped at the call's end as {run_id}; the next --reuse call resumes it")
+            continue
+        row.pop("pending", None)
+        failed |= scorer.score(row, records, secs, last=row["steps"] == max(steps))
+    return failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -487,6 +573,12 @@ def main(argv: list[str] | None = None) -> int:
         help="runs longer than one call: a run the budget would cut is stopped with a checkpoint and "
         f"recorded in --work/{POINTS}; the next call with --reuse --resumable resumes it before anything else",
     )
+    ap.add_argument(
+        "--parallel",
+        action="store_true",
+        help="with --steps: every point (and every run an earlier call stopped) trains at once on the GPU, then "
+        "each is evaluated alone; compare such runs by steps, not minutes (their step times are a shared GPU's)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script itself")
     ap.add_argument("--report", type=Path, help="print the tables of an earlier call's quality.json, run nothing")
     args = ap.parse_args(argv)
@@ -497,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = DRY if args.dry_run else GPU
     if args.regen_batch:
         plan = dataclasses.replace(plan, regen_batch=args.regen_batch)
+    if args.parallel and not args.steps:
+        raise SystemExit("--parallel needs --steps: minutes calibrated alone mean nothing on a shared GPU")
     if (args.reuse or args.resumable) and args.work is None:
         raise SystemExit("--reuse and --resumable need --work: the workdir kept between calls")
     try:
@@ -582,6 +676,10 @@ def main(argv: list[str] | None = None) -> int:
     # --resumable: every point an earlier call started. Stopped ones are resumed first and scored once
     # they end; scored ones are not trained again (their rows come back into this call's table).
     earlier = json.loads(points_path.read_text()) if args.resumable and points_path.is_file() else []
+    fixed_steps = [int(s) for s in args.steps.split(",")] if args.steps else None
+    if args.parallel:
+        failed |= train_together(bench, scorer, earlier, recipes, fixed_steps, target, args, result)
+        earlier, recipes = [], []  # all trained and scored above
     for row in earlier:
         if row.get("pending") and bench.left(1e9) >= plan.min_start_s:
             run_id, records, cli_s, stopped = bench.resume(row["run"], f"{row['recipe']}-{row['steps']}")
@@ -590,7 +688,6 @@ def main(argv: list[str] | None = None) -> int:
                 failed |= scorer.score(row, records, cli_s, last=True)
         result["rows"].append(row)
     started = {(r["recipe"], r["steps"]) for r in earlier}
-    fixed_steps = [int(s) for s in args.steps.split(",")] if args.steps else None
     for name, recipe in recipes:
         if fixed_steps:
             points, step_s = [(None, steps) for steps in fixed_steps], None
