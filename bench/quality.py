@@ -31,8 +31,8 @@ are not trained again, and their rows come back into the table.
 With --parallel (and --steps), every point of the call, and every run an earlier call stopped, starts
 at once (`train local --detach --force`: the runs share the GPU, where a 95M target's launch-bound
 steps should overlap; how much they gain is not yet measured), then each is followed to its end and
-evaluated alone. Such runs
-compare by steps only: their step times, and so their minutes, are a shared GPU's (marked in the table).
+evaluated alone. Such runs compare by steps only: their step times, and so their minutes, are a
+shared GPU's (marked in the table).
 A point's training minutes are the run's measured step time (its metrics' step_time_s x steps:
 compile, evaluations and checkpoints left out), one full schedule per point (warm-up, cosine
 decay), as a user training for that long would run it. Prints a table of minutes vs tau, speedup,
@@ -478,11 +478,12 @@ def train_together(
         for n in steps:
             if (name, n) not in done:
                 row = {"recipe": name, "minutes": None, "steps": n, "run": None}
-                result["rows"].append(row)
                 jobs.append((row, f"{name}-{n}", bench.train_argv(target, recipe, n, f"{name}-{n}", args.evals)))
     if not jobs or bench.left(1e9) < bench.plan.min_start_s:
+        # Rows of points not started stay out of the table (and of --work/points.json): a later call trains them.
         bench.log(f"{len(jobs)} run(s) to train together: skipped, {bench.left(1e9):.0f} s of --budget-min left")
         return False
+    result["rows"] += [row for row, _, _ in jobs if row["run"] is None]
     failed = False
     outcomes = bench.together([(name, argv) for _, name, argv in jobs], args.resumable)
     for (row, name, _), (run_id, records, secs, stopped) in zip(jobs, outcomes):
