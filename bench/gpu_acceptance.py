@@ -84,6 +84,23 @@ def verdict(report: dict) -> dict:
     }
 
 
+def dirty_gb() -> float | None:
+    """Dirty and under-writeback page cache now (/proc/meminfo), GB; None where it cannot be read."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return round(sum(int(fields[k].split()[0]) for k in ("Dirty", "Writeback")) * 1024 / 1e9, 2)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def read_int(path: str) -> int | None:
+    """An integer file (a /proc/sys setting), or None."""
+    try:
+        return int(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 class Acceptance(LocalHostBench):
     """Runs the stages against one scratch workdir and collects their rows."""
 
@@ -309,6 +326,7 @@ class Acceptance(LocalHostBench):
         # for no write in flight.
         second = f"step_{2 * PERIODIC_CHECKPOINT:08d} (written in "
         reached = self.wait_for(lambda: second in self.log_text(run_id), self.left(200), "the second checkpoint")
+        dirty_at_stop = dirty_gb()
         stop_began = time.time()
         code, said, secs = self.stop(run_id)
         exit_file = self.run_dir(run_id) / EXIT  # written by the supervisor once the trainer has exited
@@ -334,6 +352,10 @@ class Acceptance(LocalHostBench):
             "periodic_checkpoint_blocked_s": blocked.get(2 * PERIODIC_CHECKPOINT),
             "checkpoint_blocked_s": blocked,
             "checkpoint_write_s": [float(v) for v in re.findall(r"\(written in ([\d.]+) s in the background\)", text)],
+            # Page cache not yet on disk when the stop came: a large backlog throttles the stop's own write.
+            "dirty_at_stop_gb": dirty_at_stop,
+            "vm_dirty_ratio": read_int("/proc/sys/vm/dirty_ratio"),
+            "vm_dirty_background_ratio": read_int("/proc/sys/vm/dirty_background_ratio"),
             "stopped_after": re.findall(r"stopped by signal \d+ after step \d+", text)[-1:],
             # The trainer's part of the stop (sync point, checkpoint on disk); stop_latency_s less this is the exit.
             "trainer_stop_s": next(
