@@ -64,6 +64,8 @@ OLD_DEFAULTS = (
     "old-defaults drafter.num_layers=1 drafter.block_size=8 data.max_length=64 data.anchors_per_seq=8 "
     "data.batch_size=8 optim.lr=2e-3 run.spec_prompts=16 run.spec_new_tokens=64"
 )
+# A `train` start's line on stderr (`started run ID on local, ...`, or `resumed run ID ...`).
+RUN_STARTED = re.compile(r"(?:started|resumed) run (\S+)")
 # A point's time beside its steps: start-up and compile (a warm cache), evaluations, export, `eval`.
 POINT_OVERHEAD_S = 150.0
 # --resumable: runs stopped at the end of a call, resumed by the next (`--reuse`) call, in --work.
@@ -205,13 +207,20 @@ class Bench(LocalHostBench):
         code, out, err, secs = self.cli(
             "train", "local", *argv, "--follow", what=f"train {name}", timeout=max(5.0, self.left(1800) - margin)
         )
-        found = re.search(r"(?:started|resumed) run (\S+)", err)
-        stopped = code == 124 and found is not None
-        if stopped:  # `--follow` killed, the run detached: stop it (a checkpoint) and free the GPU
-            self.cli("runs", "stop", "local", found.group(1), what=f"stop {found.group(1)}", timeout=120)
-        if found is None or (code != 0 and not (stopped and resumable)):
+        found = RUN_STARTED.search(err)
+        return self.ended(found.group(1) if found else None, code, secs, resumable)
+
+    def ended(
+        self, run_id: str | None, code: int, secs: float, resumable: bool
+    ) -> tuple[str | None, list[dict], float, bool]:
+        """A followed run's result, as train() returns it, from the follow's exit `code`: a follow
+        the budget cut (124) leaves the run detached, so it is stopped (a checkpoint; the GPU freed)."""
+        stopped = code == 124 and run_id is not None
+        if stopped:
+            self.cli("runs", "stop", "local", run_id, what=f"stop {run_id}", timeout=120)
+        if run_id is None or (code != 0 and not (stopped and resumable)):
             return None, [], secs, False
-        return found.group(1), self.records(found.group(1)), secs, stopped
+        return run_id, self.records(run_id), secs, stopped
 
     def together(
         self, jobs: list[tuple[str, list[str]]], resumable: bool
@@ -226,22 +235,23 @@ class Bench(LocalHostBench):
             code, _, err, _ = self.cli(
                 "train", "local", *argv, "--detach", "--force", what=f"start {name}", timeout=self.left(600)
             )
-            found = re.search(r"(?:started|resumed) run (\S+)", err)
+            found = RUN_STARTED.search(err)
             started.append(found.group(1) if code == 0 and found else None)
         margin = self.plan.stop_margin_s if resumable else 0.0
         results = []
         for (name, _), run_id in zip(jobs, started):
-            if run_id is None:
-                results.append((None, [], 0.0, False))
-                continue
-            code, *_ = self.cli(
-                "logs", "tail", "local", run_id, "-f", what=f"follow {name}", timeout=max(5.0, self.left(1800) - margin)
-            )
-            stopped = code == 124
-            if stopped:
-                self.cli("runs", "stop", "local", run_id, what=f"stop {run_id}", timeout=120)
-            ok = code == 0 or (stopped and resumable)
-            results.append((run_id if ok else None, self.records(run_id) if ok else [], time.monotonic() - t0, stopped))
+            code = 1
+            if run_id is not None:
+                code, *_ = self.cli(
+                    "logs",
+                    "tail",
+                    "local",
+                    run_id,
+                    "-f",
+                    what=f"follow {name}",
+                    timeout=max(5.0, self.left(1800) - margin),
+                )
+            results.append(self.ended(run_id, code, time.monotonic() - t0, resumable))
         return results
 
 
@@ -452,6 +462,65 @@ def equal_minutes_lines(rows: list[dict]) -> list[str]:
             cells.append("-" if tau is None else f"{tau:.2f} ({tau / base_tau:.2f}x)")
         lines.append(f"{name} | " + " | ".join(cells))
     return lines
+
+
+def train_in_turn(
+    bench: Bench,
+    scorer: Scorer,
+    earlier: list[dict],
+    recipes: list[tuple[str, list[str]]],
+    fixed_steps: list[int] | None,
+    minutes: list[float],
+    target: Path,
+    args: argparse.Namespace,
+    result: dict,
+) -> bool:
+    """One run at a time: the runs an earlier call stopped first, then each recipe's points (by
+    --steps, or by --minutes through a calibration run), each scored as it ends. True if a run or
+    its eval failed."""
+    plan, failed = bench.plan, False
+    for row in earlier:
+        if row.get("pending") and bench.left(1e9) >= plan.min_start_s:
+            run_id, records, cli_s, stopped = bench.resume(row["run"], f"{row['recipe']}-{row['steps']}")
+            if not stopped:
+                del row["pending"]
+                failed |= scorer.score(row, records, cli_s, last=True)
+        result["rows"].append(row)
+    started = {(r["recipe"], r["steps"]) for r in earlier}
+    for name, recipe in recipes:
+        if fixed_steps:
+            points, step_s = [(None, steps) for steps in fixed_steps], None
+        else:
+            run_id, records, _, _ = bench.train(target, recipe, plan.calibrate_steps, f"calibrate-{name}")
+            step_s = steady_step_s(records)
+            if step_s is None:
+                bench.log(f"calibration of {name} failed: no step times")
+                failed = True
+                continue
+            bench.log(f"{name}: {step_s * 1e3:.2f} ms/step")
+            points = [(point, max(2, round(point * 60 / step_s))) for point in minutes]
+        for i, (point, steps) in enumerate(points):
+            need = steps * step_s + POINT_OVERHEAD_S if step_s else None
+            if (name, steps) in started:
+                continue
+            # a resumable run needs only enough budget to start (and checkpoint); else the whole point
+            least = plan.min_start_s if args.resumable else need or 0
+            if any(r.get("pending") for r in result["rows"]) or bench.left(1e9) < least:
+                bench.log(f"{name}-{steps}: skipped, {bench.left(1e9):.0f} s of --budget-min left (need {least:.0f})")
+                continue
+            run_id, records, cli_s, stopped = bench.train(
+                target, recipe, steps, f"{name}-{steps}", args.evals, args.resumable
+            )
+            row = {"recipe": name, "minutes": point, "steps": steps, "run": run_id}
+            result["rows"].append(row)
+            if stopped:
+                bench.log(f"{name}-{steps}: stopped at the call's end as {run_id}; the next --reuse call resumes it")
+                row["pending"] = True
+                continue
+            if records:
+                step_s = steady_step_s(records) or step_s
+            failed |= scorer.score(row, records, cli_s, last=i == len(points) - 1)
+    return failed
 
 
 def train_together(
@@ -680,48 +749,8 @@ def main(argv: list[str] | None = None) -> int:
     fixed_steps = [int(s) for s in args.steps.split(",")] if args.steps else None
     if args.parallel:
         failed |= train_together(bench, scorer, earlier, recipes, fixed_steps, target, args, result)
-        earlier, recipes = [], []  # all trained and scored above
-    for row in earlier:
-        if row.get("pending") and bench.left(1e9) >= plan.min_start_s:
-            run_id, records, cli_s, stopped = bench.resume(row["run"], f"{row['recipe']}-{row['steps']}")
-            if not stopped:
-                del row["pending"]
-                failed |= scorer.score(row, records, cli_s, last=True)
-        result["rows"].append(row)
-    started = {(r["recipe"], r["steps"]) for r in earlier}
-    for name, recipe in recipes:
-        if fixed_steps:
-            points, step_s = [(None, steps) for steps in fixed_steps], None
-        else:
-            run_id, records, _, _ = bench.train(target, recipe, plan.calibrate_steps, f"calibrate-{name}")
-            step_s = steady_step_s(records)
-            if step_s is None:
-                bench.log(f"calibration of {name} failed: no step times")
-                failed = True
-                continue
-            bench.log(f"{name}: {step_s * 1e3:.2f} ms/step")
-            points = [(point, max(2, round(point * 60 / step_s))) for point in minutes]
-        for i, (point, steps) in enumerate(points):
-            need = steps * step_s + POINT_OVERHEAD_S if step_s else None
-            if (name, steps) in started:
-                continue
-            # a resumable run needs only enough budget to start (and checkpoint); else the whole point
-            least = plan.min_start_s if args.resumable else need or 0
-            if any(r.get("pending") for r in result["rows"]) or bench.left(1e9) < least:
-                bench.log(f"{name}-{steps}: skipped, {bench.left(1e9):.0f} s of --budget-min left (need {least:.0f})")
-                continue
-            run_id, records, cli_s, stopped = bench.train(
-                target, recipe, steps, f"{name}-{steps}", args.evals, args.resumable
-            )
-            row = {"recipe": name, "minutes": point, "steps": steps, "run": run_id}
-            result["rows"].append(row)
-            if stopped:
-                bench.log(f"{name}-{steps}: stopped at the call's end as {run_id}; the next --reuse call resumes it")
-                row["pending"] = True
-                continue
-            if records:
-                step_s = steady_step_s(records) or step_s
-            failed |= scorer.score(row, records, cli_s, last=i == len(points) - 1)
+    else:
+        failed |= train_in_turn(bench, scorer, earlier, recipes, fixed_steps, minutes, target, args, result)
     if args.resumable:
         points_path.write_text(json.dumps(result["rows"], indent=1) + "\n")
 
