@@ -272,16 +272,20 @@ def steady_step_s(records: list[dict]) -> float | None:
     return statistics.median(times) if times else None
 
 
-def parse_recipes(given: list[str]) -> list[tuple[str, list[str]]]:
-    """`--recipe 'NAME key=v key=v'` values as (name, overrides)."""
-    recipes = []
+def parse_recipes(given: list[str]) -> tuple[list[tuple[str, list[str]]], dict[str, set[int]]]:
+    """`--recipe 'NAME[@STEPS,...] key=v key=v'` values as (name, overrides), and the --steps
+    points each pinned recipe trains (a recipe without @ trains them all)."""
+    recipes, pinned = [], {}
     for text in given:
-        name, *sets = text.split()
+        head, *sets = text.split()
+        name, _, at = head.partition("@")
         bad = [s for s in sets if "=" not in s]
-        if bad or not name or "=" in name:
-            raise SystemExit(f"--recipe {text!r}: expected 'NAME key=value ...'")
+        if bad or not name or "=" in name or (at and not re.fullmatch(r"\d+(,\d+)*", at)):
+            raise SystemExit(f"--recipe {text!r}: expected 'NAME[@STEPS,...] key=value ...'")
         recipes.append((name, sets))
-    return recipes
+        if at:
+            pinned[name] = {int(n) for n in at.split(",")}
+    return recipes, pinned
 
 
 class Scorer:
@@ -470,6 +474,7 @@ def train_in_turn(
     earlier: list[dict],
     recipes: list[tuple[str, list[str]]],
     fixed_steps: list[int] | None,
+    pinned: dict[str, set[int]],
     minutes: list[float],
     target: Path,
     args: argparse.Namespace,
@@ -489,7 +494,7 @@ def train_in_turn(
     started = {(r["recipe"], r["steps"]) for r in earlier}
     for name, recipe in recipes:
         if fixed_steps:
-            points, step_s = [(None, steps) for steps in fixed_steps], None
+            points, step_s = [(None, n) for n in fixed_steps if n in pinned.get(name, {n})], None
         else:
             run_id, records, _, _ = bench.train(target, recipe, plan.calibrate_steps, f"calibrate-{name}")
             step_s = steady_step_s(records)
@@ -529,6 +534,7 @@ def train_together(
     earlier: list[dict],
     recipes: list[tuple[str, list[str]]],
     steps: list[int],
+    pinned: dict[str, set[int]],
     target: Path,
     args: argparse.Namespace,
     result: dict,
@@ -545,7 +551,7 @@ def train_together(
     done = {(r["recipe"], r["steps"]) for r in earlier}
     for name, recipe in recipes:
         for n in steps:
-            if (name, n) not in done:
+            if (name, n) not in done and n in pinned.get(name, {n}):
                 row = {"recipe": name, "minutes": None, "steps": n, "run": None}
                 jobs.append((row, f"{name}-{n}", bench.train_argv(target, recipe, n, f"{name}-{n}", args.evals)))
     if not jobs or bench.left(1e9) < bench.plan.min_start_s:
@@ -628,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         "--recipe",
         action="append",
         default=[],
-        help="'NAME key=value ...' trainer overrides of one recipe (repeatable: each is trained at every point)",
+        help="'NAME key=value ...' trainer overrides of one recipe (repeatable: each is trained at every point; "
+        "'NAME@13620 ...' only at those --steps points)",
     )
     ap.add_argument(
         "--old-defaults",
@@ -670,7 +677,10 @@ def main(argv: list[str] | None = None) -> int:
     if not minutes or min(minutes) <= 0:
         raise SystemExit(f"--minutes {args.minutes!r}: expected positive numbers, e.g. 1,2,4")
     given = args.recipe or [DRY_RECIPE if args.dry_run else DEFAULT_RECIPE]
-    recipes = [(name, sets + args.sets) for name, sets in parse_recipes(given + [OLD_DEFAULTS] * args.old_defaults)]
+    parsed, pinned = parse_recipes(given + [OLD_DEFAULTS] * args.old_defaults)
+    if pinned and not args.steps:
+        raise SystemExit("--recipe NAME@STEPS needs --steps: it picks some of those points")
+    recipes = [(name, sets + args.sets) for name, sets in parsed]
     # A fresh directory by default: two benches on one machine must not wipe each other's.
     # Absolute: the build and the CLI run with the workdir as their current directory.
     out = Path(args.out).resolve()
@@ -748,9 +758,9 @@ def main(argv: list[str] | None = None) -> int:
     earlier = json.loads(points_path.read_text()) if args.resumable and points_path.is_file() else []
     fixed_steps = [int(s) for s in args.steps.split(",")] if args.steps else None
     if args.parallel:
-        failed |= train_together(bench, scorer, earlier, recipes, fixed_steps, target, args, result)
+        failed |= train_together(bench, scorer, earlier, recipes, fixed_steps, pinned, target, args, result)
     else:
-        failed |= train_in_turn(bench, scorer, earlier, recipes, fixed_steps, minutes, target, args, result)
+        failed |= train_in_turn(bench, scorer, earlier, recipes, fixed_steps, pinned, minutes, target, args, result)
     if args.resumable:
         points_path.write_text(json.dumps(result["rows"], indent=1) + "\n")
 
