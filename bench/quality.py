@@ -28,11 +28,8 @@ trainer checkpoints) and recorded in --work/points.json; the next call with --re
 resumes it (`train local --resume RUN --follow`) before anything else and scores it once it ends
 (a 10-GPU-minute point over two or three 10-minute device calls); points scored by an earlier call
 are not trained again, and their rows come back into the table.
-With --parallel (and --steps), every point of the call, and every run an earlier call stopped, starts
-at once (`train local --detach --force`: the runs share the GPU, where a 95M target's launch-bound
-steps should overlap; how much they gain is not yet measured), then each is followed to its end and
-evaluated alone. Such runs compare by steps only: their step times, and so their minutes, are a
-shared GPU's (marked in the table).
+Runs train one at a time: on one H200, three runs side by side stepped at 77 ms each against
+23.7 ms alone (0.92x the throughput), so a --parallel mode was measured and removed (docs/quality.md).
 A point's training minutes are the run's measured step time (its metrics' step_time_s x steps:
 compile, evaluations and checkpoints left out), one full schedule per point (warm-up, cosine
 decay), as a user training for that long would run it. Prints a table of minutes vs tau, speedup,
@@ -49,7 +46,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,38 +218,6 @@ class Bench(LocalHostBench):
             return None, [], secs, False
         return run_id, self.records(run_id), secs, stopped
 
-    def together(
-        self, jobs: list[tuple[str, list[str]]], resumable: bool
-    ) -> list[tuple[str | None, list[dict], float, bool]]:
-        """--parallel: start every job's `train local ARGV` detached at once (`--force`: the runs
-        share the GPU), then follow each to its end (`logs tail -f`) within the budget; once the
-        budget is out the rest are stopped, as follow() stops one. Per job, as train() returns:
-        (run id or None, records, seconds from the first start to its end, stopped)."""
-        t0 = time.monotonic()
-        started = []
-        for name, argv in jobs:
-            code, _, err, _ = self.cli(
-                "train", "local", *argv, "--detach", "--force", what=f"start {name}", timeout=self.left(600)
-            )
-            found = RUN_STARTED.search(err)
-            started.append(found.group(1) if code == 0 and found else None)
-        margin = self.plan.stop_margin_s if resumable else 0.0
-        results = []
-        for (name, _), run_id in zip(jobs, started):
-            code = 1
-            if run_id is not None:
-                code, *_ = self.cli(
-                    "logs",
-                    "tail",
-                    "local",
-                    run_id,
-                    "-f",
-                    what=f"follow {name}",
-                    timeout=max(5.0, self.left(1800) - margin),
-                )
-            results.append(self.ended(run_id, code, time.monotonic() - t0, resumable))
-        return results
-
 
 def train_seconds(records: list[dict], upto: int | None = None) -> float:
     """Seconds spent in training steps (up to step `upto`): each train record's step time x the steps
@@ -402,9 +366,7 @@ def report_lines(rows: list[dict], curve: bool) -> list[str]:
         lines.append(
             " | ".join(
                 [
-                    r["recipe"]
-                    + (f" ({r['shared']} runs shared the GPU)" if r.get("shared", 1) > 1 else "")
-                    + (" (stopped: the next call resumes it)" if r.get("pending") else ""),
+                    r["recipe"] + (" (stopped: the next call resumes it)" if r.get("pending") else ""),
                     str(r["steps"]),
                     fmt(r.get("train_min")),
                     f"{fmt(r.get('tau_mean'))}/{fmt(r.get('tau'))}",
@@ -456,8 +418,6 @@ def equal_minutes_lines(rows: list[dict]) -> list[str]:
     base_name, base = curves[0]
     marks = [m for m, _ in base]
     lines = ["", f"pooled tau at {base_name}'s evaluation minutes (linear between a run's evaluations; - outside them)"]
-    if any(r.get("shared", 1) > 1 for r in rows):
-        lines.append("(runs that shared the GPU: their minutes are not one run's alone; compare them by steps)")
     lines.append("recipe | " + " | ".join(f"{m:.2f} min" for m in marks))
     for name, points in curves:
         cells = []
@@ -525,50 +485,6 @@ def train_in_turn(
             if records:
                 step_s = steady_step_s(records) or step_s
             failed |= scorer.score(row, records, cli_s, last=i == len(points) - 1)
-    return failed
-
-
-def train_together(
-    bench: Bench,
-    scorer: Scorer,
-    earlier: list[dict],
-    recipes: list[tuple[str, list[str]]],
-    steps: list[int],
-    pinned: dict[str, set[int]],
-    target: Path,
-    args: argparse.Namespace,
-    result: dict,
-) -> bool:
-    """--parallel: the runs an earlier call stopped and every new (recipe, steps) point train at once
-    on the GPU, then each is scored alone (eval times its speedup with the GPU to itself). Rows are
-    marked `shared` (runs started together): their training minutes are a shared GPU's. True if a
-    run or its eval failed."""
-    jobs: list[tuple[dict, str, list[str]]] = []  # (row, name, train argv)
-    for row in earlier:
-        result["rows"].append(row)
-        if row.get("pending"):
-            jobs.append((row, f"{row['recipe']}-{row['steps']}", ["--resume", row["run"]]))
-    done = {(r["recipe"], r["steps"]) for r in earlier}
-    for name, recipe in recipes:
-        for n in steps:
-            if (name, n) not in done and n in pinned.get(name, {n}):
-                row = {"recipe": name, "minutes": None, "steps": n, "run": None}
-                jobs.append((row, f"{name}-{n}", bench.train_argv(target, recipe, n, f"{name}-{n}", args.evals)))
-    if not jobs or bench.left(1e9) < bench.plan.min_start_s:
-        # Rows of points not started stay out of the table (and of --work/points.json): a later call trains them.
-        bench.log(f"{len(jobs)} run(s) to train together: skipped, {bench.left(1e9):.0f} s of --budget-min left")
-        return False
-    result["rows"] += [row for row, _, _ in jobs if row["run"] is None]
-    failed = False
-    outcomes = bench.together([(name, argv) for _, name, argv in jobs], args.resumable)
-    for (row, name, _), (run_id, records, secs, stopped) in zip(jobs, outcomes):
-        row["run"], row["shared"] = run_id or row["run"], len(jobs)
-        if stopped:
-            row["pending"] = True
-            bench.log(f"{name}: stopped at the call's end as {run_id}; the next --reuse call resumes it")
-            continue
-        row.pop("pending", None)
-        failed |= scorer.score(row, records, secs, last=row["steps"] == max(steps))
     return failed
 
 
@@ -650,12 +566,6 @@ def main(argv: list[str] | None = None) -> int:
         help="runs longer than one call: a run the budget would cut is stopped with a checkpoint and "
         f"recorded in --work/{POINTS}; the next call with --reuse --resumable resumes it before anything else",
     )
-    ap.add_argument(
-        "--parallel",
-        action="store_true",
-        help="with --steps: every point (and every run an earlier call stopped) trains at once on the GPU, then "
-        "each is evaluated alone; compare such runs by steps, not minutes (their step times are a shared GPU's)",
-    )
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script itself")
     ap.add_argument("--report", type=Path, help="print the tables of an earlier call's quality.json, run nothing")
     args = ap.parse_args(argv)
@@ -666,8 +576,6 @@ def main(argv: list[str] | None = None) -> int:
     plan = DRY if args.dry_run else GPU
     if args.regen_batch:
         plan = dataclasses.replace(plan, regen_batch=args.regen_batch)
-    if args.parallel and not args.steps:
-        raise SystemExit("--parallel needs --steps: minutes calibrated alone mean nothing on a shared GPU")
     if (args.reuse or args.resumable) and args.work is None:
         raise SystemExit("--reuse and --resumable need --work: the workdir kept between calls")
     try:
@@ -757,10 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     # they end; scored ones are not trained again (their rows come back into this call's table).
     earlier = json.loads(points_path.read_text()) if args.resumable and points_path.is_file() else []
     fixed_steps = [int(s) for s in args.steps.split(",")] if args.steps else None
-    if args.parallel:
-        failed |= train_together(bench, scorer, earlier, recipes, fixed_steps, pinned, target, args, result)
-    else:
-        failed |= train_in_turn(bench, scorer, earlier, recipes, fixed_steps, pinned, minutes, target, args, result)
+    failed |= train_in_turn(bench, scorer, earlier, recipes, fixed_steps, pinned, minutes, target, args, result)
     if args.resumable:
         points_path.write_text(json.dumps(result["rows"], indent=1) + "\n")
 
