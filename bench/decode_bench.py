@@ -9,6 +9,10 @@ Stages (--stages, comma-separated; each prints a table row and goes into decode_
            and eager, ms per output token against the weights' bandwidth floor
   hf       transformers' generate at batch 1 and 64, default and static cache (same weights)
   verify   one verify step (16 tokens after a 384-token cache) against one decode step
+  profile  one batch-1 decode step's kernels (compiled layer parts launched without the graph, under
+           torch.profiler): GPU time per step by kind (GEMM, attention, cache writes, fused Inductor
+           kernels, other), the GEMMs' effective bandwidth, and the step's kernel time against the
+           graph's ms/token (the rest is the gaps between kernels)
   batch    batched generation (what `data regen --engine builtin` runs): 64 prompts x 128 tokens,
            512 new, output tokens/s
   e2e      the user's path on the same random target: its greedy text of 128 prompts as JSONL
@@ -29,18 +33,42 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "remote_payload"))
 
 import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from dflash_train.config import load_config  # noqa: E402
 from dflash_train.decode import Decoder, generate  # noqa: E402
 from dflash_train.replica import build_target  # noqa: E402
 from dflash_train.target import hf_state_dict  # noqa: E402
 from dflash_train.plan import resolve_run  # noqa: E402
+
+
+# Kernel names by kind (cuBLAS on Hopper names its GEMMs nvjet_*; Inductor's kernels start triton_).
+KINDS = (
+    ("gemm", re.compile(r"gemm|gemv|nvjet|cutlass|cublas|splitk|xmma|sm90_|sm80_|aten::(mm|addmm|bmm|linear)$", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|attn|softmax", re.I)),
+    ("cache write", re.compile(r"index_copy|indexfunc|index_put|scatter", re.I)),
+    ("fused (Inductor)", re.compile(r"^triton_", re.I)),
+)
+
+
+def kind_of(name: str) -> str:
+    """The kind of a kernel (or, on the CPU, an aten op) by its name."""
+    return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
+
+
+def kernel_times(prof, device: torch.device) -> list[tuple[str, float]]:
+    """(name, microseconds) of each GPU kernel the profiler saw; on the CPU each aten op's self time."""
+    if device.type == "cuda":
+        return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return [(e.name, e.self_cpu_time_total) for e in prof.events() if e.name.startswith("aten::")]
 
 
 class Bench:
@@ -194,6 +222,46 @@ class Bench:
             }
         )
 
+    def profile(self) -> None:
+        prompt_len, _, _, _ = self.sizes
+        steps = 8
+        decoder = Decoder(self.target, 1, prompt_len + 4 * steps, graphs=False, compile=self.device.type == "cuda")
+        decoder.prefill(self.prompts(1, prompt_len))
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        for _ in range(steps):  # compiles the layer parts
+            decoder.step(ids)
+        eager_s, _ = self.timed(lambda: [decoder.step(ids) for _ in range(steps)])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                decoder.step(ids)
+            self.sync()
+        times = kernel_times(prof, self.device)
+        by_kind: dict[str, float] = defaultdict(float)
+        by_name: dict[str, float] = defaultdict(float)
+        for name, us in times:
+            by_kind[kind_of(name)] += us / 1e3 / steps
+            by_name[name] += us / 1e3 / steps
+        total = sum(by_kind.values())
+        graph_ms = next((r["ms_per_token"] for r in self.rows if r.get("row") == "ours, CUDA graphs"), None)
+        self.add(
+            {
+                "stage": "profile",
+                "row": "one decode step, batch 1, kernels (ms per step)",
+                "kernels_per_step": round(len(times) / steps, 1),
+                "kernel_ms": round(total, 3),
+                "by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+                # Every weight is read once a step, nearly all of it by the GEMMs.
+                "gemm_tb_per_s": round(self.weight_bytes() / (by_kind["gemm"] * 1e-3) / 1e12, 2)
+                if by_kind["gemm"]
+                else None,
+                "graph_ms_per_token": graph_ms,
+                "gaps_ms": round(graph_ms - total, 3) if graph_ms else None,
+                "eager_ms_per_step": round(1e3 * eager_s / steps, 2),
+                "top": [[n[:90], round(ms, 3)] for n, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]],
+            }
+        )
+
     def batch(self) -> None:
         prompt_len, _, batch, new = self.sizes
         prompts = self.prompts(batch, prompt_len)
@@ -327,14 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "decode_out")
     ap.add_argument("--work", default="/tmp/dflash-decode", help="scratch workdir for the e2e stage")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny preset: check the script itself")
-    ap.add_argument("--stages", default="decode,hf,verify,batch,e2e")
+    ap.add_argument("--stages", default="decode,hf,verify,profile,batch,e2e")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(out, args.dry_run)
     stages = args.stages.split(",")
     failed = False
-    for name in ("decode", "hf", "verify", "batch", "e2e"):
+    for name in ("decode", "hf", "verify", "profile", "batch", "e2e"):
         if name not in stages:
             continue
         print(f"=== {name}", flush=True)
