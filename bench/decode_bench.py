@@ -13,6 +13,9 @@ Stages (--stages, comma-separated; each prints a table row and goes into decode_
            torch.profiler): GPU time per step by kind (GEMM, attention, cache writes, fused Inductor
            kernels, other), the GEMMs' effective bandwidth, and the step's kernel time against the
            graph's ms/token (the rest is the gaps between kernels)
+  inductor the batch-1 decode of the decode stage with the layer parts compiled under other Inductor
+           settings (coordinate-descent tuning; max-autotune with it): ms/token and the warm-up
+           (compile) time of each, to learn whether the GEMVs gain from tuned kernels
   batch    batched generation (what `data regen --engine builtin` runs): 64 prompts x 128 tokens,
            512 new, output tokens/s
   e2e      the user's path on the same random target: its greedy text of 128 prompts as JSONL
@@ -262,6 +265,32 @@ class Bench:
             }
         )
 
+    def inductor(self) -> None:
+        prompt_len, new, _, _ = self.sizes
+        prompt = self.prompts(1, prompt_len)
+        graphs = self.device.type == "cuda"  # on the CPU (a dry run) eager: checks the loop only
+        settings = (
+            ("inductor default", {}),
+            ("coordinate-descent tuning", {"coordinate_descent_tuning": True}),
+            ("max-autotune + coordinate descent", {"max_autotune": True, "coordinate_descent_tuning": True}),
+        )
+        for label, options in settings:
+            torch._dynamo.reset()  # the parts compile again, under these settings
+            with torch._inductor.config.patch(options):
+                decoder = Decoder(self.target, 1, prompt_len + new, graphs=graphs)
+                warm_s, _ = self.timed(lambda: generate(self.target, prompt, new, decoder=decoder))
+            times = [self.timed(lambda: generate(self.target, prompt, new, decoder=decoder))[0] for _ in range(3)]
+            self.add(
+                {
+                    "stage": "inductor",
+                    "row": label,
+                    "options": options,
+                    "ms_per_token": round(1e3 * statistics.median(times) / new, 2),
+                    "warm_up_s": round(warm_s, 1),
+                }
+            )
+        torch._dynamo.reset()
+
     def batch(self) -> None:
         prompt_len, _, batch, new = self.sizes
         prompts = self.prompts(batch, prompt_len)
@@ -395,14 +424,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "decode_out")
     ap.add_argument("--work", default="/tmp/dflash-decode", help="scratch workdir for the e2e stage")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny preset: check the script itself")
-    ap.add_argument("--stages", default="decode,hf,verify,profile,batch,e2e")
+    ap.add_argument("--stages", default="decode,hf,verify,profile,inductor,batch,e2e")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(out, args.dry_run)
     stages = args.stages.split(",")
     failed = False
-    for name in ("decode", "hf", "verify", "profile", "batch", "e2e"):
+    for name in ("decode", "hf", "verify", "profile", "inductor", "batch", "e2e"):
         if name not in stages:
             continue
         print(f"=== {name}", flush=True)
