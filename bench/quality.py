@@ -586,8 +586,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--minutes {args.minutes!r}: expected positive numbers, e.g. 1,2,4")
     given = args.recipe or [DRY_RECIPE if args.dry_run else DEFAULT_RECIPE]
     parsed, pinned = parse_recipes(given + [OLD_DEFAULTS] * args.old_defaults)
-    if pinned and not args.steps:
-        raise SystemExit("--recipe NAME@STEPS needs --steps: it picks some of those points")
+    fixed_steps = [int(n) for n in args.steps.split(",")] if args.steps else None
+    points = set(fixed_steps or [])
+    stray = {name: sorted(at - points) for name, at in pinned.items() if not at <= points}
+    if stray:
+        raise SystemExit(f"--recipe NAME@STEPS picks among --steps {args.steps or '(none given)'}: not {stray}")
     recipes = [(name, sets + args.sets) for name, sets in parsed]
     # A fresh directory by default: two benches on one machine must not wipe each other's.
     # Absolute: the build and the CLI run with the workdir as their current directory.
@@ -664,7 +667,6 @@ def main(argv: list[str] | None = None) -> int:
     # --resumable: every point an earlier call started. Stopped ones are resumed first and scored once
     # they end; scored ones are not trained again (their rows come back into this call's table).
     earlier = json.loads(points_path.read_text()) if args.resumable and points_path.is_file() else []
-    fixed_steps = [int(s) for s in args.steps.split(",")] if args.steps else None
     failed |= train_in_turn(bench, scorer, earlier, recipes, fixed_steps, pinned, minutes, target, args, result)
     if args.resumable:
         points_path.write_text(json.dumps(result["rows"], indent=1) + "\n")
