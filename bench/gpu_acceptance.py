@@ -18,6 +18,9 @@ Stages (each bounded; all run even if one fails; exit 1 if any failed):
   8b-regen     `dflashctl data regen local --preset qwen3-8b --batch-size 64 --max-new-tokens 512 --follow`
                of 256 random-id prompts: output tokens/s of the batches after the first (goal >= 8,500);
                `regen:N` (e.g. regen:256) the same at --batch-size N over 4 batches
+  decode       bench/decode_bench.py's decode, profile and inductor stages: the target-only decode at
+               the 8B shape (goal <= 5.0 ms/token), where a step's GPU time goes by kernel kind, and
+               the same decode under tuned Inductor settings (issue 31 item 3)
   doctor       `dflashctl doctor local`
   imports      a fresh process importing torch, Dynamo and Inductor, twice (the warm start's largest
                part), torch's compiled-bytecode state, and the same through the workdir's bytecode
@@ -271,6 +274,37 @@ class Acceptance(LocalHostBench):
             "spec_ms_per_step": round(report["spec_ms_per_step"], 2),
             "step_cost": round(report["step_cost"], 3),
             **({"lookup": {"tau": round(free["tau"], 3), **verdict(free)}} if free else {}),
+        }
+
+    def decode(self) -> dict:
+        out = self.work / "decode"
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "bench" / "decode_bench.py"),
+                "--stages",
+                "decode,profile,inductor",
+                "--out",
+                str(out),
+                *(["--dry-run"] if self.dry else []),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=self.left(300),
+        )
+        self.log(proc.stdout[-4000:] + proc.stderr[-2000:])
+        rows = json.loads((out / "decode_bench.json").read_text())["rows"]
+        graph = next((r for r in rows if r.get("stage") == "decode" and "graphs" in r.get("row", "")), {})
+        profile = next((r for r in rows if r.get("stage") == "profile"), {})
+        return {
+            "ok": proc.returncode == 0,
+            "ms_per_token": graph.get("ms_per_token"),
+            "of_bandwidth": graph.get("of_bandwidth"),
+            "kernel_ms": profile.get("kernel_ms"),
+            "by_kind": profile.get("by_kind"),
+            "gemm_tb_per_s": profile.get("gemm_tb_per_s"),
+            "gaps_ms": profile.get("gaps_ms"),
+            "inductor": {r["row"]: [r["ms_per_token"], r["warm_up_s"]] for r in rows if r.get("stage") == "inductor"},
         }
 
     def bench(self) -> dict:
@@ -568,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         "cudagraphs": ("small-cudagraphs", acc.small_cudagraphs),
         "smallpair": ("small-pair", acc.small_pair),
         "regen": ("8b-regen", acc.regen),
+        "decode": ("8b-decode", acc.decode),
         "doctor": ("doctor", acc.doctor),
         "imports": ("imports", acc.imports),
     }
