@@ -293,6 +293,35 @@ def test_zlab_quick_start_on_the_export_is_lossless_and_stops(trained, tmp_path)
         assert (got["spec"], got["steps"]) == (reference["spec"], reference["steps"])
 
 
+def test_zlabs_own_package_decodes_the_export_as_eval_does(trained, tmp_path):
+    """Step 4 with z-lab's own code, not the export's modeling file: their PyPI package's
+    `DFlashDraftModel.from_pretrained` takes the export as it is, and their `dflash_generate` with a
+    transformers target emits the target's greedy text in the verify steps of the trainer's loop."""
+    zlab = pytest.importorskip("dflash.model", reason="z-lab's package: pip install --no-deps dflash==0.1.0")
+    transformers = pytest.importorskip("transformers")
+    from dflash_train.export import export_drafter
+
+    cfg, replica, prompts = trained
+    export = export_drafter(replica.drafter, cfg.target, tmp_path / "export", torch.float32)
+    save_target_for_transformers(replica.target, tmp_path / "target")
+    target = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32).eval()
+    draft = zlab.DFlashDraftModel.from_pretrained(export, dtype=torch.float32).eval()
+    assert (draft.block_size, draft.mask_token_id) == (cfg.drafter.block_size, cfg.drafter.mask_token_id)
+    assert list(draft.target_layer_ids) == list(replica.drafter.spec.target_layer_ids)
+    calls = []
+    target.register_forward_hook(lambda module, args, output: calls.append(1))
+    new_tokens, accepted = 24, 0
+    for prompt in prompts[:4]:
+        mine = speculate(replica.target, replica.drafter, prompt, new_tokens)
+        calls.clear()
+        out = zlab.dflash_generate(draft, target, torch.tensor([prompt]), new_tokens, None)
+        assert out[0, : len(prompt)].tolist() == prompt
+        assert out[0, len(prompt) :].tolist() == mine.tokens  # lossless: the target's greedy text (tested above)
+        assert len(calls) - 1 == len(mine.accepted)  # their verify steps (target calls after the prefill) are ours
+        accepted += len(mine.tokens) - len(mine.accepted)
+    assert accepted > 0  # drafts were accepted (17 of 96 tokens here): the loaded weights draft, not only the target
+
+
 def test_the_exports_sampling_rule_keeps_the_targets_distribution(trained, tmp_path):
     """Issue 28: spec_generate's sampled path, its helpers taken from the loaded export's module:
     a draft drawn from q and judged against p emits a first token distributed as p (the
