@@ -276,28 +276,28 @@ class Acceptance(LocalHostBench):
             **({"lookup": {"tau": round(free["tau"], 3), **verdict(free)}} if free else {}),
         }
 
-    def decode(self) -> dict:
-        out = self.work / "decode"
+    def sibling(self, script: str, args: list[str], limit_s: float) -> tuple[int, dict]:
+        """Another bench of this folder as a process (`--out` in the workdir, within `limit_s` of the
+        budget): its exit code and the JSON it wrote there; its output goes to the log."""
+        out = self.work / Path(script).stem
         proc = subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "bench" / "decode_bench.py"),
-                "--stages",
-                "decode,profile,inductor",
-                "--out",
-                str(out),
-                *(["--dry-run"] if self.dry else []),
-            ],
+            [sys.executable, str(ROOT / "bench" / script), *args, "--out", str(out)],
             capture_output=True,
             text=True,
-            timeout=self.left(300),
+            timeout=self.left(limit_s),
         )
         self.log(proc.stdout[-4000:] + proc.stderr[-2000:])
-        rows = json.loads((out / "decode_bench.json").read_text())["rows"]
+        return proc.returncode, json.loads((out / f"{Path(script).stem}.json").read_text())
+
+    def decode(self) -> dict:
+        code, data = self.sibling(
+            "decode_bench.py", ["--stages", "decode,profile,inductor", *(["--dry-run"] if self.dry else [])], 300
+        )
+        rows = data["rows"]
         graph = next((r for r in rows if r.get("stage") == "decode" and "graphs" in r.get("row", "")), {})
         profile = next((r for r in rows if r.get("stage") == "profile"), {})
         return {
-            "ok": proc.returncode == 0,
+            "ok": code == 0,
             "ms_per_token": graph.get("ms_per_token"),
             "of_bandwidth": graph.get("of_bandwidth"),
             "kernel_ms": profile.get("kernel_ms"),
@@ -310,29 +310,10 @@ class Acceptance(LocalHostBench):
     def bench(self) -> dict:
         if self.dry:
             return {"ok": True, "note": "n/a on CPU"}
-        out = self.work / "bench"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "bench" / "step_bench.py"),
-                "--plan",
-                "8b:fast:1",
-                "--steps",
-                "6",
-                "--warmup",
-                "2",
-                "--out",
-                str(out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=self.left(150),
-        )
-        self.log(proc.stdout[-3000:] + proc.stderr[-2000:])
-        data = json.loads((out / "step_bench.json").read_text())
+        code, data = self.sibling("step_bench.py", ["--plan", "8b:fast:1", "--steps", "6", "--warmup", "2"], 150)
         row = data["rows"][0]
         return {
-            "ok": proc.returncode == 0,
+            "ok": code == 0,
             "peak_tflops": round(data["peak_tflops"], 1),
             "ms_per_step": row.get("ms_per_step"),
             "tflop_per_sample": row.get("tflop_per_sample"),
