@@ -53,12 +53,13 @@ from dflash_train.target import hf_state_dict  # noqa: E402
 from dflash_train.plan import resolve_run  # noqa: E402
 
 
-# Kernel names by kind (cuBLAS on Hopper names its GEMMs nvjet_*; Inductor's kernels start triton_).
+# Kernel names by kind, the first match wins: attention before GEMM, since cuDNN's and FlashAttention's
+# kernel names carry sm90 too (cuBLAS on Hopper names its GEMMs nvjet_*; Inductor's kernels start triton_).
 KINDS = (
-    ("gemm", re.compile(r"gemm|gemv|nvjet|cutlass|cublas|splitk|xmma|sm90_|sm80_|aten::(mm|addmm|bmm|linear)$", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|attn|softmax", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|softmax", re.I)),
     ("cache write", re.compile(r"index_copy|indexfunc|index_put|scatter", re.I)),
     ("fused (Inductor)", re.compile(r"^triton_", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|nvjet|cutlass|cublas|splitk|xmma|sm90_|sm80_|aten::(mm|addmm|bmm|linear)$", re.I)),
 )
 
 
