@@ -204,15 +204,9 @@ class Bench(LocalHostBench):
             "train", "local", *argv, "--follow", what=f"train {name}", timeout=max(5.0, self.left(1800) - margin)
         )
         found = RUN_STARTED.search(err)
-        return self.ended(found.group(1) if found else None, code, secs, resumable)
-
-    def ended(
-        self, run_id: str | None, code: int, secs: float, resumable: bool
-    ) -> tuple[str | None, list[dict], float, bool]:
-        """A followed run's result, as train() returns it, from the follow's exit `code`: a follow
-        the budget cut (124) leaves the run detached, so it is stopped (a checkpoint; the GPU freed)."""
+        run_id = found.group(1) if found else None
         stopped = code == 124 and run_id is not None
-        if stopped:
+        if stopped:  # `--follow` cut by the budget, the run detached: stop it (a checkpoint) and free the GPU
             self.cli("runs", "stop", "local", run_id, what=f"stop {run_id}", timeout=120)
         if run_id is None or (code != 0 and not (stopped and resumable)):
             return None, [], secs, False

@@ -68,6 +68,7 @@ def make(out: Path, steps: int) -> dict:
 
 def vllm_child(out: Path, speculative: bool) -> None:
     """(--vllm-python) Decode the prompts with vLLM, alone or with the export as its DFlash drafter."""
+    import vllm
     from vllm import LLM, SamplingParams
 
     job = json.loads((out / "ours.json").read_text())
@@ -110,7 +111,7 @@ def vllm_child(out: Path, speculative: bool) -> None:
             for name, value in after.items()
         }
         rows.append({"tokens": tokens, "counters": delta})
-    result = {"rows": rows, "engine_start_s": round(ready - started, 1), "vllm": __import__("vllm").__version__}
+    result = {"rows": rows, "engine_start_s": round(ready - started, 1), "vllm": vllm.__version__}
     name = "vllm_spec.json" if speculative else "vllm_alone.json"
     (out / name).write_text(json.dumps(result))
 
@@ -181,7 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     alone = json.loads((out / "vllm_alone.json").read_text())
     spec = json.loads((out / "vllm_spec.json").read_text())
     problems, totals = check(job, alone, spec)
-    result = {"vllm": spec["vllm"], "steps": args.steps, "problems": problems, **totals}
+    result = {
+        "vllm": spec["vllm"],
+        "steps": args.steps,
+        "engine_start_s": {"alone": alone["engine_start_s"], "with the drafter": spec["engine_start_s"]},
+        "problems": problems,
+        **totals,
+    }
     (out / "check.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     print("vLLM decodes the export as the trainer does" if not problems else "DIFFERENCES:\n" + "\n".join(problems))
