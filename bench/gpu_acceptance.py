@@ -366,7 +366,7 @@ class Acceptance(LocalHostBench):
             "first_checkpoint_blocked_s": blocked.get(PERIODIC_CHECKPOINT),
             "periodic_checkpoint_blocked_s": blocked.get(2 * PERIODIC_CHECKPOINT),
             "checkpoint_blocked_s": blocked,
-            "checkpoint_write_s": [float(v) for v in re.findall(r"\(written in ([\d.]+) s in the background\)", text)],
+            "checkpoint_write_s": [float(v) for v in re.findall(r"\(written in ([\d.]+) s in the background", text)],
             # Page cache not yet on disk when the stop came: a large backlog throttles the stop's own write.
             "dirty_at_stop_gb": dirty_at_stop,
             "vm_dirty_ratio": read_int("/proc/sys/vm/dirty_ratio"),

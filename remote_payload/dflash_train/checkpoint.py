@@ -5,12 +5,14 @@ that turns SIGTERM/SIGINT into a clean save-and-exit. Writing one while training
 from __future__ import annotations
 
 import base64
+import errno
 import json
+import os
 import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -124,10 +126,37 @@ def _save_optim(optim: dict, path: Path) -> None:
         torch.save(optim, path)
 
 
-def write_checkpoint(out_dir: str | Path, state: CheckpointState, keep: int = 2, fail: bool = False) -> Path:
+def _fsync(path: Path) -> None:
+    """Flush a written file or a directory's entries to the disk (fsync acts on the inode, so a new
+    descriptor flushes what another one wrote). Filesystems that cannot sync a directory say EINVAL:
+    its entries are then as durable as that filesystem makes them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if not (path.is_dir() and exc.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _written(save: Callable[[], None], path: Path, durable: bool) -> None:
+    """save() writes `path`; durable: then on the disk, not only in the page cache."""
+    save()
+    if durable:
+        _fsync(path)
+
+
+def write_checkpoint(
+    out_dir: str | Path, state: CheckpointState, keep: int = 2, fail: bool = False, durable: bool = True
+) -> Path:
     """Write checkpoints/step_XXXXXXXX atomically (a temp dir, renamed once complete) and prune old
-    ones; the weights and the optimizer files are written in parallel. `fail` (debug.fail_checkpoint)
-    raises InjectedFault after those two files, before the meta: a crash in the middle of a write."""
+    ones; the weights and the optimizer files are written in parallel. `durable`: every file and the
+    rename are on the disk before this returns (a power loss never leaves a torn checkpoint that
+    --resume would take), and the page cache holds no backlog when the next write comes; without it
+    the kernel writes them back later (a stop's checkpoint: the process exits sooner). `fail`
+    (debug.fail_checkpoint) raises InjectedFault after those two files, before the meta: a crash in
+    the middle of a write."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step:08d}"
@@ -136,16 +165,20 @@ def write_checkpoint(out_dir: str | Path, state: CheckpointState, keep: int = 2,
     tmp.mkdir()
     with ThreadPoolExecutor(2, thread_name_prefix="dflash-checkpoint-file") as pool:
         files = [
-            pool.submit(save_file, state.weights, str(tmp / WEIGHTS)),
-            pool.submit(_save_optim, state.optim, tmp / OPTIM),
+            pool.submit(_written, lambda: save_file(state.weights, str(tmp / WEIGHTS)), tmp / WEIGHTS, durable),
+            pool.submit(_written, lambda: _save_optim(state.optim, tmp / OPTIM), tmp / OPTIM, durable),
         ]
         for written in files:
             written.result()
     if fail:
         raise InjectedFault(f"injected fault writing checkpoint step {state.step} (debug.fail_checkpoint)")
-    (tmp / META).write_text(json.dumps(state.meta, indent=1))
+    _written(lambda: (tmp / META).write_text(json.dumps(state.meta, indent=1)), tmp / META, durable)
+    if durable:
+        _fsync(tmp)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    if durable:
+        _fsync(root)
     for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -31,6 +31,7 @@ class _Write:
     """One background write; its thread fills in `path` and `seconds`, or `error`."""
 
     step: int
+    durable: bool
     path: Path | None = None
     seconds: float = 0.0
     error: BaseException | None = None
@@ -72,9 +73,12 @@ class CheckpointWriter:
         except (RuntimeError, MemoryError) as exc:  # host memory short: the first save allocates, as before
             self.log(f"checkpoint: host buffers not allocated ahead ({type(exc).__name__}: {exc}); the first save will")
 
-    def save(self, step: int, drafter, optimizer, scheduler, config: dict, device: torch.device) -> None:
+    def save(
+        self, step: int, drafter, optimizer, scheduler, config: dict, device: torch.device, durable: bool = True
+    ) -> None:
         """Copy the state of `step` to host memory, then write it in the background (after the
-        previous write, whose buffers the copy reuses, has finished)."""
+        previous write, whose buffers the copy reuses, has finished); `durable`: flushed to the disk
+        before it is published (see `write_checkpoint`)."""
         t0 = time.perf_counter()
         previous = self.pending.step if self.pending else None
         self.wait()
@@ -93,7 +97,7 @@ class CheckpointWriter:
             f"checkpoint step {step}: training blocked {t2 - t0:.2f} s: copied {self.buffers.nbytes / 1e9:.2f} GB "
             f"to host memory in {t2 - t1:.2f} s{fresh}{waited}; writing it in the background"
         )
-        self.pending = _Write(step)
+        self.pending = _Write(step, durable)
         state = CheckpointState(step, weights, optim, live.meta)
         self.thread = threading.Thread(target=self._write, args=(self.pending, state), name="dflash-checkpoint-writer")
         self.thread.start()
@@ -101,7 +105,9 @@ class CheckpointWriter:
     def _write(self, write: _Write, state: CheckpointState) -> None:
         t0 = time.perf_counter()
         try:
-            write.path = write_checkpoint(self.out_dir, state, self.keep, fail=state.step == self.fail_step)
+            write.path = write_checkpoint(
+                self.out_dir, state, self.keep, fail=state.step == self.fail_step, durable=write.durable
+            )
         except BaseException as exc:  # reported by the step loop's thread, which fails the run with it
             write.error = exc
         write.seconds = time.perf_counter() - t0
@@ -123,7 +129,8 @@ class CheckpointWriter:
                 f"writing the checkpoint of step {write.step} failed after {write.seconds:.1f} s: "
                 f"{type(write.error).__name__}: {write.error}"
             ) from write.error
-        self.log(f"checkpoint: {write.path} (written in {write.seconds:.2f} s in the background)")
+        where = "on disk" if write.durable else "in the page cache, which the kernel writes back after the exit"
+        self.log(f"checkpoint: {write.path} (written in {write.seconds:.2f} s in the background, {where})")
 
     def settle(self) -> None:
         """After a failed run: let the write in flight finish (its checkpoint is a good one) and log,

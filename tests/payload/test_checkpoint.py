@@ -1,8 +1,10 @@
 """Checkpoint files (issue 31): the copy to host memory keeps its step's state while training changes
 the originals, the buffers are reused, a crash in the middle of a write leaves nothing that
---resume would take, a failed background write is raised where the run waits for it, and a
-checkpoint written before issue 31 still loads. The end-to-end paths: tests/payload/test_train.py."""
+--resume would take, a durable write is on the disk before it is published, a failed background
+write is raised where the run waits for it, and a checkpoint written before issue 31 still loads.
+The end-to-end paths: tests/payload/test_train.py."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -110,6 +112,40 @@ def test_a_crash_in_the_middle_of_a_write_leaves_no_checkpoint_that_resume_takes
     assert sorted(p.name for p in (root / ".tmp_step_00000002").iterdir()) == ["drafter.safetensors", "optimizer.pt"]
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000001"]  # not pruned: step 2 never landed
     assert latest_checkpoint(tmp_path) == root / "step_00000001"
+
+
+def fsyncs_of(monkeypatch, root: Path) -> list[tuple[str, bool]]:
+    """A record of each fsync (the real one runs): the path synced, relative to `root`, and whether
+    the step-1 checkpoint was published (renamed into place) by then."""
+    calls, real = [], os.fsync
+
+    def recording(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        calls.append((str(path.relative_to(root)), (root / "checkpoints" / "step_00000001").exists()))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    return calls
+
+
+def test_a_durable_write_is_on_the_disk_before_it_is_published(tmp_path, monkeypatch):
+    """Every file and the temporary directory are flushed before the rename publishes the
+    checkpoint, and the rename itself after: a power loss cannot leave a torn one for --resume."""
+    calls = fsyncs_of(monkeypatch, tmp_path)
+    write_checkpoint(tmp_path, host_state(1, *trained(1)))
+    tmp = "checkpoints/.tmp_step_00000001"
+    before = sorted(path for path, published in calls if not published)
+    assert before == [tmp, f"{tmp}/drafter.safetensors", f"{tmp}/meta.json", f"{tmp}/optimizer.pt"]
+    assert [path for path, published in calls if published] == ["checkpoints"]
+    assert_same_training_state(load_after(tmp_path), trained(1))
+
+
+def test_a_stops_write_leaves_the_flush_to_the_kernel(tmp_path, monkeypatch):
+    """durable=False (a stop's checkpoint: the process exits sooner): no fsync, the same files."""
+    calls = fsyncs_of(monkeypatch, tmp_path)
+    write_checkpoint(tmp_path, host_state(1, *trained(1)), durable=False)
+    assert calls == []
+    assert_same_training_state(load_after(tmp_path), trained(1))
 
 
 def test_a_failed_background_write_is_raised_where_the_run_waits(tmp_path):
