@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointState, checkpoint_state, write_checkpoint
+from .checkpoint import CheckpointState, checkpoint_state, flush_later, write_checkpoint
 from .host_copy import HostBuffers
 
 
@@ -129,7 +129,14 @@ class CheckpointWriter:
                 f"writing the checkpoint of step {write.step} failed after {write.seconds:.1f} s: "
                 f"{type(write.error).__name__}: {write.error}"
             ) from write.error
-        where = "on disk" if write.durable else "in the page cache, which the kernel writes back after the exit"
+        where = "on disk"
+        if not write.durable:  # a stop's: flushed by a process that outlives this one
+            flusher = flush_later(write.path)
+            where = (
+                f"flushed to disk by `sync` (pid {flusher}) after the exit"
+                if flusher
+                else "in the page cache, which the kernel writes back after the exit"
+            )
         self.log(f"checkpoint: {write.path} (written in {write.seconds:.2f} s in the background, {where})")
 
     def settle(self) -> None:

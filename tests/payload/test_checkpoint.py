@@ -140,8 +140,9 @@ def test_a_durable_write_is_on_the_disk_before_it_is_published(tmp_path, monkeyp
     assert_same_training_state(load_after(tmp_path), trained(1))
 
 
-def test_a_stops_write_leaves_the_flush_to_the_kernel(tmp_path, monkeypatch):
-    """durable=False (a stop's checkpoint: the process exits sooner): no fsync, the same files."""
+def test_a_stops_write_does_not_wait_for_the_disk(tmp_path, monkeypatch):
+    """durable=False (a stop's checkpoint: the process exits sooner; the writer leaves the flush to a
+    `sync` process, tests/payload/test_train.py): no fsync here, the same files."""
     calls = fsyncs_of(monkeypatch, tmp_path)
     write_checkpoint(tmp_path, host_state(1, *trained(1)), durable=False)
     assert calls == []
