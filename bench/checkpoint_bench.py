@@ -7,8 +7,9 @@ The state: fp32 weights and the AdamW state of one step (a third and two thirds 
   sync   the synchronous save the trainer did before issue 31 (weights copied with .cpu(), then
          safetensors and torch.save one after the other, torch.save computing its CRC32)
   async  `CheckpointWriter.save` (the copy to host memory: what the step loop waits for) and then
-         its background write (weights and optimizer files in parallel, no CRC32)
-and prints the median of each. Files go to the page cache as the trainer's do (no fsync).
+         its background write (weights and optimizer files in parallel, no CRC32), flushed to the
+         disk as a periodic checkpoint is, then a stop's (not flushed in its wait)
+and prints the median of each. The sync save's files go to the page cache (no fsync).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def main() -> int:
     model, optimizer, scheduler = synthetic_state(args.gb, device)
     lines: list[str] = []
     writer = CheckpointWriter(args.out / "async", keep=1, log=lines.append)
-    times: dict[str, list[float]] = {"sync save": [], "async blocked": [], "async write": []}
+    times: dict[str, list[float]] = {"sync save": [], "async blocked": [], "async write": [], "a stop's write": []}
     for _ in range(args.repeat):
         shutil.rmtree(args.out, ignore_errors=True)
         (args.out / "sync").mkdir(parents=True)
@@ -73,6 +74,9 @@ def main() -> int:
         writer.wait()
         times["async blocked"].append(t1 - t0)
         times["async write"].append(float(lines[-1].split("written in ")[1].split(" s")[0]))
+        writer.save(2, model, optimizer, scheduler, {}, device, durable=False)
+        writer.wait()
+        times["a stop's write"].append(float(lines[-1].split("written in ")[1].split(" s")[0]))
     for label, values in times.items():
         print(f"{label:14s} median {statistics.median(values):6.2f} s  ({', '.join(f'{v:.2f}' for v in values)})")
     print(f"state: {writer.buffers.nbytes / 1e9:.2f} GB; the first async copy allocated its host buffers")

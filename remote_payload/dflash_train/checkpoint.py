@@ -189,8 +189,10 @@ def flush_later(path: Path) -> int | None:
     (it outlives this one): a stop's checkpoint reaches the disk seconds after the exit instead of
     at the kernel's writeback. Its pid, or None where `sync` cannot be started."""
     names = [str(p) for p in sorted(path.iterdir())] + [str(path), str(path.parent)]
+    # Its output would land in the run's log after the run's last line: none is kept.
+    quiet = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
     try:
-        return os.posix_spawnp("sync", ["sync", *names], os.environ, setsid=True)
+        return os.posix_spawnp("sync", ["sync", *names], os.environ, file_actions=quiet, setsid=True)
     except OSError:
         return None
 
