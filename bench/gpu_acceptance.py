@@ -87,11 +87,14 @@ def verdict(report: dict) -> dict:
     }
 
 
-def dirty_gb() -> float | None:
-    """Dirty and under-writeback page cache now (/proc/meminfo), GB; None where it cannot be read."""
+def memory_gb() -> dict[str, float] | None:
+    """The host's memory now (/proc/meminfo), GB: free, cached, and dirty (dirty or under
+    writeback); None where it cannot be read."""
     try:
         fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        return round(sum(int(fields[k].split()[0]) for k in ("Dirty", "Writeback")) * 1024 / 1e9, 2)
+        kb = {k: int(v.split()[0]) for k, v in fields.items()}
+        sizes = {"free": kb["MemFree"], "cached": kb["Cached"], "dirty": kb["Dirty"] + kb["Writeback"]}
+        return {k: round(v * 1024 / 1e9, 2) for k, v in sizes.items()}
     except (OSError, KeyError, ValueError):
         return None
 
@@ -341,7 +344,7 @@ class Acceptance(LocalHostBench):
         # for no write in flight.
         second = f"step_{2 * PERIODIC_CHECKPOINT:08d} (written in "
         reached = self.wait_for(lambda: second in self.log_text(run_id), self.left(200), "the second checkpoint")
-        dirty_at_stop = dirty_gb()
+        memory_at_stop = memory_gb()
         stop_began = time.time()
         code, said, secs = self.stop(run_id)
         exit_file = self.run_dir(run_id) / EXIT  # written by the supervisor once the trainer has exited
@@ -367,8 +370,9 @@ class Acceptance(LocalHostBench):
             "periodic_checkpoint_blocked_s": blocked.get(2 * PERIODIC_CHECKPOINT),
             "checkpoint_blocked_s": blocked,
             "checkpoint_write_s": [float(v) for v in re.findall(r"\(written in ([\d.]+) s in the background", text)],
-            # Page cache not yet on disk when the stop came: a large backlog throttles the stop's own write.
-            "dirty_at_stop_gb": dirty_at_stop,
+            # When the stop came: a dirty backlog throttles the stop's own write, and a page cache
+            # filling memory makes it reclaim first (the flushed checkpoints are evicted).
+            "memory_at_stop_gb": memory_at_stop,
             "vm_dirty_ratio": read_int("/proc/sys/vm/dirty_ratio"),
             "vm_dirty_background_ratio": read_int("/proc/sys/vm/dirty_background_ratio"),
             "stopped_after": re.findall(r"stopped by signal \d+ after step \d+", text)[-1:],

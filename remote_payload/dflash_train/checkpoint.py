@@ -140,11 +140,29 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _evict(path: Path) -> None:
+    """Drop a file's pages from the page cache once it is on the disk (POSIX_FADV_DONTNEED frees
+    clean pages at once): only --resume reads a checkpoint again, and 12.6 GB of cached pages per
+    8B checkpoint leave the next write (a stop's, which the stop waits for) to reclaim memory
+    before it can copy (an H200 box: 7.7 s for a stop's write after two flushed checkpoints, 2.0 s
+    for a first write). Where the call is missing or refused, the pages stay cached."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _written(save: Callable[[], None], path: Path, durable: bool) -> None:
-    """save() writes `path`; durable: then on the disk, not only in the page cache."""
+    """save() writes `path`; durable: then on the disk, not only in the page cache, and out of it."""
     save()
     if durable:
         _fsync(path)
+        _evict(path)
 
 
 def write_checkpoint(
@@ -153,10 +171,10 @@ def write_checkpoint(
     """Write checkpoints/step_XXXXXXXX atomically (a temp dir, renamed once complete) and prune old
     ones; the weights and the optimizer files are written in parallel. `durable`: every file and the
     rename are on the disk before this returns (a power loss never leaves a torn checkpoint that
-    --resume would take), and the page cache holds no backlog when the next write comes; without it
-    the kernel writes them back later (a stop's checkpoint: the process exits sooner). `fail`
-    (debug.fail_checkpoint) raises InjectedFault after those two files, before the meta: a crash in
-    the middle of a write."""
+    --resume would take), and the page cache holds neither a backlog nor the files when the next
+    write comes; without it the kernel writes them back later (a stop's checkpoint: the process
+    exits sooner). `fail` (debug.fail_checkpoint) raises InjectedFault after those two files,
+    before the meta: a crash in the middle of a write."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step:08d}"

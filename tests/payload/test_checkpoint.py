@@ -140,6 +140,32 @@ def test_a_durable_write_is_on_the_disk_before_it_is_published(tmp_path, monkeyp
     assert_same_training_state(load_after(tmp_path), trained(1))
 
 
+def test_a_durable_write_leaves_the_page_cache_once_on_the_disk(tmp_path, monkeypatch):
+    """Each file of a flushed checkpoint is dropped from the page cache after its fsync (the real
+    calls run): the stop's write, which the stop waits for, then need not reclaim its memory."""
+    calls, sync, advise = [], os.fsync, os.posix_fadvise
+
+    def name(fd):
+        return Path(os.readlink(f"/proc/self/fd/{fd}")).name
+
+    def syncing(fd):
+        calls.append(("fsync", name(fd)))
+        sync(fd)
+
+    def advising(fd, offset, length, advice):
+        calls.append(("dontneed" if advice == os.POSIX_FADV_DONTNEED else advice, name(fd)))
+        advise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "fsync", syncing)
+    monkeypatch.setattr(os, "posix_fadvise", advising)
+    write_checkpoint(tmp_path, host_state(1, *trained(1)))
+    for file in ("drafter.safetensors", "optimizer.pt", "meta.json"):
+        assert [op for op, of in calls if of == file] == ["fsync", "dontneed"]
+    calls.clear()
+    write_checkpoint(tmp_path, host_state(2, *trained(2)), durable=False)
+    assert calls == []
+
+
 def test_a_stops_write_does_not_wait_for_the_disk(tmp_path, monkeypatch):
     """durable=False (a stop's checkpoint: the process exits sooner; the writer leaves the flush to a
     `sync` process, tests/payload/test_train.py): no fsync here, the same files."""
