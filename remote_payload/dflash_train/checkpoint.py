@@ -12,18 +12,22 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .faults import InjectedFault
+from .host_copy import tensors_of, with_tensors
+from .tensor_file import write_safetensors
 
 WEIGHTS, META, OPTIM = "drafter.safetensors", "meta.json", "optimizer.pt"
+OPTIM_SHARD = "optimizer-{}.safetensors"  # the optimizer's tensors (OPTIM holds the rest)
+OPTIM_SHARDS = 4  # 2/3 of a checkpoint's bytes: written from this many threads at once, with the weights
 
 
 class StopFlag:
@@ -105,25 +109,35 @@ def checkpoint_state(step: int, drafter, optimizer, scheduler, config: dict, dev
     return CheckpointState(step, weights, optim, {"step": step, "config": config, "rng": rng_state(device)})
 
 
-@contextmanager
-def _without_crc32() -> Iterator[None]:
-    """torch.save without its CRC32 of every record (measured: 40% of the optimizer file's write
-    time), which torch.load does not need. The switch is process-wide (no torch.save argument
-    exists), so it is put back at once; torch versions without it always compute the CRC."""
-    if not hasattr(torch.serialization, "set_crc32_options"):
-        yield
-        return
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
+def _optim_files(optim: dict) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+    """The optimizer and scheduler state as written: its structure with each tensor replaced by an
+    empty placeholder (torch.save'd, a few KB), and its tensors named by their index in `tensors_of`
+    order, in OPTIM_SHARDS files of about equal size, so that they are written at once."""
+    tensors = list(tensors_of(optim))
+    structure = with_tensors(optim, (torch.empty(0) for _ in tensors))
+    total = max(1, sum(t.numel() * t.element_size() for t in tensors))
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(OPTIM_SHARDS)]
+    done = 0
+    for i, tensor in enumerate(tensors):
+        shards[min(OPTIM_SHARDS - 1, done * OPTIM_SHARDS // total)][str(i)] = tensor
+        done += tensor.numel() * tensor.element_size()
+    return structure, shards
 
 
-def _save_optim(optim: dict, path: Path) -> None:
-    with _without_crc32():
-        torch.save(optim, path)
+def _load_optim(path: Path, device: torch.device) -> dict:
+    """The {"optimizer", "scheduler"} state of checkpoint `path`: its structure from OPTIM, its
+    tensors from the shard files (or, from a checkpoint written before they existed, in OPTIM)."""
+    state = torch.load(path / OPTIM, map_location=device, weights_only=True)
+    shards = sorted(path.glob(OPTIM_SHARD.format("*")))
+    if not shards:
+        return state
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(str(shard), device=str(device)))
+    wanted = sum(1 for _ in tensors_of(state))
+    if sorted(tensors) != sorted(str(i) for i in range(wanted)):
+        raise ValueError(f"checkpoint {path}: its optimizer files hold {len(tensors)} tensors, its structure {wanted}")
+    return with_tensors(state, (tensors[str(i)] for i in range(wanted)))
 
 
 def _fsync(path: Path) -> None:
@@ -169,25 +183,28 @@ def write_checkpoint(
     out_dir: str | Path, state: CheckpointState, keep: int = 2, fail: bool = False, durable: bool = True
 ) -> Path:
     """Write checkpoints/step_XXXXXXXX atomically (a temp dir, renamed once complete) and prune old
-    ones; the weights and the optimizer files are written in parallel. `durable`: every file and the
-    rename are on the disk before this returns (a power loss never leaves a torn checkpoint that
-    --resume would take), and the page cache holds neither a backlog nor the files when the next
-    write comes; without it the kernel writes them back later (a stop's checkpoint: the process
-    exits sooner). `fail` (debug.fail_checkpoint) raises InjectedFault after those two files,
-    before the meta: a crash in the middle of a write."""
+    ones; its files (the weights, the optimizer's structure, the optimizer's tensors in OPTIM_SHARDS
+    files) are written at once, one thread each. `durable`: every file and the rename are on the
+    disk before this returns (a power loss never leaves a torn checkpoint that --resume would
+    take), and the page cache holds neither a backlog nor the files when the next write comes;
+    without it the kernel writes them back later (a stop's checkpoint: the process exits sooner).
+    `fail` (debug.fail_checkpoint) raises InjectedFault after those files, before the meta: a crash
+    in the middle of a write."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step:08d}"
     tmp = root / f".tmp_step_{state.step:08d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    with ThreadPoolExecutor(2, thread_name_prefix="dflash-checkpoint-file") as pool:
-        files = [
-            pool.submit(_written, lambda: save_file(state.weights, str(tmp / WEIGHTS)), tmp / WEIGHTS, durable),
-            pool.submit(_written, lambda: _save_optim(state.optim, tmp / OPTIM), tmp / OPTIM, durable),
+    structure, shards = _optim_files(state.optim)
+    files = {WEIGHTS: partial(write_safetensors, tensors=state.weights), OPTIM: partial(torch.save, structure)}
+    files.update({OPTIM_SHARD.format(k): partial(write_safetensors, tensors=shard) for k, shard in enumerate(shards)})
+    with ThreadPoolExecutor(len(files), thread_name_prefix="dflash-checkpoint-file") as pool:
+        written = [
+            pool.submit(_written, partial(save, tmp / name), tmp / name, durable) for name, save in files.items()
         ]
-        for written in files:
-            written.result()
+        for file in written:
+            file.result()
     if fail:
         raise InjectedFault(f"injected fault writing checkpoint step {state.step} (debug.fail_checkpoint)")
     _written(lambda: (tmp / META).write_text(json.dumps(state.meta, indent=1)), tmp / META, durable)
@@ -225,7 +242,7 @@ def load_checkpoint(path: str | Path, drafter: torch.nn.Module, optimizer, sched
     """Restore weights, optimizer, scheduler and RNG in place; returns the meta dict."""
     path = Path(path)
     drafter.load_state_dict(load_file(str(path / WEIGHTS), device=str(device)))
-    state = torch.load(path / OPTIM, map_location=device, weights_only=True)
+    state = _load_optim(path, device)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     meta = json.loads((path / META).read_text())

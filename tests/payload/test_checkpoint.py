@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dflash_train.checkpoint import checkpoint_state, latest_checkpoint, load_checkpoint, write_checkpoint
 from dflash_train.checkpoint_writer import CheckpointWriter, CheckpointWriteError
@@ -18,6 +19,7 @@ from dflash_train.faults import InjectedFault
 
 CPU = torch.device("cpu")
 OLD = Path(__file__).resolve().parent / "golden" / "old_checkpoint"
+SHARDS = [f"optimizer-{k}.safetensors" for k in range(4)]
 
 
 def trained(steps: int = 1):
@@ -68,6 +70,28 @@ def test_the_host_copy_keeps_its_steps_state_while_training_goes_on(tmp_path):
     assert_same_training_state(restored, trained(2))
 
 
+def test_the_optimizers_tensors_are_in_files_of_their_own_and_its_structure_is_small(tmp_path):
+    """optimizer.pt holds the structure only; the tensors are spread over the shard files, which
+    safetensors' own reader reads, and load back into the same training state."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    live = checkpoint_state(1, model, opt, sched, {"preset": "test"}, CPU)
+    (live.weights, live.optim), _ = HostBuffers().copy((live.weights, live.optim), CPU)
+    path = write_checkpoint(tmp_path, live)
+    shards = [load_file(str(path / name)) for name in SHARDS]
+    assert all(shards) and sum(len(s) for s in shards) == 8 * 3  # exp_avg, exp_avg_sq, step per parameter
+    assert (path / "optimizer.pt").stat().st_size < 8 * 1024 < 4 * (path / SHARDS[0]).stat().st_size
+    restored = (torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4))),)
+    restored += (torch.optim.AdamW(restored[0].parameters(), lr=0.1),)
+    restored += (torch.optim.lr_scheduler.LambdaLR(restored[1], lambda s: 1.0),)
+    load_checkpoint(path, *restored, CPU)
+    assert_same_training_state(restored, (model, opt, sched))
+
+
 def test_host_buffers_are_reused_while_the_state_keeps_its_shapes():
     buffers = HostBuffers()
     model, opt, sched = trained(1)
@@ -109,7 +133,11 @@ def test_a_crash_in_the_middle_of_a_write_leaves_no_checkpoint_that_resume_takes
     with pytest.raises(InjectedFault, match="writing checkpoint step 2"):
         write_checkpoint(tmp_path, host_state(2, *trained(2)), keep=1, fail=True)
     root = tmp_path / "checkpoints"
-    assert sorted(p.name for p in (root / ".tmp_step_00000002").iterdir()) == ["drafter.safetensors", "optimizer.pt"]
+    assert sorted(p.name for p in (root / ".tmp_step_00000002").iterdir()) == [
+        "drafter.safetensors",
+        *SHARDS,
+        "optimizer.pt",
+    ]
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000001"]  # not pruned: step 2 never landed
     assert latest_checkpoint(tmp_path) == root / "step_00000001"
 
@@ -135,7 +163,8 @@ def test_a_durable_write_is_on_the_disk_before_it_is_published(tmp_path, monkeyp
     write_checkpoint(tmp_path, host_state(1, *trained(1)))
     tmp = "checkpoints/.tmp_step_00000001"
     before = sorted(path for path, published in calls if not published)
-    assert before == [tmp, f"{tmp}/drafter.safetensors", f"{tmp}/meta.json", f"{tmp}/optimizer.pt"]
+    files = ["drafter.safetensors", "meta.json", *SHARDS, "optimizer.pt"]
+    assert before == [tmp, *(f"{tmp}/{name}" for name in files)]
     assert [path for path, published in calls if published] == ["checkpoints"]
     assert_same_training_state(load_after(tmp_path), trained(1))
 
@@ -159,7 +188,7 @@ def test_a_durable_write_leaves_the_page_cache_once_on_the_disk(tmp_path, monkey
     monkeypatch.setattr(os, "fsync", syncing)
     monkeypatch.setattr(os, "posix_fadvise", advising)
     write_checkpoint(tmp_path, host_state(1, *trained(1)))
-    for file in ("drafter.safetensors", "optimizer.pt", "meta.json"):
+    for file in ("drafter.safetensors", *SHARDS, "optimizer.pt", "meta.json"):
         assert [op for op, of in calls if of == file] == ["fsync", "dontneed"]
     calls.clear()
     write_checkpoint(tmp_path, host_state(2, *trained(2)), durable=False)
@@ -202,15 +231,17 @@ def test_a_checkpoint_written_before_issue_31_still_loads(tmp_path):
     assert_same_training_state(restored, trained(1))
 
 
-def test_a_tensor_larger_than_an_arena_shares_its_power_of_two_with_the_next(monkeypatch):
+def test_tensors_are_packed_into_arenas_and_a_larger_one_gets_its_own(monkeypatch):
     from dflash_train import host_copy
 
     monkeypatch.setattr(host_copy, "ARENA_BYTES", 256)
     f32 = torch.float32
-    big, small, other = host_copy._allocate(
-        [(torch.Size([100]), f32), (torch.Size([10]), f32), (torch.Size([30]), f32)], pin=False
+    (big, small, other, last), pinned = host_copy._allocate(
+        [(torch.Size([100]), f32), (torch.Size([10]), f32), (torch.Size([30]), f32), (torch.Size([40]), f32)],
+        pin=False,
     )
-    # 400 bytes get a 512-byte arena (what a pinned allocation of 400 would take anyway); the next 40
-    # bytes go after them, aligned to 64, and the 120 after those no longer fit there.
-    assert small.data_ptr() - big.data_ptr() == 448
-    assert other.data_ptr() - big.data_ptr() not in range(0, 512)
+    # 400 bytes fill an arena of their own; the next 40 start a 256-byte arena, the 120 after them
+    # follow aligned to 64, and the 160 after those no longer fit there.
+    assert other.data_ptr() - small.data_ptr() == 64
+    assert last.data_ptr() - small.data_ptr() not in range(0, 256)
+    assert pinned == [] and [t.nbytes for t in (big, small, other, last)] == [400, 40, 120, 160]
