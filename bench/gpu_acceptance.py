@@ -11,7 +11,8 @@ Stages (each bounded; all run even if one fails; exit 1 if any failed):
   bench        bench/step_bench.py's 8b fast row and the bf16 matmul peak, in this same call
   8b-warm-stop the same preset again (warm cache), detached, a checkpoint every 50 steps; `runs stop`
                once step 100's is written: the seconds each checkpoint blocked training (goal <= 1 s
-               for each: the host buffers are allocated in the background after step 1) and each write took
+               for each: the host buffers are allocated in the background after step 1) and each write took;
+               then `train --resume` of it (the checkpoint read back), stopped again 20 steps later
   8b-stop-compile  a cold-cache start stopped while it compiles: exit 143 at once, no compiler error logged
   small-cg     the small config with run.compile cudagraphs on one GPU, then two replicas on it
   small-pair   the small config twice on a fresh run.compile_cache_dir: time to first step cold, then warm
@@ -360,6 +361,9 @@ class Acceptance(LocalHostBench):
         start = self.start_record(recs)
         saved = list((self.run_dir(run_id) / "checkpoints").glob("step_*"))
         ok = reached and code == 0 and "stopped (143)" in said and bool(saved)
+        stopped = [int(n) for n in re.findall(r"stopped by signal \d+ after step (\d+)", text)]
+        again = self.resume_and_stop(run_id, stopped[-1]) if ok and stopped else {"resumed": False}
+        ok = ok and again["resumed"]
         shutil.rmtree(self.run_dir(run_id) / "checkpoints", ignore_errors=True)
         blocked = {int(k): float(v) for k, v in re.findall(r"checkpoint step (\d+): training blocked ([\d.]+) s", text)}
         return {
@@ -390,6 +394,28 @@ class Acceptance(LocalHostBench):
             # process's exit; stop_latency_s less this, the CLI's own wait and return.
             "exit_recorded_s": None if exit_recorded is None else round(exit_recorded, 1),
             "said": said[-200:],
+            **again,
+        }
+
+    def resume_and_stop(self, run_id: str, stopped: int) -> dict:
+        """`train --resume` from the stop's checkpoint (its files read back on the GPU), stopped again
+        20 steps later: a second sample of the stop, this one soon after a start."""
+        code, _, err, _ = self.cli("train", "local", "--resume", run_id, "--detach", timeout=self.left(60))
+        if code != 0:
+            return {"resumed": False, "note": f"--resume: exit {code}: {err.strip()[-200:]}"}
+
+        def newest_step() -> int:
+            return max((int(n) for n in re.findall(r"^step (\d+)/", self.log_text(run_id), re.M)), default=0)
+
+        reached = self.wait_for(lambda: newest_step() >= stopped + 20, self.left(150), "20 steps after the resume")
+        code, said, secs = self.stop(run_id)
+        self.keep_log(run_id, "8b-warm-stop, resumed")
+        stops = re.findall(r"--resume \(stopped ([\d.]+) s after the signal\)", self.log_text(run_id))
+        return {
+            "resumed": reached and code == 0 and "stopped (143)" in said,
+            "resumed_at_step": stopped,
+            "second_stop_latency_s": round(secs, 1),
+            "second_trainer_stop_s": float(stops[-1]) if len(stops) > 1 else None,
         }
 
     def stop_compile(self) -> dict:
