@@ -5,11 +5,11 @@ that turns SIGTERM/SIGINT into a clean save-and-exit. Writing one while training
 from __future__ import annotations
 
 import base64
-import errno
 import json
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from .checkpoint_flush import fsync_path
 from .faults import InjectedFault
 from .host_copy import tensors_of, with_tensors
 from .tensor_file import write_safetensors
@@ -140,20 +141,6 @@ def _load_optim(path: Path, device: torch.device) -> dict:
     return with_tensors(state, (tensors[str(i)] for i in range(wanted)))
 
 
-def _fsync(path: Path) -> None:
-    """Flush a written file or a directory's entries to the disk (fsync acts on the inode, so a new
-    descriptor flushes what another one wrote). Filesystems that cannot sync a directory say EINVAL:
-    its entries are then as durable as that filesystem makes them."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if not (path.is_dir() and exc.errno in (errno.EINVAL, errno.ENOTSUP)):
-            raise
-    finally:
-        os.close(fd)
-
-
 def _evict(path: Path) -> None:
     """Drop a file's pages from the page cache once it is on the disk (POSIX_FADV_DONTNEED frees
     clean pages at once): only --resume reads a checkpoint again, and 12.6 GB of cached pages per
@@ -175,21 +162,21 @@ def _written(save: Callable[[], None], path: Path, durable: bool) -> None:
     """save() writes `path`; durable: then on the disk, not only in the page cache, and out of it."""
     save()
     if durable:
-        _fsync(path)
+        fsync_path(path)
         _evict(path)
 
 
 def write_checkpoint(
     out_dir: str | Path, state: CheckpointState, keep: int = 2, fail: bool = False, durable: bool = True
 ) -> Path:
-    """Write checkpoints/step_XXXXXXXX atomically (a temp dir, renamed once complete) and prune old
-    ones; its files (the weights, the optimizer's structure, the optimizer's tensors in OPTIM_SHARDS
-    files) are written at once, one thread each. `durable`: every file and the rename are on the
-    disk before this returns (a power loss never leaves a torn checkpoint that --resume would
-    take), and the page cache holds neither a backlog nor the files when the next write comes;
-    without it the kernel writes them back later (a stop's checkpoint: the process exits sooner).
-    `fail` (debug.fail_checkpoint) raises InjectedFault after those files, before the meta: a crash
-    in the middle of a write."""
+    """Write checkpoints/step_XXXXXXXX atomically (a temp dir, renamed once complete); its files (the
+    weights, the optimizer's structure, the optimizer's tensors in OPTIM_SHARDS files) are written
+    at once, one thread each. `durable`: every file and the rename are on the disk before this
+    returns (a power loss never leaves a torn checkpoint that --resume would take), the page cache
+    holds neither a backlog nor the files when the next write comes, and the checkpoints beyond the
+    newest `keep` are then removed; without it (a stop's checkpoint: the process exits sooner) the
+    flush and the removal are left to `flush_later`. `fail` (debug.fail_checkpoint) raises
+    InjectedFault after those files, before the meta: a crash in the middle of a write."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step:08d}"
@@ -209,25 +196,33 @@ def write_checkpoint(
         raise InjectedFault(f"injected fault writing checkpoint step {state.step} (debug.fail_checkpoint)")
     _written(lambda: (tmp / META).write_text(json.dumps(state.meta, indent=1)), tmp / META, durable)
     if durable:
-        _fsync(tmp)
+        fsync_path(tmp)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     if durable:
-        _fsync(root)
-    for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        fsync_path(root)
+    if durable:
+        for old in stale_checkpoints(root, keep):
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def flush_later(path: Path) -> int | None:
-    """Start `sync` on a written checkpoint's files and directories in a process of its own session
-    (it outlives this one): a stop's checkpoint reaches the disk seconds after the exit instead of
-    at the kernel's writeback. Its pid, or None where `sync` cannot be started."""
-    names = [str(p) for p in sorted(path.iterdir())] + [str(path), str(path.parent)]
+def stale_checkpoints(root: Path, keep: int) -> list[Path]:
+    """The checkpoints under `root` beyond the newest `keep` (0: none is stale)."""
+    return sorted(root.glob("step_*"))[:-keep] if keep > 0 else []
+
+
+def flush_later(path: Path, keep: int) -> int | None:
+    """Start checkpoint_flush.py on a written checkpoint in a process of its own session (it
+    outlives this one): the checkpoint reaches the disk seconds after the exit, and then the
+    checkpoints beyond the newest `keep` are removed. Its pid, or None where it cannot be started
+    (the kernel then writes the files back, and the older checkpoints stay)."""
+    script = Path(__file__).with_name("checkpoint_flush.py")
+    argv = [sys.executable, "-I", str(script), str(path), *map(str, stale_checkpoints(path.parent, keep))]
     # Its output would land in the run's log after the run's last line: none is kept.
     quiet = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
     try:
-        return os.posix_spawnp("sync", ["sync", *names], os.environ, file_actions=quiet, setsid=True)
+        return os.posix_spawn(sys.executable, argv, os.environ, file_actions=quiet, setsid=True)
     except OSError:
         return None
 

@@ -5,6 +5,7 @@ the step loop's thread, at the next sync point or when the run waits for it."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointState, checkpoint_state, flush_later, write_checkpoint
+from .checkpoint import CheckpointState, checkpoint_state, flush_later, stale_checkpoints, write_checkpoint
 from .host_copy import HostBuffers
 
 
@@ -131,9 +132,12 @@ class CheckpointWriter:
             ) from write.error
         where = "on disk"
         if not write.durable:  # a stop's: flushed by a process that outlives this one
-            flusher = flush_later(write.path)
+            flusher = flush_later(write.path, self.keep)
+            if flusher is None:  # no process to prune after the flush: the disk must not fill up
+                for old in stale_checkpoints(write.path.parent, self.keep):
+                    shutil.rmtree(old, ignore_errors=True)
             where = (
-                f"flushed to disk by `sync` (pid {flusher}) after the exit"
+                f"flushed to disk after the exit by pid {flusher}, which then removes older checkpoints"
                 if flusher
                 else "in the page cache, which the kernel writes back after the exit"
             )

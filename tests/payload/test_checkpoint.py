@@ -196,12 +196,15 @@ def test_a_durable_write_leaves_the_page_cache_once_on_the_disk(tmp_path, monkey
 
 
 def test_a_stops_write_does_not_wait_for_the_disk(tmp_path, monkeypatch):
-    """durable=False (a stop's checkpoint: the process exits sooner; the writer leaves the flush to a
-    `sync` process, tests/payload/test_train.py): no fsync here, the same files."""
+    """durable=False (a stop's checkpoint: the process exits sooner; the writer leaves the flush and
+    the removal of older checkpoints to a process of its own, tests/payload/test_train.py): no fsync
+    here, the same files, and the checkpoint before it is still there."""
+    write_checkpoint(tmp_path, host_state(1, *trained(1)), keep=1)
     calls = fsyncs_of(monkeypatch, tmp_path)
-    write_checkpoint(tmp_path, host_state(1, *trained(1)), durable=False)
+    write_checkpoint(tmp_path, host_state(2, *trained(2)), keep=1, durable=False)
     assert calls == []
-    assert_same_training_state(load_after(tmp_path), trained(1))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
+    assert_same_training_state(load_after(tmp_path), trained(2))
 
 
 def test_a_failed_background_write_is_raised_where_the_run_waits(tmp_path):

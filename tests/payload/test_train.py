@@ -147,12 +147,15 @@ def test_resume_reproduces_the_uninterrupted_loss(tiny_run, tmp_path):
         assert got[-1]["grad_norm"] == uninterrupted[step]["grad_norm"]
         assert latest_checkpoint(resumed).name == f"step_{step:08d}"
         # The stop waited for its checkpoint's write before the run's last line; the flush to the
-        # disk is left to a `sync` process of its own (no fsync in the stop's wait), which succeeds.
+        # disk and the removal of the checkpoints it replaces are left to a process of its own (no
+        # fsync in the stop's wait), which succeeds; then the newest `keep_checkpoints` are left.
         written = f"checkpoint: {latest_checkpoint(resumed)} (written in "
         assert logs[-2].startswith(written), logs[-3:]
-        flusher = re.search(r"flushed to disk by `sync` \(pid (\d+)\) after the exit\)$", logs[-2])
+        flusher = re.search(r"flushed to disk after the exit by pid (\d+), which then removes older", logs[-2])
         assert flusher, logs[-2]
         assert os.waitpid(int(flusher.group(1)), 0)[1] == 0
+        kept = sorted(p.name for p in (resumed / "checkpoints").glob("step_*"))
+        assert len(kept) == 2 and kept[-1] == f"step_{step:08d}"
         assert logs[-1].startswith(f"stopped by signal 15 after step {step}")
         assert re.search(r"--resume \(stopped \d+\.\d s after the signal\)$", logs[-1]), logs[-1]
 

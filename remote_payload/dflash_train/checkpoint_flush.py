@@ -1,0 +1,42 @@
+"""Flush a stop's checkpoint to the disk after the trainer has exited, then remove the checkpoints it
+replaces: `python checkpoint_flush.py CHECKPOINT [OLD ...]`, started by the trainer in a session of
+its own (checkpoint.flush_later). Standard library only, run by path: it starts in milliseconds.
+
+A stop waits only for its checkpoint's files to be written into the page cache. Flushing them
+(12.6 GB at 8B) and removing the older checkpoints (on an H200 box's ext4, 4.0 s for one 12.6 GB
+checkpoint) happen here; the older ones go only once the new one is on the disk, so that a power
+loss in between still leaves a checkpoint on disk for --resume."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a written file or a directory's entries to the disk (fsync acts on the inode, so a new
+    descriptor flushes what another one wrote). Filesystems that cannot sync a directory say EINVAL:
+    its entries are then as durable as that filesystem makes them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if not (path.is_dir() and exc.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def flush_and_prune(checkpoint: Path, old: list[Path]) -> None:
+    """Flush the checkpoint's files, itself and its parent directory, then remove `old`."""
+    for path in [*sorted(checkpoint.iterdir()), checkpoint, checkpoint.parent]:
+        fsync_path(path)
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    flush_and_prune(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
