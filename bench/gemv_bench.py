@@ -9,7 +9,7 @@ in bf16 with fp32 accumulation, timed as a decode step runs it: back to back in 
 enough copies of W that they do not fit in the L2 cache (W is read from HBM every time, as in a
 step that reads 16 GB). Rows: `F.linear` (cuBLAS, what the decode runs now) and the best of a sweep
 of the GEMV's tile sizes, warps and stages; TB/s counts W's bytes. Each GEMV result is checked
-against `F.linear` (max abs difference in units of bf16 rounding). Prints a table; gemv.json.
+against `F.linear` (max abs difference in units of bf16 rounding). Prints a table; gemv_bench.json.
 """
 
 from __future__ import annotations
@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gemv.json").write_text(json.dumps({"device": str(device), "torch": torch.__version__, "rows": rows}))
+    (args.out / "gemv_bench.json").write_text(
+        json.dumps({"device": str(device), "torch": torch.__version__, "rows": rows})
+    )
     print("| shape | M | N x K | cuBLAS ms (TB/s) | GEMV ms (TB/s) | its block_n, block_k, warps, stages |")
     print("| --- | ---: | --- | ---: | ---: | --- |")
     for r in rows:

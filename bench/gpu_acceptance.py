@@ -22,6 +22,8 @@ Stages (each bounded; all run even if one fails; exit 1 if any failed):
   decode       bench/decode_bench.py's decode, profile and inductor stages: the target-only decode at
                the 8B shape (goal <= 5.0 ms/token), where a step's GPU time goes by kernel kind, and
                the same decode under tuned Inductor settings (issue 31 item 3)
+  gemv         bench/gemv_bench.py: the decode's projections at M = 1 and 16, cuBLAS against a Triton
+               GEMV of our own, TB/s of each (needs triton, which CUDA builds of torch bring)
   doctor       `dflashctl doctor local`
   imports      a fresh process importing torch, Dynamo and Inductor, twice (the warm start's largest
                part), torch's compiled-bytecode state, and the same through the workdir's bytecode
@@ -315,6 +317,13 @@ class Acceptance(LocalHostBench):
             "gemm_tb_per_s": profile.get("gemm_tb_per_s"),
             "gaps_ms": profile.get("gaps_ms"),
             "inductor": {r["row"]: [r["ms_per_token"], r["warm_up_s"]] for r in rows if r.get("stage") == "inductor"},
+        }
+
+    def gemv(self) -> dict:
+        code, data = self.sibling("gemv_bench.py", ["--dry-run"] if self.dry else [], 300)
+        return {
+            "ok": code == 0,
+            "tb_per_s": {f"{r['shape']} M={r['M']}": [r.get("cublas_tb_s"), r.get("gemv_tb_s")] for r in data["rows"]},
         }
 
     def bench(self) -> dict:
@@ -620,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         "smallpair": ("small-pair", acc.small_pair),
         "regen": ("8b-regen", acc.regen),
         "decode": ("8b-decode", acc.decode),
+        "gemv": ("8b-gemv", acc.gemv),
         "doctor": ("doctor", acc.doctor),
         "imports": ("imports", acc.imports),
     }
