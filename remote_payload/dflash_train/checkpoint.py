@@ -145,8 +145,9 @@ def _evict(path: Path) -> None:
     """Drop a file's pages from the page cache once it is on the disk (POSIX_FADV_DONTNEED frees
     clean pages at once): only --resume reads a checkpoint again, and 12.6 GB of cached pages per
     8B checkpoint leave the next write (a stop's, which the stop waits for) to reclaim memory
-    before it can copy (an H200 box: 7.7 s for a stop's write after two flushed checkpoints, 2.0 s
-    for a first write). Where the call is missing or refused, the pages stay cached."""
+    first (an H200 box: a stop's write after two flushed checkpoints 7.7 s, 5.0 s with them
+    evicted, docs/performance.md runs 20-21). Where the call is missing or refused, the pages stay
+    cached."""
     if not hasattr(os, "posix_fadvise"):
         return
     fd = os.open(path, os.O_RDONLY)
@@ -201,7 +202,6 @@ def write_checkpoint(
     tmp.rename(final)
     if durable:
         fsync_path(root)
-    if durable:
         for old in stale_checkpoints(root, keep):
             shutil.rmtree(old, ignore_errors=True)
     return final
