@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float16 if dry else torch.bfloat16
     g = torch.Generator(device="cpu").manual_seed(0)
     sweep = (
-        [(16, 32, 4, 2)]
+        [(8, 32, 4, 2), (16, 32, 4, 2)]
         if dry
-        else list(itertools.product((16, 32, 64), (256, 512), (4, 8), (3, 4)))  # block_n, block_k, warps, stages
+        else list(itertools.product((8, 16, 32, 64), (256, 512), (4, 8), (3, 4)))  # block_n, block_k, warps, stages
     )
     rows = []
     for (name, n, k), m in itertools.product(SHAPES_DRY if dry else SHAPES_8B, (1, 16)):
@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             row["cublas_ms"], row["cublas_tb_s"] = round(ms, 4), round(wbytes / ms / 1e9, 2)
         best = None
         for cfg in sweep:
+            if m > 1 and cfg[0] < 16:  # tl.dot's tiles are at least 16 wide
+                continue
             gemv(x, ws[0], y, *cfg)
             err = ulps(y, want)
             if err > 4:  # a wrong kernel is not a fast one
