@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from runs_helpers import install_standin
+from runs_helpers import install_standin, run_dir, wait_until
 from sshd import SHIM_VMID
 from test_interrupted_start import preflights_left
 from test_mux import mux  # noqa: F401 - persist hosts with a private mux directory, no mux left after
@@ -43,6 +43,10 @@ def test_ctrl_c_during_the_preflight_leaves_nothing_and_says_so(train, where, tm
     started = cli("train", where, "--no-push", "--detach", "--set", "run.steps=1")  # nothing holds the cpu
     assert started.returncode == 0, started.stderr
     assert runs_in(workdir) == [started.stdout.strip()]
+    # Its supervisor writes exit_code last: the next test's reset of the container must not race it.
+    wait_until(
+        (run_dir(workdir, started.stdout.strip()) / "exit_code").exists, timeout=120, what="the started run to end"
+    )
 
 
 @pytest.mark.parametrize("where", ["shim", "p", "loc"])
