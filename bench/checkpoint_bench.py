@@ -7,8 +7,8 @@ The state: fp32 weights and the AdamW state of one step (a third and two thirds 
   sync   the synchronous save the trainer did before issue 31 (weights copied with .cpu(), then
          safetensors and torch.save one after the other, torch.save computing its CRC32)
   async  `CheckpointWriter.save` (the copy to host memory: what the step loop waits for) and then
-         its background write (weights and optimizer files in parallel, no CRC32), flushed to the
-         disk as a periodic checkpoint is, then a stop's (not flushed in its wait)
+         its background write (all of the checkpoint's files at once, one thread each), flushed to
+         the disk as a periodic checkpoint is, then a stop's (not flushed in its wait)
 and prints the median of each. The sync save's files go to the page cache (no fsync).
 """
 

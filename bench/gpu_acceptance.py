@@ -147,10 +147,10 @@ class Acceptance(LocalHostBench):
         code, out, err, secs = self.cli("runs", "stop", "local", run_id, "--grace", str(grace), timeout=grace + 60)
         return code, (out + err).strip(), secs
 
-    def keep_log(self, run_id: str, name: str) -> None:
-        """The run's log into acceptance.log (the files that come back are few)."""
+    def keep_log(self, run_id: str, name: str, start: int = 0) -> None:
+        """The run's log from character `start` into acceptance.log (the files that come back are few)."""
         self.log(f"--- {name}: train.log of {run_id} ---")
-        self.log(self.log_text(run_id).rstrip())
+        self.log(self.log_text(run_id)[start:].rstrip())
         self.log(f"--- end of {name} ---")
 
     def add(self, row: dict) -> None:
@@ -395,7 +395,7 @@ class Acceptance(LocalHostBench):
             "vm_dirty_ratio": read_int("/proc/sys/vm/dirty_ratio"),
             "vm_dirty_background_ratio": read_int("/proc/sys/vm/dirty_background_ratio"),
             "stopped_after": re.findall(r"stopped by signal \d+ after step \d+", text)[-1:],
-            # The trainer's part of the stop (sync point, checkpoint on disk); stop_latency_s less this is the exit.
+            # The trainer's part of the stop (sync point, checkpoint written); stop_latency_s less this is the exit.
             "trainer_stop_s": next(
                 (float(s) for s in re.findall(r"--resume \(stopped ([\d.]+) s after the signal\)", text)[-1:]), None
             ),
@@ -409,6 +409,7 @@ class Acceptance(LocalHostBench):
     def resume_and_stop(self, run_id: str, stopped: int) -> dict:
         """`train --resume` from the stop's checkpoint (its files read back on the GPU), stopped again
         20 steps later: a second sample of the stop, this one soon after a start."""
+        kept = len(self.log_text(run_id))  # the stage has logged this much already
         code, _, err, _ = self.cli("train", "local", "--resume", run_id, "--detach", timeout=self.left(60))
         if code != 0:
             return {"resumed": False, "note": f"--resume: exit {code}: {err.strip()[-200:]}"}
@@ -418,7 +419,7 @@ class Acceptance(LocalHostBench):
 
         reached = self.wait_for(lambda: newest_step() >= stopped + 20, self.left(150), "20 steps after the resume")
         code, said, secs = self.stop(run_id)
-        self.keep_log(run_id, "8b-warm-stop, resumed")
+        self.keep_log(run_id, "8b-warm-stop, resumed", kept)
         stops = re.findall(r"--resume \(stopped ([\d.]+) s after the signal\)", self.log_text(run_id))
         return {
             "resumed": reached and code == 0 and "stopped (143)" in said,

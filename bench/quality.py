@@ -170,10 +170,6 @@ class Bench(LocalHostBench):
         (run id or None, its records, CLI seconds, stopped). With `resumable`, a run that would
         outlast the budget is stopped plan.stop_margin_s before its end (the trainer checkpoints on the
         stop) for a later call to resume; else it is stopped when the budget is out, and lost."""
-        return self.follow(self.train_argv(target, recipe, steps, name, evals), name, resumable)
-
-    def train_argv(self, target: Path, recipe: list[str], steps: int, name: str, evals: int) -> list[str]:
-        """`train local`'s arguments for one point (see train())."""
         every = max(1, steps // 20)
         sets = [
             f"target.path={target}",
@@ -191,7 +187,8 @@ class Bench(LocalHostBench):
                 f"run.spec_prompts={self.plan.eval_count}",
                 f"run.spec_new_tokens={self.plan.eval_new_tokens}",
             ]
-        return [*self.plan.gpus, *[a for s in sets for a in ("--set", s)], "--name", name]
+        argv = [*self.plan.gpus, *[a for s in sets for a in ("--set", s)], "--name", name]
+        return self.follow(argv, name, resumable)
 
     def resume(self, run_id: str, name: str) -> tuple[str | None, list[dict], float, bool]:
         """`train local --resume RUN --follow`: a run an earlier call stopped, from its checkpoint."""

@@ -4,8 +4,9 @@ into the page cache, and the process's end, each by how it is done.
     python3 bench/stop_bench.py --gb 12.6 --device-gb 100 --out /tmp/stop-bench
 
 write  --gb of host memory (pinned arenas, as the checkpoint writer's) written into the page cache
-       as 1, 2, 4 and 8 files, one thread each (os.write in 64 MiB pieces, no fsync): GB/s. The files
-       are evicted (fsync, then POSIX_FADV_DONTNEED) and removed between cases.
+       as 1, 2, 4 and 8 files, one thread each, as a checkpoint's files are written
+       (tensor_file.write_safetensors: os.write in 64 MiB pieces, no fsync): GB/s. The files are
+       flushed, evicted from the page cache (checkpoint_flush.evict) and removed between cases.
 exit   a fresh child process takes what the case names (a CUDA context, --device-gb of device memory,
        --gb of host memory pinned by torch's allocator in 256 MiB arenas, or by cudaHostRegister on
        an mmap with 4 KiB or transparent huge pages), touches it, prints the time and calls os._exit
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,8 +27,12 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "remote_payload"))
+
+from dflash_train.checkpoint_flush import evict, fsync_path  # noqa: E402
+from dflash_train.tensor_file import write_safetensors  # noqa: E402
+
 ARENA = 2**28
-PIECE = 2**26
 
 CHILD = r"""
 import mmap, os, sys, time, torch
@@ -61,40 +65,19 @@ def arenas(gb: float) -> list[torch.Tensor]:
     ]
 
 
-def write_file(path: Path, pieces: list[memoryview]) -> None:
-    """Write the pieces into path (os.write lets go of the GIL)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for piece in pieces:
-            view = piece
-            while view:
-                view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-
-
-def evict(path: Path) -> None:
-    """Flush the file, drop it from the page cache and remove it."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    path.unlink()
-
-
 def write_rate(out: Path, memory: list[torch.Tensor], files: int) -> float:
-    """GB/s writing `memory` as `files` files in as many threads."""
-    pieces = [memoryview(a.numpy())[i : i + PIECE] for a in memory for i in range(0, ARENA, PIECE)]
-    shares = [pieces[k::files] for k in range(files)]
-    paths = [out / f"part{k}" for k in range(files)]
+    """GB/s writing `memory` as `files` safetensors files in as many threads, as a checkpoint's are
+    written (tensor_file.write_safetensors); each file is then flushed, evicted and removed."""
+    shares = [{str(i): a for i, a in enumerate(memory[k::files])} for k in range(files)]
+    paths = [out / f"part{k}.safetensors" for k in range(files)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(files) as pool:
-        list(pool.map(write_file, paths, shares))
+        list(pool.map(write_safetensors, paths, shares))
     seconds = time.perf_counter() - t0
     for path in paths:
+        fsync_path(path)
         evict(path)
+        path.unlink()
     return sum(a.numel() for a in memory) / 1e9 / seconds
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .checkpoint_flush import fsync_path
+from .checkpoint_flush import evict, fsync_path
 from .faults import InjectedFault
 from .host_copy import tensors_of, with_tensors
 from .tensor_file import write_safetensors
@@ -136,27 +136,9 @@ def _load_optim(path: Path, device: torch.device) -> dict:
     for shard in shards:
         tensors.update(load_file(str(shard), device=str(device)))
     wanted = sum(1 for _ in tensors_of(state))
-    if sorted(tensors) != sorted(str(i) for i in range(wanted)):
+    if set(tensors) != {str(i) for i in range(wanted)}:
         raise ValueError(f"checkpoint {path}: its optimizer files hold {len(tensors)} tensors, its structure {wanted}")
     return with_tensors(state, (tensors[str(i)] for i in range(wanted)))
-
-
-def _evict(path: Path) -> None:
-    """Drop a file's pages from the page cache once it is on the disk (POSIX_FADV_DONTNEED frees
-    clean pages at once): only --resume reads a checkpoint again, and 12.6 GB of cached pages per
-    8B checkpoint leave the next write (a stop's, which the stop waits for) to reclaim memory
-    first (an H200 box: a stop's write after two flushed checkpoints 7.7 s, 5.0 s with them
-    evicted, docs/performance.md runs 20-21). Where the call is missing or refused, the pages stay
-    cached."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _written(save: Callable[[], None], path: Path, durable: bool) -> None:
@@ -164,7 +146,7 @@ def _written(save: Callable[[], None], path: Path, durable: bool) -> None:
     save()
     if durable:
         fsync_path(path)
-        _evict(path)
+        evict(path)
 
 
 def write_checkpoint(
