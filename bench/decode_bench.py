@@ -12,7 +12,8 @@ Stages (--stages, comma-separated; each prints a table row and goes into decode_
   profile  one batch-1 decode step's kernels (compiled layer parts launched without the graph, under
            torch.profiler): GPU time per step by kind (GEMM, attention, cache writes, fused Inductor
            kernels, other), the GEMMs' effective bandwidth, and the step's kernel time against the
-           graph's ms/token (the rest is the gaps between kernels)
+           graph's ms/token (the rest is the gaps between kernels); then the same for one step of a
+           regen batch (64 rows, 384 cached slots)
   inductor the batch-1 decode of the decode stage with the layer parts compiled under other Inductor
            settings (coordinate-descent tuning; max-autotune with it): ms/token and the warm-up
            (compile) time of each, to learn whether the GEMVs gain from tuned kernels
@@ -227,11 +228,18 @@ class Bench:
         )
 
     def profile(self) -> None:
-        prompt_len, _, _, _ = self.sizes
+        prompt_len, _, batch, _ = self.sizes
+        graph_ms = next((r["ms_per_token"] for r in self.rows if r.get("row") == "ours, CUDA graphs"), None)
+        self.profile_step(1, prompt_len, graph_ms)
+        # A regen batch's step halfway through its 512 new tokens (`data regen`'s default batch).
+        self.profile_step(batch, prompt_len + self.sizes[3] // 2, None)
+
+    def profile_step(self, rows: int, cached: int, graph_ms: float | None) -> None:
+        """One decode step of `rows` rows after `cached` slots, its kernels by kind (a table row)."""
         steps = 8
-        decoder = Decoder(self.target, 1, prompt_len + 4 * steps, graphs=False, compile=self.device.type == "cuda")
-        decoder.prefill(self.prompts(1, prompt_len))
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        decoder = Decoder(self.target, rows, cached + 4 * steps, graphs=False, compile=self.device.type == "cuda")
+        decoder.prefill(self.prompts(rows, cached))
+        ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
         for _ in range(steps):  # compiles the layer parts
             decoder.step(ids)
         eager_s, _ = self.timed(lambda: [decoder.step(ids) for _ in range(steps)])
@@ -247,11 +255,10 @@ class Bench:
             by_kind[kind_of(name)] += us / 1e3 / steps
             by_name[name] += us / 1e3 / steps
         total = sum(by_kind.values())
-        graph_ms = next((r["ms_per_token"] for r in self.rows if r.get("row") == "ours, CUDA graphs"), None)
         self.add(
             {
                 "stage": "profile",
-                "row": "one decode step, batch 1, kernels (ms per step)",
+                "row": f"one decode step, batch {rows}, {cached} cached slots, kernels (ms per step)",
                 "kernels_per_step": round(len(times) / steps, 1),
                 "kernel_ms": round(total, 3),
                 "by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},

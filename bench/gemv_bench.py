@@ -4,7 +4,8 @@ own, at the 8B shape (issue 31 item 3: the small GEMMs run at ~3.2 TB/s in a dec
     python3 bench/gemv_bench.py --out $OUT            # one GPU, ~3 minutes
     python3 bench/gemv_bench.py --dry-run --out /tmp/gemv   # CPU, Triton's interpreter: checks the kernels
 
-For each projection (q/k/v, o, gate/up, down, the LM head) and M tokens: y[M, N] = x[M, K] @ W[N, K]^T
+For each projection (q/k/v, o, gate/up, down, the LM head) and M tokens (1, 16; 64, a regen batch's
+step, cuBLAS only): y[M, N] = x[M, K] @ W[N, K]^T
 in bf16 with fp32 accumulation, timed as a decode step runs it: back to back in one CUDA graph over
 enough copies of W that they do not fit in the L2 cache (W is read from HBM every time, as in a
 step that reads 16 GB). Rows: `F.linear` (cuBLAS, what the decode runs now) and the best of a sweep
@@ -28,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
 
 # (name, N, K) at Qwen3-8B: hidden 4096, 32 query and 8 key-value heads of 128, MLP 12288, vocab 151936.
 SHAPES_8B = [
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         else list(itertools.product((8, 16, 32, 64), (256, 512), (4, 8), (3, 4)))  # block_n, block_k, warps, stages
     )
     rows = []
-    for (name, n, k), m in itertools.product(SHAPES_DRY if dry else SHAPES_8B, (1, 16)):
+    for (name, n, k), m in itertools.product(SHAPES_DRY if dry else SHAPES_8B, (1, 16, 64)):
         wbytes = n * k * 2
         copies = 1 if dry else max(2, -(-L2_BYTES // wbytes))
         ws = [(torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(device) for _ in range(copies)]
@@ -137,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
             ms = timed_ms(lambda i: torch.mm(x, ws[i].t(), out=y), copies, device, args.repeat)
             row["cublas_ms"], row["cublas_tb_s"] = round(ms, 4), round(wbytes / ms / 1e9, 2)
         best = None
-        for cfg in sweep:
+        for cfg in sweep if m <= 16 else ():  # M = 64 (a regen batch): cuBLAS only, for the record
             if m > 1 and cfg[0] < 16:  # tl.dot's tiles are at least 16 wide
                 continue
-            gemv(x, ws[0], y, *cfg)
+            try:
+                gemv(x, ws[0], y, *cfg)
+            except OutOfResources as exc:  # tiles x stages over the shared memory
+                row.setdefault("skipped", []).append([*cfg, type(exc).__name__])
+                continue
             err = ulps(y, want)
             if err > 4:  # a wrong kernel is not a fast one
                 row.setdefault("wrong", []).append([*cfg, round(err, 1)])
@@ -164,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         cub = f"{r['cublas_ms']} ({r['cublas_tb_s']})" if "cublas_ms" in r else "-"
         gem = f"{r['gemv_ms']} ({r['gemv_tb_s']})" if "gemv_ms" in r else "-"
-        cfg = r.get("gemv_config", "none correct")
+        cfg = r.get("gemv_config", "none correct" if r["M"] <= 16 else "-")
         print(f"| {r['shape']} | {r['M']} | {r['N']} x {r['K']} | {cub} | {gem} | {cfg} |")
-    return 0 if all("gemv_config" in r for r in rows) else 1
+    return 0 if all("gemv_config" in r for r in rows if r["M"] <= 16) else 1
 
 
 if __name__ == "__main__":
