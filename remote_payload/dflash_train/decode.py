@@ -8,7 +8,7 @@ The cache is static, as in gpt-fast: per layer one key and one value buffer [N, 
 allocated once for C positions. A step writes the new tokens' keys and values at slots
 length..length+T-1 and attends over a window of the first W slots under a mask, so that the
 step's shapes depend only on (T, W). On CUDA each (T, W) step is captured once as a CUDA graph
-and replayed (W rounds up to a multiple of `WINDOW`), and the layer's work before and after
+and replayed (W rounds up to a multiple of `window_step(C)`), and the layer's work before and after
 attention is compiled (one graph each, shared by every layer): eager, an 8B decode step is
 ~1,600 small kernels, whose gaps cost more than reading the weights (on an H200: 8.3 ms a step
 in a CUDA graph of eager layers, 6.5 ms with the parts compiled, against a 3.5 ms floor).
@@ -27,7 +27,12 @@ from .model import DecoderLayer, apply_rope, rope_cos_sin
 from .target import Qwen3Target
 from .target_hf import HFDecoder, HFTarget, left_padded
 
-WINDOW = 256  # attention window granularity under CUDA graphs: one captured graph per multiple
+# Under CUDA graphs a step attends over W slots, W a multiple of window_step(C): at most WINDOWS
+# windows per cache, each a graph captured once, and a multiple of WINDOW_ALIGN slots. The rounding
+# is read as if written: at 8B, batch 64 (a regen batch), attention is 1.2 of a step's 6.2 ms of
+# kernels at 384 slots, and a fixed 256-slot step read a third more slots than written on average.
+WINDOWS = 16
+WINDOW_ALIGN = 64
 
 
 class StepGraphs:
@@ -129,7 +134,8 @@ class Decoder:
         """Take one step of `width` tokens in every window the cache has, then forget them: on
         CUDA that compiles the layer parts and captures each step graph, a handful of steps where
         decoding the whole capacity would take one per position. Returns the steps taken."""
-        ends = list(range(WINDOW, self.capacity, WINDOW)) + [self.capacity]  # each window's last slot + 1
+        step = window_step(self.capacity)
+        ends = list(range(step, self.capacity, step)) + [self.capacity]  # each window's last slot + 1
         ids = torch.zeros(self.pad.numel(), width, dtype=torch.long, device=self.device)
         taken = 0
         for end in ends:
@@ -201,10 +207,8 @@ class CachedLayers:
         """x [N, T, H] written at `slots` [T] of keys/values [N, nkv, C, d], attending to their
         first `window` slots under a `grouped_mask` -> the layer's output [N, T, H]."""
         before, after = (before_attention, after_attention) if eager or not self.compiled else self.compiled
-        q, k, v = before(layer, x, cos, sin)
-        keys.index_copy_(2, slots, k.to(keys.dtype))
-        values.index_copy_(2, slots, v.to(values.dtype))
-        out = grouped_attention(q.to(keys.dtype), keys[:, :, :window], values[:, :, :window], mask)
+        q = before(layer, x, cos, sin, keys, values, slots)
+        out = grouped_attention(q, keys[:, :, :window], values[:, :, :window], mask)
         return after(layer, x, out)
 
 
@@ -230,20 +234,38 @@ def on_device(value: int, device: torch.device) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.long, device=device)
 
 
+def window_step(capacity: int) -> int:
+    """The granularity of the attention windows of a cache of `capacity` slots under CUDA graphs."""
+    return -(-capacity // (WINDOWS * WINDOW_ALIGN)) * WINDOW_ALIGN
+
+
 def window_for(need: int, capacity: int, graphs: bool) -> int:
-    """Slots a step attends over: exactly those written, or under graphs a multiple of WINDOW."""
-    return min(capacity, -(-need // WINDOW) * WINDOW) if graphs else need
+    """Slots a step attends over: exactly those written, or under graphs a multiple of window_step."""
+    if not graphs:
+        return need
+    step = window_step(capacity)
+    return min(capacity, -(-need // step) * step)
 
 
 def before_attention(
-    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A layer's work up to attention for new tokens x [N, T, H]: queries [N, nh, T, d], keys
-    (RoPE applied) and values [N, nkv, T, d]."""
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """A layer's work up to attention for new tokens x [N, T, H]: their keys (RoPE applied) and
+    values [N, nkv, T, d] written at `slots` [T] of keys/values [N, nkv, C, d]; the queries
+    [N, nh, T, d] in the cache's dtype. Compiled, the cache write is a store of the RoPE kernel
+    rather than two index_copy kernels of its own in every layer."""
     q, k, v = layer.self_attn.project(layer.input_layernorm(x))
+    keys.index_copy_(2, slots, apply_rope(k, cos, sin).to(keys.dtype))
+    values.index_copy_(2, slots, v.to(values.dtype))
     # Contiguous queries: grouped_attention's reshape is then a view, where it copied them for T > 1
     # (verify steps); compiled, the RoPE kernel writes this layout itself.
-    return apply_rope(q, cos, sin).contiguous(), apply_rope(k, cos, sin), v
+    return apply_rope(q, cos, sin).contiguous().to(keys.dtype)
 
 
 def after_attention(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_train.config import TargetConfig
-from dflash_train.decode import Decoder, generate, greedy, pick
+from dflash_train.decode import WINDOW_ALIGN, WINDOWS, Decoder, generate, greedy, pick, window_for, window_step
 from dflash_train.model import DFlashDrafter, DrafterSpec
 from dflash_train.speculate import DraftDecoder
 from dflash_train.target import build_tiny_target
@@ -71,10 +71,20 @@ def test_a_prefill_runs_the_head_on_each_rows_last_position_only():
 
 def test_a_warmed_up_decoder_takes_a_step_per_window_and_then_decodes_as_a_fresh_one():
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
-    decoder = Decoder(TARGET, 2, 600)  # windows end at 256, 512 and 600
-    assert decoder.warm_up() == 3 and decoder.length == 0
-    assert decoder.warm_up(width=300) == 2  # no window ends before a 300-token step fits
+    decoder = Decoder(TARGET, 2, 600)  # windows end at 64, 128, ..., 576 and 600
+    assert decoder.warm_up() == 10 and decoder.length == 0
+    assert decoder.warm_up(width=300) == 6  # no window ends before a 300-token step fits (320 on)
     assert generate(TARGET, prompts, 10, decoder=decoder) == generate(TARGET, prompts, 10)
+
+
+@pytest.mark.parametrize("capacity", [1, 63, 64, 600, 1024, 1025, 4096, 40960, 131072])
+def test_graph_windows_are_few_aligned_and_cover_every_step(capacity):
+    windows = {window_for(need, capacity, graphs=True) for need in range(1, capacity + 1)}
+    assert len(windows) <= WINDOWS and max(windows) == capacity
+    assert all(w % WINDOW_ALIGN == 0 for w in windows - {capacity})
+    for need in (1, capacity // 2 + 1, capacity):  # each step sees its slots, and under a step's rounding more
+        assert need <= window_for(need, capacity, graphs=True) < need + window_step(capacity)
+    assert window_for(capacity // 2 + 1, capacity, graphs=False) == capacity // 2 + 1
 
 
 def test_rows_stop_after_their_eos_and_the_batch_stops_when_all_have():
