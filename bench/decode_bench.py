@@ -18,7 +18,7 @@ Stages (--stages, comma-separated; each prints a table row and goes into decode_
            settings (coordinate-descent tuning; max-autotune with it): ms/token and the warm-up
            (compile) time of each, to learn whether the GEMVs gain from tuned kernels
   batch    batched generation (what `data regen --engine builtin` runs): 64 prompts x 128 tokens,
-           512 new, output tokens/s
+           512 new, output tokens/s, and how much of it the prompts' (eager) prefill takes
   e2e      the user's path on the same random target: its greedy text of 128 prompts as JSONL
            (prompts masked), `dflashctl train local --preset qwen3-8b` on it, then
            `dflashctl eval local RUN`: tau, speedup and the verify step's cost
@@ -306,6 +306,13 @@ class Bench:
         generate(self.target, prompts, new, decoder=decoder)  # warm-up: the graphs of every window
         secs, out = self.timed(lambda: generate(self.target, prompts, new, decoder=decoder))
         produced = sum(len(r) for r in out)
+        prefill_s = statistics.median(self.timed(lambda: decoder.prefill(prompts))[0] for _ in range(3))  # eager
+        # What the prefill would take through the steps' compiled layer parts (regen runs it eager).
+        compiled = decoder._layers
+        decoder._layers = lambda *args, eager=False, **kwargs: compiled(*args, **kwargs)
+        decoder.prefill(prompts)  # compiles the parts for the prompts' shape
+        compiled_s = statistics.median(self.timed(lambda: decoder.prefill(prompts))[0] for _ in range(3))
+        decoder._layers = compiled
         self.add(
             {
                 "stage": "batch",
@@ -315,6 +322,9 @@ class Bench:
                 "seconds": round(secs, 2),
                 "tokens_per_s": round(produced / secs, 1),
                 "ms_per_step": round(1e3 * secs / new, 2),
+                "prefill_s": round(prefill_s, 3),  # of `seconds`: the prompts' forward, eager
+                "prefill_compiled_s": round(compiled_s, 3),  # an experiment, not what regen runs
+                "ms_per_step_after_prefill": round(1e3 * (secs - prefill_s) / (new - 1), 2),
             }
         )
 
