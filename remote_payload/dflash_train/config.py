@@ -105,13 +105,13 @@ class RunConfig:
     steps: int | None = 300  # None (real-target preset): recipe.DEFAULT_EPOCHS epochs of the data
     epochs: int = 0  # > 0 overrides steps with epochs * batches per epoch
     log_every: int = 10
-    eval_every: int = 100
+    eval_every: int | None = 100  # None (real-target preset): recipe.EVALUATIONS a run (recipe.cadence_for)
     eval_batches: int = 4
     spec_prompts: int = 4  # held-out prompts decoded speculatively at each evaluation after step 0
     # (the real acceptance length, `spec_tau`); 0: off. Needs the whole target: it is built to its
     # last layer (not only to the last feature layer), which costs memory, not step time.
     spec_new_tokens: int = 32  # tokens generated per prompt by that decode
-    checkpoint_every: int = 100
+    checkpoint_every: int | None = 100  # None (real-target preset): likewise, at most recipe.CHECKPOINT_STEPS
     keep_checkpoints: int = 2
     seed: int = 0
     cpu_threads: int = 1  # torch intra-op threads; tiny ops gain nothing from more, and OpenMP
@@ -206,12 +206,13 @@ _SPEED_DATA = {
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"optim": {"lr": 2e-3}},  # the tiny drafter learns faster than the paper's 6e-4 allows
     # A user's own checkpoint: block 16 as z-lab's published drafters; depth, sequence shapes and
-    # run length (None) follow the target's size and the data (recipe.py, resolve.fill_config).
+    # run length (None) follow the target's size and the data (recipe.py, resolve.fill_config), the
+    # evaluation and checkpoint cadence the run length (recipe.cadence_for, once it is known).
     "real-target": {
         "drafter": {"num_layers": None, "block_size": 16},
         "data": {"max_length": None, "anchors_per_seq": None, "batch_size": None},
         # In-training tau on as many prompts and tokens as `dflashctl eval`'s defaults, so the two agree.
-        "run": {"steps": None, "spec_prompts": 16, "spec_new_tokens": 64},
+        "run": {"steps": None, "spec_prompts": 16, "spec_new_tokens": 64, "eval_every": None, "checkpoint_every": None},
     },
     "qwen3-8b": {
         "target": {

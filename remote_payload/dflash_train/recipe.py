@@ -19,6 +19,16 @@ LARGE_TARGET_HIDDEN = 2048
 DEFAULT_EPOCHS = 10
 # A run on a real target asking for more epochs than this is told that more rows would serve it better.
 MANY_EPOCHS = 2 * DEFAULT_EPOCHS
+# In-training evaluations of a real-target run with run.eval_every unset (the final one comes on top).
+# Each decodes 16 held-out prompts x 64 tokens speculatively: seconds of GPU time (1.6-3.0 s on the
+# quality bench's 95M target; at the 8B shape ~1,000 speculative steps of ~7.3 ms while tau is near 1,
+# ~200 at tau 5). Every 100 steps, the tiny preset's cadence, that would be most of a small target's
+# run (steps of 5-30 ms) and 8-25% of an 8B one's (100 steps of 0.22 s).
+EVALUATIONS = 10
+# Checkpoints of a real-target run with run.checkpoint_every unset: at every evaluation and at
+# least every this many steps (~4 minutes at the 8B shape on one H200). Every 100 steps an 8B run
+# would write its 12.6 GB state every 22 s: 2 TB an hour, more than a SATA disk can flush in time.
+CHECKPOINT_STEPS = 1000
 
 
 def epochs_note(steps: int, steps_per_epoch: int) -> str | None:
@@ -31,6 +41,14 @@ def epochs_note(steps: int, steps_per_epoch: int) -> str | None:
         f"37 epochs memorised the rows where ~10 epochs of twice the rows reached 1.4x the tau "
         f"(docs/quality.md): regenerate more prompts, or set run.epochs={DEFAULT_EPOCHS}"
     )
+
+
+def cadence_for(steps: int, log_every: int) -> tuple[int, int]:
+    """(eval_every, checkpoint_every) for a real-target run of `steps` steps: EVALUATIONS
+    evaluations, a checkpoint at each and at least every CHECKPOINT_STEPS; multiples of log_every,
+    so that they fall on steps that sync anyway."""
+    eval_every = -(-steps // (EVALUATIONS * log_every)) * log_every
+    return eval_every, min(eval_every, max(log_every, CHECKPOINT_STEPS // log_every * log_every))
 
 
 @dataclass(frozen=True)

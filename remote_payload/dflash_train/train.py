@@ -35,7 +35,7 @@ from .data import (
 )
 from .export import export_drafter
 from .model import DFlashDrafter
-from .recipe import DEFAULT_EPOCHS, epochs_note
+from .recipe import CHECKPOINT_STEPS, DEFAULT_EPOCHS, EVALUATIONS, cadence_for, epochs_note
 from .metrics import Cadence, MetricsLog, TrainMeter, train_line
 from .replica import DTYPES, Replica, drafter_ops, evaluate, stop_progress_probes
 from .plan import RunPlan, resolve_run
@@ -295,7 +295,8 @@ class Trainer:
         return True
 
     def _run_length(self) -> None:
-        """run.steps from run.epochs, or from the data where the preset leaves it unset."""
+        """run.steps from run.epochs, or from the data where the preset leaves it unset; then the
+        evaluation and checkpoint cadence where the preset leaves it unset."""
         run, per_epoch = self.cfg.run, self.sampler.steps_per_epoch
         if run.epochs > 0:
             run.steps = run.epochs * per_epoch
@@ -307,6 +308,16 @@ class Trainer:
             )
         elif self.cfg.target.path and (note := epochs_note(run.steps, per_epoch)):
             self.log(note)
+        unset = [name for name in ("eval_every", "checkpoint_every") if getattr(run, name) is None]
+        if unset:  # the real-target preset
+            eval_every, checkpoint_every = cadence_for(run.steps, run.log_every)
+            run.eval_every = run.eval_every or eval_every
+            run.checkpoint_every = run.checkpoint_every or checkpoint_every
+            self.log(
+                f"cadence: an evaluation every {run.eval_every} steps, a checkpoint every {run.checkpoint_every} "
+                f"({', '.join('run.' + name for name in unset)} unset: {EVALUATIONS} evaluations a run, "
+                f"a checkpoint at each and at least every {CHECKPOINT_STEPS} steps)"
+            )
 
     def _announce(self, resume: bool) -> None:
         """The start-up lines: the summary with every decision's reason, the workers, the config file."""

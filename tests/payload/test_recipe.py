@@ -143,6 +143,39 @@ def test_without_run_steps_a_real_target_trains_the_recipes_epochs_of_its_data(t
     assert any(line.startswith("preset: real-target") for line in logs)
 
 
+def test_a_real_target_run_evaluates_and_checkpoints_on_the_cadence_of_its_length(tmp_path):
+    from dflash_train.recipe import cadence_for
+
+    logs = train_on_a_real_tiny_target(tmp_path, "run.steps=40", "run.log_every=2")
+    assert cadence_for(40, 2) == (4, 4)
+    said = "cadence: an evaluation every 4 steps, a checkpoint every 4 (run.eval_every, run.checkpoint_every unset: "
+    assert said in "\n".join(logs)
+    evaluated = [int(line.split()[2].rstrip(":")) for line in logs if line.startswith("eval step ")]
+    assert evaluated == list(range(0, 41, 4))  # step 0, 9 on the cadence, the final one
+    resolved = (tmp_path / "run" / "config.resolved.yaml").read_text()
+    assert "eval_every: 4" in resolved and "checkpoint_every: 4" in resolved  # a resume reads these back
+
+
+def test_a_cadence_set_by_the_user_is_kept_and_the_other_follows_the_run(tmp_path):
+    logs = train_on_a_real_tiny_target(tmp_path, "run.steps=40", "run.log_every=2", "run.eval_every=20")
+    said = "cadence: an evaluation every 20 steps, a checkpoint every 4 (run.checkpoint_every unset: "
+    assert said in "\n".join(logs)
+
+
+def test_the_cadence_rule():
+    from dflash_train.recipe import CHECKPOINT_STEPS, EVALUATIONS, cadence_for
+
+    assert cadence_for(81_920, 10) == (8_200, CHECKPOINT_STEPS)  # 10 epochs of 65,536 rows on 8 GPUs at 8B
+    assert cadence_for(19_457, 10) == (1_950, CHECKPOINT_STEPS)  # the quality bench's default run
+    assert cadence_for(20, 10) == (10, 10)
+    for steps in (1, 7, 99, 100, 101, 12_345, 10**6):
+        for log_every in (1, 3, 10, 700):
+            eval_every, checkpoint_every = cadence_for(steps, log_every)
+            assert eval_every % log_every == 0 and checkpoint_every % log_every == 0
+            assert steps // eval_every <= EVALUATIONS  # evaluations before the final one
+            assert checkpoint_every <= eval_every and checkpoint_every <= max(CHECKPOINT_STEPS, log_every)
+
+
 def test_many_epochs_of_a_real_targets_rows_are_named_at_start(tmp_path):
     from dflash_train.recipe import MANY_EPOCHS
 
