@@ -5,6 +5,7 @@ that turns SIGTERM/SIGINT into a clean save-and-exit. Writing one while training
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -12,10 +13,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -141,47 +141,76 @@ def _load_optim(path: Path, device: torch.device) -> dict:
     return with_tensors(state, (tensors[str(i)] for i in range(wanted)))
 
 
-def _written(save: Callable[[], None], path: Path, durable: bool) -> None:
-    """save() writes `path`; durable: then on the disk, not only in the page cache, and out of it."""
-    save()
-    if durable:
-        fsync_path(path)
-        evict(path)
+@dataclass
+class WriteTicket:
+    """One write's hand-offs with whoever started it: `written` is set once its files are in the page
+    cache (the host memory they were written from is free again); `superseded`, set under `lock`,
+    keeps a write whose flush is still under way from being published (a stop's newer checkpoint
+    replaces it), and the write then removes its temporary directory instead."""
+
+    written: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    superseded: bool = False
+
+
+def _flushed(path: Path) -> None:
+    """A written file on the disk, not only in the page cache, and out of it."""
+    fsync_path(path)
+    evict(path)
+
+
+def temp_dir(out_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint of `step` is written before it is published (renamed into place)."""
+    return checkpoint_dir(out_dir) / f".tmp_step_{step:08d}"
 
 
 def write_checkpoint(
-    out_dir: str | Path, state: CheckpointState, keep: int = 2, fail: bool = False, durable: bool = True
-) -> Path:
+    out_dir: str | Path,
+    state: CheckpointState,
+    keep: int = 2,
+    fail: bool = False,
+    durable: bool = True,
+    ticket: WriteTicket | None = None,
+) -> Path | None:
     """Write checkpoints/step_XXXXXXXX atomically (a temp dir, renamed once complete); its files (the
     weights, the optimizer's structure, the optimizer's tensors in OPTIM_SHARDS files) are written
-    at once, one thread each. `durable`: every file and the rename are on the disk before this
-    returns (a power loss never leaves a torn checkpoint that --resume would take), the page cache
-    holds neither a backlog nor the files when the next write comes, and the checkpoints beyond the
-    newest `keep` are then removed; without it (a stop's checkpoint: the process exits sooner) the
-    flush and the removal are left to `flush_later`. `fail` (debug.fail_checkpoint) raises
-    InjectedFault after those files, before the meta: a crash in the middle of a write."""
+    at once, one thread each, then (`durable`) flushed at once. `durable`: every file and the rename
+    are on the disk before this returns (a power loss never leaves a torn checkpoint that --resume
+    would take), the page cache holds neither a backlog nor the files when the next write comes, and
+    the checkpoints beyond the newest `keep` are then removed; without it (a stop's checkpoint: the
+    process exits sooner) the flush and the removal are left to `flush_later`. `ticket`: told when
+    the files are written; a write superseded before it is published returns None and leaves
+    nothing. `fail` (debug.fail_checkpoint) raises InjectedFault after those files, before the
+    meta: a crash in the middle of a write."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step:08d}"
-    tmp = root / f".tmp_step_{state.step:08d}"
+    tmp = temp_dir(out_dir, state.step)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     structure, shards = _optim_files(state.optim)
     files = {WEIGHTS: partial(write_safetensors, tensors=state.weights), OPTIM: partial(torch.save, structure)}
     files.update({OPTIM_SHARD.format(k): partial(write_safetensors, tensors=shard) for k, shard in enumerate(shards)})
-    with ThreadPoolExecutor(len(files), thread_name_prefix="dflash-checkpoint-file") as pool:
-        written = [
-            pool.submit(_written, partial(save, tmp / name), tmp / name, durable) for name, save in files.items()
-        ]
-        for file in written:
-            file.result()
-    if fail:
-        raise InjectedFault(f"injected fault writing checkpoint step {state.step} (debug.fail_checkpoint)")
-    _written(lambda: (tmp / META).write_text(json.dumps(state.meta, indent=1)), tmp / META, durable)
-    if durable:
-        fsync_path(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    with ThreadPoolExecutor(len(files) + 1, thread_name_prefix="dflash-checkpoint-file") as pool:
+        for done in [pool.submit(save, tmp / name) for name, save in files.items()]:
+            done.result()
+        if fail:
+            raise InjectedFault(f"injected fault writing checkpoint step {state.step} (debug.fail_checkpoint)")
+        (tmp / META).write_text(json.dumps(state.meta, indent=1))
+        if ticket is not None:
+            ticket.written.set()
+        if durable:
+            for done in [pool.submit(_flushed, tmp / name) for name in [*files, META]]:
+                done.result()
+            fsync_path(tmp)
+    with ticket.lock if ticket is not None else contextlib.nullcontext():
+        published = ticket is None or not ticket.superseded
+        if published:
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+    if not published:  # a newer checkpoint replaces this one
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
     if durable:
         fsync_path(root)
         for old in stale_checkpoints(root, keep):
@@ -194,13 +223,15 @@ def stale_checkpoints(root: Path, keep: int) -> list[Path]:
     return sorted(root.glob("step_*"))[:-keep] if keep > 0 else []
 
 
-def flush_later(path: Path, keep: int) -> int | None:
+def flush_later(path: Path, keep: int, also: list[Path] = ()) -> int | None:
     """Start checkpoint_flush.py on a written checkpoint in a process of its own session (it
     outlives this one): the checkpoint reaches the disk seconds after the exit, and then the
-    checkpoints beyond the newest `keep` are removed. Its pid, or None where it cannot be started
-    (the kernel then writes the files back, and the older checkpoints stay)."""
+    checkpoints beyond the newest `keep` are removed, and `also` (superseded writes' temporary
+    directories). Its pid, or None where it cannot be started (the kernel then writes the files
+    back, and the older checkpoints stay)."""
     script = Path(__file__).with_name("checkpoint_flush.py")
-    argv = [sys.executable, "-I", str(script), str(path), *map(str, stale_checkpoints(path.parent, keep))]
+    old = [*stale_checkpoints(path.parent, keep), *also]
+    argv = [sys.executable, "-I", str(script), str(path), *map(str, old)]
     # Its output would land in the run's log after the run's last line: none is kept.
     quiet = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
     try:

@@ -5,7 +5,9 @@ write is raised where the run waits for it, and a checkpoint written before issu
 The end-to-end paths: tests/payload/test_train.py."""
 
 import os
+import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -220,6 +222,51 @@ def test_a_failed_background_write_is_raised_where_the_run_waits(tmp_path):
     assert logs[1].startswith(f"checkpoint: {tmp_path / 'checkpoints' / 'step_00000001'} (written in ")
     assert logs[2].startswith("checkpoint step 2: training blocked ") and "new host buffers" not in logs[2]
     assert len(logs) == 3
+
+
+def test_a_stops_checkpoint_waits_for_the_files_of_a_write_in_flight_not_for_their_flush(tmp_path, monkeypatch):
+    """A stop during a periodic checkpoint's flush (5-9 s at 8B): the stop's copy goes ahead once that
+    write's files are written, the stop's checkpoint is published, the superseded one never is, and
+    its temporary directory goes with the flush of the stop's (checkpoint_flush.py, a process of
+    its own). Step 1's flush is held until the stop's checkpoint is out: were the stop to wait for
+    it, the hold would run out (60 s) and fail step 1's write, and this test with it."""
+    from dflash_train import checkpoint
+
+    flushing, release, real = threading.Event(), threading.Event(), checkpoint.fsync_path
+
+    def held(path):
+        if path.parent.name == ".tmp_step_00000001":
+            flushing.set()
+            assert release.wait(60), "step 1's flush was held for 60 s: the stop waited for it"
+        real(path)
+
+    monkeypatch.setattr(checkpoint, "fsync_path", held)
+    logs = []
+    writer = CheckpointWriter(tmp_path, 2, logs.append)
+    writer.save(1, *trained(1), {"preset": "test"}, CPU)  # periodic: flushed before it is published
+    flushing.wait()
+    writer.save(2, *trained(2), {"preset": "test"}, CPU, durable=False)  # the stop's
+    writer.wait()
+    release.set()
+    ((superseded, thread),) = writer.superseded
+    thread.join()
+    pid = int(re.search(r"by pid (\d+)", logs[-1]).group(1))
+    os.waitpid(pid, 0)  # the flusher: step 2 on the disk, then step 1's temporary directory removed
+    assert superseded.path is None
+    assert logs[1] == (
+        "checkpoint step 1: its files are written, their flush to the disk is still under way; "
+        "the stop's checkpoint replaces it (it is not published)"
+    )
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]
+    assert_same_training_state(load_after(tmp_path), trained(2))
+
+
+def test_a_stops_checkpoint_reports_a_write_in_flight_that_failed(tmp_path):
+    writer = CheckpointWriter(tmp_path, 2, [].append, fail_step=1)
+    writer.save(1, *trained(1), {"preset": "test"}, CPU)
+    with pytest.raises(CheckpointWriteError, match="writing the checkpoint of step 1 failed .*InjectedFault"):
+        writer.save(2, *trained(2), {"preset": "test"}, CPU, durable=False)
+    assert writer.superseded == []
 
 
 def test_a_checkpoint_written_before_issue_31_still_loads(tmp_path):
