@@ -420,12 +420,22 @@ class Acceptance(LocalHostBench):
         reached = self.wait_for(lambda: newest_step() >= stopped + 20, self.left(150), "20 steps after the resume")
         code, said, secs = self.stop(run_id)
         self.keep_log(run_id, "8b-warm-stop, resumed", kept)
-        stops = re.findall(r"--resume \(stopped ([\d.]+) s after the signal\)", self.log_text(run_id))
+        text = self.log_text(run_id)
+        stops = re.findall(r"--resume \(stopped ([\d.]+) s after the signal\)", text)
+        # The stop's flusher outlives the trainer: once it is gone, only published checkpoints are left
+        # (a periodic write the stop superseded included: its temporary directory goes with the flush).
+        flushers = re.findall(r"flushed to disk after the exit by pid (\d+)", text)
+        if flushers:
+            self.wait_for(lambda: not pid_alive(int(flushers[-1])), self.left(60), "the stop's flusher")
+        left = sorted(p.name for p in (self.run_dir(run_id) / "checkpoints").iterdir())
         return {
-            "resumed": reached and code == 0 and "stopped (143)" in said,
+            # Nothing but published checkpoints once the flusher is done (no temporary directory).
+            "resumed": reached and code == 0 and "stopped (143)" in said and not any(n.startswith(".") for n in left),
             "resumed_at_step": stopped,
             "second_stop_latency_s": round(secs, 1),
             "second_trainer_stop_s": float(stops[-1]) if len(stops) > 1 else None,
+            "superseded_a_write": "the stop's checkpoint replaces it" in text,
+            "checkpoints_after_flush": left,
         }
 
     def stop_compile(self) -> dict:
@@ -597,6 +607,17 @@ class Acceptance(LocalHostBench):
                 f"{json.dumps(notes)[:300]} |"
             )
         return "\n".join(lines)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still exists (any owner's: signal 0 only checks)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
