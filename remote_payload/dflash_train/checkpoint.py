@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from dataclasses import dataclass, field
@@ -223,7 +224,7 @@ def stale_checkpoints(root: Path, keep: int) -> list[Path]:
     return sorted(root.glob("step_*"))[:-keep] if keep > 0 else []
 
 
-def flush_later(path: Path, keep: int, also: list[Path] = ()) -> int | None:
+def flush_later(path: Path, keep: int, also: Sequence[Path] = ()) -> int | None:
     """Start checkpoint_flush.py on a written checkpoint in a process of its own session (it
     outlives this one): the checkpoint reaches the disk seconds after the exit, and then the
     checkpoints beyond the newest `keep` are removed, and `also` (superseded writes' temporary

@@ -152,14 +152,18 @@ class CheckpointWriter:
         if write.error is not None or not thread.is_alive():
             self.wait()
             return
-        with write.ticket.lock:
+        with write.ticket.lock:  # the write publishes under this lock, or, from now on, never
             write.ticket.superseded = True
+            published = not temp_dir(self.out_dir, write.step).exists()
         self.superseded.append((write, thread))
         self.pending = self.thread = None
-        self.log(
-            f"checkpoint step {write.step}: its files are written, their flush to the disk is still under way; "
-            f"the stop's checkpoint replaces it (it is not published)"
-        )
+        if published:  # just now: only the removal of older checkpoints was left, which the exit may cut
+            self.log(f"checkpoint step {write.step}: on disk (the stop's checkpoint comes next)")
+        else:
+            self.log(
+                f"checkpoint step {write.step}: its files are written, their flush to the disk is still under "
+                f"way; the stop's checkpoint replaces it (it is not published)"
+            )
 
     def poll(self) -> None:
         """Report the write in flight if it has finished (raises CheckpointWriteError if it failed)."""

@@ -25,7 +25,7 @@ MANY_EPOCHS = 2 * DEFAULT_EPOCHS
 # ~200 at tau 5). Every 100 steps, the tiny preset's cadence, that would be most of a small target's
 # run (steps of 5-30 ms) and 8-25% of an 8B one's (100 steps of 0.22 s).
 EVALUATIONS = 10
-# Checkpoints of a real-target run with run.checkpoint_every unset: at every evaluation and at
+# Checkpoints of a real-target run with run.checkpoint_every unset: as often as evaluations, and at
 # least every this many steps (~4 minutes at the 8B shape on one H200). Every 100 steps an 8B run
 # would write its 12.6 GB state every 22 s: 2 TB an hour, more than a SATA disk can flush in time.
 CHECKPOINT_STEPS = 1000
@@ -45,7 +45,7 @@ def epochs_note(steps: int, steps_per_epoch: int) -> str | None:
 
 def cadence_for(steps: int, log_every: int) -> tuple[int, int]:
     """(eval_every, checkpoint_every) for a real-target run of `steps` steps: EVALUATIONS
-    evaluations, a checkpoint at each and at least every CHECKPOINT_STEPS; multiples of log_every,
+    evaluations, checkpoints as often and at least every CHECKPOINT_STEPS; multiples of log_every,
     so that they fall on steps that sync anyway."""
     eval_every = -(-steps // (EVALUATIONS * log_every)) * log_every
     return eval_every, min(eval_every, max(log_every, CHECKPOINT_STEPS // log_every * log_every))

@@ -316,7 +316,7 @@ class Trainer:
             self.log(
                 f"cadence: an evaluation every {run.eval_every} steps, a checkpoint every {run.checkpoint_every} "
                 f"({', '.join('run.' + name for name in unset)} unset: {EVALUATIONS} evaluations a run, "
-                f"a checkpoint at each and at least every {CHECKPOINT_STEPS} steps)"
+                f"checkpoints as often and at least every {CHECKPOINT_STEPS} steps)"
             )
 
     def _announce(self, resume: bool) -> None:
