@@ -51,6 +51,7 @@ from pathlib import Path
 
 from userpath import ROOT, LocalHostBench
 
+from dflashctl.remote.runctl.common import alive
 from dflashctl.remote.wire import EXIT
 
 SMALL = [
@@ -426,7 +427,8 @@ class Acceptance(LocalHostBench):
         # (a periodic write the stop superseded included: its temporary directory goes with the flush).
         flushers = re.findall(r"flushed to disk after the exit by pid (\d+)", text)
         if flushers:
-            self.wait_for(lambda: not pid_alive(int(flushers[-1])), self.left(60), "the stop's flusher")
+            # runctl's liveness test: a zombie the flusher's new parent has not reaped yet counts as gone.
+            self.wait_for(lambda: not alive({"pid": int(flushers[-1])}), self.left(60), "the stop's flusher")
         left = sorted(p.name for p in (self.run_dir(run_id) / "checkpoints").iterdir())
         return {
             # Nothing but published checkpoints once the flusher is done (no temporary directory).
@@ -607,17 +609,6 @@ class Acceptance(LocalHostBench):
                 f"{json.dumps(notes)[:300]} |"
             )
         return "\n".join(lines)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` still exists (any owner's: signal 0 only checks)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

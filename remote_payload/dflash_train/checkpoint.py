@@ -192,7 +192,8 @@ def write_checkpoint(
     structure, shards = _optim_files(state.optim)
     files = {WEIGHTS: partial(write_safetensors, tensors=state.weights), OPTIM: partial(torch.save, structure)}
     files.update({OPTIM_SHARD.format(k): partial(write_safetensors, tensors=shard) for k, shard in enumerate(shards)})
-    with ThreadPoolExecutor(len(files) + 1, thread_name_prefix="dflash-checkpoint-file") as pool:
+    names = [*files, META]  # what the flush covers: the meta is written last, by this thread
+    with ThreadPoolExecutor(len(names), thread_name_prefix="dflash-checkpoint-file") as pool:
         for done in [pool.submit(save, tmp / name) for name, save in files.items()]:
             done.result()
         if fail:
@@ -201,7 +202,7 @@ def write_checkpoint(
         if ticket is not None:
             ticket.written.set()
         if durable:
-            for done in [pool.submit(_flushed, tmp / name) for name in [*files, META]]:
+            for done in [pool.submit(_flushed, tmp / name) for name in names]:
                 done.result()
             fsync_path(tmp)
     with ticket.lock if ticket is not None else contextlib.nullcontext():
