@@ -147,10 +147,14 @@ class Dialogue:
     def __init__(self, target: Target, argv: Sequence[str]):
         self.target, self.argv = target, list(argv)
         self.proc: Process = target.start(self.argv)
-        self._pending = b""
-        self._stderr = bytearray()
-        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
-        self._drain.start()
+        try:  # a Ctrl-C before the caller holds this Dialogue must still kill the command
+            self._pending = b""
+            self._stderr = bytearray()
+            self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
+            self._drain.start()
+        except BaseException:
+            self.proc.kill()
+            raise
 
     def __enter__(self) -> "Dialogue":
         return self

@@ -94,16 +94,20 @@ class _GuardedProcess(Process):
     def __init__(self, owner: _GuardedTransport, argv: Sequence[str]):
         self._owner = owner
         self._token = secrets.token_hex(16)
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._stopped = False
         target = owner.target
         self._proc = target.transport.start(
             wrap_argv(target.host.container, guarded_argv(target.host.interpreter, self._token, argv))
         )
-        self._stopping = threading.Event()
-        self._lock = threading.Lock()
-        self._stopped = False
-        self.stdin = self._proc.stdin
-        self.stdout = _Until(self._proc.stdout, self._stopping)  # type: ignore[assignment]
-        self.stderr = _Until(self._proc.stderr, self._stopping)  # type: ignore[assignment]
+        try:  # a Ctrl-C before the caller holds this process still stops the command
+            self.stdin = self._proc.stdin
+            self.stdout = _Until(self._proc.stdout, self._stopping)  # type: ignore[assignment]
+            self.stderr = _Until(self._proc.stderr, self._stopping)  # type: ignore[assignment]
+        except BaseException:
+            self.kill()
+            raise
 
     def wait(self, timeout: float | None = None) -> int:
         """The command's exit code (the guard exits as it does). A settled command's first Ctrl-C

@@ -179,13 +179,13 @@ def read_frames(
 ) -> Ending:
     """Start the reader and apply its frames until the run's end frame (Dropped if it ends early)."""
     proc = target.start(argv)
-    chunks: queue.Queue[bytes | None] = queue.Queue()
-    stderr = bytearray()
-    threading.Thread(target=pump, args=(proc.stdout, chunks), daemon=True).start()
-    drainer = threading.Thread(target=drain, args=(proc.stderr, stderr), daemon=True)
-    drainer.start()
-    buf = bytearray()
-    try:
+    try:  # a Ctrl-C from here on, even while the threads start, frees the reader (below)
+        chunks: queue.Queue[bytes | None] = queue.Queue()
+        stderr = bytearray()
+        threading.Thread(target=pump, args=(proc.stdout, chunks), daemon=True).start()
+        drainer = threading.Thread(target=drain, args=(proc.stderr, stderr), daemon=True)
+        drainer.start()
+        buf = bytearray()
         while True:
             try:
                 data = chunks.get(timeout=stall_s)

@@ -113,16 +113,21 @@ class Transport(abc.ABC):
         Output goes to the callbacks when given, else it is captured in the result.
         """
         proc = self.start(argv, env=env)
-        out, err = bytearray(), bytearray()
-        errors: list[BaseException] = []
-        threads = [
-            threading.Thread(target=_pump, args=(proc, proc.stdout, on_stdout, out, 0, errors), daemon=True),
-            threading.Thread(target=_pump, args=(proc, proc.stderr, on_stderr, err, STDERR_TAIL, errors), daemon=True),
-            threading.Thread(target=_feed, args=(proc, stdin, errors), daemon=True),
-        ]
-        for t in threads:
-            t.start()
+        # From here on a Ctrl-C (the CLI's SIGINT handler raises wherever the main thread is) must
+        # kill the command, also while the threads start: the first pump may already have shown
+        # its output, which is what a user (or a test) answers with Ctrl-C.
         try:
+            out, err = bytearray(), bytearray()
+            errors: list[BaseException] = []
+            threads = [
+                threading.Thread(target=_pump, args=(proc, proc.stdout, on_stdout, out, 0, errors), daemon=True),
+                threading.Thread(
+                    target=_pump, args=(proc, proc.stderr, on_stderr, err, STDERR_TAIL, errors), daemon=True
+                ),
+                threading.Thread(target=_feed, args=(proc, stdin, errors), daemon=True),
+            ]
+            for t in threads:
+                t.start()
             code = proc.wait(timeout)
         except TimeoutError:
             proc.kill()

@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from sshd import CLI
 from test_mux import mux  # noqa: F401 - persist hosts with a private mux directory, no mux left after
 from test_quoting import PRINT_ARGS, arguments
 
+from dflashctl.errors import Interrupted
 from dflashctl.guard import run_guarded
 
 # Ignores every polite signal, forks a child that moves to a process group of its own and keeps
@@ -232,3 +235,39 @@ def test_a_late_stops_mark_is_swept_by_a_later_run(tmp_path):
     finally:
         for path in (old, young):
             Path(path).unlink(missing_ok=True)
+
+
+class _CtrlCOnThirdThread(threading.Thread):
+    """A thread whose start is where the CLI's SIGINT handler raised: the third one run starts."""
+
+    started = 0
+
+    def start(self) -> None:
+        type(self).started += 1
+        if type(self).started == 3:
+            raise Interrupted()
+        super().start()
+
+
+def test_a_ctrl_c_while_run_starts_its_threads_kills_the_command(monkeypatch):
+    """The CLI's SIGINT handler raises wherever the main thread is. A busy CI once delivered it
+    while Transport.run was still starting its stream threads (the first pump had already shown
+    the command's `ready`), outside the part that kills the command, which was left running. The
+    point is put here by a thread whose start raises, so that no timing decides it."""
+    from dflashctl import transport
+
+    started: list[transport.Process] = []
+
+    class Recording(transport.LocalTransport):
+        def start(self, argv, env=None):
+            started.append(super().start(argv, env))
+            return started[-1]
+
+    monkeypatch.setattr(transport, "threading", types.SimpleNamespace(Thread=_CtrlCOnThirdThread))
+    try:
+        with pytest.raises(Interrupted):
+            Recording().run(["sleep", "303"])
+        assert started[0].wait(0) == -signal.SIGTERM  # killed (wait(0) raises TimeoutError if it runs)
+    finally:
+        if started:
+            started[0].kill()
