@@ -173,7 +173,7 @@ def test_our_stdout_closing_ends_a_writer_that_survives_epipe(mux, where):
     finally:
         proc.kill()
     try:
-        assert proc.returncode == 255 and err == b""
+        assert (proc.returncode, err) == (255, b"")
         wait_until(lambda: not alive(pid), 60, f"{pid} to end")
     finally:
         kill_left([pid])

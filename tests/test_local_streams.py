@@ -32,7 +32,7 @@ def test_exec_ends_when_our_stdout_closes_like_ssh(shim_host, where):
     assert proc.stdout.read(10) == b"x" * 10
     proc.stdout.close()  # what `head -c 10` does next
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 255 and err == b""  # OpenSSH's exit code, and quiet
+    assert (proc.returncode, err) == (255, b"")  # OpenSSH's exit code, and quiet
 
 
 def test_exec_to_a_full_disk_is_one_line_and_255(shim_host):
@@ -55,7 +55,7 @@ def test_exec_through_the_mux_ends_when_our_stdout_closes(shim_host, tmp_path):
         assert proc.stdout.read(10) == b"x" * 10
         proc.stdout.close()
         _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 255 and err == b""
+        assert (proc.returncode, err) == (255, b"")
         assert shim_host.run_cli("exec", "p", "--", "true", env=env).returncode == 0  # the mux still serves
     finally:
         shim_host.run_cli("hosts", "disconnect", "--all", env=env)
