@@ -101,6 +101,13 @@ def _comm(pid: int) -> str:
         return ""
 
 
+# The stdin of every in-process call, never closed. `exec` forwards stdin from a thread that may
+# first read it after main() has returned (a command that ended at once, on a busy machine): had the
+# file been closed by then, its fd number would name another test's pipe or socket, and the late
+# read would steal that test's bytes (seen: `cat`'s piped input lost, reads of a directory).
+_IN_PROCESS_STDIN = open(os.devnull)
+
+
 def run_main_in_process(args: tuple[str, ...], env: dict[str, str], cwd: Path | None) -> subprocess.CompletedProcess:
     """dflashctl's main() as a subprocess would run it: argv, os.environ = env, cwd, stdin from /dev/null
     and captured stdout/stderr (no terminal), all restored after; text decoded as subprocess.run(text=True) does."""
@@ -109,27 +116,26 @@ def run_main_in_process(args: tuple[str, ...], env: dict[str, str], cwd: Path | 
     out, err = io.BytesIO(), io.BytesIO()
     saved = sys.argv, sys.stdin, sys.stdout, sys.stderr, dict(os.environ), os.getcwd(), signal.getsignal(signal.SIGINT)
     code: object = None
-    with open(os.devnull) as devnull:
-        sys.argv, sys.stdin = ["dflashctl", *args], devnull
-        sys.stdout = io.TextIOWrapper(out, encoding="utf-8", write_through=True)
-        sys.stderr = io.TextIOWrapper(err, encoding="utf-8", write_through=True)
+    sys.argv, sys.stdin = ["dflashctl", *args], _IN_PROCESS_STDIN
+    sys.stdout = io.TextIOWrapper(out, encoding="utf-8", write_through=True)
+    sys.stderr = io.TextIOWrapper(err, encoding="utf-8", write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        main()
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        texts = [io.TextIOWrapper(io.BytesIO(s.getvalue()), encoding="utf-8").read() for s in (out, err)]
+        sys.argv, sys.stdin, sys.stdout, sys.stderr = saved[:4]
         os.environ.clear()
-        os.environ.update(env)
-        try:
-            if cwd is not None:
-                os.chdir(cwd)
-            main()
-        except SystemExit as exc:
-            code = exc.code
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            texts = [io.TextIOWrapper(io.BytesIO(s.getvalue()), encoding="utf-8").read() for s in (out, err)]
-            sys.argv, sys.stdin, sys.stdout, sys.stderr = saved[:4]
-            os.environ.clear()
-            os.environ.update(saved[4])
-            os.chdir(saved[5])
-            signal.signal(signal.SIGINT, saved[6])
+        os.environ.update(saved[4])
+        os.chdir(saved[5])
+        signal.signal(signal.SIGINT, saved[6])
     assert isinstance(code, int), f"main() ended without an exit code: {code!r}"
     return subprocess.CompletedProcess(["dflashctl", *args], code, texts[0], texts[1])
 
