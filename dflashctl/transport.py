@@ -112,27 +112,30 @@ class Transport(abc.ABC):
 
         Output goes to the callbacks when given, else it is captured in the result.
         """
+        started = threading.Event()
         proc = self.start(argv, env=env)
         # From here on a Ctrl-C (the CLI's SIGINT handler raises wherever the main thread is) must
-        # kill the command, also while the threads start: the first pump may already have shown
-        # its output, which is what a user (or a test) answers with Ctrl-C.
+        # kill the command, also while the threads start. The pumps show nothing before all three
+        # have started: a Ctrl-C that answers the command's first output must not land inside
+        # Thread.start (CPython's bookkeeping breaks there and prints a KeyError of its own).
         try:
             out, err = bytearray(), bytearray()
             errors: list[BaseException] = []
             threads = [
-                threading.Thread(target=_pump, args=(proc, proc.stdout, on_stdout, out, 0, errors), daemon=True),
-                threading.Thread(
-                    target=_pump, args=(proc, proc.stderr, on_stderr, err, STDERR_TAIL, errors), daemon=True
-                ),
-                threading.Thread(target=_feed, args=(proc, stdin, errors), daemon=True),
+                threading.Thread(target=_pump, args=(proc, proc.stdout, on_stdout, out, 0, errors, started)),
+                threading.Thread(target=_pump, args=(proc, proc.stderr, on_stderr, err, STDERR_TAIL, errors, started)),
+                threading.Thread(target=_feed, args=(proc, stdin, errors)),
             ]
             for t in threads:
+                t.daemon = True
                 t.start()
+            started.set()
             code = proc.wait(timeout)
         except TimeoutError:
             proc.kill()
             raise RemoteError(f"command timed out after {timeout:g} s: {argv[0]}") from None
         except BaseException:
+            started.set()  # pumps already started drain the killed command's streams and end
             proc.kill()
             raise
         for t in threads[:2]:
@@ -144,10 +147,17 @@ class Transport(abc.ABC):
 
 
 def _pump(
-    proc: Process, stream: IO[bytes], sink: Sink | None, buf: bytearray, tail: int, errors: list[BaseException]
+    proc: Process,
+    stream: IO[bytes],
+    sink: Sink | None,
+    buf: bytearray,
+    tail: int,
+    errors: list[BaseException],
+    started: threading.Event,
 ) -> None:
-    """Move a command's output to sink (keeping its last `tail` bytes in buf), else into buf;
-    a failure goes to errors, surfaced to the caller of run."""
+    """Once `started` is set, move a command's output to sink (keeping its last `tail` bytes in
+    buf), else into buf; a failure goes to errors, surfaced to the caller of run."""
+    started.wait()
     try:
         while chunk := stream.read1(CHUNK):
             if sink is None:

@@ -263,7 +263,9 @@ def test_a_ctrl_c_while_run_starts_its_threads_kills_the_command(monkeypatch):
             started.append(super().start(argv, env))
             return started[-1]
 
-    monkeypatch.setattr(transport, "threading", types.SimpleNamespace(Thread=_CtrlCOnThirdThread))
+    monkeypatch.setattr(
+        transport, "threading", types.SimpleNamespace(Thread=_CtrlCOnThirdThread, Event=threading.Event)
+    )
     try:
         with pytest.raises(Interrupted):
             Recording().run(["sleep", "303"])
