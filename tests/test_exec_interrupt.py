@@ -251,9 +251,9 @@ class _CtrlCOnThirdThread(threading.Thread):
 
 def test_a_ctrl_c_while_run_starts_its_threads_kills_the_command(monkeypatch):
     """The CLI's SIGINT handler raises wherever the main thread is. A busy CI once delivered it
-    while Transport.run was still starting its stream threads (the first pump had already shown
-    the command's `ready`), outside the part that kills the command, which was left running. The
-    point is put here by a thread whose start raises, so that no timing decides it."""
+    while Transport.run was still starting its stream threads, outside the part that kills the
+    command, which was left running. The point is put here by a thread whose start raises, so that
+    no timing decides it."""
     from dflashctl import transport
 
     started: list[transport.Process] = []
@@ -263,6 +263,7 @@ def test_a_ctrl_c_while_run_starts_its_threads_kills_the_command(monkeypatch):
             started.append(super().start(argv, env))
             return started[-1]
 
+    monkeypatch.setattr(_CtrlCOnThirdThread, "started", 0)
     monkeypatch.setattr(
         transport, "threading", types.SimpleNamespace(Thread=_CtrlCOnThirdThread, Event=threading.Event)
     )
