@@ -122,12 +122,15 @@ class Transport(abc.ABC):
             out, err = bytearray(), bytearray()
             errors: list[BaseException] = []
             threads = [
-                threading.Thread(target=_pump, args=(proc, proc.stdout, on_stdout, out, 0, errors, started)),
-                threading.Thread(target=_pump, args=(proc, proc.stderr, on_stderr, err, STDERR_TAIL, errors, started)),
-                threading.Thread(target=_feed, args=(proc, stdin, errors)),
+                threading.Thread(
+                    target=_pump, args=(proc, proc.stdout, on_stdout, out, 0, errors, started), daemon=True
+                ),
+                threading.Thread(
+                    target=_pump, args=(proc, proc.stderr, on_stderr, err, STDERR_TAIL, errors, started), daemon=True
+                ),
+                threading.Thread(target=_feed, args=(proc, stdin, errors), daemon=True),
             ]
             for t in threads:
-                t.daemon = True
                 t.start()
             started.set()
             code = proc.wait(timeout)

@@ -237,18 +237,6 @@ def test_a_late_stops_mark_is_swept_by_a_later_run(tmp_path):
             Path(path).unlink(missing_ok=True)
 
 
-class _CtrlCOnThirdThread(threading.Thread):
-    """A thread whose start is where the CLI's SIGINT handler raised: the third one run starts."""
-
-    started = 0
-
-    def start(self) -> None:
-        type(self).started += 1
-        if type(self).started == 3:
-            raise Interrupted()
-        super().start()
-
-
 def test_a_ctrl_c_while_run_starts_its_threads_kills_the_command(monkeypatch):
     """The CLI's SIGINT handler raises wherever the main thread is. A busy CI once delivered it
     while Transport.run was still starting its stream threads, outside the part that kills the
@@ -257,16 +245,23 @@ def test_a_ctrl_c_while_run_starts_its_threads_kills_the_command(monkeypatch):
     from dflashctl import transport
 
     started: list[transport.Process] = []
+    starts: list[threading.Thread] = []
+
+    class CtrlCOnThirdStart(threading.Thread):
+        """A thread whose start is where the CLI's SIGINT handler raised: the third one run starts."""
+
+        def start(self) -> None:
+            starts.append(self)
+            if len(starts) == 3:
+                raise Interrupted()
+            super().start()
 
     class Recording(transport.LocalTransport):
         def start(self, argv, env=None):
             started.append(super().start(argv, env))
             return started[-1]
 
-    monkeypatch.setattr(_CtrlCOnThirdThread, "started", 0)
-    monkeypatch.setattr(
-        transport, "threading", types.SimpleNamespace(Thread=_CtrlCOnThirdThread, Event=threading.Event)
-    )
+    monkeypatch.setattr(transport, "threading", types.SimpleNamespace(Thread=CtrlCOnThirdStart, Event=threading.Event))
     try:
         with pytest.raises(Interrupted):
             Recording().run(["sleep", "303"])
