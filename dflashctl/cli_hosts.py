@@ -64,7 +64,7 @@ def hosts_trust(
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation (scripts)."),
 ) -> None:
     """Show a host's SSH key fingerprint and record it as trusted."""
-    from .ssh import trust_host
+    from .host_trust import trust_host
 
     session = app_state(ctx).session()
     trust_host(session.host(host), confirm=None if yes else _confirm)

@@ -11,7 +11,6 @@ import base64
 import getpass
 import hashlib
 import logging
-import os
 import shlex
 import re
 import socket
@@ -38,7 +37,6 @@ def _import_paramiko():  # type: ignore[no-untyped-def]
 
 
 paramiko = _import_paramiko()
-from rich.console import Console  # noqa: E402
 
 from .errors import ConnectError, DflashError, UsageError  # noqa: E402
 from .inventory import HostSpec  # noqa: E402
@@ -285,7 +283,7 @@ class SshTransport(Transport):
                     continue
                 extra.channels.append(channel)
                 return transport, channel
-            extra = _Overflow(_retrying(self.options, self._connect_once))
+            extra = _Overflow(retrying(self.options, self._connect_once))
             self._overflow.append(extra)  # before its first session, so close() covers it
             transport = extra.client.get_transport()
             transport.set_keepalive(self.options.keepalive_s)
@@ -329,7 +327,7 @@ class SshTransport(Transport):
                 if transport is not None and transport.is_active():
                     return transport
                 self._close_locked()
-            self._client = _retrying(self.options, self._connect_once)
+            self._client = retrying(self.options, self._connect_once)
             transport = self._client.get_transport()
             assert transport is not None
             transport.set_keepalive(self.options.keepalive_s)
@@ -365,7 +363,7 @@ class SshTransport(Transport):
         client.set_missing_host_key_policy(_RefuseUnknown())
         timeout = self.options.connect_timeout
         try:
-            with _mapped_errors(ep, self.options):
+            with mapped_errors(ep, self.options):
                 client.connect(
                     ep.hostname,
                     ep.port,
@@ -391,7 +389,7 @@ class SshTransport(Transport):
         """A byte stream to the host's sshd: direct TCP, or a channel through the ProxyJump chain."""
         if ep.proxy_jump:
             return self._jump(ep)
-        with _mapped_errors(ep, self.options):
+        with mapped_errors(ep, self.options):
             sock = socket.create_connection((ep.hostname, ep.port), timeout=self.options.connect_timeout)
         _tune_socket(sock)
         return sock
@@ -442,7 +440,7 @@ def _tune_socket(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def _retrying(options: SshOptions, attempt: Callable[[], T]) -> T:
+def retrying(options: SshOptions, attempt: Callable[[], T]) -> T:
     """Call attempt, retrying transient failures with exponential backoff a bounded number of times."""
     for n in range(options.attempts):
         try:
@@ -454,7 +452,7 @@ def _retrying(options: SshOptions, attempt: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
-class _mapped_errors:
+class mapped_errors:
     """Context manager turning socket/paramiko failures into one-line ConnectErrors (or _Transient)."""
 
     def __init__(self, ep: Endpoint, options: SshOptions):
@@ -612,84 +610,3 @@ class _SshProcess(Process):
             self._channel.close()
         except (EOFError, OSError, paramiko.SSHException):
             pass  # the connection is already gone, and the command with it
-
-
-def trust_host(host: HostSpec, confirm: Callable[[str], bool] | None, options: SshOptions | None = None) -> None:
-    """Show the host's key fingerprint, ask (unless confirm is None), and append it to known_hosts."""
-    options = options or SshOptions()
-    if host.transport != "ssh":
-        raise UsageError(f"{host.name}: transport is {host.transport}, there is no SSH key to trust")
-    ep = resolve_endpoint(host, options)
-    known = load_known_hosts(options).lookup(ep.known_name) or {}
-    key = fetch_host_key(host, options, prefer=list(known.keys()))
-    out = Console(highlight=False)
-    recorded = known.get(key.get_name())
-    if recorded is None and known:
-        # We asked for the recorded type first; a server that offers another one no longer has
-        # the key we know: treat it as a changed key, never as a new host.
-        have = ", ".join(f"{name} {fingerprint(k)}" for name, k in known.items())
-        raise ConnectError(
-            f"{host.name}: {ep.known_name} offers a {key.get_name()} key {fingerprint(key)}, but a different key is "
-            f"already known for this host ({have}); refusing. If the host was reinstalled: "
-            f"ssh-keygen -R '{ep.known_name}' -f {options.known_hosts()}, then dflashctl hosts trust {host.name}"
-        )
-    if recorded is not None and recorded != key:
-        raise ConnectError(
-            f"{host.name}: {ep.known_name} now offers {fingerprint(key)} but known_hosts has {fingerprint(recorded)}; "
-            f"refusing to replace a recorded key "
-            f"(remove it with: ssh-keygen -R '{ep.known_name}' -f {options.known_hosts()})"
-        )
-    if recorded is not None:
-        out.print(
-            f"{host.name}: {ep.known_name} {key.get_name()} {fingerprint(key)} is already trusted", soft_wrap=True
-        )
-        return
-    out.print(
-        f"{host.name}: {ep.known_name} offers {key.get_name()} key {fingerprint(key)}", soft_wrap=True
-    )  # one line
-    if confirm is not None and not confirm("Trust this key and record it in known_hosts?"):
-        raise DflashError(f"{host.name}: not trusted; nothing recorded")
-    path = options.known_hosts()
-    _append_known_host(path, f"{ep.known_name} {key.get_name()} {key.get_base64()}")
-    out.print(f"recorded in {path}", soft_wrap=True)
-
-
-RSA_TYPES = ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")
-
-
-def fetch_host_key(host: HostSpec, options: SshOptions, prefer: Sequence[str] = ()) -> paramiko.PKey:
-    """The host's public key from a bare handshake (no authentication), through ProxyJump if set."""
-    via = SshTransport(host, options)
-    ep = via.endpoint
-
-    def handshake() -> paramiko.PKey:
-        sock = via.open_socket(ep)
-        session = paramiko.Transport(sock)
-        try:
-            if prefer:  # ask for the key type already on record, so a comparison is meaningful
-                opts = session.get_security_options()
-                # known_hosts names RSA keys `ssh-rsa`; paramiko negotiates them as rsa-sha2-*, and
-                # may no longer offer `ssh-rsa` itself: only types it knows can be asked for first.
-                wanted = [t for k in prefer for t in (RSA_TYPES if k == "ssh-rsa" else (k,)) if t in opts.key_types]
-                opts.key_types = [*wanted, *(k for k in opts.key_types if k not in wanted)]
-            session.banner_timeout = options.connect_timeout
-            with _mapped_errors(ep, options):
-                session.start_client(timeout=2 * options.connect_timeout)
-                return session.get_remote_server_key()
-        finally:
-            session.close()
-
-    try:
-        return _retrying(options, handshake)
-    finally:
-        via.close()
-
-
-def _append_known_host(path: Path, line: str) -> None:
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    existing = path.read_bytes() if path.exists() else b""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    with os.fdopen(fd, "ab") as fh:
-        if existing and not existing.endswith(b"\n"):
-            fh.write(b"\n")
-        fh.write(line.encode() + b"\n")
