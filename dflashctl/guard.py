@@ -98,9 +98,13 @@ class _GuardedProcess(Process):
         self._lock = threading.Lock()
         self._stopped = False
         target = owner.target
-        self._proc = target.transport.start(
-            wrap_argv(target.host.container, guarded_argv(target.host.interpreter, self._token, argv))
-        )
+        try:
+            self._proc = target.transport.start(
+                wrap_argv(target.host.container, guarded_argv(target.host.interpreter, self._token, argv))
+            )
+        except Interrupted:
+            self._stop_unheld()
+            raise
         try:  # a Ctrl-C before the caller holds this process still stops the command
             self.stdin = self._proc.stdin
             self.stdout = _Until(self._proc.stdout, self._stopping)  # type: ignore[assignment]
@@ -134,6 +138,15 @@ class _GuardedProcess(Process):
                     self._stop()
         finally:
             self._proc.kill()
+
+    def _stop_unheld(self) -> None:
+        """A Ctrl-C inside the transport's start: the command may have been sent (its stop leaves a
+        mark that a command still to start obeys), unless the Ctrl-C cut the connect itself, when
+        nothing was sent and a stop must not connect again."""
+        self._stopping.set()
+        self._stopped = True
+        if self._owner.target.transport.connected():
+            self._stop()
 
     def _stop(self) -> None:
         try:

@@ -407,6 +407,9 @@ class MuxTransport(Transport):
                 frame = recv_frame(sock)
             except OSError:
                 frame = None
+            except BaseException:  # a Ctrl-C: the command may have started; its owner stops it (guard.py)
+                sock.close()
+                raise
             if frame is None or frame[0] == GONE:
                 sock.close()  # a mux on its way out: it ran nothing, so ask a fresh one
                 time.sleep(0.05)
@@ -447,6 +450,17 @@ class MuxTransport(Transport):
                 except OSError as exc:
                     raise MuxUnavailable(f"{path}: {exc}") from None
         raise MuxUnavailable(f"the mux did not come up at {path}")
+
+    def connected(self) -> bool:
+        """Whether a command starts without connecting first: the direct connection is up, or a mux
+        runs that has connected (asked over its socket: it answers at once, even while it connects)."""
+        if self._direct is not None:
+            return self._direct.connected()
+        try:
+            stats = _ask(socket_path(self.host, self.options), STATS)
+        except MuxUnavailable:
+            return False
+        return stats is not None and stats.get("connects", 0) > 0
 
     def close(self) -> None:
         """The mux keeps the connection; only a direct fallback connection is closed."""

@@ -240,11 +240,21 @@ class SshTransport(Transport):
         transport, channel = self._open_channel()
         try:
             channel.exec_command(command)
+            return _SshProcess(channel, transport, self._lost)
         except (paramiko.SSHException, EOFError, OSError) as exc:
             if not transport.is_active():
                 raise self._lost() from None
             raise ConnectError(f"{self.name}: cannot start command: {exc}") from None
-        return _SshProcess(channel, transport, self._lost)
+        except BaseException:  # a Ctrl-C: the command may have started; its owner stops it (guard.py)
+            channel.close()
+            raise
+
+    def connected(self) -> bool:
+        """Whether the connection is up (a command starts on it without connecting). No lock: a
+        thread connecting holds it, and `_client` is only set once a connect has completed."""
+        client = self._client
+        transport = client.get_transport() if client is not None else None
+        return transport is not None and transport.is_active()
 
     def _open_channel(self) -> tuple[paramiko.Transport, paramiko.Channel]:
         """A new session channel; reconnects once if the connection turns out to be dead (nothing ran yet)."""

@@ -98,6 +98,10 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release the connection, if any."""
 
+    def connected(self) -> bool:
+        """Whether a command can start now without connecting first (a process here always can)."""
+        return True
+
     def run(
         self,
         argv: Sequence[str],

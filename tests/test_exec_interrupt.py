@@ -23,6 +23,7 @@ from test_quoting import PRINT_ARGS, arguments
 
 from dflashctl.errors import Interrupted
 from dflashctl.guard import run_guarded
+from dflashctl.mux import mux_stats
 
 # Ignores every polite signal, forks a child that moves to a process group of its own and keeps
 # stdout open, then prints its pid and the child's and sleeps for good: only SIGKILL ends it.
@@ -269,3 +270,68 @@ def test_a_ctrl_c_while_run_starts_its_threads_kills_the_command(monkeypatch):
     finally:
         if started:
             started[0].kill()
+
+
+@pytest.mark.parametrize("where", ["shim", "p", "local"])
+def test_a_ctrl_c_inside_the_transports_start_still_stops_the_command(mux, tmp_path, where):
+    """The CLI's SIGINT handler can raise inside the transport's start: over SSH while `exec`'s
+    request is on its way (one round trip), or just after start returned, before the guard holds
+    the process. The command has then started (or is about to) and must be stopped by its token.
+    The Ctrl-C is put where the command has provably started: a start that waits for the command's
+    pid file and then raises."""
+    pidfile = tmp_path / "pid"
+    argv = ["sh", "-c", 'echo $$ > "$1.tmp" && mv "$1.tmp" "$1" && exec sleep 304', "sh", str(pidfile)]
+    with mux.session() as session:
+        target = session.target(where)
+        real_start = target.transport.start
+
+        def start_then_ctrl_c(command, env=None):  # type: ignore[no-untyped-def]
+            target.transport.start = real_start  # the stop's own session starts normally
+            real_start(command, env)  # its process is lost, as when the Ctrl-C came just after start returned
+            wait_until(pidfile.exists, 60, "the command to start")
+            raise Interrupted()
+
+        target.transport.start = start_then_ctrl_c
+        with pytest.raises(Interrupted) as info:
+            run_guarded(target, argv)
+        pid = int(pidfile.read_text())
+        try:
+            assert str(info.value) == "interrupted", str(info.value)  # stopped: no "may still run"
+            wait_until(lambda: not alive(pid), 60, f"{pid} to end")
+        finally:
+            kill_left([pid])
+        if where == "p":  # the session's own mux (its socket's name follows the session's options)
+            stats = lambda: mux_stats(target.transport.host, target.transport.options)  # noqa: E731
+            wait_until(lambda: stats()["active"] == 0, 60, "the mux's commands to end")
+
+
+def test_a_ctrl_c_that_cut_the_connect_does_not_connect_again_to_stop(shim_host):
+    """Nothing was sent when the Ctrl-C cut the connect (the host may be what hung): the guard
+    must not open a second connection for a stop."""
+    with shim_host.session() as session:
+        target = session.target("shim")
+        assert not target.transport.connected()
+        starts: list[list[str]] = []
+
+        def ctrl_c_while_connecting(command, env=None):  # type: ignore[no-untyped-def]
+            starts.append(list(command))
+            raise Interrupted()
+
+        target.transport.start = ctrl_c_while_connecting
+        with pytest.raises(Interrupted):
+            run_guarded(target, ["true"])
+        assert len(starts) == 1 and not target.transport.connected()
+
+
+@pytest.mark.parametrize("where", ["shim", "p"])
+def test_connected_says_whether_a_command_starts_without_connecting(mux, where):
+    """A new SSH transport is not connected, one that ran a command is, and a closed one is not;
+    through a mux: connected once a mux runs that has connected."""
+    with mux.session() as session:
+        transport = session.target(where).transport
+        assert not transport.connected()
+        assert transport.run(["true"]).exit_code == 0
+        assert transport.connected()
+        if where == "shim":
+            transport.close()
+            assert not transport.connected()
