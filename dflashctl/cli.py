@@ -17,6 +17,7 @@ import typer
 from . import __version__, cli_data, cli_hosts, cli_runs, cli_tools  # noqa: F401
 from .cli_common import AppState, app, app_state
 from .errors import DflashError, Interrupted, OutputClosed
+from .output import guarded_stdout
 
 
 def _version(value: bool) -> None:
@@ -53,8 +54,9 @@ def main() -> None:
     code = 0
     signal.signal(signal.SIGINT, partial(_interrupt, state))  # our own: click and typer swallow KeyboardInterrupt
     try:
-        # Not standalone: click's errors come here, to be printed as one line like ours.
-        rv = app(obj=state, standalone_mode=False, prog_name="dflashctl")  # also names the completion variable
+        with guarded_stdout():
+            # Not standalone: click's errors come here, to be printed as one line like ours.
+            rv = app(obj=state, standalone_mode=False, prog_name="dflashctl")  # also names the completion variable
         code = rv if isinstance(rv, int) else 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -63,8 +65,9 @@ def main() -> None:
         _quiet_std_streams()
     except DflashError as exc:
         code = _report(state, exc, exc.exit_code)
-    except click.exceptions.NoArgsIsHelpError as exc:  # `dflashctl runs`: that group's help
-        typer.echo(exc.ctx.get_help())
+    except click.exceptions.NoArgsIsHelpError as exc:  # `dflashctl runs`: that group's help, once
+        if help_text := exc.format_message():  # empty where typer's rich help has printed itself already
+            typer.echo(help_text)
         code = exc.exit_code
     except click.UsageError as exc:
         code = _report(state, exc, exc.exit_code, _usage_line(exc))
@@ -73,7 +76,8 @@ def main() -> None:
     except (click.Abort, KeyboardInterrupt):
         code = _report(state, None, Interrupted.exit_code, "interrupted")
     except Exception as exc:  # a bug: still one line unless --debug
-        code = _report(state, exc, 1, f"internal error: {type(exc).__name__}: {exc} (rerun with --debug)")
+        hint = "" if state.debug else " (rerun with --debug)"
+        code = _report(state, exc, 1, f"internal error: {type(exc).__name__}: {exc}{hint}")
     finally:
         for session in state.sessions:
             session.close()

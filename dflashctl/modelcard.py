@@ -99,7 +99,7 @@ def _body(
     target = (
         base_model
         or target_path
-        or f"the random `{config.get('preset')}` preset target (speed only: tau 1 by construction)"
+        or f"the random `{config.get('preset')}` preset target (its tau says nothing about a real model's)"
     )
     block = dflash_value(exported, "block_size")
     lines = [

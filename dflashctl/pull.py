@@ -19,7 +19,7 @@ from typing import Callable, NoReturn
 
 from .agent import AgentMissing, agent_argv, is_missing, with_agent
 from .containers import Dialogue, Target
-from .errors import ConnectError, RemoteError, UsageError
+from .errors import ConnectError, DflashError, RemoteError, UsageError
 from .remote.wire import CHECKPOINT_CHOICES
 from .runs import answer_error
 from .transport import CHUNK
@@ -56,7 +56,7 @@ def pull_run(
         if dest is None:
             dest = Path.cwd() / header["run_id"]
             _refuse_existing(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        _make_parent(dest)
         partial = dest.parent / f".{dest.name}.partial-{os.getpid()}"
         try:
             files, size = pack.unpack(partial, header["bytes"], on_bytes)
@@ -71,8 +71,23 @@ def pull_run(
             shutil.rmtree(partial, ignore_errors=True)
             if isinstance(exc, ConnectError):
                 raise ConnectError(f"{exc} during pull; nothing was kept at {dest}, run it again") from None
+            if isinstance(exc, OSError):  # this machine's disk: full, read-only, or not ours
+                why = exc.strerror or str(exc)
+                raise DflashError(
+                    f"cannot write the pulled files under {dest.parent}: {why}; nothing was kept at {dest}"
+                ) from None
             raise
     return Pulled(header["run_id"], dest, files, size, time.monotonic() - started, header["state"])
+
+
+def _make_parent(dest: Path) -> None:
+    """The directory that will hold dest (UsageError when --to names a place that cannot have one)."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:
+        raise UsageError(f"cannot pull into {dest}: {exc.filename} is not a directory") from None
+    except OSError as exc:
+        raise UsageError(f"cannot pull into {dest}: {exc.strerror or exc} ({exc.filename})") from None
 
 
 def _refuse_existing(dest: Path) -> None:

@@ -105,6 +105,39 @@ def test_usage_errors_are_one_line_and_a_usage_hint(shim_host, args, first):
     assert "╭" not in res.stderr  # no boxed panel
 
 
-def test_no_arguments_show_the_help(shim_host):
+def test_no_arguments_show_the_help_once(shim_host):
+    """A group without its command prints its help once (typer's help printed itself, and then
+    again through click's error) and exits 2, as click does."""
     res = shim_host.run_cli("runs")
-    assert "Usage: dflashctl runs" in res.stdout and "list" in res.stdout and res.stderr == ""
+    assert res.stdout.count("Usage: dflashctl runs") == 1 and "list" in res.stdout and res.stderr == ""
+    assert res.returncode == 2
+
+
+def into_a_closed_pipe(host, *args: str) -> subprocess.CompletedProcess:
+    """The CLI with stdout a pipe whose reader has left before it starts (`| head` that has read
+    its lines): its first write fails, whatever the machine's speed."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [*CLI, *args], stdin=subprocess.DEVNULL, stdout=write, stderr=subprocess.PIPE, env=host.env, timeout=120
+        )
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("args", [["hosts", "list"], ["--help"], ["runs"], ["runs", "list", "local"]])
+def test_a_table_or_help_into_a_closed_pipe_ends_quietly_with_141(shim_host, args):
+    """click and rich each turned a closed pipe into a bare exit 1 (rich: `hosts list | head -1`);
+    docs/cli.md promises 141, quietly."""
+    res = into_a_closed_pipe(shim_host, *args)
+    assert (res.returncode, res.stderr) == (141, b"")
+
+
+def test_a_table_to_a_full_disk_is_one_line_and_141(shim_host):
+    """`hosts list > /dev/full` was an internal error."""
+    with open("/dev/full", "wb") as full:
+        res = subprocess.run(
+            [*CLI, "hosts", "list"], stdout=full, stderr=subprocess.PIPE, env=shim_host.env, timeout=120
+        )
+    assert (res.returncode, res.stderr.decode()) == (141, "error: cannot write to stdout: No space left on device\n")

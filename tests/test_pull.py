@@ -119,6 +119,37 @@ def test_pull_never_overwrites(shim_host, tmp_path, finished_run):
     assert tree(dest) == {"mine.txt": hashlib.sha256(b"keep").hexdigest()}
 
 
+def test_a_destination_under_a_file_is_a_usage_error(shim_host, tmp_path, finished_run):
+    """`--to afile/x` was an internal error (FileExistsError)."""
+    (tmp_path / "afile").write_text("mine")
+    res = shim_host.run_cli("runs", "pull", "--to", str(tmp_path / "afile" / "x"))
+    assert res.returncode == 2
+    assert (
+        one_line_error(res)
+        == f"error: cannot pull into {tmp_path / 'afile' / 'x'}: {tmp_path / 'afile'} is not a directory"
+    )
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_write_that_fails_here_is_one_line_and_keeps_nothing(shim_host, tmp_path, finished_run):
+    """This machine refuses the files (here: a file size limit, as a full or read-only disk would):
+    one line naming the reason, exit 1, no partial directory left; it was an internal error."""
+    import subprocess
+
+    from sshd import CLI
+
+    limited = ["sh", "-c", 'ulimit -f 2 && exec "$@"', "sh", *CLI]  # 1 KiB: smaller than the run's files
+    dest = tmp_path / "pulls" / "out"
+    res = subprocess.run(
+        [*limited, "runs", "pull", "--to", str(dest)], env=shim_host.env, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 1
+    assert one_line_error(res) == (
+        f"error: cannot write the pulled files under {dest.parent}: File too large; nothing was kept at {dest}"
+    )
+    assert list(dest.parent.iterdir()) == []
+
+
 def test_dropped_connection_mid_pull_keeps_nothing(shim_host, tmp_path, finished_run):
     _, run_dir = finished_run
     (run_dir / "export" / "big.bin").write_bytes(os.urandom(24 * MB))
