@@ -371,7 +371,8 @@ def runs_show(
     from rich.text import Text
     from .multihost import show_group
     from .plot import require_matplotlib, save_png, terminal_plot
-    from .runs import details_table
+    from .runs import details_rows
+    from .tables import fields
 
     if plot is not None:
         require_matplotlib()  # before anything is printed
@@ -383,7 +384,7 @@ def runs_show(
         typer.echo(json.dumps(info, indent=2))
         return
     console = Console()
-    console.print(details_table(info))
+    fields(console, details_rows(info))
     drawing = terminal_plot(info.get("metrics") or [], width=min(console.width, 120)) if curves else None
     if drawing:
         console.print(Text(drawing), soft_wrap=True)

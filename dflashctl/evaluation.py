@@ -24,6 +24,7 @@ BOOTSTRAP = (
 PROGRESS_PREFIX = "eval: "
 USAGE_PREFIX = "eval error: "
 MISSING_PREFIX = "eval missing module: "
+NO_EXPORT = "no export in "  # how the evaluator's refusal of a run without an export begins
 TIME_LIMIT_S = 3600  # a long decode on a slow box: a backstop, not an estimate
 
 
@@ -84,6 +85,8 @@ def run_eval(
     ]
     lines = LineSplitter(progress, PROGRESS_PREFIX)
     result = target.run(argv, stdin=stdin, timeout=TIME_LIMIT_S, on_stderr=lines.feed)
+    if result.exit_code == 2 and lines.last.startswith(USAGE_PREFIX + NO_EXPORT):
+        raise UsageError(f"{target.label}: run {info['run_id']} {no_export_reason(info)}")
     if result.exit_code == 2 and lines.last.startswith(USAGE_PREFIX):
         raise UsageError(f"{target.label}: run {info['run_id']}: {lines.last.removeprefix(USAGE_PREFIX)}")
     if result.exit_code == 4 and lines.last.startswith(MISSING_PREFIX):
@@ -97,6 +100,21 @@ def run_eval(
         ) from None
     report["run_id"] = info["run_id"]
     return report
+
+
+def no_export_reason(info: dict[str, Any]) -> str:
+    """Why a run has no export, by its state (docs/runs.md), as the rest of a line after `run ID`."""
+    state = info.get("state")
+    ended = {
+        "failed": f"failed (exit code {info.get('exit_code')})",
+        "stopped": "was stopped",
+        "lost": "was lost (it ended with no exit code recorded)",
+    }
+    if state in ended:
+        return f"{ended[state]} before its last step: it has no export"
+    if state == "succeeded":
+        return f"succeeded but has no export: {info.get('run_dir')}/export has no model.safetensors"
+    return f"is {state}: it has no export yet (one is written at its last step)"  # queued or running
 
 
 def render(report: dict[str, Any], console: Console) -> None:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from .agent import run_agent
@@ -456,11 +455,8 @@ def tau_cell(run: dict[str, Any]) -> str:
     return f"~{spec:.2f}" if spec is not None else "-"
 
 
-def details_table(run: dict[str, Any]) -> Table:
-    """`runs show`: run.json fields and a metrics summary, two columns."""
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
+def details_rows(run: dict[str, Any]) -> list[tuple[str, Text]]:
+    """`runs show`: run.json fields and a metrics summary, as (label, value) rows for tables.fields."""
     rows: list[tuple[str, Text]] = [
         ("run", Text(run["run_id"])),
         ("name", Text(run.get("name") or "-")),
@@ -486,9 +482,7 @@ def details_table(run: dict[str, Any]) -> Table:
         extra.append(("rendezvous", Text(str((run.get("group") or {}).get("rendezvous", "-")))))
     rows[4:4] = extra
     rows += [(k, Text(v)) for k, v in metrics_summary(run.get("metrics") or [], run.get("metrics_count", 0))]
-    for key, value in rows:
-        table.add_row(key, value)
-    return table
+    return rows
 
 
 def eval_rows(ev: dict[str, Any]) -> list[tuple[str, Text]]:

@@ -6,7 +6,9 @@ loses the least important ones first (each column says when it may go) and a dim
 table names them. Anywhere else (a pipe, a file): plain columns aligned with spaces at any width,
 as kubectl prints them, so that `dflashctl runs list | grep succeeded` finds whole words; a cell
 longer than PLAIN_ALIGN_MAX sticks out of its own row instead of widening every row. Long explanations (evidence, hints,
-refusals) do not belong in a cell: `notes` prints them below the table, one per line.
+refusals) do not belong in a cell: `notes` prints them below the table, one per line. `fields`
+prints one record as label and value rows (`runs show`) by the same rules: folded on a terminal,
+one whole line each in a pipe.
 """
 
 from __future__ import annotations
@@ -99,6 +101,23 @@ def _plain(console: Console, columns: Sequence[Column], rows: Sequence[Sequence[
 
     for text in [line(header), *(line(r) for r in cells)]:
         console.print(Text(text), soft_wrap=True, highlight=False, markup=False)
+
+
+def fields(console: Console, rows: Sequence[tuple[str, Text]]) -> None:
+    """Label and value, one pair a row (`runs show`): on a terminal two borderless columns whose values
+    fold, never cut; in a pipe `label  value` on one line each, values whole at any width."""
+    if not console.is_terminal:
+        width = max((len(label) for label, _ in rows), default=0)
+        for label, value in rows:
+            line = label.ljust(width) + "  " + value.plain.replace("\n", " ")
+            console.print(Text(line.rstrip()), soft_wrap=True, highlight=False, markup=False)
+        return
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")  # a long path or override folds: a cut one cannot be copied
+    for label, value in rows:
+        table.add_row(label, value)
+    console.print(table)
 
 
 def notes(console: Console, items: Sequence[tuple[str, str, str]]) -> None:

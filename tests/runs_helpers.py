@@ -61,6 +61,15 @@ def readers(workdir: Path) -> list[int]:
     return found
 
 
+def local_env(tmp_path: Path) -> dict[str, str]:
+    """run_cli's environment for a `local` default host whose work directory is tmp_path/wd."""
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text(
+        f"default: local\nhosts:\n  local: {{transport: local, workdir: {json.dumps(str(tmp_path / 'wd'))}}}\n"
+    )
+    return {"DFLASHCTL_INVENTORY": str(inventory)}
+
+
 def local_session(workdir: Path) -> Session:
     """A Session whose default host is this machine with the given workdir."""
     text = f"default: local\nhosts:\n  local: {{transport: local, workdir: {json.dumps(str(workdir))}}}\n"

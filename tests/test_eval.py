@@ -7,18 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from runs_helpers import install_standin
+from runs_helpers import install_standin, local_env
 from sshd import SHIM_VMID
 
+from dflashctl.evaluation import no_export_reason
+
 TRAIN = ["--set", "run.steps=60", "--set", "run.eval_every=60", "--set", "run.checkpoint_every=60", "--follow"]
-
-
-def local_env(tmp_path: Path) -> dict[str, str]:
-    inventory = tmp_path / "hosts.yaml"
-    inventory.write_text(
-        f"default: local\nhosts:\n  local: {{transport: local, workdir: {json.dumps(str(tmp_path / 'wd'))}}}\n"
-    )
-    return {"DFLASHCTL_INVENTORY": str(inventory)}
 
 
 def one_line(result) -> str:  # type: ignore[no-untyped-def]
@@ -127,4 +121,32 @@ def test_eval_of_a_run_without_an_export_says_so(shim_host):
     started = shim_host.run_cli("train", "shim", "--no-push", "--set", "run.steps=1", "--follow")
     assert started.returncode == 0
     res = shim_host.run_cli("eval", "shim", timeout=120)
-    assert res.returncode == 2 and "no export in" in one_line(res) and "the run has not finished" in one_line(res)
+    run_id = started.stderr.split("started run ")[1].split()[0]
+    # the stand-in writes no export: the run succeeded without one
+    assert res.returncode == 2 and one_line(res).startswith(
+        f"error: shim (pct 200): run {run_id} succeeded but has no export: "
+    )
+
+
+def test_eval_of_a_failed_run_says_it_failed_before_its_export(shim_host, tmp_path):
+    env = local_env(tmp_path)
+    install_standin(tmp_path / "wd" / "payload")
+    failed = shim_host.run_cli(
+        "train", "local", "--no-push", "--set", "run.steps=5", "--set", "standin.fail_at=2", "--follow", env=env
+    )
+    assert failed.returncode == 100, failed.stderr
+    run_id = failed.stderr.split("started run ")[1].split()[0]
+    res = shim_host.run_cli("eval", "local", run_id, env=env, timeout=120)
+    assert res.returncode == 2, res.stderr  # bad input, as docs/cli.md has it: not the run's own 100
+    assert one_line(res) == f"error: local: run {run_id} failed (exit code 3) before its last step: it has no export"
+
+
+def test_the_no_export_line_says_what_became_of_the_run():
+    def reason(state: str, **extra: object) -> str:
+        return no_export_reason({"state": state, "run_dir": "/w/runs/r", **extra})
+
+    assert reason("stopped", exit_code=143) == "was stopped before its last step: it has no export"
+    assert reason("lost") == "was lost (it ended with no exit code recorded) before its last step: it has no export"
+    assert reason("running") == "is running: it has no export yet (one is written at its last step)"
+    assert reason("queued") == "is queued: it has no export yet (one is written at its last step)"
+    assert reason("succeeded", exit_code=0) == "succeeded but has no export: /w/runs/r/export has no model.safetensors"

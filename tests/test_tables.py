@@ -6,9 +6,11 @@ from __future__ import annotations
 import io
 
 from rich.console import Console
+from rich.text import Text
+from runs_helpers import install_standin, local_env
 
 from dflashctl.runs import print_runs
-from dflashctl.tables import Column, show
+from dflashctl.tables import Column, fields, show
 
 RUNS = [
     {
@@ -78,3 +80,34 @@ def test_a_piped_table_is_not_padded_to_its_longest_cell():
     lines = buf.getvalue().splitlines()
     assert len(lines) == 4 and len(lines[1]) == len("a   ") + 2000 + len("  ok")
     assert lines[2] == "b   short  ok" and lines[3] == "c   name   failed"  # aligned among themselves
+
+
+LONG_VALUE = "/runs/" + "deep/" * 12 + "20261204-225758-abcd"
+
+
+def test_fields_on_a_narrow_terminal_fold_long_values_never_cut_them():
+    console, buf = terminal(40)
+    fields(console, [("run", Text("20261202-023745-a1b2")), ("overrides", Text(f"run.output_dir={LONG_VALUE}"))])
+    out = buf.getvalue()
+    assert "…" not in out and all(len(line) <= 40 for line in out.splitlines())
+    values = "".join(line[len("overrides  ") :].rstrip() for line in out.splitlines())  # folded pieces rejoined
+    assert values == f"20261202-023745-a1b2run.output_dir={LONG_VALUE}", out
+
+
+def test_runs_show_in_a_pipe_is_one_whole_line_per_field_at_any_width(sshd_host, tmp_path):
+    """`runs show | cat` at 40 columns: no value cut with "…" or wrapped (payload, argv, override paths)."""
+    env = {**local_env(tmp_path), "COLUMNS": "40"}
+    install_standin(tmp_path / "wd" / "payload")
+    tag = f"standin.tag={LONG_VALUE}"
+    done = sshd_host.run_cli("train", "local", "--no-push", "--set", "run.steps=1", "--set", tag, "--follow", env=env)
+    assert done.returncode == 0, done.stderr
+    run_id = done.stderr.split("started run ")[1].split()[0]
+    shown = sshd_host.run_cli("runs", "show", "local", run_id, "--no-curves", env=env)
+    lines = shown.stdout.splitlines()
+    assert shown.returncode == 0 and "…" not in shown.stdout, shown.stdout
+    by_label = {line.split()[0]: line.split(maxsplit=1)[1] for line in lines}
+    assert [line.split()[0] for line in lines[:4]] == ["run", "name", "kind", "state"]  # no continuation lines
+    assert by_label["run"] == run_id and by_label["overrides"] == f"run.steps=1 {tag}"
+    assert len({line.index(by_label[line.split()[0]]) for line in lines}) == 1  # values aligned in one column
+    argv = by_label["argv"]
+    assert argv.endswith(f"--set run.steps=1 --set {tag}") and f"run.output_dir={tmp_path}/wd/runs/{run_id}" in argv
