@@ -19,10 +19,11 @@ Steps, each a `dflashctl` process against an inventory with the `local` host (no
   regen      `data regen local --prompts ... --set target.path=DIR`: the target's own continuations
   calibrate  per recipe, a short `train local` whose ms/step turns each --minutes point into steps
              (it also warms the compile cache for the runs after it)
-  points     per recipe and point, `train local --set target.path=DIR --set data.train_path=data:...
-             RECIPE --set run.steps=N --follow`, then `eval local RUN --prompts heldout-prompts.jsonl
-             --json` (prompts from packages the target never saw); prompt lookup is decoded by the
-             call's first eval only (`--no-baseline` after it: it does not depend on the drafter)
+  points     per recipe and point, `train local --set target.path=DIR --set data.source=jsonl
+             --set data.train_path=data:... RECIPE --set run.steps=N --follow`, then `eval local RUN
+             --prompts heldout-prompts.jsonl --json` (prompts from packages the target never saw);
+             prompt lookup is decoded by the call's first eval only (`--no-baseline` after it: it
+             does not depend on the drafter)
 With --resumable (and --work), a run longer than the call is stopped near the call's end (the
 trainer checkpoints) and recorded in --work/points.json; the next call with --reuse --resumable
 resumes it (`train local --resume RUN --follow`) before anything else and scores it once it ends

@@ -12,6 +12,8 @@ import typer
 if TYPE_CHECKING:  # rich is imported where output is drawn: a piped call never loads it
     from rich.console import Console
 
+    from .data import Pushed
+
 from .cli_common import app_state, complete_host, held
 from .cli_common import data_app
 from .cli_common import follow_or_detach
@@ -41,10 +43,24 @@ def data_push(
         out.print(
             Text(
                 f"{done.name}: {verb}, {fmt_bytes(done.size)}, {done.rows} rows, sha256 {done.sha256[:12]} "
-                f"(use it as data.train_path=data:{done.name})"
+                f"({_use_hint(target.host.name, done)})"
             ),
             soft_wrap=True,
         )
+
+
+def _use_hint(host: str, done: Pushed) -> str:
+    """How a run uses the dataset, by its rows: the trainer reads token and chat rows; a file with
+    prompt rows is for `data regen` or in-training tau prompts (docs/data.md)."""
+    from .data import TRAIN_KINDS
+
+    if done.kinds <= TRAIN_KINDS:  # as data regen's own last line says it
+        return f"train on it with --set data.source=jsonl --set data.train_path=data:{done.name}"
+    out = done.name.removesuffix(".jsonl") + "-regen"
+    return (
+        f"prompt rows: have the target write the replies with dflashctl data regen {host} --prompts {done.name} "
+        f"--out {out}, or use them as --set data.spec_prompts_path=data:{done.name}"
+    )
 
 
 @data_app.command("list")

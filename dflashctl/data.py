@@ -2,7 +2,7 @@
 `remote/data_sync.py`). A file is hashed here while it is read in chunks (never held in memory),
 skipped when the container already has the same bytes, else streamed into a hidden partial file
 there and renamed over the old copy only once its size and sha256 check out. Every row of a file
-to be sent is checked first (check_rows), so a malformed file is refused before any file is sent.
+to be sent is checked first (row_kinds), so a malformed or empty file is refused before any file is sent.
 docs/data.md."""
 
 from __future__ import annotations
@@ -18,17 +18,23 @@ from .errors import RemoteError, UsageError
 
 CHUNK = 1 << 20
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+TRAIN_KINDS = frozenset({"input_ids", "messages"})  # the rows the trainer reads; `prompt` rows are regen's
+
+
+class BadRow(ValueError):
+    """A JSONL line that is no dataset row; the message says why."""
 
 
 @dataclass(frozen=True)
 class Pushed:
-    """One dataset after a push: its name, size, rows, hash, and whether bytes travelled."""
+    """One dataset after a push: its name, size, rows, hash, whether bytes travelled, and its row kinds."""
 
     name: str
     size: int
     rows: int
     sha256: str
     sent: bool
+    kinds: frozenset[str]  # of every row when it was sent; of its first MB when the host had it unchanged
 
 
 def digest(path: Path) -> tuple[int, str]:
@@ -41,22 +47,29 @@ def digest(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def check_rows(path: Path) -> None:
-    """Every row of a JSONL file, read in chunks (a malformed one is a UsageError naming its line).
-    JSON parsing bounds it: docs/data.md has the speed."""
+def row_kinds(path: Path, whole: bool = True) -> frozenset[str]:
+    """The row kinds of a JSONL file (input_ids, messages, prompt), read in chunks: of every row, or
+    (not whole) of the complete rows in its first chunk that has one. A malformed row, or no row at
+    all, is a UsageError. JSON parsing bounds it: docs/data.md has the speed."""
     rows = RowCheck(path)
     with path.open("rb") as fh:
-        while chunk := fh.read(CHUNK):
+        while (whole or not rows.kinds) and (chunk := fh.read(CHUNK)):
             rows.feed(chunk)
-    rows.close()
+    if whole or not rows.kinds:  # a last line without a newline; a partial first row is never checked
+        rows.close()
+    if not rows.kinds:
+        raise UsageError(f"{path} has no rows; nothing was pushed")
+    return frozenset(rows.kinds)
 
 
 class RowCheck:
     """Checks a JSONL file's rows as its chunks go by: each non-blank line one JSON object in a row
-    format of docs/data.md (training `input_ids`/`loss_mask` or `messages`; regen `prompt`)."""
+    format of docs/data.md (training `input_ids`/`loss_mask` or `messages`; regen `prompt`); `kinds`
+    collects the formats seen."""
 
     def __init__(self, path: Path):
         self.path, self.line_no, self.partial = path, 0, b""
+        self.kinds: set[str] = set()
 
     def feed(self, chunk: bytes) -> None:
         """Check the complete lines this chunk ends."""
@@ -71,49 +84,57 @@ class RowCheck:
 
     def _line(self, raw: bytes) -> None:
         self.line_no += 1
-        problem = row_problem(raw)
-        if problem:
-            raise UsageError(f"{self.path}:{self.line_no}: {problem}; nothing was pushed (row formats: docs/data.md)")
+        try:
+            kind = row_kind(raw)
+        except BadRow as exc:
+            raise UsageError(
+                f"{self.path}:{self.line_no}: {exc}; nothing was pushed (row formats: docs/data.md)"
+            ) from None
+        if kind:
+            self.kinds.add(kind)
 
 
-def row_problem(raw: bytes) -> str | None:
-    """What is wrong with one JSONL line as a dataset row, or None (a blank line is skipped)."""
+def row_kind(raw: bytes) -> str | None:
+    """The format of one JSONL line as a dataset row: input_ids, messages or prompt; None for a
+    blank line (skipped); BadRow saying what is wrong otherwise."""
     if not raw.strip():
         return None
     try:
         row = json.loads(raw)
     except ValueError as exc:  # not JSON, or not UTF-8
-        return f"not JSON ({getattr(exc, 'msg', None) or exc})"
+        raise BadRow(f"not JSON ({getattr(exc, 'msg', None) or exc})") from None
     if not isinstance(row, dict):
-        return f"a row must be a JSON object, not {type(row).__name__}"
+        raise BadRow(f"a row must be a JSON object, not {type(row).__name__}")
     if "input_ids" in row:
         ids = row["input_ids"]
         if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
-            return "input_ids must be a non-empty flat list of integers"
+            raise BadRow("input_ids must be a non-empty flat list of integers")
         mask = row.get("loss_mask")
         if mask is not None and (not isinstance(mask, list) or not all(type(m) in (int, bool) for m in mask)):
-            return "loss_mask must be a flat list of 0/1"
+            raise BadRow("loss_mask must be a flat list of 0/1")
         if mask is not None and len(mask) != len(ids):
-            return f"loss_mask has {len(mask)} entries, input_ids {len(ids)}"
-        return None
+            raise BadRow(f"loss_mask has {len(mask)} entries, input_ids {len(ids)}")
+        return "input_ids"
     if "messages" in row:
         messages = row["messages"]
         if not isinstance(messages, list) or not messages:
-            return "messages must be a non-empty list"
+            raise BadRow("messages must be a non-empty list")
         for i, m in enumerate(messages):
             if (
                 not isinstance(m, dict)
                 or not isinstance(m.get("role"), str)
                 or not isinstance(m.get("content") or "", str)
             ):
-                return f"messages[{i}] must be an object with a string role and string content"
+                raise BadRow(f"messages[{i}] must be an object with a string role and string content")
         ids = row.get("reply_ids", [0])  # the target's own reply tokens, from `data regen`
         if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
-            return "reply_ids must be a non-empty flat list of integers"
-        return None
+            raise BadRow("reply_ids must be a non-empty flat list of integers")
+        return "messages"
     if "prompt" in row:
-        return None if isinstance(row["prompt"], str) else "prompt must be a string"
-    return "the row has none of input_ids, messages or prompt"
+        if not isinstance(row["prompt"], str):
+            raise BadRow("prompt must be a string")
+        return "prompt"
+    raise BadRow("the row has none of input_ids, messages or prompt")
 
 
 def chunks(path: Path, on_bytes: Callable[[int], None]) -> Iterator[bytes]:
@@ -161,16 +182,20 @@ def push_data(
         check_name(name)
     digests = [digest(path) for path in files]
     known = {d["name"]: d for d in list_data(target)}
-    for path, name, (size, sha) in zip(files, names, digests):
-        have = known.get(name)
-        if not (have and have["size"] == size and have["sha256"] == sha):
-            check_rows(path)  # every file to be sent, before any is
+    unchanged = [_same(known.get(name), size, sha) for name, (size, sha) in zip(names, digests)]
+    # Every file to be sent is checked whole before any is sent; one the host holds unchanged only
+    # for its kinds (and that it has a row).
+    kinds = [row_kinds(path, whole=not same) for path, same in zip(files, unchanged)]
     done = []
-    for path, name, (size, sha) in zip(files, names, digests):
-        have = known.get(name)
-        if have and have["size"] == size and have["sha256"] == sha:
-            done.append(Pushed(name, size, have["rows"], sha, sent=False))
+    for path, name, (size, sha), same, file_kinds in zip(files, names, digests, unchanged, kinds):
+        if same:
+            done.append(Pushed(name, size, known[name]["rows"], sha, sent=False, kinds=file_kinds))
             continue
         answer = _call(target, ["put", target.host.workdir, name, str(size), sha], stdin=chunks(path, on_bytes))
-        done.append(Pushed(name, answer["size"], answer["rows"], answer["sha256"], sent=True))
+        done.append(Pushed(name, answer["size"], answer["rows"], answer["sha256"], sent=True, kinds=file_kinds))
     return done
+
+
+def _same(have: dict[str, Any] | None, size: int, sha: str) -> bool:
+    """Whether the host's record of a dataset is these bytes."""
+    return bool(have and have["size"] == size and have["sha256"] == sha)

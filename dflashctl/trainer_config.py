@@ -52,4 +52,19 @@ def check_config(
         cfg = module.load_config(str(config_file) if config_file else None, preset, list(overrides))
     except module.ConfigError as exc:
         raise UsageError(f"trainer config: {exc}") from None
-    return module.to_dict(cfg)
+    resolved = module.to_dict(cfg)
+    check_data_source(resolved.get("data") or {})
+    return resolved
+
+
+def check_data_source(data: dict[str, Any]) -> None:
+    """A data file named while data.source reads none is a UsageError: the trainer would train on
+    its demo or random sequences and ignore the file. Checked on the config the trainer's code
+    resolved (`--set` and `--config` alike), since that code accepts it."""
+    if "source" not in data or data["source"] == "jsonl":  # another trainer's config, or one that reads files
+        return
+    for key in ("train_path", "eval_path"):
+        if data.get(key):
+            raise UsageError(
+                f"trainer config: data.{key} is set but data.source is {data['source']}: add --set data.source=jsonl"
+            )

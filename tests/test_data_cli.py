@@ -127,3 +127,40 @@ def test_a_malformed_row_is_refused_before_anything_is_sent(shim_host, tmp_path)
     )
     ok = shim_host.run_cli("data", "push", "shim", str(chat))
     assert ok.returncode == 0 and "chat.jsonl: sent" in ok.stdout and "2 rows" in ok.stdout
+
+
+def test_the_use_hint_follows_the_rows_kind(shim_host, tmp_path):
+    ids, chat, prompts, mixed = (tmp_path / n for n in ("ids.jsonl", "chat.jsonl", "prompts.jsonl", "mixed.jsonl"))
+    ids.write_text(rows(3))
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    prompts.write_text(json.dumps({"prompt": "Once upon"}) + "\n")
+    mixed.write_text(chat.read_text() + prompts.read_text())  # regen reads it; the trainer refuses prompt rows
+    res = shim_host.run_cli("data", "push", "shim", str(ids), str(chat), str(prompts), str(mixed))
+    assert res.returncode == 0, res.stderr
+    hints = {line.split(":")[0]: line.split(" (", 1)[1] for line in res.stdout.splitlines()}
+    train = "train on it with --set data.source=jsonl --set data.train_path=data:{})"
+    assert hints["ids.jsonl"] == train.format("ids.jsonl") and hints["chat.jsonl"] == train.format("chat.jsonl")
+    regen = (
+        "prompt rows: have the target write the replies with dflashctl data regen shim --prompts {0} "
+        "--out {1}-regen, or use them as --set data.spec_prompts_path=data:{0})"
+    )
+    assert hints["prompts.jsonl"] == regen.format("prompts.jsonl", "prompts")
+    assert hints["mixed.jsonl"] == regen.format("mixed.jsonl", "mixed")
+    again = shim_host.run_cli("data", "push", "shim", str(prompts), str(ids))  # unchanged: the same hints
+    assert again.returncode == 0 and [line.split(" (", 1)[1] for line in again.stdout.splitlines()] == [
+        regen.format("prompts.jsonl", "prompts"),
+        train.format("ids.jsonl"),
+    ]
+
+
+def test_a_file_without_rows_is_refused_before_anything_is_sent(shim_host, tmp_path):
+    data = shim_host.container_dir(SHIM_VMID) / "work" / "data"
+    good, empty, blank = tmp_path / "good.jsonl", tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
+    good.write_text(rows(3))
+    empty.write_text("")
+    blank.write_text("\n  \n\t\n")
+    for path in (empty, blank):
+        res = shim_host.run_cli("data", "push", "shim", str(good), str(path))
+        assert res.returncode == 2 and res.stdout == "", res.stderr
+        assert res.stderr.splitlines() == [f"error: {path} has no rows; nothing was pushed"]
+        assert not (data / "good.jsonl").exists() and not (data / path.name).exists()

@@ -82,6 +82,26 @@ def test_gpus_on_a_machine_without_cuda_is_refused_before_a_run_exists(shim_work
     assert runs_in(workdir) == []
 
 
+def test_a_data_file_without_data_source_jsonl_is_refused_before_the_push(shim_workdir, tmp_path):
+    host, workdir = shim_workdir
+    # data.source left at demo would train on the demo data and ignore the file: refused, --set or --config.
+    config = tmp_path / "run.yaml"
+    config.write_text("data:\n  train_path: data:regen.jsonl\n")
+    cases = [
+        (["--set", "data.train_path=data:regen.jsonl"], "data.train_path is set but data.source is demo"),
+        (["--config", str(config)], "data.train_path is set but data.source is demo"),
+        (
+            ["--set", "data.source=random", "--set", "data.eval_path=x.jsonl"],
+            "data.eval_path is set but data.source is random",
+        ),
+    ]
+    for args, why in cases:
+        res = host.run_cli("train", "shim", *args, "--set", "run.steps=5", "--follow", timeout=180)
+        assert res.returncode == 2 and res.stdout == "", res.stderr
+        assert res.stderr.splitlines() == [f"error: trainer config: {why}: add --set data.source=jsonl"]
+    assert not (workdir / "payload").exists() and runs_in(workdir) == []
+
+
 def bare_python(tmp_path: Path) -> Path:
     """An interpreter with the standard library only: a container where torch was never installed."""
     env_dir = tmp_path / "bare-venv"
