@@ -240,7 +240,7 @@ def _refuse_with_resume(resume: Optional[str], flags: tuple) -> None:
 def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOptions) -> int:
     """`train h1,h2`: one run across hosts (docs/multihost.md); returns the exit code."""
     from rich.console import Console
-    from .multihost import check_hosts, push_all, start_group
+    from .multihost import check_hosts, check_names, push_all, start_group
     from .devices import parse_gpus
     from .runs import check_trainer_config
 
@@ -256,6 +256,8 @@ def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOpti
             for h in hosts
         }
     )
+    if opts.name:
+        check_names(session, hosts, opts.name)
     hashes = {} if opts.no_push else push_all(session, hosts, opts.source, err)
     group = start_group(
         session,

@@ -29,7 +29,17 @@ from .errors import DflashError, Interrupted, OutputClosed, UsageError
 from .output import write_out
 from .inventory import HostSpec
 from .logs import Ending, Reconnect, read_log
-from .runs import STATE_STYLE, StartedRun, exit_code_for, list_runs, push_payload, show_run, start_run, stop_run
+from .runs import (
+    STATE_STYLE,
+    StartedRun,
+    check_name_free,
+    exit_code_for,
+    list_runs,
+    push_payload,
+    show_run,
+    start_run,
+    stop_run,
+)
 from .session import Session
 
 DEFAULT_RDZV_PORT = 29500
@@ -79,6 +89,15 @@ def check_hosts(hosts: Sequence[HostSpec]) -> None:
         if host.name in seen:
             raise UsageError(f"host '{host.name}' is listed twice (one trainer per host)")
         seen.add(host.name)
+
+
+def check_names(session: Session, hosts: Sequence[HostSpec], name: str) -> None:
+    """Refuse a --name that a run on any of the hosts has, before anything is pushed or started: a
+    node refusing it at its start would leave the nodes started before it stopped under that name."""
+    results = parallel(lambda h: check_name_free(session.target(h.name), name), hosts)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        raise failed[0]
 
 
 def push_all(session: Session, hosts: Sequence[HostSpec], source: Path | None, console: Console) -> dict[str, str]:

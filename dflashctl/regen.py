@@ -151,6 +151,7 @@ def start_regen(
         "preflight": True,
         "cwd": f"{host.workdir}/payload",
         "name": name or out,
+        "unique_name": name is not None,  # a name given is refused when taken; the output's name repeats on a retry
         "host": host.name,
         "config": {**asdict(req), "prompts": prompts, "out": out},
         "overrides": list(req.overrides),

@@ -162,6 +162,8 @@ def start_run(
         "force": force,
         "env": env or {},
     }
+    if name:
+        spec["unique_name"] = True  # runctl refuses it when a run on the host has it
     if run_id:
         spec["run_id"] = run_id
     if group:
@@ -312,7 +314,7 @@ def _interrupted_start(target: Target, result: Completed) -> str:
 
 
 def answer_error(target: Target, answer: dict[str, Any]) -> Exception:
-    """The exception for a runctl error answer (not_found, ambiguous, conflict)."""
+    """The exception for a runctl error answer (not_found, ambiguous, conflict, name_taken)."""
     kind, message = answer["error"], answer.get("message", "")
     if kind == "not_found":
         return NotFoundError(f"{target.label}: {message}")
@@ -331,6 +333,8 @@ def answer_error(target: Target, answer: dict[str, Any]) -> Exception:
         return UsageError(
             f"{target.label}: {message}: {', '.join(answer.get('candidates', []))}; give more of the run id"
         )
+    if kind == "name_taken":
+        return name_taken(target, answer["name"], answer["run_id"], answer["state"])
     if kind == "conflict":
         held = "; ".join(
             f"run {rid}" + (f" ({name!r})" if name else "") + f" uses {', '.join(shared)}"
@@ -338,6 +342,22 @@ def answer_error(target: Target, answer: dict[str, Any]) -> Exception:
         )
         return ConflictError(f"{target.label}: GPUs busy: {held} (stop it, pick other --gpus, or use --force)")
     return RemoteError(f"{target.label}: {message}")
+
+
+def name_taken(target: Target, name: str, run_id: str, state: str) -> ConflictError:
+    """The refusal of a start whose --name a run on the host has already (exit 6, as docker's name conflict)."""
+    return ConflictError(
+        f"{target.label}: a run named {name!r} exists already ({run_id}, {state}); choose another --name "
+        f"(that run stays reachable by its id: dflashctl runs show {target.host.name} {run_id})"
+    )
+
+
+def check_name_free(target: Target, name: str) -> None:
+    """Refuse (name_taken) a name a run on the host has, before anything is pushed or started.
+    Only a first look: runctl start checks again under its lock, where the answer cannot change."""
+    taken = [r for r in list_runs(target) if r.get("name") == name]
+    if taken:
+        raise name_taken(target, name, taken[-1]["run_id"], taken[-1]["state"])
 
 
 def exit_code_for(state: str) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from runs_helpers import wait_until
+from runs_helpers import install_standin, wait_until
 from sshd import SHIM_VMID, free_port
 
 from dflashctl.inventory import HostSpec
@@ -301,6 +301,21 @@ def test_logs_per_node_and_all_then_stop_stops_every_node(pair):
     assert not list((pair.run_dir("gpu2", run_id)).glob("checkpoints/step_*"))
     followed = pair.cli("logs", "tail", "pair", run_id, "-f", "-n", "0")
     assert followed.returncode == 101 and f"run {run_id} stopped" in followed.stderr
+
+
+def test_a_name_taken_on_one_node_refuses_the_group_before_anything_starts(pair):
+    for work in pair.work.values():
+        install_standin(work / "payload")
+    first = pair.cli("train", "gpu2", "--no-push", "--gpus", "cpu", "--name", "n", "--set", "run.steps=1", "--follow")
+    assert first.returncode == 0, first.stderr
+    (taken,) = [p.name for p in (pair.work["gpu2"] / "runs").iterdir() if p.is_dir()]
+    group = pair.cli("train", "pair", "--no-push", "--gpus", "cpu", "--name", "n", "--set", "run.steps=1", "--detach")
+    assert group.returncode == 6 and group.stdout == "", group.stderr
+    assert group.stderr.splitlines() == [
+        f"error: gpu2 (pct 200): a run named 'n' exists already ({taken}, succeeded); choose another --name "
+        f"(that run stays reachable by its id: dflashctl runs show gpu2 {taken})"
+    ]
+    assert not (pair.work["shim"] / "runs").exists()  # nothing started on the free node either
 
 
 def trainer_pair(out: Path, extra: list[str], *args: str, timeout: float = 90) -> list[str]:

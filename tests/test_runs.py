@@ -358,13 +358,13 @@ def test_gpu_conflict_is_atomic_and_names_the_holder(shim):
     target = session.target("shim")
     results: list[object] = []
 
-    def start() -> None:
+    def start(name: str) -> None:
         try:
-            results.append(start_run(target, gpus=GpuChoice((0, 1)), overrides=LONG, name="first"))
+            results.append(start_run(target, gpus=GpuChoice((0, 1)), overrides=LONG, name=name))
         except ConflictError as exc:
             results.append(exc)
 
-    threads = [threading.Thread(target=start) for _ in range(2)]
+    threads = [threading.Thread(target=start, args=(name,)) for name in ("first", "second")]  # names are unique
     for t in threads:
         t.start()
     for t in threads:

@@ -26,7 +26,7 @@ from .common import (
     utc_iso,
     write_atomic,
 )
-from .state import conflicts, queued_ahead, resolve, state_of
+from .state import conflicts, named, queued_ahead, resolve, state_of
 from .supervise import supervise
 
 
@@ -75,6 +75,7 @@ def cmd_start(workdir):
     os.makedirs(root, exist_ok=True)
     with runs_lock(root) as lock:
         remove_unborn(root)
+        refuse_taken_name(root, spec)
         run_id = spec.get("run_id") or new_run_id(root)
         if not RUN_ID_RE.match(run_id):
             raise RunError("bad_request", "bad run id %r" % run_id)
@@ -106,6 +107,24 @@ def cmd_start(workdir):
             "queued_behind": meta.get("queued_behind") if meta.get("queued") else None,
         }
     )
+
+
+def refuse_taken_name(root, spec):
+    """A name the user gave must name no other run here (a RunError naming the run that has it):
+    checked under the start lock, so two starts racing for one name cannot both win."""
+    name = spec.get("name")
+    if not name or not spec.get("unique_name"):
+        return
+    taken = named(root, name)
+    if taken:
+        run_id, run_dir, meta = taken
+        raise RunError(
+            "name_taken",
+            "a run named %r exists already (%s)" % (name, run_id),
+            name=name,
+            run_id=run_id,
+            state=state_of(run_dir, meta)[0],
+        )
 
 
 def admit(root, run_id, spec, argv, cwd, interrupts):

@@ -164,6 +164,12 @@ def resolve(root, selector):
     raise RunError("ambiguous", "%r matches %d runs" % (selector, len(matches)), candidates=[r[0] for r in matches])
 
 
+def named(root, name):
+    """The newest run called name as (run_id, run_dir, meta), or None."""
+    found = [r for r in all_runs(root) if r[2].get("name") == name]
+    return found[-1] if found else None
+
+
 def conflicts(root, gpus):
     """Live runs that hold any of these GPUs: [(run_id, name, shared gpus)]."""
     wanted = set(gpus)
