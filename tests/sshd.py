@@ -446,3 +446,59 @@ class SshdHost:
             except ProcessLookupError:
                 pass
         return len(victims)
+
+
+class CuttingRelay:
+    """A loopback TCP relay to an sshd that drops a connection through it, both ways, once `after`
+    bytes have gone from the client to the server: a connection lost at an exact point of a
+    transfer, whatever the machine's speed (killing sshd when a watcher sees the transfer pass that
+    point raced the transfer's end on a loaded machine)."""
+
+    def __init__(self, server_port: int, after: int):
+        self.server_port, self.after = server_port, after
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.cut = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(("127.0.0.1", self.server_port))
+            pair = (client, server)
+            threading.Thread(target=self._pump, args=(client, server, True, pair), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False, pair), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool, pair: tuple) -> None:
+        sent = 0
+        try:
+            while data := src.recv(65536):
+                if upstream and sent + len(data) >= self.after:
+                    self.cut.set()  # nothing past the point goes through
+                    return
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        finally:
+            for sock in pair:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+    def host_entry(self, host: "SshdHost", home: Path, vmid: int) -> dict:
+        """A hosts.yaml entry for host's container vmid through this relay; home's known_hosts
+        trusts host's key at the relay's port."""
+        kind, blob = host.host_key.with_suffix(".pub").read_text().split()[:2]
+        with (home / ".ssh" / "known_hosts").open("a") as fh:
+            fh.write(f"[{host.address}]:{self.port} {kind} {blob}\n")
+        return host.host_entry(vmid, port=self.port)
+
+    def close(self) -> None:
+        """Stop accepting (connections through it end with their ends)."""
+        self.listener.close()

@@ -14,10 +14,11 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import IO, Callable, Iterator, Sequence
+from typing import IO, Iterator, Sequence
 
 import pytest
-from sshd import CLI, SHIM_VMID, SshdHost
+from runs_helpers import wait_until
+from sshd import CLI, SHIM_VMID, CuttingRelay, SshdHost
 
 from dflashctl.containers import Target
 from dflashctl.errors import ConnectError, RemoteError
@@ -283,30 +284,18 @@ def make_big(source: Path) -> dict[str, tuple[bytes, int]]:
 
 
 class Watcher(threading.Thread):
-    """Watches staging grow; past `after` bytes it calls `strike` once, checking the old payload all along."""
+    """Checks, until stopped, that the live payload stays complete and readable while a push runs."""
 
-    def __init__(self, workdir: Path, after: int, strike: Callable[[], object]):
+    def __init__(self, workdir: Path):
         super().__init__(daemon=True)
-        self.workdir, self.after, self.strike = workdir, after, strike
-        self.struck = threading.Event()
+        self.workdir = workdir
         self.stop = threading.Event()
         self.old_payload_readable = True
 
-    def staged_bytes(self) -> int:
-        total = 0
-        for stage in (self.workdir / ".payload").glob("stage-*"):
-            for dirpath, _, names in os.walk(stage):
-                total += sum(_size(Path(dirpath) / n) for n in names)
-        return total
-
     def run(self) -> None:
         while not self.stop.is_set():
-            # The live payload must stay complete and readable while the push runs.
             if (self.workdir / "payload" / "train.py").read_bytes() != PAYLOAD["train.py"][0]:
                 self.old_payload_readable = False
-            if not self.struck.is_set() and self.staged_bytes() >= self.after:
-                self.strike()
-                self.struck.set()
             time.sleep(0.005)
 
 
@@ -317,19 +306,37 @@ def _size(path: Path) -> int:
         return 0
 
 
-def test_dropped_ssh_connection_keeps_old_payload(shim_host: SshdHost, source: Path) -> None:
+@pytest.fixture
+def cut_host(shim_host: SshdHost, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The shim container through a relay that drops the connection once 2 MB have gone to sshd
+    (mid-way through make_big's 32 MB): (env for the CLI, inventory, home, relay)."""
+    relay = CuttingRelay(shim_host.port, after=2 * 1024 * 1024)
+    home = shim_host.make_home(tmp_path / "home")
+    inventory = shim_host.write_inventory(
+        tmp_path / "hosts.yaml", {"cut": relay.host_entry(shim_host, home, SHIM_VMID)}
+    )
+    env = {**shim_host.env, "HOME": str(home), "DFLASHCTL_INVENTORY": str(inventory)}
+    try:
+        yield env, inventory, home, relay
+    finally:
+        relay.close()
+
+
+def test_dropped_ssh_connection_keeps_old_payload(shim_host: SshdHost, source: Path, cut_host) -> None:
+    _, inventory, home, relay = cut_host
     with shim_host.session() as session:
         target = session.target("shim")
         push(target, source)
         workdir = Path(target.host.workdir)
-        v2 = make_big(source)
-        watcher = Watcher(workdir, after=2 * 1024 * 1024, strike=shim_host.kill_connections)
-        watcher.start()
+    v2 = make_big(source)
+    watcher = Watcher(workdir)
+    watcher.start()
+    with shim_host.session(home=home, inventory=inventory) as session:
         with pytest.raises(ConnectError) as caught:
-            push(target, source)
-        watcher.stop.set()
-        watcher.join()
-    assert watcher.struck.is_set() and watcher.old_payload_readable
+            push(session.target("cut"), source)
+    watcher.stop.set()
+    watcher.join()
+    assert relay.cut.is_set() and watcher.old_payload_readable
     assert "lost" in str(caught.value) and "\n" not in str(caught.value)
     assert read_tree(workdir / "payload") == PAYLOAD
 
@@ -339,55 +346,110 @@ def test_dropped_ssh_connection_keeps_old_payload(shim_host: SshdHost, source: P
     assert read_tree(workdir / "payload") == v2
 
 
-def test_cli_reports_dropped_connection_in_one_line(shim_host: SshdHost, source: Path) -> None:
+def test_cli_reports_dropped_connection_in_one_line(shim_host: SshdHost, source: Path, cut_host) -> None:
+    env, _, _, relay = cut_host
     with shim_host.session() as session:
         push(session.target("shim"), source)
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     make_big(source)
-    proc = subprocess.Popen(
-        [*CLI, "push", "shim", "--source", str(source)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    watcher = Watcher(workdir)
+    watcher.start()
+    proc = subprocess.run(
+        [*CLI, "push", "cut", "--source", str(source)],
+        capture_output=True,
         stdin=subprocess.DEVNULL,
-        env=shim_host.env,
+        env=env,
         text=True,
     )
-    watcher = Watcher(workdir, after=2 * 1024 * 1024, strike=shim_host.kill_connections)
-    watcher.start()
-    out, err = proc.communicate(timeout=60)
     watcher.stop.set()
     watcher.join()
-    assert watcher.struck.is_set() and watcher.old_payload_readable
-    assert proc.returncode == 3, (out, err)
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "lost" in err
+    assert relay.cut.is_set() and watcher.old_payload_readable
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    err = proc.stderr
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "lost" in err, err
     assert read_tree(workdir / "payload") == PAYLOAD
+
+
+STALL = """
+import os, signal, subprocess, sys
+after, pidfile, real = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+with open(pidfile, "w") as fh:
+    fh.write(str(os.getpid()))
+child = subprocess.Popen([real, *sys.argv[4:]], stdin=subprocess.PIPE)
+passed = 0
+while passed < after and (data := os.read(0, 65536)):
+    child.stdin.write(data)
+    child.stdin.flush()
+    passed += len(data)
+if passed < after:
+    child.stdin.close()
+    sys.exit(child.wait())
+signal.pause()  # the stream stalls here, until this wrapper is killed
+"""
+
+
+def stalling_python(tmp_path: Path, after: int) -> tuple[Path, Path]:
+    """An interpreter for a host entry whose stdin stops after `after` bytes: the remote end of a
+    push stalls there (the client blocks mid-stream, whatever the machine's speed) until the
+    wrapper is killed, which ends the receiver's stdin. (its path, the file with the wrapper's pid)"""
+    import sys
+
+    script, pidfile, wrapper = tmp_path / "stall.py", tmp_path / "stall.pid", tmp_path / "python-stall"
+    script.write_text(STALL)
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -S {script} {after} {pidfile} {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper, pidfile
+
+
+def staged_bytes(workdir: Path) -> int:
+    """Bytes in the push's staging directories."""
+    return sum(
+        _size(Path(d) / n)
+        for stage in (workdir / ".payload").glob("stage-*")
+        for d, _, ns in os.walk(stage)
+        for n in ns
+    )
 
 
 @pytest.mark.parametrize("kind", ["shim", "local"])
 def test_killed_client_keeps_old_payload(shim_host: SshdHost, source: Path, tmp_path: Path, kind: str) -> None:
-    inventory = shim_host.write_inventory(
-        tmp_path / "hosts.yaml", {"loc": {"transport": "local", "workdir": str(tmp_path / "work")}}
-    )
+    """The client killed mid-stream (its stream stalled after 2 of 32 MB, so the kill cannot come
+    too late): the old payload stays whole and readable, and the next push finishes the job."""
+    stall, pidfile = stalling_python(tmp_path, after=2 * 1024 * 1024)
+    local = {"transport": "local", "workdir": str(tmp_path / "work")}
+    hosts = {
+        "loc": local,
+        "locstall": {**local, "python": str(stall)},
+        "shimstall": shim_host.host_entry(200, python=str(stall)),
+    }
+    inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", hosts)
     host = "loc" if kind == "local" else "shim"
     with shim_host.session(inventory=inventory) as session:
         target = session.target(host)
         push(target, source)  # in-process: the subprocess below is the one that gets killed
     workdir = Path(target.host.workdir)
     v2 = make_big(source)
+    watcher = Watcher(workdir)
+    watcher.start()
     proc = subprocess.Popen(
-        [*CLI, "push", host, "--source", str(source)],
+        [*CLI, "push", f"{host}stall" if kind == "local" else "shimstall", "--source", str(source)],
         env={**shim_host.env, "DFLASHCTL_INVENTORY": str(inventory)},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    watcher = Watcher(workdir, after=2 * 1024 * 1024, strike=lambda: os.kill(proc.pid, signal.SIGKILL))
-    watcher.start()
-    proc.wait(timeout=60)
+    try:
+        wait_until(lambda: staged_bytes(workdir) >= 1024 * 1024, 60, "the push to stage 1 MB")
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        if pidfile.exists():
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)  # the receiver's stdin ends: it discards its staging
     watcher.stop.set()
     watcher.join()
-    assert watcher.struck.is_set() and proc.returncode == -signal.SIGKILL
     assert watcher.old_payload_readable and read_tree(workdir / "payload") == PAYLOAD
+    wait_until(lambda: staging_leftovers(target) == [], 60, "the receiver to discard its staging")
 
     with shim_host.session(inventory=inventory) as session:
         result = push(session.target(host), source)
