@@ -368,6 +368,11 @@ def exit_code_for(state: str) -> int:
 # --- rendering ---------------------------------------------------------------------------------
 
 
+def last_start(run: dict[str, Any]) -> str | None:
+    """When the run last started: its last --resume, else its start (what `runs list` sorts by)."""
+    return run.get("resumed_at") or run.get("started_at")
+
+
 def duration(run: dict[str, Any]) -> float | None:
     """Seconds the run ran (until now, on the host's clock, while it runs)."""
     start = run.get("started_ts")
@@ -438,7 +443,7 @@ def print_runs(console: Console, runs: Sequence[dict[str, Any]], host: str, seve
             Text(run.get("kind") or "train"),
             state_text(run),
             Text(",".join(run.get("gpus") or []) or "-"),
-            Text(short_time(run.get("started_at"))),
+            Text(short_time(last_start(run))),
             Text(fmt_duration(duration(run))),
             Text("-" if step is None else (f"{step}/{total}" if total else str(step))),
             Text("-" if last.get("loss") is None else f"{last['loss']:.4f}"),
@@ -485,7 +490,8 @@ def details_rows(run: dict[str, Any]) -> list[tuple[str, Text]]:
         ("host", Text(str(run.get("host")))),
         ("GPUs", Text(",".join(run.get("gpus") or []))),
         ("started", Text(str(run.get("started_at")))),
-        ("duration", Text(fmt_duration(duration(run)))),
+        *([("resumed", Text(f"{run.get('resumed_at')} ({run['resumes']}x)"))] if run.get("resumes") else []),
+        ("duration", Text(fmt_duration(duration(run)) + (" (since the last resume)" if run.get("resumes") else ""))),
         ("directory", Text(str(run.get("run_dir")))),
         ("pid", Text(str((run.get("trainer") or {}).get("pid", "-")))),
         ("payload", Text(str(run.get("payload_hash") or "-"))),

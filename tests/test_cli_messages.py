@@ -99,3 +99,31 @@ def test_stopping_an_ended_run_does_not_say_stopping(shim_host):
     assert shim_host.run_cli("logs", "tail", "shim", run_id, "-f").returncode == 0  # it has ended
     res = shim_host.run_cli("runs", "stop", "shim", run_id)
     assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith(f"run {run_id} had already ended: ")
+
+
+def test_a_resumed_run_is_listed_by_its_last_start_and_shown_with_both():
+    """`runs list` sorts by the last (re)start and measures the duration from it: its `started`
+    column is that time too (it showed the first start, so a resumed run sat among newer ones under
+    an older time); `runs show` gives both, and says what the duration counts."""
+    import io
+
+    from rich.console import Console
+
+    from dflashctl.runs import details_rows, print_runs
+
+    run = {
+        "run_id": "20261204-230008-a5d3",
+        "state": "stopped",
+        "started_at": "2026-12-04T23:00:08Z",
+        "resumed_at": "2026-12-04T23:41:30Z",
+        "resumes": 1,
+        "started_ts": 1000.0,
+        "ended_ts": 1120.0,
+    }
+    out = io.StringIO()
+    print_runs(Console(file=out, width=200), [run], "local")
+    (row,) = out.getvalue().splitlines()[1:]
+    assert " 23:41 " in row and "23:00" not in row and " 2:00 " in row, row
+    shown = {label: value.plain for label, value in details_rows(run)}
+    assert (shown["started"], shown["resumed"]) == ("2026-12-04T23:00:08Z", "2026-12-04T23:41:30Z (1x)")
+    assert shown["duration"] == "2:00 (since the last resume)"
