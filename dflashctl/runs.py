@@ -181,8 +181,16 @@ def start_run(
 def launch(target: Target, spec: dict[str, Any]) -> StartedRun:
     """`runctl start` with a run's spec (argv, cwd, kind, gpus, ...; see start_run): pre-flight,
     GPU check and start under the remote lock."""
+    # The pre-flight's own one line names what it checked: the trainer's config, or a data run's options.
+    checked = "data regen" if spec.get("kind") == "data" else "trainer config"
     answer = call(
-        target, "start", [target.host.workdir], stdin=json.dumps(spec).encode(), timeout=START_ANSWER_S, settle=True
+        target,
+        "start",
+        [target.host.workdir],
+        stdin=json.dumps(spec).encode(),
+        timeout=START_ANSWER_S,
+        settle=True,
+        checked=checked,
     )
     return StartedRun(
         answer["run_id"],
@@ -281,10 +289,12 @@ def call(
     stdin: bytes | None = None,
     timeout: float | None = 120,
     settle: bool = False,
+    checked: str = "trainer config",
 ) -> dict[str, Any]:
     """Run one runctl command and return its JSON answer; error answers become exceptions.
     settle (a start): Ctrl-C reaches runctl as SIGINT, which undoes the start or, past its last
-    point, completes it; Interrupted then says which (guard.py)."""
+    point, completes it; Interrupted then says which (guard.py). checked: what a pre-flight's
+    `config` error is about, for its line."""
     try:
         result = run_agent(target, "runctl", [command, *args], stdin=stdin, timeout=timeout, settle=settle)
     except InterruptedAfter as exc:
@@ -297,7 +307,7 @@ def call(
     except (IndexError, ValueError):
         raise RemoteError(f"{target.label}: runctl {command} gave no answer: {result.err_line()}") from None
     if "error" in answer:
-        raise answer_error(target, answer)
+        raise answer_error(target, answer, checked)
     return answer
 
 
@@ -313,13 +323,13 @@ def _interrupted_start(target: Target, result: Completed) -> str:
     return f"run {run_id} had started and goes on; stop it with: dflashctl runs stop {target.host.name} {run_id}"
 
 
-def answer_error(target: Target, answer: dict[str, Any]) -> Exception:
+def answer_error(target: Target, answer: dict[str, Any], checked: str = "trainer config") -> Exception:
     """The exception for a runctl error answer (not_found, ambiguous, conflict, name_taken)."""
     kind, message = answer["error"], answer.get("message", "")
     if kind == "not_found":
         return NotFoundError(f"{target.label}: {message}")
-    if kind == "config":  # the trainer's own one line, from its pre-flight
-        return UsageError(f"{target.label}: trainer config: {message}")
+    if kind == "config":  # the program's own one line, from its pre-flight
+        return UsageError(f"{target.label}: {checked}: {message}")
     if kind == "usage":
         return UsageError(f"{target.label}: {message}")
     if kind == "missing_module":

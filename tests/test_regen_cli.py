@@ -239,6 +239,17 @@ def test_a_typo_in_set_or_preset_is_refused_before_the_push(shim_work, tmp_path)
     assert not (workdir / "payload").exists()
 
 
+def test_the_remote_pre_flights_refusal_names_regen_not_the_trainer(shim_work, tmp_path):
+    """Prompt rows without a tokenizer are refused by regen's pre-flight on the host; its line was
+    labelled `trainer config:`, which sent users looking in the trainer's settings."""
+    host, workdir = shim_work
+    push(host, tmp_path, "q.jsonl", json.dumps({"prompt": "hello"}) + "\n")
+    res = host.run_cli("data", "regen", "shim", "--prompts", "q", "--out", "y", "--detach", timeout=120)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and last.startswith("error: shim (pct 200): data regen: "), res.stderr
+    assert "need a tokenizer" in last and "trainer config" not in last
+
+
 def test_bad_input_is_one_line_before_anything_starts(shim_work, tmp_path):
     host, workdir = shim_work
     push(host, tmp_path, "p.jsonl", token_rows(2))
