@@ -71,7 +71,8 @@ def run(token, argv):
 
         sig = os.WTERMSIG(status)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # die of it as the child did, without a core of our own
-        signal.signal(sig, signal.SIG_DFL)
+        if sig != signal.SIGKILL:  # SIGKILL (the OOM killer's) has no handler to reset: setting one raises
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 255
 
