@@ -52,7 +52,13 @@ def main() -> None:
 
     state = AppState()
     code = 0
-    signal.signal(signal.SIGINT, partial(_interrupt, state))  # our own: click and typer swallow KeyboardInterrupt
+    # Our own: click and typer swallow KeyboardInterrupt. A kill (SIGTERM) or a closed terminal (SIGHUP)
+    # must stop what a Ctrl-C stops (a guarded command on the host) rather than end this process
+    # with it still running there; a SIGHUP ignored on purpose (nohup) stays ignored.
+    caught = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        caught.append(signal.SIGHUP)
+    previous = {sig: signal.signal(sig, partial(_interrupt, state)) for sig in caught}
     try:
         with guarded_stdout():
             # Not standalone: click's errors come here, to be printed as one line like ours.
@@ -63,6 +69,8 @@ def main() -> None:
     except OutputClosed as exc:
         code = exc.exit_code if exc.quiet else _report(state, exc, exc.exit_code)
         _quiet_std_streams()
+    except Interrupted as exc:
+        code = _report(state, exc, state.interrupt_code(), _interrupted_line(state, exc))
     except DflashError as exc:
         code = _report(state, exc, exc.exit_code)
     except click.exceptions.NoArgsIsHelpError as exc:  # `dflashctl runs`: that group's help, once
@@ -74,19 +82,31 @@ def main() -> None:
     except click.ClickException as exc:
         code = _report(state, exc, exc.exit_code, exc.format_message())
     except (click.Abort, KeyboardInterrupt):
-        code = _report(state, None, Interrupted.exit_code, "interrupted")
+        code = _report(state, None, state.interrupt_code(), _interrupted_line(state, Interrupted()))
     except Exception as exc:  # a bug: still one line unless --debug
         hint = "" if state.debug else " (rerun with --debug)"
         code = _report(state, exc, 1, f"internal error: {type(exc).__name__}: {exc}{hint}")
     finally:
         for session in state.sessions:
             session.close()
+        for sig, handler in previous.items():  # an in-process caller (the tests) gets its own back
+            signal.signal(sig, handler)
     sys.exit(code)
 
 
 def _interrupt(state: AppState, signum: int, frame: object) -> None:
-    state.interrupted = True
+    state.interrupted, state.signum = True, signum
     raise Interrupted()
+
+
+def _interrupted_line(state: AppState, exc: Interrupted) -> str:
+    """`interrupted...`, naming the signal when it was not a Ctrl-C (`interrupted by SIGTERM; ...`)."""
+    import signal
+
+    text = str(exc)
+    if state.signum == signal.SIGINT:
+        return text
+    return text.replace("interrupted", f"interrupted by {signal.Signals(state.signum).name}", 1)
 
 
 def _usage_line(exc: "click.UsageError") -> str:

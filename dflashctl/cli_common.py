@@ -47,6 +47,11 @@ class AppState:
     debug: bool = False
     sessions: list = field(default_factory=list)
     interrupted: bool = False  # a Ctrl-C came (an error that follows may be its doing)
+    signum: int = 2  # the signal that interrupted: SIGINT (Ctrl-C), or SIGTERM or SIGHUP (a kill, a closed terminal)
+
+    def interrupt_code(self) -> int:
+        """The exit code of an interrupted call: 128 + the signal, as a shell reports one (130 for Ctrl-C)."""
+        return 128 + self.signum
 
     def session(self) -> Session:
         """Load the inventory and open a Session that is closed when the call ends."""
@@ -71,7 +76,7 @@ def detaches(state: AppState, host: str, run_id: str, err: Console) -> Iterator[
         if not (isinstance(exc, Interrupted) or state.interrupted):
             raise
         err.print(Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {host} {run_id} -f"), soft_wrap=True)
-        raise typer.Exit(Interrupted.exit_code) from None
+        raise typer.Exit(state.interrupt_code()) from None
 
 
 def complete_host(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:

@@ -61,9 +61,11 @@ def kill_left(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def interrupt(env: dict, host: str, argv: list[str]) -> tuple[list[int], subprocess.CompletedProcess]:
-    """`dflashctl exec host -- argv`, SIGINT once it printed its `ready PID...` line: the pids and
-    the CLI's outcome."""
+def interrupt(
+    env: dict, host: str, argv: list[str], sig: int = signal.SIGINT
+) -> tuple[list[int], subprocess.CompletedProcess]:
+    """`dflashctl exec host -- argv`, `sig` (Ctrl-C's SIGINT) once it printed its `ready PID...`
+    line: the pids and the CLI's outcome."""
     proc = subprocess.Popen(
         [*CLI, "exec", host, "--", *argv],
         env=env,
@@ -74,7 +76,7 @@ def interrupt(env: dict, host: str, argv: list[str]) -> tuple[list[int], subproc
     try:
         words = proc.stdout.readline().split()
         assert words[:1] == [b"ready"], (words, proc.stderr.read1(4096) if proc.poll() is not None else b"")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -92,6 +94,21 @@ def test_ctrl_c_ends_a_command_that_ignores_signals_and_forks(mux, where):
         kill_left(pids)
     if where == "p":
         wait_until(lambda: mux.stats("p")["active"] == 0, 60, "the mux's commands to end")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("where", ["shim", "local"])
+def test_a_kill_or_a_closed_terminal_ends_the_command_as_ctrl_c_does(mux, where, sig):
+    """SIGTERM (a kill) or SIGHUP (the terminal or the laptop's session went away) ended the CLI and
+    left the command running on the host; now they stop it as Ctrl-C does, and the exit code is the
+    shell's for that signal."""
+    pids, res = interrupt({**mux.sshd.env, **mux.env}, where, [sys.executable, "-c", STUBBORN], sig)
+    try:
+        name = signal.Signals(sig).name
+        assert (res.returncode, res.stderr, res.stdout) == (128 + sig, f"error: interrupted by {name}\n".encode(), b"")
+        wait_until(lambda: not any(alive(p) for p in pids), 60, f"{pids} to end")
+    finally:
+        kill_left(pids)
 
 
 @pytest.mark.parametrize("where", ["shim", "p", "local"])
