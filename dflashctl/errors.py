@@ -28,6 +28,10 @@ class ConnectError(DflashError):
     exit_code = 3
 
 
+class ConnectionLost(ConnectError):
+    """An established connection dropped mid-call: what it was running may still run on the host."""
+
+
 class ContainerError(DflashError):
     """The container is stopped, or lacks a tool we need (interpreter, tar)."""
 

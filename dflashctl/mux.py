@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from . import errors as _errors
-from .errors import ConnectError, DflashError, UsageError
+from .errors import ConnectionLost, DflashError, UsageError
 from .inventory import HostSpec
 from .transport import Process, Read1Stream, Transport
 
@@ -326,7 +326,7 @@ class _MuxProcess(Process):
                     frame = None
                 if frame is None:
                     if not self._killed:
-                        error = ConnectError(f"connection to {self._name} lost")
+                        error = ConnectionLost(f"connection to {self._name} lost")
                     break
                 kind, payload = frame
                 if kind == STDOUT:

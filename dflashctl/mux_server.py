@@ -233,7 +233,7 @@ class _Server:
         except Exception as exc:  # noqa: BLE001
             send(
                 ERROR,
-                json.dumps({"cls": "ConnectError", "msg": f"connection to {self.host.name} lost ({exc})"}).encode(),
+                json.dumps({"cls": "ConnectionLost", "msg": f"connection to {self.host.name} lost ({exc})"}).encode(),
             )
             return
         send(CODE, struct.pack("!i", code))

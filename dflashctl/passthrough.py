@@ -8,7 +8,7 @@ import threading
 from typing import Sequence
 
 from .containers import Target
-from .errors import ContainerError, OutputClosed
+from .errors import ConnectionLost, ContainerError, OutputClosed
 from .guard import run_guarded
 from .output import sink
 
@@ -36,6 +36,8 @@ def run_passthrough(target: Target, command: Sequence[str]) -> int:
     except OutputClosed as exc:
         exc.exit_code = EXIT_OUTPUT_CLOSED
         raise
+    except ConnectionLost as exc:  # the guard's stop could not reach the host either
+        raise ConnectionLost(f"{exc}; the command may still run on {target.label}") from None
     err.release()
     # A local child killed by a signal has a negative code; ssh's 255 for it, as over SSH (docs/cli.md).
     return result.exit_code if result.exit_code >= 0 else EXIT_SIGNALLED

@@ -38,7 +38,7 @@ def _import_paramiko():  # type: ignore[no-untyped-def]
 
 paramiko = _import_paramiko()
 
-from .errors import ConnectError, DflashError, UsageError  # noqa: E402
+from .errors import ConnectError, ConnectionLost, DflashError, UsageError  # noqa: E402
 from .inventory import HostSpec  # noqa: E402
 from .transport import Process, Read1Stream, Transport, env_argv  # noqa: E402
 
@@ -361,7 +361,7 @@ class SshTransport(Transport):
         self._hops.clear()
 
     def _lost(self) -> ConnectError:
-        return ConnectError(f"connection to {self.name} lost")
+        return ConnectionLost(f"connection to {self.name} lost")
 
     def _connect_once(self) -> paramiko.SSHClient:
         ep = self.endpoint

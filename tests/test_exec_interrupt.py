@@ -353,3 +353,27 @@ def test_connected_says_whether_a_command_starts_without_connecting(mux, where):
         if where == "shim":
             transport.close()
             assert not transport.connected()
+
+
+def test_a_lost_connection_says_the_command_may_still_run(shim_host):
+    """sshd's connection killed under `exec`: the command could not be stopped (its stop needs the
+    host), and the one line said only `connection to shim lost`, as if nothing were left."""
+    proc = subprocess.Popen(
+        [*CLI, "exec", "shim", "--", "sh", "-c", "echo ready $$; exec sleep 305"],
+        env=shim_host.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    pids: list[int] = []
+    try:
+        words = proc.stdout.readline().split()
+        assert words[:1] == [b"ready"], words
+        pids = [int(words[1])]
+        assert shim_host.kill_connections() >= 1
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        kill_left(pids)
+    assert proc.returncode == 3
+    assert err.decode() == "error: connection to shim lost; the command may still run on shim (pct 200)\n"
