@@ -193,11 +193,10 @@ def inspect_cmd(
 
     opts = InspectOptions(target, lines, context, grep, path, source, json_out)
     remote = app_state(ctx).session().target(host)
-    out = sys.stdout.buffer
+    from .output import write_out
 
     def write(text: str) -> None:
-        out.write(text.encode("utf-8"))
-        out.flush()
+        write_out(sys.stdout.buffer, text.encode("utf-8"))  # a closed pipe or a full disk: OutputClosed
 
     # Highlighted on a terminal; in a pipe the exact text, without loading rich (a read's start-up).
     pretty = None

@@ -10,9 +10,14 @@ from .errors import OutputClosed
 
 
 def write_out(stream: IO[bytes], data: bytes, what: str = "stdout") -> None:
-    """Write and flush data, or raise OutputClosed when the stream cannot take it."""
+    """Write and flush all of data, or raise OutputClosed when the stream cannot take it."""
+    view = memoryview(data)
     try:
-        stream.write(data)
+        # An unbuffered stream (PYTHONUNBUFFERED: sys.stdout.buffer is the raw file) writes part of
+        # the data when a pipe's reader leaves midway and returns that count: write the rest to meet EPIPE.
+        while view:
+            written = stream.write(view)
+            view = view[len(view) if written is None else written :]  # None: a stream that takes it all
         stream.flush()
     except OSError as exc:
         raise OutputClosed(exc, what) from None

@@ -141,3 +141,27 @@ def test_a_table_to_a_full_disk_is_one_line_and_141(shim_host):
             [*CLI, "hosts", "list"], stdout=full, stderr=subprocess.PIPE, env=shim_host.env, timeout=120
         )
     assert (res.returncode, res.stderr.decode()) == (141, "error: cannot write to stdout: No space left on device\n")
+
+
+def test_a_reader_that_leaves_midway_through_a_write_is_a_closed_pipe():
+    """`inspect ... | head -1` exited 0 with its output cut where PYTHONUNBUFFERED is set (docker
+    images often set it): sys.stdout.buffer is then the raw file, whose write into a pipe whose
+    reader leaves midway returns the part written, and the rest was dropped. The reader here takes
+    1,000 bytes and leaves while the 1 MB write waits on the full pipe, whatever the machine's speed."""
+    import threading
+
+    from dflashctl.errors import OutputClosed
+    from dflashctl.output import write_out
+
+    read, write = os.pipe()
+
+    def head() -> None:
+        os.read(read, 1000)
+        os.close(read)
+
+    reader = threading.Thread(target=head)
+    reader.start()
+    with os.fdopen(write, "wb", buffering=0) as stream, pytest.raises(OutputClosed) as caught:
+        write_out(stream, b"x" * (1 << 20))
+    reader.join()
+    assert caught.value.quiet  # a closed pipe: the command ends quietly with 141
