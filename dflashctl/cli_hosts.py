@@ -102,7 +102,13 @@ def hosts_disconnect(
 
 
 def _confirm(question: str) -> bool:
-    return typer.confirm(question, default=False)
+    """Ask on the terminal; no answer (stdin at its end, as in a script) is a no, not an interrupt."""
+    import click
+
+    try:
+        return typer.confirm(question, default=False)
+    except click.exceptions.Abort:  # click's answer to EOF (a Ctrl-C raises our Interrupted instead)
+        return False
 
 
 @app.command("exec", context_settings={"allow_interspersed_args": False})

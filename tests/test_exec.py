@@ -182,6 +182,8 @@ def test_trust_asks_and_no_records_nothing(shim_host, tmp_path):
     assert declined.returncode == 1
     assert "not trusted" in one_line_error(declined)
     assert (home / ".ssh" / "known_hosts").read_text() == ""
+    unanswered = shim_host.run_cli("hosts", "trust", "shim", env={"HOME": str(home)})  # stdin at its end
+    assert unanswered.returncode == 1 and "not trusted" in one_line_error(unanswered)  # was `interrupted`, 130
     accepted = shim_host.run_cli("hosts", "trust", "shim", input="y\n", env={"HOME": str(home)})
     assert accepted.returncode == 0 and "SHA256:" in accepted.stdout
 
