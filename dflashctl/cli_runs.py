@@ -35,6 +35,7 @@ from .cli_common import logs_app, runs_app
 from .cli_common import follow_or_detach
 from .errors import NotFoundError, UsageError
 from .session import Session
+from .yamlfile import load_yaml_file
 
 
 # --- runs --------------------------------------------------------------------------------------
@@ -133,8 +134,8 @@ def train_cmd(
         queue=queue,
         rdzv_port=rdzv_port,
     )
-    if config is not None and not config.is_file():
-        raise UsageError(f"--config: no such file: {config}")
+    if config is not None:  # its syntax and keys checked here, whatever trainer reads it (--no-push, --source)
+        load_yaml_file(config, f"--config: {config}")
     _refuse_with_resume(
         resume,
         (

@@ -175,6 +175,8 @@ def push_data(
     if as_name is not None and len(files) != 1:
         raise UsageError("--as names one file; push several under their own names")
     for path in files:
+        if path.is_dir():
+            raise UsageError(f"{path} is a directory, not a file")
         if not path.is_file():
             raise UsageError(f"no such file: {path}")
     names = [as_name or path.name for path in files]

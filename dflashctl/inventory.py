@@ -9,10 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .devices import host_gpus
 from .errors import UsageError
+from .yamlfile import load_yaml
 
 ENV_VAR = "DFLASHCTL_INVENTORY"
 LOCAL = "local"
@@ -136,16 +135,10 @@ def builtin_local() -> HostSpec:
 def find_inventory(explicit: str | os.PathLike[str] | None, cwd: Path | None = None) -> Path | None:
     """First existing file of: --inventory, $DFLASHCTL_INVENTORY, ./hosts.yaml, ~/.config/dflashctl/hosts.yaml."""
     if explicit:
-        path = Path(explicit).expanduser()
-        if not path.is_file():
-            raise UsageError(f"inventory file not found: {path}")
-        return path
+        return _named_file(Path(explicit).expanduser(), "")
     env = os.environ.get(ENV_VAR)
     if env:
-        path = Path(env).expanduser()
-        if not path.is_file():
-            raise UsageError(f"inventory file not found: {path} (from ${ENV_VAR})")
-        return path
+        return _named_file(Path(env).expanduser(), f" (from ${ENV_VAR})")
     for candidate in ((cwd or Path.cwd()) / "hosts.yaml", Path.home() / ".config/dflashctl/hosts.yaml"):
         if candidate.is_file():
             return candidate
@@ -158,34 +151,25 @@ def load_inventory(explicit: str | os.PathLike[str] | None = None, cwd: Path | N
     if path is None:
         return Inventory(hosts={LOCAL: builtin_local()}, default=LOCAL)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as exc:
         raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
-    return parse_inventory(text, path)
+    return parse_inventory(data, path)
 
 
-def _load_yaml(text: str) -> Any:
-    """yaml.safe_load, through libyaml where PyYAML has it (5x faster on every call's hosts.yaml);
-    a file libyaml refuses is parsed again in Python, whose error messages say more."""
-    fast = getattr(yaml, "CSafeLoader", None)
-    if fast is not None:
-        try:
-            return yaml.load(text, Loader=fast)
-        except yaml.YAMLError:
-            pass
-    return yaml.safe_load(text)
+def _named_file(path: Path, source: str) -> Path:
+    """`path`, named by --inventory or the environment, if it is a file; else UsageError."""
+    if path.is_dir():
+        raise UsageError(f"inventory file {path} is a directory, not a file{source}")
+    if not path.is_file():
+        raise UsageError(f"inventory file not found: {path}{source}")
+    return path
 
 
-def parse_inventory(text: str, path: Path | None = None) -> Inventory:
-    """Validate YAML text into an Inventory; every error names the file, host and field."""
-    label = path.name if path else "hosts.yaml"
-    try:
-        data = _load_yaml(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise UsageError(f"{label}:{where}: {problem}") from None
+def parse_inventory(text: str | bytes, path: Path | None = None) -> Inventory:
+    """Validate YAML text (bytes: UTF-8) into an Inventory; every error names the file, host and field."""
+    label = str(path) if path else "hosts.yaml"  # the full path: the file may be any of four places
+    data = load_yaml(text, label)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -308,6 +292,8 @@ def _parse_container(fail: Any, raw: Any) -> ContainerSpec:
         raise fail(f"container.{runtime} must be a command or path, got {tool!r}")
     if runtime == "pct":
         vmid = raw.get("vmid")
+        if vmid is None:
+            raise fail("container.vmid is required for runtime pct (the container's id, like vmid: 200)")
         if isinstance(vmid, bool) or not isinstance(vmid, int):
             raise fail(f"container.vmid must be an integer, got {vmid!r}")
         if vmid < 100:
@@ -315,6 +301,8 @@ def _parse_container(fail: Any, raw: Any) -> ContainerSpec:
         return ContainerSpec(runtime="pct", vmid=vmid, tool=tool)
     if runtime == "docker":
         cname = raw.get("name")
+        if cname is None:
+            raise fail("container.name is required for runtime docker (the container's name or id)")
         if not isinstance(cname, str) or not cname:
             raise fail(f"container.name must be the docker container's name, got {cname!r}")
         if not _DOCKER_NAME.fullmatch(cname):  # docker's own rule; also keeps a name from reading as an option

@@ -41,6 +41,15 @@ def test_push_list_skip_unchanged_and_replace(shim_host, tmp_path):
     assert bad.returncode == 2 and "--as names one file" in bad.stderr
 
 
+def test_push_of_a_missing_file_or_a_directory_says_which(shim_host, tmp_path):
+    for missing, why in (
+        (tmp_path / "nope.jsonl", f"no such file: {tmp_path / 'nope.jsonl'}"),
+        (tmp_path, f"{tmp_path} is a directory, not a file"),
+    ):
+        res = shim_host.run_cli("data", "push", "shim", str(missing))
+        assert (res.returncode, res.stderr) == (2, f"error: {why}\n")
+
+
 def test_a_killed_push_leaves_the_old_copy_and_no_partial(shim_host, tmp_path):
     data = shim_host.container_dir(SHIM_VMID) / "work" / "data"
     big = tmp_path / "big.jsonl"

@@ -27,7 +27,7 @@ from dflashctl.inventory import completions, load_inventory, parse_inventory
         ("hosts:\n  gpu1:\n    adress: x\n", "hosts.yaml: host 'gpu1': unknown field 'adress'"),
         (
             "hosts:\n  gpu1:\n    container: {runtime: docker}\n",
-            "hosts.yaml: host 'gpu1': container.name must be the docker container's name, got None",
+            "hosts.yaml: host 'gpu1': container.name is required for runtime docker (the container's name or id)",
         ),
         (
             "hosts:\n  gpu1:\n    container: {runtime: lxd}\n",
@@ -66,13 +66,32 @@ from dflashctl.inventory import completions, load_inventory, parse_inventory
         ),
         ("default: gpu9\nhosts:\n  gpu1: {}\n", "hosts.yaml: default host 'gpu9' is not defined under hosts"),
         ("hosts: [a, b]\n", "hosts.yaml: 'hosts' must be a mapping of host name to settings"),
-        ("hosts:\n  gpu1: {address: [}\n", "hosts.yaml: line 2:"),
+        ("hosts:\n  gpu1: {address: [}\n", "hosts.yaml: line 2, column 20: expected the node content, but found '}'"),
+        (
+            "hosts:\n  gpu1:\n    container: {runtime: pct}\n",
+            "hosts.yaml: host 'gpu1': container.vmid is required for runtime pct (the container's id, like vmid: 200)",
+        ),
+        (
+            "hosts:\n  gpu1: {}\n  gpu2: {}\n  gpu1: {}\n",
+            "hosts.yaml: line 4: duplicate key 'gpu1' in hosts (first on line 2)",
+        ),
+        (
+            "hosts:\n  gpu1:\n    port: 22\n    user: a\n    port: 23\n",
+            "hosts.yaml: line 5: duplicate key 'port' in hosts.gpu1 (first on line 3)",
+        ),
+        ("hosts:\n  gpu1: {workdir: 2024-13-45}\n", "hosts.yaml: line 2, column 19: bad value: month must be in 1..12"),
+        (b"hosts:\n  gpu1:\n    user: caf\xe9\n", "hosts.yaml: line 3, column 14: not UTF-8 text (byte 0xe9)"),
     ],
 )
 def test_validation_messages(text, message):
     with pytest.raises(UsageError) as info:
         parse_inventory(text)
     assert str(info.value).startswith(message)
+
+
+def test_a_merge_key_may_repeat_what_it_merges():
+    inv = parse_inventory("hosts:\n  gpu1: &g {address: h, port: 22}\n  gpu2:\n    <<: *g\n    port: 23\n")
+    assert (inv.get("gpu2").address, inv.get("gpu2").port) == ("h", 23)
 
 
 def test_a_full_host_entry_parses():
@@ -108,7 +127,42 @@ def test_cli_reports_bad_inventory_with_exit_2(shim_host, tmp_path):
     result = shim_host.run_cli("hosts", "list", env={"DFLASHCTL_INVENTORY": str(bad)})
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert result.stderr.strip() == "error: hosts.yaml: host 'gpu1': container.vmid must be an integer, got 'abc'"
+    assert result.stderr.strip() == f"error: {bad}: host 'gpu1': container.vmid must be an integer, got 'abc'"
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b"hosts:\n  gpu1:\n    \xff\xfe\n", "line 3, column 5: not UTF-8 text (byte 0xff)"),
+        (b"hosts:\n  a: {}\n  b: {}\n  a: {}\n", "line 4: duplicate key 'a' in hosts (first on line 2)"),
+        (b"hosts:\n  a:\n    port: 22\n    port: 23\n", "line 4: duplicate key 'port' in hosts.a (first on line 3)"),
+        (
+            b"hosts:\n  a: {container: {runtime: pct}}\n",
+            "host 'a': container.vmid is required for runtime pct (the container's id, like vmid: 200)",
+        ),
+        (
+            b"hosts:\n  a:\n    user: root\n  port: [\n",
+            "line 5, column 1: expected the node content, but found '<stream end>'",
+        ),
+    ],
+)
+def test_a_bad_inventory_file_is_one_line_naming_its_full_path(shim_host, tmp_path, content, problem):
+    bad = tmp_path / "hosts.yaml"
+    bad.write_bytes(content)
+    for args in (("hosts", "list"), ("exec", "shim", "--", "true")):
+        result = shim_host.run_cli(*args, env={"DFLASHCTL_INVENTORY": str(bad)})
+        assert (result.returncode, result.stderr) == (2, f"error: {bad}: {problem}\n"), args
+
+
+def test_a_directory_as_the_inventory_is_named_as_such(shim_host, tmp_path):
+    for args, env, source in (
+        (("-i", str(tmp_path)), {}, ""),
+        ((), {"DFLASHCTL_INVENTORY": str(tmp_path)}, " (from $DFLASHCTL_INVENTORY)"),
+    ):
+        for command in (("hosts", "list"), ("exec", "shim", "--", "true")):
+            result = shim_host.run_cli(*args, *command, env=env)
+            expected = f"error: inventory file {tmp_path} is a directory, not a file{source}\n"
+            assert (result.returncode, result.stderr) == (2, expected), command
 
 
 def test_lookup_order(shim_host, tmp_path):

@@ -52,6 +52,30 @@ def test_bad_set_value_is_the_trainers_one_line_and_no_run(shim_workdir):
     assert runs_in(workdir) == []
 
 
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (None, " is a directory, not a file"),
+        (
+            b"run:\n  steps: 5\ndata: {source: [jsonl\n",
+            ": line 4, column 1: expected ',' or ']', but got '<stream end>'",
+        ),
+        (b"run:\n  steps: 5\n  steps: 6\n", ": line 3: duplicate key 'steps' in run (first on line 2)"),
+        (b"run:\n  name: \xff\n", ": line 2, column 9: not UTF-8 text (byte 0xff)"),
+    ],
+)
+def test_a_bad_config_file_is_one_line_with_its_path_and_place(shim_workdir, tmp_path, content, problem):
+    host, workdir = shim_workdir
+    config = tmp_path / "run.yaml"
+    if content is None:
+        config.mkdir()
+    else:
+        config.write_bytes(content)
+    res = host.run_cli("train", "shim", "--config", str(config), "--detach")
+    assert (res.returncode, res.stderr) == (2, f"error: --config: {config}{problem}\n")
+    assert not (workdir / "payload").exists()
+
+
 def test_run_dir_unquoted_in_set_reaches_the_resolved_config(shim_workdir):
     host, workdir = shim_workdir
     res = host.run_cli(
