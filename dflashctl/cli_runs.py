@@ -364,7 +364,7 @@ def runs_show(
     plot: Optional[Path] = typer.Option(
         None,
         "--plot",
-        help="Also write the curves to this PNG (needs the plot extra: pip install 'dflashctl\\[plot]').",
+        help="Also write the curves to this file: .png, .pdf or .svg (needs: pip install 'dflashctl\\[plot]').",
     ),
     curves: bool = typer.Option(True, "--curves/--no-curves", help="Draw loss and acceptance length in the terminal."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -373,12 +373,12 @@ def runs_show(
     from rich.console import Console
     from rich.text import Text
     from .multihost import show_group
-    from .plot import require_matplotlib, save_png, terminal_plot
+    from .plot import check_plot_path, save_png, terminal_plot
     from .runs import details_rows
     from .tables import fields
 
     if plot is not None:
-        require_matplotlib()  # before anything is printed
+        plot = check_plot_path(plot)  # before anything is printed
     session = app_state(ctx).session()
     host, run = host_and_run(session, host, run)
     with word_is_host_or_run(session, host, run):

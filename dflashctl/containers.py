@@ -16,6 +16,8 @@ from .inventory import ContainerSpec, HostSpec
 from .transport import CHUNK, STDERR_TAIL, Completed, Process, Sink, StdinSource, Transport, env_argv
 
 _PCT_NOT_RUNNING = re.compile(r"container '?(\d+)'? not running", re.I)
+# pct's `load_config` dies with this for a vmid that has no config on this node (exit 255).
+_PCT_MISSING = re.compile(r"Configuration file '\S*lxc/\d+\.conf' does not exist")
 _DOCKER_NOT_RUNNING = re.compile(r"container \S+ is not running", re.I)
 _DOCKER_MISSING = re.compile(r"No such container", re.I)
 _NOT_FOUND_CODES = (126, 127)
@@ -78,7 +80,7 @@ class Target:
         return result
 
     def raise_for_container(self, result: Completed, argv: Sequence[str]) -> None:
-        """Turn 'container stopped' and 'program not found' outcomes into ContainerError."""
+        """Turn 'container stopped or missing' and 'program not found' outcomes into ContainerError."""
         if result.ok:
             return
         err = result.stderr.decode("utf-8", "replace")
@@ -87,6 +89,8 @@ class Target:
             raise ContainerError(
                 f"{self.host.name}: container {spec.vmid} is not running (start it with `pct start {spec.vmid}`)"
             )
+        if spec.runtime == "pct" and _PCT_MISSING.search(err):
+            raise ContainerError(f"{self.host.name}: no pct container {spec.vmid} on this host (see `pct list`)")
         if spec.runtime == "docker" and _DOCKER_NOT_RUNNING.search(err):
             raise ContainerError(
                 f"{self.host.name}: docker container '{spec.name}' is not running "

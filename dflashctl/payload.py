@@ -265,7 +265,7 @@ def _check_space(target: Target, plan: PushPlan, free: int) -> None:
     if need > free:
         raise RemoteError(
             f"{target.label}: not enough space in {target.host.workdir}: need {decimal(need)}, "
-            f"{decimal(free)} free (the previous payload is unchanged)"
+            f"{decimal(free)} free (any previous payload is unchanged)"
         )
 
 
@@ -387,4 +387,4 @@ def _raise_remote(target: Target, code: int, line: str) -> NoReturn:
         )
     message = line.removeprefix("payload_sync: ")
     error = _REMOTE_ERRORS.get(code, RemoteError)
-    raise error(f"{target.label}: push failed: {message} (the previous payload is unchanged)")
+    raise error(f"{target.label}: push failed: {message} (any previous payload is unchanged)")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import UsageError
+from .errors import DflashError, UsageError
 
 CURVES = (("loss", "training loss"), ("acceptance_length", "acceptance length"))
 
@@ -58,6 +59,28 @@ def require_matplotlib() -> Any:
     return pyplot
 
 
+def check_plot_path(path: Path) -> Path:
+    """The file --plot will write (`.png` added to a bare name); UsageError when it cannot be written."""
+    require_matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if not path.suffix.strip("."):
+        path = path.with_name(path.name.rstrip(".") + ".png")  # matplotlib's own default, named up front
+    fmt = path.suffix[1:].lower()
+    # pgf needs a TeX installation that matplotlib only looks for while writing.
+    formats = sorted(set(FigureCanvasBase.get_supported_filetypes()) - {"pgf"})
+    if fmt not in formats:
+        raise UsageError(f"--plot {path}: matplotlib cannot write .{fmt} files (use one of: {', '.join(formats)})")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"--plot {path}: no such directory {parent}")
+    if path.is_dir():
+        raise UsageError(f"--plot {path}: is a directory")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise UsageError(f"--plot {path}: {path if path.exists() else parent} is not writable")
+    return path
+
+
 def held_out(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of a metric from the evaluation records (held-out data) only."""
     return series([r for r in records if r.get("event") in ("eval", "final")], key)
@@ -89,5 +112,9 @@ def save_png(records: Sequence[dict[str, Any]], path: Path, run_id: str) -> None
         ax.legend()
     fig.suptitle(f"run {run_id}")
     fig.tight_layout()
-    fig.savefig(path)
-    pyplot.close(fig)
+    try:
+        fig.savefig(path)
+    except OSError as exc:  # checked up front; this is a disk that filled or changed since
+        raise DflashError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        pyplot.close(fig)

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from runs_helpers import install_standin
 from sshd import keygen
 
 
@@ -54,6 +55,20 @@ def test_stopped_container_exit_4(shim_host):
     result = shim_host.run_cli("exec", "stopped", "--", "true")
     assert result.returncode == 4
     assert "container 201 is not running" in one_line_error(result)
+
+
+def test_missing_pct_container_is_one_line_exit_4_on_every_command(shim_host, tmp_path):
+    inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", {"novmid": shim_host.host_entry(999)})
+    source = install_standin(tmp_path / "payload_src")
+    expected = "error: novmid: no pct container 999 on this host (see `pct list`)"
+    for args in (
+        ("exec", "novmid", "--", "echo", "hi"),
+        ("push", "novmid", "--source", str(source)),
+        ("train", "novmid", "--source", str(source)),
+        ("runs", "list", "novmid"),
+    ):
+        result = shim_host.run_cli(*args, env={"DFLASHCTL_INVENTORY": str(inventory)})
+        assert (result.returncode, one_line_error(result), result.stdout) == (4, expected, ""), args
 
 
 def test_missing_program_exit_4(shim_host):

@@ -491,6 +491,17 @@ def test_full_disk_keeps_old_payload(tiny_disk: Path, source: Path) -> None:
     assert read_tree(payload_dir(target)) == PAYLOAD and staging_leftovers(target) == []
 
 
+def test_failed_first_push_claims_no_previous_payload(source: Path, tmp_path: Path) -> None:
+    # A workdir under a regular file cannot be created: the push fails with no payload ever there.
+    (tmp_path / "file").write_bytes(b"")
+    target = Target(
+        HostSpec(name="local", transport="local", workdir=str(tmp_path / "file" / "work")), LocalTransport()
+    )
+    with pytest.raises(RemoteError) as caught:
+        push(target, source)
+    assert str(caught.value).endswith("(any previous payload is unchanged)")
+
+
 def test_version_in_use_by_a_process_survives_later_pushes(source: Path, tmp_path: Path) -> None:
     target = Target(HostSpec(name="local", transport="local", workdir=str(tmp_path / "work")), LocalTransport())
     push(target, source)

@@ -422,6 +422,11 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     shown = host.run_cli("runs", "show", "shim", "n2", "--plot", str(png))
     assert ids[2] in shown.stdout and "acceptance length" in shown.stdout  # details and terminal curves
     assert shown.returncode == 0 and png.read_bytes().startswith(b"\x89PNG") and f"wrote {png}" in shown.stdout
+    bare_name = host.run_cli("runs", "show", "shim", "n2", "--no-curves", "--plot", str(tmp_path / "named"))
+    assert bare_name.returncode == 0 and f"wrote {tmp_path / 'named.png'}" in bare_name.stdout  # the file written
+    assert (tmp_path / "named.png").read_bytes().startswith(b"\x89PNG")
+    unwritable = host.run_cli("runs", "show", "shim", "n2", "--plot", str(tmp_path / "x.txt"))
+    assert (unwritable.returncode, unwritable.stdout) == (2, "")  # refused before the run's details
     # Without matplotlib (the plot extra): one line naming the extra, before anything is printed.
     env = {"PYTHONPATH": str(tmp_path / "no-mpl")}
     (tmp_path / "no-mpl").mkdir()
@@ -429,6 +434,22 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     bare = host.run_cli("runs", "show", "shim", "n2", "--plot", str(tmp_path / "b.png"), env=env, process=True)
     assert bare.returncode == 2 and bare.stdout == "" and "dflashctl[plot]" in bare.stderr
     assert len(bare.stderr.splitlines()) == 1 and not (tmp_path / "b.png").exists()
+
+
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("/nonexistent-dir/x.png", "error: --plot /nonexistent-dir/x.png: no such directory /nonexistent-dir"),
+        ("x.txt", "error: --plot {tmp}/x.txt: matplotlib cannot write .txt files (use one of: avif, eps, "),
+        ("sub.png", "error: --plot {tmp}/sub.png: is a directory"),
+    ],
+)
+def test_a_plot_path_that_cannot_be_written_is_refused_before_anything_is_printed(sshd_host, tmp_path, name, message):
+    (tmp_path / "sub.png").mkdir()
+    path = name if name.startswith("/") else str(tmp_path / name)
+    result = sshd_host.run_cli("runs", "show", "shim", "no-such-run", "--plot", path)  # the run is never looked up
+    assert (result.returncode, result.stdout) == (2, "")
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(message.format(tmp=tmp_path))
 
 
 def test_shell_completion_offers_the_hosts_run_ids_and_names(shim):
