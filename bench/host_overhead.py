@@ -134,8 +134,8 @@ def child(args) -> dict:
                 torch.cuda.set_sync_debug_mode("warn")
         return batches(step, rank, world)
 
-    def optimizer_step(replica):
-        out = ops.optimizer_step(replica)
+    def optimizer_step(replica, keep_grads):
+        out = ops.optimizer_step(replica, keep_grads)
         if "t" in started:
             host_ms.append((time.perf_counter() - started["t"]) * 1e3)
             if debug:

@@ -153,6 +153,7 @@ def child_process(args) -> dict:
     import torch
     import torch.distributed as dist
     from dflash_train import workers as W
+    from dflash_train.grad_buckets import GradBuckets
     from dflash_train.replica import drafter_ops
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -176,7 +177,7 @@ def child_process(args) -> dict:
     torch.manual_seed(cfg.run.seed)
     replica = ops.build(device, cfg.run.seed, policy)
     params = ops.parameters(replica)
-    flats = W.GradBuckets(params).attach()  # as the threads do: backward accumulates into flat buffers
+    flats = GradBuckets(params).attach()  # as the threads do: backward accumulates into flat buffers
     t0 = time.monotonic()
     for _ in range(2):
         ops.forward_backward(replica, data(0))

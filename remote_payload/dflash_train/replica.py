@@ -239,25 +239,26 @@ def scheduled_lr(replica: Replica) -> float:
     return sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch)
 
 
-def clip_step_zero(replica: Replica) -> torch.Tensor:
-    """Clip, AdamW step, zero grads in place: the optimizer step's device work, eager or captured;
-    returns the pre-clip grad norm."""
+def clip_step_zero(replica: Replica, keep_grads: bool = True) -> torch.Tensor:
+    """Clip, AdamW step, zero grads (in place when keep_grads, else set to None): the optimizer
+    step's device work, eager or captured; returns the pre-clip grad norm."""
     grad_norm = torch.nn.utils.clip_grad_norm_(replica.drafter.parameters(), replica.cfg.optim.grad_clip)
     replica.optimizer.step()
-    replica.optimizer.zero_grad(set_to_none=False)
+    replica.optimizer.zero_grad(set_to_none=not keep_grads)
     return grad_norm.detach()
 
 
-def optimizer_step(replica: Replica) -> torch.Tensor:
-    """Clip, AdamW step, zero grads in place (the workers' flat gradient buffers stay attached),
-    advance the schedule; returns the pre-clip grad norm (a device tensor: no host sync). With a
-    captured step graph, the first three are one replay."""
+def optimizer_step(replica: Replica, keep_grads: bool = True) -> torch.Tensor:
+    """Clip, AdamW step, zero grads (in place when keep_grads: the workers' flat gradient buffers
+    stay attached; else set to None), advance the schedule; returns the pre-clip grad norm (a
+    device tensor: no host sync). With a captured step graph (whose run keeps flat buffers), the
+    first three are one replay."""
     replica.last_lr = scheduled_lr(replica)
     if replica.step_graph is not None:
         replica.step_graph.replay()
         replica.last_grad_norm = replica.graph_norm
     else:
-        replica.last_grad_norm = clip_step_zero(replica)
+        replica.last_grad_norm = clip_step_zero(replica, keep_grads)
     replica.scheduler.step()
     return replica.last_grad_norm
 

@@ -28,6 +28,7 @@ import torch
 
 from .compiling import EAGER, CompilePolicy
 from .faults import InjectedFault
+from .grad_buckets import GradBuckets
 
 
 class WorkerError(RuntimeError):
@@ -49,12 +50,14 @@ class ReplicaOps:
 
     build: Callable[[torch.device, int, CompilePolicy], Any]  # (device, seed, policy) -> replica
     forward_backward: Callable[[Any, Any], torch.Tensor]  # (replica, batch) -> loss; grads accumulate in .grad
-    optimizer_step: Callable[[Any], None]  # clip, step, zero grads (in place: never set .grad to None)
+    # (replica, keep_grads) -> None: clip, step, zero grads; in place when keep_grads (the flat buffers
+    # stay attached), else set to None (backward then writes fresh ones).
+    optimizer_step: Callable[[Any, bool], None]
     parameters: Callable[[Any], Sequence[torch.Tensor]]  # trainable params, same order on every replica
     progress: Callable[[Any], str] | None = None  # (replica) -> where its warm-up is, for progress lines
     # (replica) -> None, under the warm-up lock after the forward/backward calls, gradients zeroed
-    # and attached: compile or capture what replays later (the optimizer step, parts of the forward),
-    # leaving parameters and state as they were.
+    # (attached where the run keeps flat buffers): compile or capture what replays later (the
+    # optimizer step, parts of the forward), leaving parameters and state as they were.
     warm_up_step: Callable[[Any], None] | None = None
 
 
@@ -152,54 +155,6 @@ def param_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     sums = [p.detach().view(ints[p.element_size()]).sum(dtype=torch.int64) for p in params]
     return torch.stack(sums).sum()
-
-
-class GradBuckets:
-    """One flat gradient buffer per dtype, so a step reduces with one collective per dtype.
-
-    `attach()` makes every param's `.grad` a view into persistent flat buffers: backward then
-    accumulates straight into them (no packing copy per step), the reduction works in place, and
-    the optimizer reads the result through the same views.
-    """
-
-    def __init__(self, params: Sequence[torch.Tensor]):
-        self.params = list(params)
-        self.groups: dict[torch.dtype, list[int]] = {}
-        for i, p in enumerate(self.params):
-            self.groups.setdefault(p.dtype, []).append(i)
-        self.flats: list[torch.Tensor] = []
-
-    def attach(self) -> list[torch.Tensor]:
-        """Allocate zeroed flat buffers and point every param's .grad at its slice; returns them."""
-        self.flats = []
-        for dtype, idx in self.groups.items():
-            device = self.params[idx[0]].device
-            flat = torch.zeros(sum(self.params[i].numel() for i in idx), dtype=dtype, device=device)
-            self.flats.append(flat)
-            offset = 0
-            for i in idx:
-                p = self.params[i]
-                p.grad = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-        return self.flats
-
-    def attached(self) -> bool:
-        """True while every param's .grad still aliases the flat buffers (nothing replaced them)."""
-        return bool(self.flats) and all(
-            p.grad is not None and p.grad.untyped_storage().data_ptr() == self._flat_of(i).untyped_storage().data_ptr()
-            for i, p in enumerate(self.params)
-        )
-
-    def zero(self) -> None:
-        """Zero the attached buffers (one kernel per dtype)."""
-        for flat in self.flats:
-            flat.zero_()
-
-    def _flat_of(self, i: int) -> torch.Tensor:
-        for flat, idx in zip(self.flats, self.groups.values()):
-            if i in idx:
-                return flat
-        raise KeyError(i)
 
 
 def _average_local(per_rank: list[list[torch.Tensor]], cross: Callable[[list[torch.Tensor]], None] | None) -> None:
@@ -349,6 +304,11 @@ class Coordinator:
         self.buckets: list[GradBuckets | None] = [None] * self.world
         # Gradients need a reduction unless one replica trains alone with no cross-host hook.
         self.reducing = self.world > 1 or options.cross_reduce is not None
+        # Gradients live in flat buffers (GradBuckets) where the reduction or a captured optimizer step
+        # needs them at fixed addresses. A replica alone lets backward hand over fresh ones each step:
+        # accumulating into zeroed buffers reads and writes every fp32 gradient once more, and zeroing
+        # them writes it again (4.2 GB at the 8B shape, a few ms of a 220 ms step).
+        self.flat_grads = self.reducing or self.policy.capture_optimizer
         self.loss: list[torch.Tensor | None] = [None] * self.world
         self.loss_sum: list[torch.Tensor | None] = [None] * self.world
         self.sums: list[torch.Tensor | None] = [None] * self.world
@@ -537,8 +497,8 @@ class Coordinator:
             params = list(self.ops.parameters(replica))
         self.replicas[rank] = replica
         buckets = self.buckets[rank] = GradBuckets(params)
-        # Always, one replica too: gradients at fixed addresses, which a captured optimizer step needs.
-        buckets.attach()
+        if self.flat_grads:
+            buckets.attach()
         self._warm_up(rank, replica)
         self.loss_sum[rank] = torch.zeros((), device=device)
         self._wait(rank, self.ready, "ready", self.opt.compile_timeout_s)
@@ -559,13 +519,13 @@ class Coordinator:
             self.loss_sum[rank] += loss
             self.step_now = step
             self._wait(rank, self.reduced, f"step {step} gradient all-reduce")
-            if self.sync_now and not buckets.attached():
+            if self.sync_now and self.flat_grads and not buckets.attached():
                 raise RuntimeError(
                     "a gradient was replaced instead of accumulated in place (optimizer_step "
                     "must zero grads with set_to_none=False)"
                 )
             self.phase[rank] = f"step {step} optimizer"
-            self.ops.optimizer_step(replica)
+            self.ops.optimizer_step(replica, self.flat_grads)
             if self.sync_now:
                 self.sums[rank] = param_checksum(params)
                 self._wait(rank, self.synced, f"step {step} sync")

@@ -182,8 +182,8 @@ def ops_that_block(release: threading.Event, where: str) -> W.ReplicaOps:
         loss.backward()
         return loss
 
-    def optimizer_step(replica):
-        replica.grad.zero_()
+    def optimizer_step(replica, keep_grads):
+        replica.grad = replica.grad.zero_() if keep_grads else None
 
     return W.ReplicaOps(
         build, forward_backward, optimizer_step, lambda replica: [replica], progress=lambda replica: "somewhere"
