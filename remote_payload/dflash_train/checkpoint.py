@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .checkpoint_flush import evict, fsync_path
+from .checkpoint_flush import fsync_path
 from .faults import InjectedFault
 from .host_copy import tensors_of, with_tensors
 from .tensor_file import write_safetensors
@@ -154,10 +155,18 @@ class WriteTicket:
     superseded: bool = False
 
 
-def _flushed(path: Path) -> None:
-    """A written file on the disk, not only in the page cache, and out of it."""
-    fsync_path(path)
-    evict(path)
+def sync_in_child(directory: Path, names: Sequence[str]) -> None:
+    """Flush the written files `names` of `directory`, then the directory, from a process of its own
+    session (checkpoint_flush.py --sync): this process's exit never waits for that flush, and a
+    stop's signals to the run do not reach it. OSError with the child's line if it failed."""
+    script = Path(__file__).with_name("checkpoint_flush.py")
+    argv = [sys.executable, "-I", str(script), "--sync", str(directory), *(str(directory / n) for n in names)]
+    done = subprocess.run(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    if done.returncode != 0:
+        why = done.stderr.decode(errors="replace").strip().splitlines()
+        raise OSError(why[-1] if why else f"checkpoint_flush.py --sync exited {done.returncode}")
 
 
 def temp_dir(out_dir: str | Path, step: int) -> Path:
@@ -175,14 +184,15 @@ def write_checkpoint(
 ) -> Path | None:
     """Write checkpoints/step_XXXXXXXX atomically (a temp dir, renamed once complete); its files (the
     weights, the optimizer's structure, the optimizer's tensors in OPTIM_SHARDS files) are written
-    at once, one thread each, then (`durable`) flushed at once. `durable`: every file and the rename
-    are on the disk before this returns (a power loss never leaves a torn checkpoint that --resume
-    would take), the page cache holds neither a backlog nor the files when the next write comes, and
-    the checkpoints beyond the newest `keep` are then removed; without it (a stop's checkpoint: the
-    process exits sooner) the flush and the removal are left to `flush_later`. `ticket`: told when
-    the files are written; a write superseded before it is published returns None and leaves
-    nothing. `fail` (debug.fail_checkpoint) raises InjectedFault after those files, before the
-    meta: a crash in the middle of a write."""
+    at once, one thread each, then (`durable`) flushed at once by a process of its own
+    (`sync_in_child`: a stop that supersedes this write exits without waiting for the flush).
+    `durable`: every file and the rename are on the disk before this returns (a power loss never
+    leaves a torn checkpoint that --resume would take), the page cache holds neither a backlog nor
+    the files when the next write comes, and the checkpoints beyond the newest `keep` are then
+    removed; without it (a stop's checkpoint: the process exits sooner) the flush and the removal
+    are left to `flush_later`. `ticket`: told when the files are written; a write superseded before
+    it is published returns None and leaves nothing. `fail` (debug.fail_checkpoint) raises
+    InjectedFault after those files, before the meta: a crash in the middle of a write."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step:08d}"
@@ -201,10 +211,8 @@ def write_checkpoint(
         (tmp / META).write_text(json.dumps(state.meta, indent=1))
         if ticket is not None:
             ticket.written.set()
-        if durable:
-            for done in [pool.submit(_flushed, tmp / name) for name in names]:
-                done.result()
-            fsync_path(tmp)
+    if durable:
+        sync_in_child(tmp, names)
     with ticket.lock if ticket is not None else contextlib.nullcontext():
         published = ticket is None or not ticket.superseded
         if published:

@@ -5,7 +5,13 @@ its own (checkpoint.flush_later). Standard library only, run by path: it starts 
 A stop waits only for its checkpoint's files to be written into the page cache. Flushing them
 (12.6 GB at 8B) and removing the older checkpoints (on an H200 box's ext4, 4.0 s for one 12.6 GB
 checkpoint) happen here; the older ones go only once the new one is on the disk, so that a power
-loss in between still leaves a checkpoint on disk for --resume."""
+loss in between still leaves a checkpoint on disk for --resume.
+
+`python checkpoint_flush.py --sync DIR FILE...` flushes a periodic checkpoint's files (one thread
+each) and then DIR, before the trainer publishes it (checkpoint.sync_in_child): a process of its own
+so that a stop, which supersedes that write, exits without waiting for `fsync` calls under way
+(the kernel lets a process end only once its threads' system calls return). Exit 0, or 1 with one
+line on stderr."""
 
 from __future__ import annotations
 
@@ -56,5 +62,26 @@ def flush_and_prune(checkpoint: Path, old: list[Path]) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def sync_files(directory: Path, files: list[Path]) -> None:
+    """Flush the files at once (one thread each) and drop them from the page cache, then the directory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def flushed(path: Path) -> None:
+        fsync_path(path)
+        evict(path)
+
+    with ThreadPoolExecutor(max(1, len(files))) as pool:
+        for done in [pool.submit(flushed, path) for path in files]:
+            done.result()
+    fsync_path(directory)
+
+
 if __name__ == "__main__":
-    flush_and_prune(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
+    if sys.argv[1:2] == ["--sync"]:
+        try:
+            sync_files(Path(sys.argv[2]), [Path(p) for p in sys.argv[3:]])
+        except OSError as exc:
+            sys.stderr.write(f"flushing {exc.filename or sys.argv[2]} failed: {exc.strerror or exc}\n")
+            sys.exit(1)
+    else:
+        flush_and_prune(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])

@@ -7,7 +7,6 @@ The end-to-end paths: tests/payload/test_train.py."""
 import os
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -158,22 +157,56 @@ def fsyncs_of(monkeypatch, root: Path) -> list[tuple[str, bool]]:
     return calls
 
 
+def wait_for(predicate, what: str, within: float = 60.0) -> None:
+    """Wait until predicate() holds; fail naming `what` after `within` seconds (a bound, not a timing)."""
+    import time
+
+    deadline = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < deadline, f"waited {within} s for {what}"
+        time.sleep(0.02)
+
+
+def python_seen_by_flushes(monkeypatch, tmp_path: Path, before_sync: str) -> Path:
+    """Point sys.executable, which starts checkpoint_flush.py, at a shell script that runs
+    `before_sync` (sh, with $4 the directory synced) before each `--sync` and then execs the real
+    interpreter: a look at the flush from outside its process, which runs unchanged."""
+    import sys
+
+    script = tmp_path / "python-seen"
+    script.write_text(f'#!/bin/sh\nif [ "$3" = "--sync" ]; then {before_sync}\nfi\nexec {sys.executable} "$@"\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(script))
+    return script
+
+
 def test_a_durable_write_is_on_the_disk_before_it_is_published(tmp_path, monkeypatch):
-    """Every file and the temporary directory are flushed before the rename publishes the
-    checkpoint, and the rename itself after: a power loss cannot leave a torn one for --resume."""
+    """Every file and the temporary directory are flushed (by checkpoint_flush.py --sync, a process
+    of its own) before the rename publishes the checkpoint, and the rename itself after: a power
+    loss cannot leave a torn one for --resume."""
+    seen = tmp_path / "seen"
+    step = tmp_path / "checkpoints" / "step_00000001"
+    python_seen_by_flushes(
+        monkeypatch, tmp_path, f'{{ [ -e "{step}" ] && echo published || echo unpublished; echo "$@"; }} >> "{seen}"'
+    )
     calls = fsyncs_of(monkeypatch, tmp_path)
     write_checkpoint(tmp_path, host_state(1, *trained(1)))
-    tmp = "checkpoints/.tmp_step_00000001"
-    before = sorted(path for path, published in calls if not published)
-    files = ["drafter.safetensors", "meta.json", *SHARDS, "optimizer.pt"]
-    assert before == [tmp, *(f"{tmp}/{name}" for name in files)]
-    assert [path for path, published in calls if published] == ["checkpoints"]
+    published, argv = seen.read_text().splitlines()
+    tmp = tmp_path / "checkpoints/.tmp_step_00000001"
+    files = ["drafter.safetensors", "optimizer.pt", *SHARDS, "meta.json"]
+    assert published == "unpublished"
+    flushed = argv.split()[3:]  # after `-I SCRIPT --sync`
+    assert sorted(flushed) == sorted([str(tmp), *(str(tmp / name) for name in files)])
+    assert calls == [("checkpoints", True)]  # here: the rename, once published
     assert_same_training_state(load_after(tmp_path), trained(1))
 
 
-def test_a_durable_write_leaves_the_page_cache_once_on_the_disk(tmp_path, monkeypatch):
-    """Each file of a flushed checkpoint is dropped from the page cache after its fsync (the real
-    calls run): the stop's write, which the stop waits for, then need not reclaim its memory."""
+def test_the_flush_leaves_the_page_cache_once_on_the_disk(tmp_path, monkeypatch):
+    """checkpoint_flush.py --sync drops each file from the page cache after its fsync, then flushes
+    the directory (the real calls run): the stop's write, which the stop waits for, then need not
+    reclaim that memory."""
+    from dflash_train.checkpoint_flush import sync_files
+
     calls, sync, advise = [], os.fsync, os.posix_fadvise
 
     def name(fd):
@@ -187,14 +220,24 @@ def test_a_durable_write_leaves_the_page_cache_once_on_the_disk(tmp_path, monkey
         calls.append(("dontneed" if advice == os.POSIX_FADV_DONTNEED else advice, name(fd)))
         advise(fd, offset, length, advice)
 
+    files = [tmp_path / f"f{k}" for k in range(3)]
+    for path in files:
+        path.write_bytes(b"x" * 4096)
     monkeypatch.setattr(os, "fsync", syncing)
     monkeypatch.setattr(os, "posix_fadvise", advising)
-    write_checkpoint(tmp_path, host_state(1, *trained(1)))
-    for file in ("drafter.safetensors", *SHARDS, "optimizer.pt", "meta.json"):
-        assert [op for op, of in calls if of == file] == ["fsync", "dontneed"]
-    calls.clear()
-    write_checkpoint(tmp_path, host_state(2, *trained(2)), durable=False)
-    assert calls == []
+    sync_files(tmp_path, files)
+    for path in files:
+        assert [op for op, of in calls if of == path.name] == ["fsync", "dontneed"]
+    assert calls[-1] == ("fsync", tmp_path.name)
+
+
+def test_a_flush_that_fails_fails_the_write_and_publishes_nothing(tmp_path, monkeypatch):
+    """The flush's process cannot open a file (here: a dangling link takes a file's place): its one
+    line becomes the write's error, and the checkpoint is not published."""
+    python_seen_by_flushes(monkeypatch, tmp_path, 'rm -f "$4/meta.json" && ln -s /nonexistent/meta "$4/meta.json"')
+    with pytest.raises(OSError, match="flushing .*meta.json failed"):
+        write_checkpoint(tmp_path, host_state(1, *trained(1)))
+    assert latest_checkpoint(tmp_path) is None
 
 
 def test_a_stops_write_does_not_wait_for_the_disk(tmp_path, monkeypatch):
@@ -202,9 +245,11 @@ def test_a_stops_write_does_not_wait_for_the_disk(tmp_path, monkeypatch):
     the removal of older checkpoints to a process of its own, tests/payload/test_train.py): no fsync
     here, the same files, and the checkpoint before it is still there."""
     write_checkpoint(tmp_path, host_state(1, *trained(1)), keep=1)
+    seen = tmp_path / "seen"
+    python_seen_by_flushes(monkeypatch, tmp_path, f'echo "$4" >> "{seen}"')
     calls = fsyncs_of(monkeypatch, tmp_path)
     write_checkpoint(tmp_path, host_state(2, *trained(2)), keep=1, durable=False)
-    assert calls == []
+    assert calls == [] and not seen.exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
     assert_same_training_state(load_after(tmp_path), trained(2))
 
@@ -228,26 +273,21 @@ def test_a_stops_checkpoint_waits_for_the_files_of_a_write_in_flight_not_for_the
     """A stop during a periodic checkpoint's flush (5-9 s at 8B): the stop's copy goes ahead once that
     write's files are written, the stop's checkpoint is published, the superseded one never is, and
     its temporary directory goes with the flush of the stop's (checkpoint_flush.py, a process of
-    its own). Step 1's flush is held until the stop's checkpoint is out: were the stop to wait for
-    it, the hold would run out (60 s) and fail step 1's write, and this test with it."""
-    from dflash_train import checkpoint
-
-    flushing, release, real = threading.Event(), threading.Event(), checkpoint.fsync_path
-
-    def held(path):
-        if path.parent.name == ".tmp_step_00000001":
-            flushing.set()
-            assert release.wait(60), "step 1's flush was held for 60 s: the stop waited for it"
-        real(path)
-
-    monkeypatch.setattr(checkpoint, "fsync_path", held)
+    its own). Step 1's flush (a process of its own) is held until the stop's checkpoint is out: were
+    the stop to wait for it, this test would wait the hold's 60 s out and then fail on the logs."""
+    flushing, release = tmp_path / "flushing", tmp_path / "release"
+    hold = (
+        f'case "$4" in *.tmp_step_00000001) touch "{flushing}"; n=0; '
+        f'while [ ! -e "{release}" ] && [ $n -lt 600 ]; do sleep 0.1; n=$((n+1)); done;; esac'
+    )
+    python_seen_by_flushes(monkeypatch, tmp_path, hold)
     logs = []
     writer = CheckpointWriter(tmp_path, 2, logs.append)
     writer.save(1, *trained(1), {"preset": "test"}, CPU)  # periodic: flushed before it is published
-    flushing.wait()
+    wait_for(flushing.exists, "step 1's flush to start")
     writer.save(2, *trained(2), {"preset": "test"}, CPU, durable=False)  # the stop's
     writer.wait()
-    release.set()
+    release.touch()
     ((superseded, thread),) = writer.superseded
     thread.join()
     pid = int(re.search(r"by pid (\d+)", logs[-1]).group(1))
