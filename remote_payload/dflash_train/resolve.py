@@ -5,6 +5,7 @@ launcher, captures) are the run plan's (plan.py), which calls `fill_config`."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -120,13 +121,44 @@ def drafter_spec(cfg: Config) -> DrafterSpec:
 
 
 def check_data_paths(cfg: Config) -> None:
-    """The data files the run reads exist (a pre-flight check; their rows are read at start): a jsonl
-    run's train and eval files, and any run's data.spec_prompts_path."""
+    """The data files the run reads exist and start with rows it can read (a pre-flight check; the
+    rest is read at start): a jsonl run's train and eval files (token or chat rows), and any run's
+    data.spec_prompts_path; chat and prompt rows need a tokenizer."""
     keys = ("train_path", "eval_path", "spec_prompts_path") if cfg.data.source == "jsonl" else ("spec_prompts_path",)
+    tokenizer = cfg.data.tokenizer_path or cfg.target.path
     for key in keys:
         path = getattr(cfg.data, key)
-        if path is not None and not Path(path).is_file():
+        if path is None:
+            continue
+        if not Path(path).is_file():
             raise ConfigError(f"data.{key}: no such file: {path}")
+        line, kind = first_row_kind(Path(path))
+        if key != "spec_prompts_path" and kind == "prompt":
+            raise ConfigError(
+                f"data.{key} {path}: line {line} is a prompt row; training reads token or chat rows: have the "
+                f"target write the replies first (dflashctl data regen), or give it as data.spec_prompts_path"
+            )
+        if kind in ("messages", "prompt") and tokenizer is None:
+            raise ConfigError(
+                f"data.{key} {path}: line {line} is a {kind} row, which needs a tokenizer: set target.path "
+                f"or data.tokenizer_path, or give input_ids rows"
+            )
+
+
+def first_row_kind(path: Path) -> tuple[int, str | None]:
+    """(line number, kind: input_ids, messages or prompt) of a JSONL file's first non-blank line; a
+    kind of None when it has none of them (the reader at start says exactly what is wrong)."""
+    with path.open("rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            if raw.strip():
+                try:
+                    row = json.loads(raw)
+                except ValueError:
+                    return number, None
+                return number, next(
+                    (k for k in ("input_ids", "messages", "prompt") if isinstance(row, dict) and k in row), None
+                )
+    return 0, None
 
 
 def summary(cfg: Config, notes: list[str], n_params: int | None = None) -> list[str]:

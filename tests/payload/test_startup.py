@@ -282,6 +282,35 @@ def test_an_earlier_runs_left_behind_worker_does_not_end_a_later_run_in_the_same
 
 
 @pytest.mark.parametrize(
+    "key, row, error",
+    [
+        ("train_path", {"prompt": "hi"}, "line 2 is a prompt row; training reads token or chat rows"),
+        (
+            "train_path",
+            {"messages": [{"role": "user", "content": "hi"}]},
+            "line 2 is a messages row, which needs a tokenizer",
+        ),
+        ("spec_prompts_path", {"prompt": "hi"}, "line 2 is a prompt row, which needs a tokenizer"),
+        ("spec_prompts_path", {"input_ids": [1, 2]}, None),
+    ],
+)
+def test_preflight_reads_the_first_row_of_each_data_file(tmp_path, key, row, error):
+    """A file whose rows the run cannot read was found only once the run had started (exit 100):
+    prompt rows as training data, chat or prompt rows without a tokenizer (the tiny preset has none)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n" + json.dumps(row) + "\n")
+    source = ["--set", "data.source=jsonl"] if key == "train_path" else []
+    proc = trainer("--preflight", "--set", f"run.output_dir={tmp_path / 'run'}", *source, "--set", f"data.{key}={data}")
+    out = proc.communicate(timeout=120)[0]
+    answer = json.loads(out.strip().splitlines()[-1])
+    if error is None:
+        assert proc.returncode == 0 and answer["ok"], out
+    else:
+        assert proc.returncode == 2 and answer["error"] == "config" and error in answer["message"], out
+        assert answer["message"].startswith(f"data.{key} {data}: ")
+
+
+@pytest.mark.parametrize(
     "args, code, error",
     [
         ([], 0, None),
