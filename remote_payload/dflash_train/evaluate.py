@@ -100,7 +100,8 @@ def evaluate_run(
 
     export = run_dir / "export"
     if not (export / "model.safetensors").is_file():
-        raise EvalError(f"no export in {run_dir} yet (the run has not finished: an export is written at its last step)")
+        # dflashctl knows the run's state and words this line from it (evaluation.py's NO_EXPORT).
+        raise EvalError(f"no export in {run_dir} (a run writes one at its last step)")
     cfg, dev, prompts = eval_plan(run_dir, prompts, max_new_tokens, count, device)
     target = build_target(cfg, dev).eval()
     drafter, _ = load_exported(export, dev)
