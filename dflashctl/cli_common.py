@@ -3,6 +3,7 @@ and the HOST/RUN argument rules."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ class AppState:
     debug: bool = False
     sessions: list = field(default_factory=list)
     interrupted: bool = False  # a Ctrl-C came (an error that follows may be its doing)
-    signum: int = 2  # the signal that interrupted: SIGINT (Ctrl-C), or SIGTERM or SIGHUP (a kill, a closed terminal)
+    signum: int = signal.SIGINT  # what interrupted: SIGINT (Ctrl-C), SIGTERM or SIGHUP (a kill, a closed terminal)
 
     def interrupt_code(self) -> int:
         """The exit code of an interrupted call: 128 + the signal, as a shell reports one (130 for Ctrl-C)."""

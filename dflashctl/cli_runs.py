@@ -383,7 +383,9 @@ def runs_show(
     host, run = host_and_run(session, host, run)
     with word_is_host_or_run(session, host, run):
         info = show_group(session, first_host(session, host), run)  # several hosts: combined over the nodes
-    if json_out:
+    if json_out:  # the plot is written too (stdout keeps the JSON only)
+        if plot is not None:
+            save_png(info.get("metrics") or [], plot, info["run_id"])
         typer.echo(json.dumps(info, indent=2))
         return
     console = Console()

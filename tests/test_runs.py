@@ -425,6 +425,9 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     bare_name = host.run_cli("runs", "show", "shim", "n2", "--no-curves", "--plot", str(tmp_path / "named"))
     assert bare_name.returncode == 0 and f"wrote {tmp_path / 'named.png'}" in bare_name.stdout  # the file written
     assert (tmp_path / "named.png").read_bytes().startswith(b"\x89PNG")
+    as_json = host.run_cli("runs", "show", "shim", "n2", "--json", "--plot", str(tmp_path / "j.png"))
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["run_id"]  # stdout: the JSON only
+    assert (tmp_path / "j.png").read_bytes().startswith(b"\x89PNG")  # it was silently not written
     unwritable = host.run_cli("runs", "show", "shim", "n2", "--plot", str(tmp_path / "x.txt"))
     assert (unwritable.returncode, unwritable.stdout) == (2, "")  # refused before the run's details
     # Without matplotlib (the plot extra): one line naming the extra, before anything is printed.
