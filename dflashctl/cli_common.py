@@ -183,6 +183,13 @@ def held(gpus: List[str]) -> str:
     return f"GPU{'s' if len(numeric) > 1 else ''} {','.join(numeric)}" if numeric else "CPU"
 
 
+def follow_choice(follow: bool, detach: bool) -> Optional[bool]:
+    """--follow (True), --detach (False) or neither (None: the terminal decides); both is a UsageError."""
+    if follow and detach:
+        raise UsageError("--follow and --detach contradict each other: give one")
+    return True if follow else False if detach else None
+
+
 def follow_or_detach(
     state: AppState,
     session: Session,

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # rich is imported where output is drawn: a piped call never 
 
 from .cli_common import app_state, complete_host, held
 from .cli_common import data_app
-from .cli_common import follow_or_detach
+from .cli_common import follow_choice, follow_or_detach
 from .errors import UsageError
 
 
@@ -139,9 +139,8 @@ def data_regen(
     resume: Optional[str] = typer.Option(
         None, "--resume", metavar="RUN", help="Continue a stopped or failed regen run where it stopped."
     ),
-    follow: Optional[bool] = typer.Option(
-        None, "--follow/--detach", help="Stream the log until the run ends (default on a terminal)."
-    ),
+    follow: bool = typer.Option(False, "--follow", help="Stream the log until the run ends (default on a terminal)."),
+    detach: bool = typer.Option(False, "--detach", help="Return once the run has started (default in a pipe)."),
     force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),
 ) -> None:
     """Regenerate responses with the target: a detached run (kind data) writing data/NAME.jsonl."""
@@ -149,7 +148,8 @@ def data_regen(
     from rich.text import Text
     from .regen import RegenRequest, check_request
 
-    fixed = ("host", "resume", "follow", "force")
+    choice = follow_choice(follow, detach)  # before the host is asked anything
+    fixed = ("host", "resume", "follow", "detach", "force")
     given = [
         f"--{p.replace('_', '-')}"
         for p in ctx.params
@@ -186,7 +186,7 @@ def data_regen(
     err = Console(stderr=True)
     run, verb, dataset = _start_regen(target, request, resume, name=name, force=force, err=err)
     what = f"{verb} regen run {run.run_id} on {target.label}, {held(run.gpus)}, writing data:{dataset}"
-    code = follow_or_detach(app_state(ctx), session, target, run.run_id, what, follow, err)
+    code = follow_or_detach(app_state(ctx), session, target, run.run_id, what, choice, err)
     if code == 0:
         err.print(
             Text(

@@ -32,7 +32,7 @@ from .cli_common import (
     word_is_host_or_run,
 )
 from .cli_common import logs_app, runs_app
-from .cli_common import follow_or_detach
+from .cli_common import follow_choice, follow_or_detach
 from .errors import NotFoundError, UsageError
 from .session import Session
 from .yamlfile import load_yaml_file
@@ -91,9 +91,8 @@ def train_cmd(
         "failed, stopped, lost), split like a shell line; its environment says which "
         "(DFLASHCTL_EVENT, DFLASHCTL_RUN_ID, ...). Default: hosts.yaml's on_event.",
     ),
-    follow: Optional[bool] = typer.Option(
-        None, "--follow/--detach", help="Stream the log until the run ends (default on a terminal)."
-    ),
+    follow: bool = typer.Option(False, "--follow", help="Stream the log until the run ends (default on a terminal)."),
+    detach: bool = typer.Option(False, "--detach", help="Return once the run has started (default in a pipe)."),
     force: bool = typer.Option(False, "--force", help="Start even if a live run uses the same GPUs."),
     queue: bool = typer.Option(
         False,
@@ -127,7 +126,7 @@ def train_cmd(
         no_push=no_push,
         source=source.expanduser() if source else None,
         env=parse_env(env_items),
-        follow=follow,
+        follow=follow_choice(follow, detach),
         resume=resume,
         restart=restart_policy(max_restarts, restart_on, restart_delay),
         hook=split_command(on_event, "--on-event") if on_event is not None else [],

@@ -74,3 +74,27 @@ def local_session(workdir: Path) -> Session:
     """A Session whose default host is this machine with the given workdir."""
     text = f"default: local\nhosts:\n  local: {{transport: local, workdir: {json.dumps(str(workdir))}}}\n"
     return Session(parse_inventory(text))
+
+
+def race(*starts: Callable[[], object]) -> tuple[object, list[Exception]]:
+    """Run the starts at once, one thread each: (the one that succeeded, the ConflictErrors of the
+    others). Which one wins is up to the threads; that exactly one does is the rule under test."""
+    import threading
+
+    from dflashctl.errors import ConflictError
+
+    results: list[object] = []
+
+    def attempt(start: Callable[[], object]) -> None:
+        try:
+            results.append(start())
+        except ConflictError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=attempt, args=(start,)) for start in starts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (winner,) = [r for r in results if not isinstance(r, Exception)]
+    return winner, [r for r in results if isinstance(r, ConflictError)]

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
-from runs_helpers import install_standin, meta, run_dir, wait_until
+from runs_helpers import install_standin, meta, race, run_dir, wait_until
 from sshd import SHIM_VMID
 from test_eval import local_env
 from test_runs import kill_leftovers
 
 from dflashctl.devices import GpuChoice
-from dflashctl.errors import ConflictError
 from dflashctl.runs import start_run, stop_run
 
 LONG = ["--set", "run.steps=100000", "--set", "standin.step_time=0.05"]
@@ -61,25 +59,13 @@ def test_a_second_start_with_a_taken_name_on_local_is_one_line_exit_2(sshd_host,
 def test_two_starts_racing_for_one_name_one_wins(shim_host):
     workdir = shim_host.container_dir(SHIM_VMID) / "work"
     install_standin(workdir / "payload")
-    results: list[object] = []
     with shim_host.session() as session:
         target = session.target("shim")
 
-        def start() -> None:
-            try:
-                results.append(
-                    start_run(target, gpus=GpuChoice(cpu=True), overrides=["run.steps=1"], name="r", force=True)
-                )
-            except ConflictError as exc:
-                results.append(exc)
+        def start() -> object:
+            return start_run(target, gpus=GpuChoice(cpu=True), overrides=["run.steps=1"], name="r", force=True)
 
-        threads = [threading.Thread(target=start) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        (winner,) = [r for r in results if not isinstance(r, Exception)]
-        (refused,) = [r for r in results if isinstance(r, ConflictError)]
+        winner, (refused,) = race(start, start)
         assert f"a run named 'r' exists already ({winner.run_id}, " in str(refused)
         assert runs_in(workdir) == [winner.run_id]
         stop_run(target, winner.run_id, grace=10)

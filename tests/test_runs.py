@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from runs_helpers import install_standin, local_session, meta, readers, run_dir, wait_until
+from runs_helpers import install_standin, local_session, meta, race, readers, run_dir, wait_until
 from sshd import CLI, SHIM_VMID
 
 from dflashctl.devices import CPU, GpuChoice, parse_gpus
@@ -356,21 +356,11 @@ def test_stop_sigterms_the_trainer_alone_then_kills_its_group(shim, supervisor):
 def test_gpu_conflict_is_atomic_and_names_the_holder(shim):
     _, session, _ = shim
     target = session.target("shim")
-    results: list[object] = []
 
-    def start(name: str) -> None:
-        try:
-            results.append(start_run(target, gpus=GpuChoice((0, 1)), overrides=LONG, name=name))
-        except ConflictError as exc:
-            results.append(exc)
+    def start(name: str):  # type: ignore[no-untyped-def]
+        return lambda: start_run(target, gpus=GpuChoice((0, 1)), overrides=LONG, name=name)
 
-    threads = [threading.Thread(target=start, args=(name,)) for name in ("first", "second")]  # names are unique
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    (winner,) = [r for r in results if not isinstance(r, Exception)]
-    (refused,) = [r for r in results if isinstance(r, ConflictError)]
+    winner, (refused,) = race(start("first"), start("second"))  # names are unique
     assert winner.run_id in str(refused)
     with pytest.raises(ConflictError, match=winner.run_id):
         start_run(target, gpus=GpuChoice((1,)), overrides=LONG)

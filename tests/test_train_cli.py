@@ -305,3 +305,11 @@ def test_no_push_on_a_host_without_a_trainer_says_to_push(shim_workdir):
     res = host.run_cli("train", "shim", "--no-push", "--detach")
     assert res.returncode == 1 and "push it first (dflashctl push)" in res.stderr.strip().splitlines()[-1]
     assert runs_in(workdir) == []
+
+
+@pytest.mark.parametrize("command", [["train", "local"], ["data", "regen", "local", "--prompts", "p", "--out", "o"]])
+def test_follow_and_detach_together_are_refused(shim_host, command):
+    """Both were accepted, the last one winning; the usage line shows them as alternatives."""
+    res = shim_host.run_cli(*command, "--follow", "--detach")
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == "error: --follow and --detach contradict each other: give one\n"
