@@ -18,6 +18,7 @@ from rich.text import Text
 from .containers import LineSplitter, Target
 from .devices import parse_gpus
 from .errors import ContainerError, RemoteError, UsageError
+from .remote.wire import COMPILE_CACHE, WORKDIR_TOKEN
 from .tables import Column, notes, show
 
 SCHEMA = "dflashctl.doctor/1"
@@ -75,7 +76,8 @@ def run_doctor(target: Target, options: DoctorOptions, progress: Callable[[str],
     opts = replace(options, gpus=None if choice.auto else choice.text())
     payload_dir = push(target).remote_dir
     lines = LineSplitter(progress, PROGRESS_PREFIX)
-    argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, *opts.argv()]
+    cache = COMPILE_CACHE.replace(WORKDIR_TOKEN, target.host.workdir)  # the cache dflashctl's runs compile into
+    argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, *opts.argv(), "--compile-cache-dir", cache]
     result = target.run(argv, timeout=opts.time_limit(), on_stderr=lines.feed)
     if result.exit_code == 2:
         raise UsageError("doctor: " + (lines.last.removeprefix(USAGE_PREFIX) or "bad arguments"))

@@ -23,13 +23,11 @@ from .errors import ConflictError, ContainerError, Interrupted, NotFoundError, R
 from .guard import InterruptedAfter
 from .inventory import HostSpec
 from .plot import series
-from .remote.wire import RUN_DIR_TOKEN, START_ANSWER_S, WORKDIR_TOKEN
+from .remote.wire import BYTECODE_CACHE, COMPILE_CACHE, RUN_DIR_TOKEN, START_ANSWER_S, WORKDIR_TOKEN
 from .tables import Column, show
 from .transport import Completed
 
 TRAINER_MODULE = "dflash_train"
-COMPILE_CACHE = f"{WORKDIR_TOKEN}/cache/compile"  # Inductor/Triton caches kept between runs on the host
-BYTECODE_CACHE = f"{WORKDIR_TOKEN}/cache/bytecode"  # torch's compiled bytecode, where its install has none
 CONFIG_NAME = "config.input.yaml"  # the --config file as given, copied into the run directory
 
 # Exit codes of `train --follow` and `logs tail -f` for how the run ended (see docs/runs.md).

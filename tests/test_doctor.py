@@ -438,6 +438,12 @@ def test_shim_host_quick(sshd_host) -> None:  # type: ignore[no-untyped-def]
     assert doc["host"] == "shim" and by_id["python"]["evidence"] == sys.executable
     assert by_id["smoke:default"]["status"] == "skipped" and by_id["verdict"]["status"] == "ok"
     assert (sshd_host.container_dir(200) / "work" / "payload" / "dflash_train" / "doctor.py").is_file()
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # the user's own setting would win, as in the trainer
+        # The cache the runs compile into, not torch's default under /tmp (whose hint sent users
+        # to TORCHINDUCTOR_CACHE_DIR although dflashctl's runs keep their cache in the workdir).
+        cache = sshd_host.container_dir(200) / "work" / "cache" / "compile"
+        assert by_id["inductor_cache"]["evidence"].startswith(f"{cache} (run.compile_cache_dir of dflashctl's runs)")
+        assert not by_id["inductor_cache"].get("hint")
 
 
 def test_parse_report_ignores_noise() -> None:

@@ -6,6 +6,8 @@ container (agent.py); stdlib only, Python 3.8+, and nothing but constants.
 
 RUN_DIR_TOKEN = "{run_dir}"  # replaced by runctl with the run's absolute directory
 WORKDIR_TOKEN = "{workdir}"  # replaced by runctl with the workdir, ~ expanded in the container
+COMPILE_CACHE = f"{WORKDIR_TOKEN}/cache/compile"  # Inductor/Triton caches kept between runs (and read by the doctor)
+BYTECODE_CACHE = f"{WORKDIR_TOKEN}/cache/bytecode"  # torch's compiled bytecode, where its install has none
 
 # runctl gives a program's pre-flight this long (importing torch and initialising CUDA on every
 # GPU: seconds, not minutes); the client waits for the start that long plus the lock and the spawn.

@@ -164,10 +164,16 @@ def run_smoke(policy: str, devices: list[str], steps: int, timeout: float, injec
 
 
 def environment_checks(
-    torch, gpus: list[int], smi: dict | None, count: int, cuda_error: str | None, cache_env: str | None
+    torch,
+    gpus: list[int],
+    smi: dict | None,
+    count: int,
+    cuda_error: str | None,
+    cache_env: str | None,
+    run_cache: str | None = None,
 ) -> list[Check]:
     """Every check that runs in this process: versions, GPUs, driver, caches, scratch space."""
-    cache, source = inductor_cache_dir(cache_env)
+    cache, source = inductor_cache_dir(cache_env, run_cache)
     return [
         check_python(),
         *check_torch(torch),
@@ -289,7 +295,7 @@ def report(args: argparse.Namespace) -> dict:
     count, cuda_error = cuda_devices(torch)
     gpus = parse_gpus(args.gpus, count)
     devices = smoke_devices(gpus)
-    checks = environment_checks(torch, gpus, smi, count, cuda_error, cache_env)
+    checks = environment_checks(torch, gpus, smi, count, cuda_error, cache_env, args.compile_cache_dir)
     smoke = smoke_tests(args, devices, faults, jobs)
     device_type = devices[0].split(":")[0]
     allowed = trainer_policies(device_type)
@@ -313,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="all checks; JSON on stdout")
     rep.add_argument("--quick", action="store_true", help="skip the smoke tests")
+    rep.add_argument("--compile-cache-dir", help="the runs' run.compile_cache_dir (dflashctl: <workdir>/cache/compile)")
     rep.add_argument("--gpus", help="GPU indices, e.g. 0,1 (default: every visible GPU)")
     rep.add_argument("--policies", help=f"comma list of smoke policies (default: all of {','.join(POLICIES)})")
     rep.add_argument("--smoke-timeout", type=float, default=120.0, help="seconds per smoke test before it is a hang")

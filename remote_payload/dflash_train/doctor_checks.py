@@ -220,10 +220,16 @@ def _arch_supported(cap: tuple[int, int], arch: list[str]) -> bool:
     return any(p <= int(tag) for p in ptx)
 
 
-def inductor_cache_dir(env_value: str | None) -> tuple[str, str]:
-    """Where inductor writes its cache, and why there (the user's env var, or torch's default)."""
+RUN_CACHE = "run.compile_cache_dir of dflashctl's runs"
+
+
+def inductor_cache_dir(env_value: str | None, run_cache: str | None = None) -> tuple[str, str]:
+    """Where a run's inductor cache is, and why there: the user's env var (it wins in the trainer
+    too), the run.compile_cache_dir that dflashctl gives its runs, or torch's default."""
     if env_value:
         return os.path.abspath(env_value), "$TORCHINDUCTOR_CACHE_DIR"
+    if run_cache:
+        return os.path.abspath(os.path.expanduser(run_cache)), RUN_CACHE
     return _torch_default_cache_dir(), "torch default"
 
 
@@ -273,7 +279,7 @@ def check_inductor_cache(path: str, source: str, min_free: float = 2 * GIB) -> C
             evidence,
             "compiled kernels need room: free space or point TORCHINDUCTOR_CACHE_DIR elsewhere",
         )
-    if path.startswith(tempfile.gettempdir()):
+    if path.startswith(tempfile.gettempdir()) and source != RUN_CACHE:  # a workdir of the user's choice otherwise
         return Check(
             "inductor_cache",
             "inductor cache",
