@@ -47,6 +47,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,9 @@ class Bench(LocalHostBench):
     def __init__(self, out: Path, work: Path, plan: Plan, budget_min: float, reuse: bool, curve: bool = False):
         super().__init__(out, work, "quality.log", budget_min * 60, keep=reuse)
         self.plan, self.curve = plan, curve
+        # A run's --name must be new on its host: a later --reuse call's runs (its calibration
+        # again) get this call's own suffix. The bench finds its runs by id, never by name.
+        self.call = time.strftime("%H%M%S")
 
     def run(self, argv: list[str], what: str, timeout: float) -> tuple[int, str, str, float]:
         """A whole process: (exit code, stdout, stderr, seconds); its output goes to the log."""
@@ -188,7 +192,7 @@ class Bench(LocalHostBench):
                 f"run.spec_prompts={self.plan.eval_count}",
                 f"run.spec_new_tokens={self.plan.eval_new_tokens}",
             ]
-        argv = [*self.plan.gpus, *[a for s in sets for a in ("--set", s)], "--name", name]
+        argv = [*self.plan.gpus, *[a for s in sets for a in ("--set", s)], "--name", f"{name}-{self.call}"]
         return self.follow(argv, name, resumable)
 
     def resume(self, run_id: str, name: str) -> tuple[str | None, list[dict], float, bool]:
