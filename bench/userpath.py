@@ -96,13 +96,14 @@ class LocalHostBench:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-    def regen_random(self, name: str, dry: bool, timeout: float, batch: int = 64) -> dict:
+    def regen_random(self, name: str, dry: bool, timeout: float, batch: int | None = 64) -> dict:
         """`data push` 4 batches (at least 256 prompts) of 128 random ids, then `data regen --preset
         qwen3-8b --batch-size BATCH --max-new-tokens 512 --follow` into dataset `name` (dry: the tiny
-        preset on the CPU, 16 x 16 at batch 4): a row with the whole command's and the later batches'
-        output tokens/s."""
+        preset on the CPU, 16 x 16 at batch 4; batch None: no --batch-size, the default a user gets,
+        at 32 rows a batch): a row with the whole command's and the later batches' output tokens/s."""
+        given = batch
         preset, rows, length, new, batch, vocab = (
-            ("tiny", 16, 8, 16, 4, 511) if dry else ("qwen3-8b", max(256, 4 * batch), 128, 512, batch, 151600)
+            ("tiny", 16, 8, 16, 4, 511) if dry else ("qwen3-8b", max(256, 4 * (batch or 32)), 128, 512, batch, 151600)
         )
         prompts = self.work / f"{name}-prompts.jsonl"
         write_random_prompts(prompts, rows, length, vocab)
@@ -111,7 +112,8 @@ class LocalHostBench:
         if code != 0:
             return {"ok": False, "exit": code, "note": f"push: {err.strip()[-300:]}"}
         regen = ["data", "regen", "local", "--prompts", prompts.name, "--out", name, "--preset", preset]
-        regen += ["--batch-size", str(batch), "--max-new-tokens", str(new), *(["--gpus", "cpu"] if dry else [])]
+        regen += [*(["--batch-size", str(batch)] if given is not None else []), "--max-new-tokens", str(new)]
+        regen += ["--gpus", "cpu"] if dry else []
         code, _, err, secs = self.process([*cli, *regen, "--follow"], self.left(timeout))
         self.log(err[-3000:])
         match = re.search(r"started regen run (\S+)", err)
@@ -124,7 +126,7 @@ class LocalHostBench:
             "exit": code,
             "preset": preset,
             "rows": rows,
-            "batch": batch,
+            "batch": batch if given is not None else "default",
             "max_new_tokens": new,
             "output_tokens": tokens,
             "regen_s": round(secs, 1),
