@@ -240,12 +240,15 @@ def serve_commands(config: dict, export: str = "EXPORT", target: str = "TARGET")
     """The serve command of each engine for an export with this config.json (read, not run here)."""
     block = dflash_value(config, "block_size")
     spec = json.dumps({"method": "dflash", "model": export, "num_speculative_tokens": block - 1})
+    # SGLang's `auto` dtype serves a float32 checkpoint as float16 (model_config._get_and_verify_dtype)
+    # while its extend path hands the draft bf16 embeddings: a float32 export is served as bf16.
+    dtype = " --dtype bfloat16" if config.get("torch_dtype") == "float32" else ""
     return {
         # A DFlash block attends both ways: vLLM needs a backend with non-causal attention.
         "vLLM": f"vllm serve {target} --speculative-config '{spec}' --attention-backend flash_attn",
         "SGLang": (
             f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
             f"--speculative-draft-model-path {export} --speculative-num-draft-tokens {block} "
-            f"--attention-backend fa3 --trust-remote-code"
+            f"--attention-backend fa3{dtype} --trust-remote-code"
         ),
     }

@@ -49,7 +49,11 @@ def test_the_8b_preset_export_meets_them_too():
         '"./run/export", "num_speculative_tokens": 15}\' --attention-backend flash_attn'
     )
     assert "--speculative-algorithm DFLASH --speculative-draft-model-path ./run/export" in commands["SGLang"]
-    assert "--speculative-num-draft-tokens 16" in commands["SGLang"]
+    assert "--speculative-num-draft-tokens 16" in commands["SGLang"] and "--dtype" not in commands["SGLang"]
+    # A float32 export (a CPU run's): SGLang's `auto` would serve it as float16 beside bf16 embeddings.
+    fp32 = serve_commands({**config, "torch_dtype": "float32"}, "./run/export", "Qwen/Qwen3-8B")
+    assert "--attention-backend fa3 --dtype bfloat16 --trust-remote-code" in fp32["SGLang"]
+    assert fp32["vLLM"] == commands["vLLM"]
 
 
 @pytest.fixture(scope="module")
