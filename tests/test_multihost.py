@@ -399,3 +399,18 @@ def test_rendezvous_timeout_names_the_missing_node(tmp_path):
     assert "error: cannot reach the rendezvous of a (rank 0) at 127.0.0.1:" in errs[1]
     assert all(" within 2 s" in err for err in errs.values()), errs
     assert (tmp_path / "reason0").read_text().startswith("b (rank 1) did not join")
+
+
+def test_on_event_reaches_every_node_of_a_group(pair):
+    """`train pair --on-event CMD` dropped CMD: no node ran a hook. Each node's run now carries it
+    (its runctl fires it; tests/test_restarts.py tests the firing itself)."""
+    for work in pair.work.values():
+        install_standin(work / "payload")
+    hook = ["sh", "-c", "true"]
+    group = pair.cli(
+        "train", "pair", "--no-push", "--gpus", "cpu", "--set", "run.steps=1", "--on-event", " ".join(hook), "--follow"
+    )
+    assert group.returncode == 0, group.stderr
+    for work in pair.work.values():
+        (meta_path,) = (work / "runs").glob("*/run.json")
+        assert json.loads(meta_path.read_text())["on_event"] == hook
