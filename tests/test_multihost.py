@@ -414,3 +414,15 @@ def test_on_event_reaches_every_node_of_a_group(pair):
     for work in pair.work.values():
         (meta_path,) = (work / "runs").glob("*/run.json")
         assert json.loads(meta_path.read_text())["on_event"] == hook
+
+
+def test_resuming_one_node_of_a_group_run_is_refused_as_bad_input(pair):
+    """`train shim --resume RUN` of a run across hosts exited 1, as if a remote step had failed."""
+    for work in pair.work.values():
+        install_standin(work / "payload")
+    group = pair.cli("train", "pair", "--no-push", "--gpus", "cpu", "--set", "run.steps=1", "--follow")
+    assert group.returncode == 0, group.stderr
+    (run_id,) = [p.name for p in (pair.work["shim"] / "runs").iterdir() if p.is_dir()]
+    one = pair.cli("train", "shim", "--no-push", "--resume", run_id)
+    assert one.returncode == 2, one.stderr
+    assert one.stderr.strip().endswith(f"run {run_id} spans several hosts: one node alone cannot continue it")
