@@ -91,6 +91,8 @@ def main() -> None:
             session.close()
         for sig, handler in previous.items():  # an in-process caller (the tests) gets its own back
             signal.signal(sig, handler)
+    if state.interrupted and code == Interrupted.exit_code:  # a follow detached: the shell's code for the signal
+        code = state.interrupt_code()
     sys.exit(code)
 
 

@@ -272,6 +272,7 @@ def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOpti
         env=opts.env,
         preset=opts.preset,
         configs=configs,
+        on_event=opts.hook,  # it was dropped for a run across hosts
     )
     return _follow_group(state, session, hosts, group, opts.follow, err)
 

@@ -148,9 +148,11 @@ def start_group(
     env: dict[str, str] | None = None,
     preset: str | None = None,
     configs: dict[str, dict[str, Any] | None] | None = None,
+    on_event: Sequence[str] = (),
 ) -> GroupStart:
     """Start one trainer per host under one run id; if any node cannot start, stop the others.
-    configs: each host's config as checked before the push (runs.check_trainer_config), for run.json."""
+    configs: each host's config as checked before the push (runs.check_trainer_config), for run.json;
+    on_event: `--on-event`, run on every node (else each host's own hosts.yaml on_event)."""
     check_hosts(hosts)
     if len(hosts) < 2:
         raise UsageError("a multi-host run needs at least two hosts")
@@ -177,6 +179,7 @@ def start_group(
             group=group,
             preset=preset,
             config=(configs or {}).get(host.name),
+            on_event=on_event,
         )
 
     results = parallel(start, list(range(len(hosts))))

@@ -8,6 +8,7 @@ start), never after a sleep."""
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 from runs_helpers import install_standin, run_dir, wait_until
@@ -49,10 +50,11 @@ def test_ctrl_c_during_the_preflight_leaves_nothing_and_says_so(train, where, tm
     )
 
 
-@pytest.mark.parametrize("where", ["shim", "p", "loc"])
-def test_ctrl_c_once_the_run_exists_names_it_and_how_to_stop_it(train, where, tmp_path):
+@pytest.mark.parametrize("where, sig", [("shim", "INT"), ("p", "INT"), ("loc", "INT"), ("loc", "TERM")])
+def test_ctrl_c_once_the_run_exists_names_it_and_how_to_stop_it(train, where, sig, tmp_path):
     """The Ctrl-C comes once the CLI follows the started run's log: the one line names the run,
-    which goes on and is stopped by the command it gives."""
+    which goes on and is stopped by the command it gives. A SIGTERM detaches the same way, with
+    the shell's code for it (it exited 130, as for a Ctrl-C)."""
     workdir, cli = train
     tag = f"standin.tag={tmp_path}"  # the stand-in signals this test's CLI, not another suite's
     res = cli(
@@ -61,7 +63,7 @@ def test_ctrl_c_once_the_run_exists_names_it_and_how_to_stop_it(train, where, tm
         "--no-push",
         "--follow",
         "--set",
-        "standin.start_signal_cli=INT",
+        f"standin.start_signal_cli={sig}",
         "--set",
         "run.steps=100000",
         "--set",
@@ -69,7 +71,7 @@ def test_ctrl_c_once_the_run_exists_names_it_and_how_to_stop_it(train, where, tm
     )
     [run_id] = runs_in(workdir)
     last = res.stderr.strip().splitlines()[-1]
-    assert res.returncode == 130, res.stderr
+    assert res.returncode == 128 + getattr(signal, f"SIG{sig}"), res.stderr
     assert last == f"detached; the run goes on. Re-attach: dflashctl logs tail {where} {run_id} -f"
     listed = json.loads(cli("runs", "list", where, "--json").stdout)
     assert [(r["run_id"], r["state"]) for r in listed] == [(run_id, "running")]

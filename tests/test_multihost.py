@@ -399,3 +399,30 @@ def test_rendezvous_timeout_names_the_missing_node(tmp_path):
     assert "error: cannot reach the rendezvous of a (rank 0) at 127.0.0.1:" in errs[1]
     assert all(" within 2 s" in err for err in errs.values()), errs
     assert (tmp_path / "reason0").read_text().startswith("b (rank 1) did not join")
+
+
+def test_on_event_reaches_every_node_of_a_group(pair):
+    """`train pair --on-event CMD` dropped CMD: no node ran a hook. Each node's run now carries it
+    (its runctl fires it; tests/test_restarts.py tests the firing itself)."""
+    for work in pair.work.values():
+        install_standin(work / "payload")
+    hook = ["sh", "-c", "true"]
+    group = pair.cli(
+        "train", "pair", "--no-push", "--gpus", "cpu", "--set", "run.steps=1", "--on-event", " ".join(hook), "--follow"
+    )
+    assert group.returncode == 0, group.stderr
+    for work in pair.work.values():
+        (meta_path,) = (work / "runs").glob("*/run.json")
+        assert json.loads(meta_path.read_text())["on_event"] == hook
+
+
+def test_resuming_one_node_of_a_group_run_is_refused_as_bad_input(pair):
+    """`train shim --resume RUN` of a run across hosts exited 1, as if a remote step had failed."""
+    for work in pair.work.values():
+        install_standin(work / "payload")
+    group = pair.cli("train", "pair", "--no-push", "--gpus", "cpu", "--set", "run.steps=1", "--follow")
+    assert group.returncode == 0, group.stderr
+    (run_id,) = [p.name for p in (pair.work["shim"] / "runs").iterdir() if p.is_dir()]
+    one = pair.cli("train", "shim", "--no-push", "--resume", run_id)
+    assert one.returncode == 2, one.stderr
+    assert one.stderr.strip().endswith(f"run {run_id} spans several hosts: one node alone cannot continue it")

@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 
+import pytest
 from runs_helpers import install_standin, meta, run_dir, wait_until
 from sshd import SHIM_VMID
 
@@ -233,3 +234,35 @@ def test_a_follow_ends_only_after_the_final_hook_has_written_to_the_log(shim_hos
     assert (run_dir(workdir, run_id) / ".supervisor_done").exists()
     tail = shim_host.run_cli("logs", "tail", "shim", run_id, "-f", "-n", "1")
     assert tail.returncode == 0 and tail.stdout == "hook: the last word\n"
+
+
+@pytest.mark.slow
+def test_hooks_still_running_at_the_end_are_stopped_not_left_on_the_host(shim_host, tmp_path):
+    """A hook that never ends (`started`'s and the final event's here) outlived its run, re-parented
+    to pid 1: the supervisor now gives the final one its 30 s, then stops every hook still running
+    and says so in the log. Slow: the 30 s are waited out."""
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    install_standin(workdir / "payload")
+    pids = tmp_path / "hook-pids"
+    command = f"sh -c {shlex.quote(f'echo $$ >> {pids}; exec sleep 600')}"
+    res, run_id = start(shim_host, "--set", "run.steps=2", "--on-event", command)
+    assert res.returncode == 0, res.stderr
+    started = [int(p) for p in pids.read_text().split()]
+    try:
+        assert len(started) == 2  # the `started` and `succeeded` events' hooks
+        wait_until(lambda: not any(_alive(p) for p in started), 30, "the hooks to be stopped")
+        log = (run_dir(workdir, run_id) / "train.log").read_text()
+        assert log.count("still ran at the run's end: stopped") == 2
+    finally:
+        for pid in started:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid is a live process (not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False

@@ -1,6 +1,7 @@
 """A run's event hook (`--on-event`): run with what happened in its environment, never through a shell."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -53,11 +54,31 @@ def fire(run_dir, meta, event, state, code=None, log=None):
             out.close()
 
 
-def wait_hook(hook):
-    """The last event: give its hook HOOK_WAIT_S to report before the supervisor goes (and a
-    follow ends: it waits for SUPERVISED)."""
-    if hook is not None:
+def end_hooks(hooks):
+    """The run's end: give the last event's hook HOOK_WAIT_S to report before the supervisor goes
+    (and a follow ends: it waits for SUPERVISED), then stop every hook still running (its session:
+    SIGTERM, SIGKILL 2 s later) rather than leave it on the host, and say so in the log."""
+    live = [hook for hook in hooks if hook is not None]
+    if live:
         try:
-            hook.wait(timeout=HOOK_WAIT_S)
+            live[-1].wait(timeout=HOOK_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
+    for hook in live:
+        if hook.poll() is None:
+            print("dflashctl: an event hook (pid %d) still ran at the run's end: stopped" % hook.pid, flush=True)
+            _stop_session(hook)
+
+
+def _stop_session(hook):
+    """SIGTERM to the hook's session (it was started in one of its own), SIGKILL if it is still there 2 s later."""
+    for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(hook.pid, sig)
+        except OSError:
+            return
+        try:
+            hook.wait(timeout=grace)
+            return
         except subprocess.TimeoutExpired:
             pass

@@ -200,7 +200,8 @@ def cmd_resume(workdir, selector):
                 "conflict_running", "run %s is still %s (stop it first: dflashctl runs stop)" % (run_id, state)
             )
         if meta.get("group"):
-            raise RunError("bad_request", "run %s spans several hosts: resume it with a new `train` on them" % run_id)
+            # A refusal of what was asked (exit 2), not a failed step: one node alone cannot continue it.
+            raise RunError("usage", "run %s spans several hosts: one node alone cannot continue it" % run_id)
         kind = meta.get("kind", "train")
         if spec.get("kind", kind) != kind:
             how = ["dflashctl", "data", "regen"] if kind == "data" else ["dflashctl", "train"]

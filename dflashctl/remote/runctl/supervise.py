@@ -21,7 +21,7 @@ from .common import (
     utc_iso,
     write_atomic,
 )
-from .hooks import fire, wait_hook
+from .hooks import end_hooks, fire
 from .state import conflicts, newest_checkpoint, queued_ahead, read_reason, state_of
 
 
@@ -47,15 +47,18 @@ def supervise(run_dir, meta, env):
         if not wait_in_queue(run_dir, meta, stop_flag):
             print("dflashctl: the queued run was cancelled before it started", flush=True)
             write_atomic(os.path.join(run_dir, EXIT), "%d\n" % (128 + signal.SIGTERM))
-            wait_hook(fire(run_dir, meta, "stopped", "stopped", 128 + signal.SIGTERM))
+            end_hooks([fire(run_dir, meta, "stopped", "stopped", 128 + signal.SIGTERM)])
             return 0
-    ended = run_attempts(run_dir, meta, child_env, stop_flag)
+    hooks = []  # each attempt's `started`/`restarted` hook: stopped at the end if still running
+    ended = run_attempts(run_dir, meta, child_env, stop_flag, hooks)
     if ended is not None:
-        finish(run_dir, meta, *ended)
+        finish(run_dir, meta, *ended, hooks)
+    else:
+        end_hooks(hooks)
     return 0
 
 
-def run_attempts(run_dir, meta, child_env, stop_flag):
+def run_attempts(run_dir, meta, child_env, stop_flag, hooks):
     """Run the trainer, again after each crash the run's restart policy covers; (exit code, where
     the last attempt's output starts in the log), or None when it could not be started (exit 127
     recorded)."""
@@ -75,7 +78,7 @@ def run_attempts(run_dir, meta, child_env, stop_flag):
             write_atomic(os.path.join(run_dir, EXIT), "127\n")
             return None
         update_meta(run_dir, supervisor=marker(os.getpid()), trainer=marker(child.pid), pgid=child.pid)
-        fire(run_dir, meta, "restarted" if attempt > 1 else "started", "running")
+        hooks.append(fire(run_dir, meta, "restarted" if attempt > 1 else "started", "running"))
         code = wait_trainer(run_dir, child, stop_flag)
         step = newest_checkpoint(run_dir)
         done = (read_json(os.path.join(run_dir, META)) or {}).get("restarts", 0)
@@ -110,9 +113,9 @@ def run_attempts(run_dir, meta, child_env, stop_flag):
             argv.append("--resume")
 
 
-def finish(run_dir, meta, code, log_from):
+def finish(run_dir, meta, code, log_from, hooks):
     """After the last attempt: the hint to continue, the reason from the log, the exit code, the
-    final event (whose hook gets HOOK_WAIT_S)."""
+    final event (whose hook gets HOOK_WAIT_S; then no hook of the run is left running)."""
     if code not in (0, 2) and meta.get("host") and meta.get("kind") == "data":
         # A regen keeps every row it wrote: --resume goes on at the first missing one.
         command = shlex.join(["dflashctl", "data", "regen", meta["host"], "--resume", meta["run_id"]])
@@ -130,7 +133,7 @@ def finish(run_dir, meta, code, log_from):
             write_atomic(os.path.join(run_dir, REASON), line + "\n")
     write_atomic(os.path.join(run_dir, EXIT), "%d\n" % code)
     state = state_of(run_dir, read_json(os.path.join(run_dir, META)) or meta)[0]
-    wait_hook(fire(run_dir, meta, state, state, code))
+    end_hooks([*hooks, fire(run_dir, meta, state, state, code)])
 
 
 def wait_in_queue(run_dir, meta, stop_flag):
