@@ -133,6 +133,8 @@ def train_cmd(
         queue=queue,
         rdzv_port=rdzv_port,
     )
+    if queue and force:  # --force started at once past the queued runs it was meant to wait behind
+        raise UsageError("--queue waits for the GPUs and --force takes them at once: give one")
     if config is not None:  # its syntax and keys checked here, whatever trainer reads it (--no-push, --source)
         load_yaml_file(config, f"--config: {config}")
     _refuse_with_resume(

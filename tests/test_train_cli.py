@@ -313,3 +313,10 @@ def test_follow_and_detach_together_are_refused(shim_host, command):
     res = shim_host.run_cli(*command, "--follow", "--detach")
     assert (res.returncode, res.stdout) == (2, "")
     assert res.stderr == "error: --follow and --detach contradict each other: give one\n"
+
+
+def test_queue_and_force_together_are_refused(shim_host):
+    """`--queue --force` was accepted and started at once, past the runs queued before it."""
+    res = shim_host.run_cli("train", "local", "--queue", "--force")
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == "error: --queue waits for the GPUs and --force takes them at once: give one\n"
