@@ -77,7 +77,7 @@ def detaches(state: AppState, host: str, run_id: str, err: Console) -> Iterator[
         if not (isinstance(exc, Interrupted) or state.interrupted):
             raise
         err.print(Text(f"detached; the run goes on. Re-attach: dflashctl logs tail {host} {run_id} -f"), soft_wrap=True)
-        raise typer.Exit(state.interrupt_code()) from None
+        raise typer.Exit(Interrupted.exit_code) from None  # main() gives it the signal's own code
 
 
 def complete_host(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:

@@ -24,6 +24,15 @@ def install_standin(payload: Path) -> Path:
     return payload
 
 
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie waiting for its parent counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :][:1] != b"Z"
+
+
 def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
     """Poll predicate until it is truthy (returns it) or fail after timeout (a bound, not a timing check)."""
     deadline = time.monotonic() + timeout

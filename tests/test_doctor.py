@@ -21,6 +21,7 @@ import yaml
 from rich.console import Console
 
 from dflashctl.doctor import SCHEMA, DoctorOptions, parse_report, render_report
+from runs_helpers import alive
 from sshd import run_main_in_process
 
 PAYLOAD = Path(__file__).resolve().parent.parent / "remote_payload"
@@ -114,17 +115,9 @@ def test_hang_is_killed_with_its_process_group_and_located(tmp_path: Path) -> No
     assert result["where"] == f"{tmp_path}/child.py:8 in stuck"
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 30  # a bound: the kernel reaps the killed sleep asynchronously
-    while _alive(grandchild) and time.monotonic() < deadline:
+    while alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(grandchild), "the hung child's process group outlived the timeout"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not alive(grandchild), "the hung child's process group outlived the timeout"
 
 
 def test_the_smoke_clock_starts_once_the_child_has_imported(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from runs_helpers import wait_until
+from runs_helpers import alive, wait_until
 from sshd import CLI
 from test_mux import mux  # noqa: F401 - persist hosts with a private mux directory, no mux left after
 from test_quoting import PRINT_ARGS, arguments
@@ -43,15 +43,6 @@ while True:
 # The probe of issue 29: a shell that execs sleep (which dies of SIGINT), beside a background
 # sleep (which a non-interactive shell starts with SIGINT ignored).
 POLITE = "sleep 300 & echo ready $$ $!; exec sleep 301"
-
-
-def alive(pid: int) -> bool:
-    """Whether pid runs (a zombie waiting for its parent counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2 :][:1] != b"Z"
 
 
 def kill_left(pids: list[int]) -> None:

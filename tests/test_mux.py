@@ -17,25 +17,17 @@ from hypothesis import HealthCheck, given, settings
 from dflashctl.errors import ContainerError, UsageError
 from dflashctl.inventory import DEFAULT_PERSIST_S, parse_inventory
 from dflashctl.mux import MuxUnavailable, mux_stats, socket_path, stop_all_muxes
-from runs_helpers import wait_until
+from runs_helpers import alive, wait_until
 from sshd import CLI, ECHO_BOTH, MB, run_concurrently, run_together
 
 from test_quoting import PRINT_ARGS, arguments
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for init to reap it counts as gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _mux_pids(runtime: Path) -> list[int]:
     """Mux processes serving sockets under runtime (their config argument names the path)."""
     pids = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or not _alive(int(entry.name)):
+        if not entry.name.isdigit() or not alive(int(entry.name)):
             continue
         try:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
@@ -49,7 +41,7 @@ def _mux_pids(runtime: Path) -> list[int]:
 def _gone(pid: int, within: float) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not alive(pid):
             return True
         time.sleep(0.02)
     return False

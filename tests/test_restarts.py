@@ -9,7 +9,7 @@ import shlex
 import signal
 
 import pytest
-from runs_helpers import install_standin, meta, run_dir, wait_until
+from runs_helpers import alive, install_standin, meta, run_dir, wait_until
 from sshd import SHIM_VMID
 
 FAST = ["--restart-delay", "0.2"]
@@ -250,19 +250,10 @@ def test_hooks_still_running_at_the_end_are_stopped_not_left_on_the_host(shim_ho
     started = [int(p) for p in pids.read_text().split()]
     try:
         assert len(started) == 2  # the `started` and `succeeded` events' hooks
-        wait_until(lambda: not any(_alive(p) for p in started), 30, "the hooks to be stopped")
+        wait_until(lambda: not any(alive(p) for p in started), 30, "the hooks to be stopped")
         log = (run_dir(workdir, run_id) / "train.log").read_text()
         assert log.count("still ran at the run's end: stopped") == 2
     finally:
         for pid in started:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    """Whether pid is a live process (not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
