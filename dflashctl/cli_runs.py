@@ -109,7 +109,10 @@ def train_cmd(
         None, "--rdzv-port", help="Several hosts: the rendezvous (MASTER_PORT) on the first host (default 29500)."
     ),
     env_items: List[str] = typer.Option(
-        [], "--env", help="NAME=VALUE for the trainer's environment (repeatable), e.g. NCCL_SOCKET_IFNAME=eth0."
+        [],
+        "--env",
+        help="NAME=VALUE for the trainer's environment (repeatable), e.g. NCCL_SOCKET_IFNAME=eth0. "
+        "With --resume: instead of those the run was started with.",
     ),
 ) -> None:
     """Push the payload if it changed, pre-flight the config and devices, start the trainer
