@@ -73,7 +73,8 @@ def train_cmd(
         None,
         "--resume",
         metavar="RUN",
-        help="Continue an ended run (id, prefix or name) from its newest checkpoint, in its directory with its config.",
+        help="Continue an ended run (id, prefix or name) from its newest checkpoint, in its directory with its config. "
+        "A run across several hosts continues on all its nodes: HOST is any of them (or exactly them, or their group).",
     ),
     max_restarts: int = typer.Option(
         0,
@@ -104,15 +105,19 @@ def train_cmd(
     source: Optional[Path] = typer.Option(
         None, "--source", help="Payload directory to push (default: the trainer that ships with dflashctl)."
     ),
-    rdzv_port: int = typer.Option(
-        29500, "--rdzv-port", help="Several hosts: the rendezvous (MASTER_PORT) on the first host."
+    rdzv_port: Optional[int] = typer.Option(
+        None, "--rdzv-port", help="Several hosts: the rendezvous (MASTER_PORT) on the first host (default 29500)."
     ),
     env_items: List[str] = typer.Option(
-        [], "--env", help="NAME=VALUE for the trainer's environment (repeatable), e.g. NCCL_SOCKET_IFNAME=eth0."
+        [],
+        "--env",
+        help="NAME=VALUE for the trainer's environment (repeatable), e.g. NCCL_SOCKET_IFNAME=eth0. "
+        "With --resume: instead of those the run was started with.",
     ),
 ) -> None:
     """Push the payload if it changed, pre-flight the config and devices, start the trainer
-    detached, and (optionally) follow it. `--resume RUN` continues an ended run instead."""
+    detached, and (optionally) follow it. `--resume RUN` continues an ended run instead (every
+    node of a run across hosts)."""
     from .runs import restart_policy
 
     session = app_state(ctx).session()
@@ -146,14 +151,19 @@ def train_cmd(
             ("--name", name),
             ("--gpus", gpus),
             ("--max-restarts", max_restarts),
+            ("--queue", queue),  # a resume never waited: it was dropped unsaid
+            ("--on-event", on_event is not None),  # the run keeps its hook (dropped unsaid before too)
+            ("--rdzv-port", rdzv_port is not None),  # the run's rendezvous is recorded on its nodes
         ),
     )
     hosts = session.inventory.resolve_many(host)
+    if resume is not None:
+        raise typer.Exit(_resume(app_state(ctx), session, hosts, opts))
     if len(hosts) > 1:
-        if resume is not None or opts.restart or queue:
+        if opts.restart or queue:
             raise UsageError(
-                "--resume, --max-restarts and --queue take one host (a run across several hosts restarts as a whole: "
-                "start it again with train)"
+                "--max-restarts and --queue take one host (a run across several hosts continues as a whole: "
+                "dflashctl train HOST --resume RUN)"
             )
         raise typer.Exit(_train_group(app_state(ctx), session, hosts, opts))
     raise typer.Exit(_train_one(app_state(ctx), session, hosts[0].name, opts))
@@ -173,11 +183,11 @@ class TrainOptions:
     source: Optional[Path]  # the payload directory to push (None: the one that ships with dflashctl)
     env: dict
     follow: Optional[bool]
-    resume: Optional[str]  # one host only, like the three below
-    restart: Optional[dict]
+    resume: Optional[str]
+    restart: Optional[dict]  # one host only, like --queue
     hook: list
     queue: bool
-    rdzv_port: int  # several hosts only
+    rdzv_port: Optional[int]  # several hosts only (None: the default)
 
 
 def _train_one(state: AppState, session: Session, host: str, opts: TrainOptions) -> int:
@@ -232,17 +242,42 @@ def _train_one(state: AppState, session: Session, host: str, opts: TrainOptions)
     return follow_or_detach(state, session, target, run.run_id, what, opts.follow, err) or 0
 
 
+def _resume(state: AppState, session: Session, hosts: list, opts: TrainOptions) -> int:
+    """`train HOST --resume RUN`: one host's run, or every node of a run across hosts (HOST: any
+    of them, or exactly them); the exit code."""
+    from rich.console import Console
+    from .multihost_resume import find_run, resume_group
+
+    run_id, group = find_run(session, hosts, opts.resume)
+    if group is None:
+        return _train_one(state, session, hosts[0].name, opts)
+    err = Console(stderr=True)
+    nodes, started = resume_group(
+        session,
+        run_id,
+        group,
+        force=opts.force,
+        env=opts.env,
+        push=not opts.no_push,
+        source=opts.source,
+        console=err,
+    )
+    return _follow_group(state, session, nodes, started, opts.follow, err, verb="resumed")
+
+
 def _refuse_with_resume(resume: Optional[str], flags: tuple) -> None:
     """--resume continues a run as it was: any of these (flag, value) pairs given is a UsageError."""
     given = [flag for flag, value in flags if value]
     if resume is not None and given:
-        raise UsageError(f"--resume continues a run with its own config and GPUs: drop {', '.join(given)}")
+        raise UsageError(
+            f"--resume continues a run as it was started (config, GPUs, hook, rendezvous): drop {', '.join(given)}"
+        )
 
 
 def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOptions) -> int:
     """`train h1,h2`: one run across hosts (docs/multihost.md); returns the exit code."""
     from rich.console import Console
-    from .multihost import check_hosts, check_names, push_all, start_group
+    from .multihost import DEFAULT_RDZV_PORT, check_hosts, check_names, push_all, start_group
     from .devices import parse_gpus
     from .runs import check_trainer_config
 
@@ -270,7 +305,7 @@ def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOpti
         name=opts.name,
         force=opts.force,
         payload_hashes=hashes,
-        rdzv_port=opts.rdzv_port,
+        rdzv_port=DEFAULT_RDZV_PORT if opts.rdzv_port is None else opts.rdzv_port,
         env=opts.env,
         preset=opts.preset,
         configs=configs,
@@ -279,8 +314,10 @@ def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOpti
     return _follow_group(state, session, hosts, group, opts.follow, err)
 
 
-def _follow_group(state: AppState, session: Session, hosts: list, group, follow: Optional[bool], err: Console) -> int:
-    """Print a started group's id and how to follow it, or follow its first node until the run ends."""
+def _follow_group(
+    state: AppState, session: Session, hosts: list, group, follow: Optional[bool], err: Console, verb: str = "started"
+) -> int:
+    """Print a started (or resumed) group's id and how to follow it, or follow its first node until the run ends."""
     from rich.console import Console
     from rich.text import Text
     from functools import partial
@@ -294,7 +331,7 @@ def _follow_group(state: AppState, session: Session, hosts: list, group, follow:
         typer.echo(group.run_id)
         err.print(
             Text(
-                f"started run {group.run_id} on {names}, rendezvous {group.rendezvous}; follow it: "
+                f"{verb} run {group.run_id} on {names}, rendezvous {group.rendezvous}; follow it: "
                 f"dflashctl logs tail {first} {group.run_id} -f (--all: every node)",
                 style="dim",
             ),
@@ -304,7 +341,7 @@ def _follow_group(state: AppState, session: Session, hosts: list, group, follow:
     with detaches(state, first, group.run_id, err):
         err.print(
             Text(
-                f"started run {group.run_id} on {names}, rendezvous {group.rendezvous}; following {first} "
+                f"{verb} run {group.run_id} on {names}, rendezvous {group.rendezvous}; following {first} "
                 f"(Ctrl-C detaches; the run goes on)",
                 style="dim",
             ),

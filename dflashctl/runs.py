@@ -207,17 +207,24 @@ def resume_run(
     force: bool = False,
     env: dict[str, str] | None = None,
     kind: str = "train",
+    group: dict[str, Any] | None = None,
+    check: bool = False,
+    preflight: bool = True,
 ) -> StartedRun:
     """Start an ended run again in its own directory, from its newest checkpoint (`--resume`),
     on the payload now in the container (pre-flight and GPU check as for a new run). A run of
-    another kind (a data run given to `train --resume`) is refused."""
+    another kind (a data run given to `train --resume`) is refused. group: the run's group as
+    recorded, when every node resumes (multihost_resume.py; runctl refuses a node of a group
+    without it); check: make every check, start nothing."""
     spec = {
         "cwd": f"{target.host.workdir}/payload",
         "payload_hash": payload_hash,
         "force": force,
         "env": env or None,
-        "preflight": True,
+        "preflight": preflight,
         "kind": kind,
+        "group": group,
+        "check": check,
     }
     answer = call(
         target,

@@ -367,6 +367,30 @@ def test_resume_across_the_group_from_rank_0s_checkpoint(tmp_path):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+@pytest.mark.slow
+def test_train_resume_continues_a_group_run_on_every_node_from_rank_0s_checkpoint(pair):
+    """The same through the CLI: `train pair --resume RUN` of a run stopped after step 2 (by
+    debug.stop_at, as a SIGTERM at that step: both nodes exit 143, rank 0 checkpoints) continues
+    both nodes from rank 0's checkpoint to the run's end."""
+    cfg = [s for s in TINY if not s.startswith("run.steps=")] + ["run.steps=4", "debug.stop_at=step:2"]
+    run_id = pair.train("pair", cfg)
+    wait_until(lambda: None not in (pair.exit_code("shim", run_id), pair.exit_code("gpu2", run_id)), 120, "the stop")
+    assert [pair.exit_code(h, run_id) for h in ("shim", "gpu2")] == [143, 143], pair.log("gpu2", run_id)[-2000:]
+    assert [p.name for p in pair.run_dir("shim", run_id).glob("checkpoints/step_*")] == ["step_00000002"]
+    # --env replaces the variables given at the start (as for one host); the rendezvous's are the run's.
+    env = ["--env", "GLOO_SOCKET_IFNAME=lo", "--env", "EXTRA=1"]
+    resumed = pair.cli("train", "pair", "--resume", run_id, *env, "--follow", timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [pair.meta(h, run_id)["env"]["RANK"] for h in ("shim", "gpu2")] == ["0", "1"]
+    assert pair.meta("gpu2", run_id)["env"]["EXTRA"] == "1"
+    assert f"run {run_id} succeeded" in resumed.stderr
+    assert "/checkpoints/step_00000002 at step 2" in pair.log("shim", run_id)
+    assert "/.resume/step_00000002 at step 2" in pair.log("gpu2", run_id)  # rank 0's copy
+    assert [pair.exit_code(h, run_id) for h in ("shim", "gpu2")] == [0, 0]
+    losses = pair.losses("shim", run_id)
+    assert len(losses) == 4 and losses == pair.losses("gpu2", run_id)
+
+
 def test_rendezvous_timeout_names_the_missing_node(tmp_path):
     """A node that never comes: the one waiting exits 75 naming it (and records the reason), after
     the config's `dist.rendezvous_timeout_s` (given as a trainer override, not the 300 s default)."""
@@ -416,13 +440,129 @@ def test_on_event_reaches_every_node_of_a_group(pair):
         assert json.loads(meta_path.read_text())["on_event"] == hook
 
 
-def test_resuming_one_node_of_a_group_run_is_refused_as_bad_input(pair):
-    """`train shim --resume RUN` of a run across hosts exited 1, as if a remote step had failed."""
+def held_group_run(pair: Pair, steps: int = 4, step_time: float = 0.05) -> str:
+    """A run of the stand-in across both hosts, held after step 2 on both nodes (running)."""
     for work in pair.work.values():
         install_standin(work / "payload")
-    group = pair.cli("train", "pair", "--no-push", "--gpus", "cpu", "--set", "run.steps=1", "--follow")
-    assert group.returncode == 0, group.stderr
-    (run_id,) = [p.name for p in (pair.work["shim"] / "runs").iterdir() if p.is_dir()]
-    one = pair.cli("train", "shim", "--no-push", "--resume", run_id)
-    assert one.returncode == 2, one.stderr
-    assert one.stderr.strip().endswith(f"run {run_id} spans several hosts: one node alone cannot continue it")
+    config = [f"run.steps={steps}", f"standin.step_time={step_time}", "standin.hold_at=2"]
+    run_id = pair.train("pair", config, "--no-push")
+    wait_until(
+        lambda: all("holding after step 2" in pair.log(h, run_id) for h in ("shim", "gpu2")), 60, "both nodes to hold"
+    )
+    return run_id
+
+
+def test_a_group_run_resumes_on_every_node_from_any_of_them(pair):
+    """`train gpu2 --resume RUN` (a node that is not rank 0) continues both nodes: same run id,
+    ranks and rendezvous, each node's recorded environment. runctl still refuses one node alone."""
+    from dflashctl.errors import UsageError
+    from dflashctl.runs import resume_run
+
+    run_id = held_group_run(pair)
+    before = {h: pair.meta(h, run_id) for h in ("shim", "gpu2")}
+    stopped = pair.cli("runs", "stop", "shim", run_id)
+    assert stopped.returncode == 0 and "stopped (143) on shim,gpu2" in stopped.stdout, stopped.stderr
+    with pair.first.session(inventory=pair.inventory) as session, pytest.raises(UsageError) as refused:
+        resume_run(session.target("shim"), run_id, payload_hash=None)  # as a client that names no group
+    assert f"run {run_id} spans several hosts: one node alone cannot continue it" in str(refused.value)
+    assert "resumes" not in pair.meta("shim", run_id)
+
+    resumed = pair.cli("train", "gpu2", "--no-push", "--resume", run_id[:12], "--follow")
+    assert resumed.returncode == 0, resumed.stderr
+    rendezvous = before["shim"]["group"]["rendezvous"]
+    assert f"resumed run {run_id} on shim (rank 0), gpu2 (rank 1), rendezvous {rendezvous}" in resumed.stderr
+    assert f"run {run_id} succeeded" in resumed.stderr
+    for host in ("shim", "gpu2"):
+        assert "standin: resuming after step 2" in pair.log(host, run_id) and pair.exit_code(host, run_id) == 0
+        after = pair.meta(host, run_id)
+        assert after["resumes"] == 1 and after["argv"][-1] == "--resume"
+        assert after["env"] == before[host]["env"] and after["group"] == before[host]["group"]
+    assert [pair.meta(h, run_id)["env"]["RANK"] for h in ("shim", "gpu2")] == ["0", "1"]
+    shown = json.loads(pair.cli("runs", "show", "shim", run_id, "--json").stdout)
+    assert shown["state"] == "succeeded" and [n["state"] for n in shown["nodes"]] == ["succeeded", "succeeded"]
+    assert shown["resumes"] == 1 and shown["host"] == "shim,gpu2"
+
+
+def test_a_group_resume_is_refused_before_any_node_starts(pair, tmp_path):
+    """A node still running, a host set that is not the run's nodes, resume-only flags, an
+    unreachable node: one line each, and no node resumed."""
+    run_id = held_group_run(pair)
+    running = pair.cli("train", "gpu2", "--no-push", "--resume", run_id)
+    assert running.returncode == 6 and running.stdout == "", running.stderr
+    assert running.stderr.splitlines() == [
+        f"error: run {run_id} is still running on shim, gpu2 (stop it first: dflashctl runs stop shim {run_id})"
+    ]
+    assert pair.cli("runs", "stop", "gpu2", run_id).returncode == 0
+    blocker = pair.train("gpu2", ["run.steps=100000"], "--no-push")  # holds gpu2's CPU
+    busy = pair.cli("train", "shim", "--no-push", "--resume", run_id)
+    assert busy.returncode == 6 and len(busy.stderr.splitlines()) == 1, busy.stderr
+    assert busy.stderr.startswith(f"error: gpu2 (pct 200): GPUs busy: run {blocker} uses cpu")
+    assert busy.stderr.rstrip().endswith("; nothing was resumed")
+    assert pair.cli("runs", "stop", "gpu2", blocker).returncode == 0
+    data = yaml.safe_load(pair.inventory.read_text())
+    data["hosts"]["gpu3"] = dict(data["hosts"]["gpu2"])
+    three = tmp_path / "three.yaml"
+    three.write_text(yaml.safe_dump(data, sort_keys=False))
+    wrong = pair.first.run_cli(
+        "train", "shim,gpu3", "--no-push", "--resume", run_id, env={"DFLASHCTL_INVENTORY": str(three)}
+    )
+    assert wrong.returncode == 2 and wrong.stderr.splitlines() == [
+        f"error: run {run_id} ran on shim,gpu2, not shim,gpu3: name one of its hosts, or exactly those"
+    ]
+    port = pair.cli("train", "pair", "--no-push", "--resume", run_id, "--rdzv-port", "29501")
+    assert port.returncode == 2 and "drop --rdzv-port" in port.stderr
+    data["hosts"]["gpu2"]["port"] = free_port("127.0.0.2")  # nothing listens there
+    gone = tmp_path / "gone.yaml"
+    gone.write_text(yaml.safe_dump(data, sort_keys=False))
+    unreachable = pair.first.run_cli(
+        "train", "shim", "--no-push", "--resume", run_id, env={"DFLASHCTL_INVENTORY": str(gone)}
+    )
+    assert unreachable.returncode == 3 and len(unreachable.stderr.splitlines()) == 1, unreachable.stderr
+    assert unreachable.stderr.startswith("error: gpu2") and "nothing was resumed" in unreachable.stderr
+    assert all("resumes" not in pair.meta(h, run_id) for h in ("shim", "gpu2"))
+
+
+def test_a_node_refused_after_the_others_resumed_stops_them_again(pair, monkeypatch):
+    """gpu2's CPU taken between the checks and the starts (a run started there at that moment):
+    its runctl refuses, and shim, resumed already, is stopped again; the error says so."""
+    import io
+
+    from rich.console import Console
+
+    from dflashctl import multihost_resume
+    from dflashctl.devices import parse_gpus
+    from dflashctl.errors import ConflictError
+    from dflashctl.runs import start_run, stop_run
+
+    run_id = held_group_run(pair, steps=10000, step_time=0.5)  # resumed, it runs until stopped
+    assert pair.cli("runs", "stop", "shim", run_id).returncode == 0
+    real, blockers = multihost_resume.resume_run, []
+
+    def racing(target, selector, **kw):
+        if target.host.name == "gpu2" and not kw["check"]:
+            blockers.append(start_run(target, gpus=parse_gpus("cpu"), overrides=["run.steps=100000"]).run_id)
+        return real(target, selector, **kw)
+
+    monkeypatch.setattr(multihost_resume, "resume_run", racing)
+    with pair.first.session(inventory=pair.inventory) as session:
+        _, group = multihost_resume.find_run(session, [session.host("gpu2")], run_id)
+        try:
+            with pytest.raises(ConflictError) as refused:
+                multihost_resume.resume_group(
+                    session,
+                    run_id,
+                    group,
+                    force=False,
+                    env={},
+                    push=False,
+                    source=None,
+                    console=Console(file=io.StringIO()),
+                )
+        finally:
+            for blocker in blockers:
+                stop_run(session.target("gpu2"), blocker, 5.0)
+    assert str(refused.value).startswith("gpu2 (pct 200): GPUs busy: run ")
+    assert str(refused.value).endswith(f" (run {run_id} not resumed there; stopped it again on shim)")
+    assert pair.meta("shim", run_id)["resumes"] == 1 and "resumes" not in pair.meta("gpu2", run_id)
+    shown = json.loads(pair.cli("runs", "show", "shim", run_id, "--json").stdout)
+    assert [(n["host"], n["state"]) for n in shown["nodes"]] == [("shim", "stopped"), ("gpu2", "stopped")]

@@ -188,39 +188,18 @@ def new_meta(spec, run_id, run_dir, argv, cwd, gpus, busy):
 
 
 def cmd_resume(workdir, selector):
-    """Start an ended run again with `--resume` (its newest checkpoint), in its own directory."""
+    """Start an ended run again with `--resume` (its newest checkpoint), in its own directory.
+    spec `check`: every check a resume makes (pre-flight included), then answer without starting
+    (a run across hosts checks every node before any starts)."""
     interrupts = interruptible()
     spec = json.load(sys.stdin)
     root = runs_root(workdir)
     with runs_lock(root) as lock:
         run_id, run_dir, meta = resolve(root, selector)
-        state, _ = state_of(run_dir, meta)
-        if state in ("running", "queued"):
-            raise RunError(
-                "conflict_running", "run %s is still %s (stop it first: dflashctl runs stop)" % (run_id, state)
-            )
-        if meta.get("group"):
-            # A refusal of what was asked (exit 2), not a failed step: one node alone cannot continue it.
-            raise RunError("usage", "run %s spans several hosts: one node alone cannot continue it" % run_id)
-        kind = meta.get("kind", "train")
-        if spec.get("kind", kind) != kind:
-            how = ["dflashctl", "data", "regen"] if kind == "data" else ["dflashctl", "train"]
-            raise RunError(
-                "usage",
-                "run %s is a %s run: continue it with %s"
-                % (run_id, kind, shlex.join(how + [meta.get("host") or "HOST", "--resume", run_id])),
-            )
-        argv = list(meta["argv"])
-        if "--resume" not in argv:
-            argv.append("--resume")
-        cwd = os.path.realpath(os.path.expanduser(spec["cwd"])) if spec.get("cwd") else meta["cwd"]
-        env = spec.get("env") or meta.get("env") or {}
-        if spec.get("preflight"):
-            preflight(argv, cwd, env, interrupts)
-        busy = [] if spec.get("force") else conflicts(root, meta.get("gpus") or [])
-        if busy:
-            raise RunError("conflict", "GPUs busy", runs=busy)
-        check_interrupt(interrupts)
+        argv, cwd, env = admit_resume(root, run_id, run_dir, meta, spec, interrupts)
+        if spec.get("check"):
+            emit({"run_id": run_id, "run_dir": run_dir, "pid": None, "gpus": meta.get("gpus"), "checked": True})
+            return
         for name in (EXIT, STOP, REASON, SUPERVISED):
             try:
                 os.remove(os.path.join(run_dir, name))
@@ -245,6 +224,50 @@ def cmd_resume(workdir, selector):
     emit(
         {"run_id": run_id, "run_dir": run_dir, "pid": (meta.get("trainer") or {}).get("pid"), "gpus": meta.get("gpus")}
     )
+
+
+def admit_resume(root, run_id, run_dir, meta, spec, interrupts):
+    """Everything a resume may refuse (a live run, a group resumed in part, another kind, the
+    pre-flight, busy GPUs, an interrupt): RunError; else the run's (argv, cwd, env) to start."""
+    state, _ = state_of(run_dir, meta)
+    if state in ("running", "queued"):
+        raise RunError("conflict_running", "run %s is still %s (stop it first: dflashctl runs stop)" % (run_id, state))
+    check_group(run_id, meta, spec)
+    kind = meta.get("kind", "train")
+    if spec.get("kind", kind) != kind:
+        how = ["dflashctl", "data", "regen"] if kind == "data" else ["dflashctl", "train"]
+        raise RunError(
+            "usage",
+            "run %s is a %s run: continue it with %s"
+            % (run_id, kind, shlex.join(how + [meta.get("host") or "HOST", "--resume", run_id])),
+        )
+    argv = list(meta["argv"])
+    if "--resume" not in argv:
+        argv.append("--resume")
+    cwd = os.path.realpath(os.path.expanduser(spec["cwd"])) if spec.get("cwd") else meta["cwd"]
+    env = spec.get("env") or meta.get("env") or {}
+    if spec.get("preflight"):
+        preflight(argv, cwd, env, interrupts)
+    busy = [] if spec.get("force") else conflicts(root, meta.get("gpus") or [])
+    if busy:
+        raise RunError("conflict", "GPUs busy", runs=busy)
+    check_interrupt(interrupts)
+    return argv, cwd, env
+
+
+def check_group(run_id, meta, spec):
+    """A run across hosts resumes only as a whole: the client names the group it resumes (spec
+    `group`), and it must be the one this node recorded. Refusals are bad input (exit 2)."""
+    group, asked = meta.get("group"), spec.get("group")
+    if group and not asked:
+        raise RunError(
+            "usage",
+            "run %s spans several hosts: one node alone cannot continue it (dflashctl train %s --resume %s "
+            "continues every node)" % (run_id, meta.get("host") or "HOST", run_id),
+        )
+    if asked and asked != group:
+        what = "another group (nodes %s, rank %s)" % (group["nodes"], group["rank"]) if group else "no group"
+        raise RunError("usage", "run %s records %s on this host, not the one resumed" % (run_id, what))
 
 
 def preflight(argv, cwd, env, interrupts):
