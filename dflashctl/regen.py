@@ -32,7 +32,7 @@ class RegenRequest:
     top_p: float = 1.0
     seed: int = 0
     thinking: bool | None = None  # None: the chat template's default
-    batch_size: int | None = None  # None: 32 (builtin), 1 (openai)
+    batch_size: int | None = None  # None: the engine's default (builtin: fits the GPU memory; openai: 1)
     tokenizer: str | None = None  # a tokenizer directory in the container
     preset: str | None = None
     overrides: tuple[str, ...] = ()  # builtin: target.*, run.dtype, run.cpu_threads

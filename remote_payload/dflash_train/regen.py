@@ -41,7 +41,7 @@ from .regen_output import Output, Progress, partial_path
 from .regen_rows import KINDS, Done, Options, RegenError, Row, count_rows, first_row, read_batches
 
 EXIT_FAILED, EXIT_USAGE, EXIT_MISSING = 1, 2, 4
-DEFAULT_BATCH = {"builtin": 32, "openai": 1}
+DEFAULT_BATCH = {"builtin": None, "openai": 1}  # builtin: the largest that fits (regen_batch)
 
 
 class Engine(Protocol):
@@ -49,6 +49,7 @@ class Engine(Protocol):
 
     workers: int
     options: Options
+    batch_reason: str  # why options.batch_size is what it is, for the log ("": nothing to say)
 
     def setup(self, worker: int) -> None:
         """Prepare worker `worker` (build its target replica); runs in that worker's thread."""
@@ -155,7 +156,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("on", "off"),
         help="enable_thinking of Qwen3 chat templates (default: the template's own)",
     )
-    ap.add_argument("--batch-size", type=int, help="rows per batch (builtin: 32, openai: 1)")
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        help="rows per batch (builtin: the largest up to 64 that fits the GPU memory, 32 on CPU; openai: 1)",
+    )
     ap.add_argument("--tokenizer", help="HF tokenizer directory (default: target.path; openai: none)")
     ap.add_argument("--preset", help="builtin: the target's preset (tiny, qwen3-8b)")
     ap.add_argument(
@@ -337,7 +342,12 @@ def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) ->
             )
         elif start:
             log(f"regen: resuming at row {start}/{total}")
-        log(f"regen: {total} rows from {args.prompts} -> {args.out}, batch {batch}, {engine.workers} worker(s)")
+        why = engine.batch_reason
+        log(
+            f"regen: {total} rows from {args.prompts} -> {args.out}, batch {batch}"
+            + (f" ({why})" if why else "")
+            + f", {engine.workers} worker(s)"
+        )
         progress = Progress(total, start, Path(args.metrics) if args.metrics else None, log, engine.workers)
         batches = read_batches(Path(args.prompts), batch, start // batch) if start < total else iter(())
         failure = regenerate(engine, batches, out, progress, stop)

@@ -8,7 +8,7 @@ ends early.
 
 Each worker keeps one Decoder (its KV cache, and on CUDA its compiled layer parts and captured
 step graphs) and reuses it while batches have its shape: the batch's rows and a capacity of its
-longest prompt + --max-new-tokens rounded up to CAPACITY_STEP. The shape depends only on the
+longest prompt + --max-new-tokens rounded up to regen_batch.CAPACITY_STEP. The shape depends only on the
 batch, so a resumed run decodes each batch exactly as an uninterrupted one. On CUDA a new
 decoder first takes one step in each of its attention windows (Decoder.warm_up), under the
 trainer's build/compile lock (workers.SerialLock): compiling and capturing CUDA graphs in two
@@ -19,12 +19,14 @@ lockstep around an all-reduce."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from .config import Config
 from .data import seeded_generator
+from .regen_batch import auto_batch, cache_capacity
 from .regen_rows import (
     Done,
     Options,
@@ -44,20 +46,29 @@ from .target_hf import build_hf_target
 from .workers import SerialLock, Stopped, ThreadedOptions, bind_device, use_cpu_threads
 
 
-CAPACITY_STEP = 1024  # cache positions are allocated in steps of this: fewer decoder shapes, each warmed up once
-
-
 def batch_generator(seed: int, batch: int, device: str) -> torch.Generator:
     """The sampling generator of one batch: the same batch gets the same draws, also on resume."""
     state = seeded_generator(seed, batch).initial_seed()
     return torch.Generator(device=device).manual_seed(state)
 
 
+def device_memory(devices: list[str]) -> int | None:
+    """The smallest total memory of the CUDA devices, in bytes (None: CPU)."""
+    sizes = [torch.cuda.get_device_properties(torch.device(d)).total_memory for d in devices if d != "cpu"]
+    return min(sizes) if sizes else None
+
+
 class BuiltinEngine:
     """Batched generation with the project's target; see the module docstring."""
 
     def __init__(self, cfg: Config, devices: list[str], tokenizer_dir: str | None, options: Options):
-        self.cfg, self.devices, self.options = cfg, devices, options
+        self.cfg, self.devices = cfg, devices
+        self.batch_reason = "--batch-size"
+        if options.batch_size is None:
+            memory = device_memory(devices)
+            batch, self.batch_reason = auto_batch(cfg.target, cfg.run.dtype, options.max_new_tokens, memory)
+            options = replace(options, batch_size=batch)
+        self.options = options
         self.workers = len(devices)
         self.targets: list = [None] * len(devices)
         self.decoders: list = [None] * len(devices)  # per worker: ((rows, capacity), Decoder)
@@ -115,7 +126,7 @@ class BuiltinEngine:
         from .decode import make_decoder
 
         limit = self.cfg.target.max_position_embeddings
-        key = (rows, min(limit, -(-need // CAPACITY_STEP) * CAPACITY_STEP))
+        key = (rows, cache_capacity(need, limit))
         held = self.decoders[worker]
         if held is not None and held[0] == key:
             return held[1]

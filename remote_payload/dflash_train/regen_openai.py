@@ -67,6 +67,7 @@ class OpenAIEngine:
     ):
         self.url, self.model, self.retries, self.options = base_url(endpoint), model, retries, options
         self.workers = concurrency
+        self.batch_reason = ""
         self.tokenizer = SharedTokenizer(
             tokenizer_dir, "prompt and token rows need --tokenizer DIR with the openai engine"
         )
