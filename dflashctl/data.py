@@ -180,8 +180,15 @@ def push_data(
         if not path.is_file():
             raise UsageError(f"no such file: {path}")
     names = [as_name or path.name for path in files]
-    for name in names:
+    first: dict[str, Path] = {}
+    for path, name in zip(files, names):
         check_name(name)
+        if name in first:  # both would be sent, the second over the first: one dataset where two were meant
+            raise UsageError(
+                f"{first[name]} and {path} would both be data:{name} (the second replacing the first); "
+                "nothing was pushed: push one of them alone with --as NAME"
+            )
+        first[name] = path
     digests = [digest(path) for path in files]
     known = {d["name"]: d for d in list_data(target)}
     unchanged = [_same(known.get(name), size, sha) for name, (size, sha) in zip(names, digests)]

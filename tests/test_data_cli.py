@@ -173,3 +173,19 @@ def test_a_file_without_rows_is_refused_before_anything_is_sent(shim_host, tmp_p
         assert res.returncode == 2 and res.stdout == "", res.stderr
         assert res.stderr.splitlines() == [f"error: {path} has no rows; nothing was pushed"]
         assert not (data / "good.jsonl").exists() and not (data / path.name).exists()
+
+
+def test_two_files_of_one_name_are_refused_before_either_is_sent(shim_host, tmp_path):
+    data = shim_host.container_dir(SHIM_VMID) / "work" / "data"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = tmp_path / "a" / "x.jsonl", tmp_path / "b" / "x.jsonl"
+    first.write_text(rows(5))
+    second.write_text(rows(3, seed=1))
+    res = shim_host.run_cli("data", "push", "shim", str(first), str(second))
+    assert (res.returncode, res.stderr) == (
+        2,
+        f"error: {first} and {second} would both be data:x.jsonl (the second replacing the first); "
+        "nothing was pushed: push one of them alone with --as NAME\n",
+    )
+    assert not (data / "x.jsonl").exists()
