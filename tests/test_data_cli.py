@@ -118,7 +118,14 @@ def test_a_malformed_row_is_refused_before_anything_is_sent(shim_host, tmp_path)
         ("[1, 2]\n", "a row must be a JSON object, not list"),
         (
             '{"messages": [{"role": "user", "content": "hi"}], "reply_ids": [1.5]}\n',
-            "reply_ids must be a non-empty flat list of integers",
+            "reply_ids must be a non-empty flat list of token ids (integers >= 0)",
+        ),
+        # The trainer's embedding fails on a negative id (a device-side assert on CUDA), and its
+        # JSON reader on a byte-order mark: both only once the run had started.
+        ('{"input_ids": [5, -1, 7]}\n', "input_ids must be a non-empty flat list of token ids (integers >= 0)"),
+        (
+            '\ufeff{"input_ids": [1, 2]}\n',
+            "a UTF-8 byte-order mark (BOM) before the row, which the trainer refuses: save the file without it",
         ),
     ]
     for row, why in cases:
