@@ -385,8 +385,11 @@ def encode_prompt_rows(rows: list[dict], tokenizer_dir: str | None, vocab_size: 
 
 
 def check_vocab(seqs: list[Sequence], vocab_size: int, path: str | Path) -> list[Sequence]:
-    """`seqs`, or a DataError if a token id is outside the target's vocabulary (on CUDA that
-    would be a device-side assert in the embedding, far from its cause)."""
+    """`seqs`, or a DataError if a token id is negative or outside the target's vocabulary (on
+    CUDA that would be a device-side assert in the embedding, far from its cause)."""
+    low = min((int(ids.min()) for ids, _ in seqs if ids.numel()), default=0)
+    if low < 0:
+        raise DataError(f"{path} has token id {low}, which no token has (ids start at 0)")
     top = max((int(ids.max()) for ids, _ in seqs if ids.numel()), default=-1)
     if top >= vocab_size:
         raise DataError(
