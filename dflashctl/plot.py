@@ -17,12 +17,13 @@ CURVES = (
 )
 
 
-def series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+def series(records: Sequence[dict[str, Any]], key: str, held_out: bool = False) -> tuple[list[float], list[float]]:
     """(steps, values) of one metric, skipping records that lack it. Loss comes from training
-    records only: the trainer's eval records carry the held-out loss, a different curve."""
+    records only (unless held_out): the trainer's eval records carry the held-out loss, a
+    different curve."""
     xs, ys = [], []
     for r in records:
-        if key == "loss" and r.get("event", "train") != "train":
+        if key == "loss" and not held_out and r.get("event", "train") != "train":
             continue
         step, value = r.get("step"), r.get(key)
         if isinstance(step, (int, float)) and isinstance(value, (int, float)):
@@ -99,7 +100,7 @@ def held_out_records(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def held_out(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of a metric from the evaluation records (held-out data) only."""
-    return series(held_out_records(records), key)
+    return series(held_out_records(records), key, held_out=True)
 
 
 def save_png(records: Sequence[dict[str, Any]], path: Path, run_id: str) -> None:

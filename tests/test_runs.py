@@ -550,3 +550,12 @@ def test_the_terminal_curves_draw_the_speculative_tau_and_call_the_proxy_a_proxy
     # The proxy (1.5 here) was drawn as "acceptance length" beside a tau of 5.0 that was not drawn.
     assert [t.strip() for t in titles if t.strip()] == ["training loss", "speculative tau", "teacher-forced (a proxy)"]
     assert "5.0" in drawing
+
+
+def test_the_png_curves_get_the_held_out_loss_of_the_eval_records():
+    from dflashctl.plot import held_out, series
+
+    records = [{"event": "train", "step": 10, "loss": 4.0}, {"event": "eval", "step": 10, "loss": 6.0}]
+    records.append({"event": "final", "step": 20, "loss": 5.5, "acceptance_length": 1.2})
+    assert series(records, "loss") == ([10], [4.0])  # training loss: the training records only
+    assert held_out(records, "loss") == ([10, 20], [6.0, 5.5])  # was always empty: no held-out line
