@@ -190,7 +190,7 @@ def push_data(
             raise UsageError(f"{path} is a directory, not a file")
         if not path.is_file():
             raise UsageError(f"no such file: {path}")
-    names = [as_name or path.name for path in files]
+    names = [path.name if as_name is None else as_name for path in files]
     first: dict[str, Path] = {}
     for path, name in zip(files, names):
         check_name(name)

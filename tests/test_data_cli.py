@@ -196,3 +196,12 @@ def test_two_files_of_one_name_are_refused_before_either_is_sent(shim_host, tmp_
         "nothing was pushed: push one of them alone with --as NAME\n",
     )
     assert not (data / "x.jsonl").exists()
+
+
+def test_an_empty_as_name_is_refused_not_ignored(shim_host, tmp_path):
+    data = shim_host.container_dir(SHIM_VMID) / "work" / "data"
+    path = tmp_path / "x.jsonl"
+    path.write_text(rows(2))
+    res = shim_host.run_cli("data", "push", "shim", str(path), "--as", "")
+    assert (res.returncode, res.stdout) == (2, "") and res.stderr.startswith("error: dataset name '': ")
+    assert not (data / "x.jsonl").exists()  # it was pushed under the file's own name
