@@ -18,6 +18,7 @@ from .errors import RemoteError, UsageError
 
 CHUNK = 1 << 20
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+TOKEN_IDS = "token ids (integers >= 0)"
 TRAIN_KINDS = frozenset({"input_ids", "messages"})  # the rows the trainer reads; `prompt` rows are regen's
 
 
@@ -99,6 +100,10 @@ def row_kind(raw: bytes) -> str | None:
     blank line (skipped); BadRow saying what is wrong otherwise."""
     if not raw.strip():
         return None
+    if raw.startswith(b"\xef\xbb\xbf"):  # json.loads of bytes skips it; the trainer, reading text, does not
+        raise BadRow(
+            "a UTF-8 byte-order mark (BOM) before the row, which the trainer refuses: save the file without it"
+        )
     try:
         row = json.loads(raw)
     except ValueError as exc:  # not JSON, or not UTF-8
@@ -107,8 +112,8 @@ def row_kind(raw: bytes) -> str | None:
         raise BadRow(f"a row must be a JSON object, not {type(row).__name__}")
     if "input_ids" in row:
         ids = row["input_ids"]
-        if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
-            raise BadRow("input_ids must be a non-empty flat list of integers")
+        if not token_ids(ids):
+            raise BadRow(f"input_ids must be a non-empty flat list of {TOKEN_IDS}")
         mask = row.get("loss_mask")
         if mask is not None and (not isinstance(mask, list) or not all(type(m) in (int, bool) for m in mask)):
             raise BadRow("loss_mask must be a flat list of 0/1")
@@ -127,14 +132,20 @@ def row_kind(raw: bytes) -> str | None:
             ):
                 raise BadRow(f"messages[{i}] must be an object with a string role and string content")
         ids = row.get("reply_ids", [0])  # the target's own reply tokens, from `data regen`
-        if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
-            raise BadRow("reply_ids must be a non-empty flat list of integers")
+        if not token_ids(ids):
+            raise BadRow(f"reply_ids must be a non-empty flat list of {TOKEN_IDS}")
         return "messages"
     if "prompt" in row:
         if not isinstance(row["prompt"], str):
             raise BadRow("prompt must be a string")
         return "prompt"
     raise BadRow("the row has none of input_ids, messages or prompt")
+
+
+def token_ids(ids: Any) -> bool:
+    """Whether a row's ids are a non-empty flat list of token ids: a negative one fails the
+    trainer's embedding (on CUDA a device-side assert), only once the run has started."""
+    return isinstance(ids, list) and bool(ids) and all(type(t) is int and t >= 0 for t in ids)
 
 
 def chunks(path: Path, on_bytes: Callable[[int], None]) -> Iterator[bytes]:
@@ -179,9 +190,16 @@ def push_data(
             raise UsageError(f"{path} is a directory, not a file")
         if not path.is_file():
             raise UsageError(f"no such file: {path}")
-    names = [as_name or path.name for path in files]
-    for name in names:
+    names = [path.name if as_name is None else as_name for path in files]
+    first: dict[str, Path] = {}
+    for path, name in zip(files, names):
         check_name(name)
+        if name in first:  # both would be sent, the second over the first: one dataset where two were meant
+            raise UsageError(
+                f"{first[name]} and {path} would both be data:{name} (the second replacing the first); "
+                "nothing was pushed: push one of them alone with --as NAME"
+            )
+        first[name] = path
     digests = [digest(path) for path in files]
     known = {d["name"]: d for d in list_data(target)}
     unchanged = [_same(known.get(name), size, sha) for name, (size, sha) in zip(names, digests)]

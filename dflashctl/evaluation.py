@@ -79,7 +79,7 @@ def run_eval(
         str(count),
         "--temperature",
         repr(temperature),
-        *(["--prompts", "-"] if stdin else []),
+        *(["--prompts", "-"] if stdin is not None else []),
         *(["--device", device] if device else []),
         *([] if baseline else ["--no-baseline"]),
     ]

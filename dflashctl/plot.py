@@ -8,15 +8,22 @@ from typing import Any, Sequence
 
 from .errors import DflashError, UsageError
 
-CURVES = (("loss", "training loss"), ("acceptance_length", "acceptance length"))
+# Each panel: its title and the metric keys it draws, the first one present. The in-training
+# speculative tau is the real figure (runs list's); the teacher-forced acceptance only a proxy.
+CURVES = (
+    ("training loss", ("loss",)),
+    ("speculative tau", ("spec_tau_prompt_mean", "spec_tau")),
+    ("teacher-forced (a proxy)", ("acceptance_length",)),
+)
 
 
-def series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+def series(records: Sequence[dict[str, Any]], key: str, held_out: bool = False) -> tuple[list[float], list[float]]:
     """(steps, values) of one metric, skipping records that lack it. Loss comes from training
-    records only: the trainer's eval records carry the held-out loss, a different curve."""
+    records only (unless held_out): the trainer's eval records carry the held-out loss, a
+    different curve."""
     xs, ys = [], []
     for r in records:
-        if key == "loss" and r.get("event", "train") != "train":
+        if key == "loss" and not held_out and r.get("event", "train") != "train":
             continue
         step, value = r.get("step"), r.get(key)
         if isinstance(step, (int, float)) and isinstance(value, (int, float)):
@@ -29,8 +36,8 @@ def terminal_plot(records: Sequence[dict[str, Any]], width: int = 100, height: i
     """The curves side by side as plain text, or None when there is nothing to draw."""
     import plotext
 
-    present = [(key, title, *series(records, key)) for key, title in CURVES]
-    present = [c for c in present if len(c[2]) >= 1]
+    present = [(title, *first_series(records, keys)) for title, keys in CURVES]
+    present = [c for c in present if len(c[1]) >= 1]
     if not present:
         return None
     fig = plotext.figure
@@ -39,12 +46,17 @@ def terminal_plot(records: Sequence[dict[str, Any]], width: int = 100, height: i
     fig.theme("colorless")
     if len(present) > 1:
         fig.subplots(1, len(present))
-    for col, (_, title, xs, ys) in enumerate(present, start=1):
+    for col, (title, xs, ys) in enumerate(present, start=1):
         sub = fig.subplot(1, col) if len(present) > 1 else fig
         sub.draw(sub.signal(xs, ys).lines())
         sub.title(title)
         sub.label("step")
     return fig.build().string(colorless=True)
+
+
+def first_series(records: Sequence[dict[str, Any]], keys: Sequence[str]) -> tuple[list[float], list[float]]:
+    """The series of the first of `keys` the records have (an older run logged only `spec_tau`)."""
+    return next((xy for xy in (series(records, key) for key in keys) if xy[0]), ([], []))
 
 
 def require_matplotlib() -> Any:
@@ -81,20 +93,27 @@ def check_plot_path(path: Path) -> Path:
     return path
 
 
+def held_out_records(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluation records (held-out data)."""
+    return [r for r in records if r.get("event") in ("eval", "final")]
+
+
 def held_out(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of a metric from the evaluation records (held-out data) only."""
-    return series([r for r in records if r.get("event") in ("eval", "final")], key)
+    return series(held_out_records(records), key, held_out=True)
 
 
 def save_png(records: Sequence[dict[str, Any]], path: Path, run_id: str) -> None:
-    """Write loss (training and held-out) and teacher-forced acceptance length to a PNG."""
+    """Write loss (training and held-out) and acceptance length (the in-training speculative tau
+    and the teacher-forced proxy) to a PNG."""
     pyplot = require_matplotlib()
+    tau = first_series(held_out_records(records), CURVES[1][1])
     panels = [
         ("loss", "loss", [("training", series(records, "loss")), ("held-out", held_out(records, "loss"))]),
         (
             "acceptance length",
-            "tokens per block (teacher-forced)",
-            [("held-out", held_out(records, "acceptance_length"))],
+            "tokens per verify step",
+            [("speculative tau", tau), ("teacher-forced (a proxy)", held_out(records, "acceptance_length"))],
         ),
     ]
     panels = [(title, ylabel, [(n, c) for n, c in lines if c[0]]) for title, ylabel, lines in panels]
@@ -104,7 +123,7 @@ def save_png(records: Sequence[dict[str, Any]], path: Path, run_id: str) -> None
     fig, axes = pyplot.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (title, ylabel, lines) in zip(axes[0], panels):
         for name, (xs, ys) in lines:
-            ax.plot(xs, ys, label=name, marker="o" if name == "held-out" else None, markersize=3)
+            ax.plot(xs, ys, label=name, marker=None if name == "training" else "o", markersize=3)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)

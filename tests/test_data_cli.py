@@ -118,7 +118,14 @@ def test_a_malformed_row_is_refused_before_anything_is_sent(shim_host, tmp_path)
         ("[1, 2]\n", "a row must be a JSON object, not list"),
         (
             '{"messages": [{"role": "user", "content": "hi"}], "reply_ids": [1.5]}\n',
-            "reply_ids must be a non-empty flat list of integers",
+            "reply_ids must be a non-empty flat list of token ids (integers >= 0)",
+        ),
+        # The trainer's embedding fails on a negative id (a device-side assert on CUDA), and its
+        # JSON reader on a byte-order mark: both only once the run had started.
+        ('{"input_ids": [5, -1, 7]}\n', "input_ids must be a non-empty flat list of token ids (integers >= 0)"),
+        (
+            '\ufeff{"input_ids": [1, 2]}\n',
+            "a UTF-8 byte-order mark (BOM) before the row, which the trainer refuses: save the file without it",
         ),
     ]
     for row, why in cases:
@@ -173,3 +180,28 @@ def test_a_file_without_rows_is_refused_before_anything_is_sent(shim_host, tmp_p
         assert res.returncode == 2 and res.stdout == "", res.stderr
         assert res.stderr.splitlines() == [f"error: {path} has no rows; nothing was pushed"]
         assert not (data / "good.jsonl").exists() and not (data / path.name).exists()
+
+
+def test_two_files_of_one_name_are_refused_before_either_is_sent(shim_host, tmp_path):
+    data = shim_host.container_dir(SHIM_VMID) / "work" / "data"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = tmp_path / "a" / "x.jsonl", tmp_path / "b" / "x.jsonl"
+    first.write_text(rows(5))
+    second.write_text(rows(3, seed=1))
+    res = shim_host.run_cli("data", "push", "shim", str(first), str(second))
+    assert (res.returncode, res.stderr) == (
+        2,
+        f"error: {first} and {second} would both be data:x.jsonl (the second replacing the first); "
+        "nothing was pushed: push one of them alone with --as NAME\n",
+    )
+    assert not (data / "x.jsonl").exists()
+
+
+def test_an_empty_as_name_is_refused_not_ignored(shim_host, tmp_path):
+    data = shim_host.container_dir(SHIM_VMID) / "work" / "data"
+    path = tmp_path / "x.jsonl"
+    path.write_text(rows(2))
+    res = shim_host.run_cli("data", "push", "shim", str(path), "--as", "")
+    assert (res.returncode, res.stdout) == (2, "") and res.stderr.startswith("error: dataset name '': ")
+    assert not (data / "x.jsonl").exists()  # it was pushed under the file's own name

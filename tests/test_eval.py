@@ -96,9 +96,10 @@ def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, request, where):
 def test_eval_bad_input_is_one_line(shim_host, local_run, tmp_path):
     env = local_run  # refusals need an export, not a trained drafter: the run above has one
     empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
-    res = shim_host.run_cli("eval", "local", "ev", "--prompts", str(empty), env=env, timeout=120)
-    assert res.returncode == 2 and one_line(res).endswith("the prompts file has no prompts")
+    for text in ("\n", ""):  # a 0-byte file is no file of prompts either (it evaluated the run's own)
+        empty.write_text(text)
+        res = shim_host.run_cli("eval", "local", "ev", "--prompts", str(empty), env=env, timeout=120)
+        assert res.returncode == 2 and one_line(res).endswith("the prompts file has no prompts")
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"input_ids": [5] * 4090}) + "\n")
     res = shim_host.run_cli("eval", "local", "ev", "--prompts", str(long), env=env, timeout=120)

@@ -410,7 +410,7 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
         "'zzz' is neither a host in the inventory (hosts: bare, dock, dockstop, local, shim, stopped) nor a run on shim"
     )
     shown = host.run_cli("runs", "show", "shim", "n2", "--plot", str(png))
-    assert ids[2] in shown.stdout and "acceptance length" in shown.stdout  # details and terminal curves
+    assert ids[2] in shown.stdout and "teacher-forced (a proxy)" in shown.stdout  # details and terminal curves
     assert shown.returncode == 0 and png.read_bytes().startswith(b"\x89PNG") and f"wrote {png}" in shown.stdout
     bare_name = host.run_cli("runs", "show", "shim", "n2", "--no-curves", "--plot", str(tmp_path / "named"))
     assert bare_name.returncode == 0 and f"wrote {tmp_path / 'named.png'}" in bare_name.stdout  # the file written
@@ -535,3 +535,27 @@ def test_real_trainer_follow_then_stop_checkpoints(shim):
     assert stop_run(target, run.run_id, grace=120)["state"] == "stopped"
     info = meta(workdir, run.run_id)
     assert info["resumes"] == 1 and info["argv"].count("--resume") == 1
+
+
+def test_the_terminal_curves_draw_the_speculative_tau_and_call_the_proxy_a_proxy():
+    from dflashctl.plot import terminal_plot
+
+    records = [{"event": "train", "step": s, "loss": 5.0 - s / 100} for s in range(10, 110, 10)]
+    records += [
+        {"event": "eval", "step": s, "loss": 4.5, "acceptance_length": 1.5, "spec_tau_prompt_mean": 5.0}
+        for s in (10, 50, 100)
+    ]
+    drawing = terminal_plot(records)
+    titles = drawing.splitlines()[0].split("  ")
+    # The proxy (1.5 here) was drawn as "acceptance length" beside a tau of 5.0 that was not drawn.
+    assert [t.strip() for t in titles if t.strip()] == ["training loss", "speculative tau", "teacher-forced (a proxy)"]
+    assert "5.0" in drawing
+
+
+def test_the_png_curves_get_the_held_out_loss_of_the_eval_records():
+    from dflashctl.plot import held_out, series
+
+    records = [{"event": "train", "step": 10, "loss": 4.0}, {"event": "eval", "step": 10, "loss": 6.0}]
+    records.append({"event": "final", "step": 20, "loss": 5.5, "acceptance_length": 1.2})
+    assert series(records, "loss") == ([10], [4.0])  # training loss: the training records only
+    assert held_out(records, "loss") == ([10, 20], [6.0, 5.5])  # was always empty: no held-out line

@@ -342,13 +342,17 @@ def read_prompt_rows(source: str | Path) -> list[dict]:
     """Prompt rows from a JSONL file (`-`: stdin): `{"input_ids": [...]}`, `{"messages": [...]}`
     or `{"prompt": "..."}` per line, as `data regen` reads them (encoded by `encode_prompt_rows`),
     each with its line number."""
-    text = sys.stdin.read() if str(source) == "-" else Path(source).read_text()
+    raw = sys.stdin.buffer.read() if str(source) == "-" else Path(source).read_bytes()
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
+    # Lines end at b"\n", as data regen and the trainer read them: str.splitlines() also splits
+    # at U+2028 and other separators a JSON string may hold raw.
+    for number, line in enumerate(raw.split(b"\n"), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise DataError(f"prompts line {number}: not UTF-8") from None
         except ValueError:
             row = None
         if not isinstance(row, dict) or not any(kind in row for kind in KINDS):
@@ -385,8 +389,11 @@ def encode_prompt_rows(rows: list[dict], tokenizer_dir: str | None, vocab_size: 
 
 
 def check_vocab(seqs: list[Sequence], vocab_size: int, path: str | Path) -> list[Sequence]:
-    """`seqs`, or a DataError if a token id is outside the target's vocabulary (on CUDA that
-    would be a device-side assert in the embedding, far from its cause)."""
+    """`seqs`, or a DataError if a token id is negative or outside the target's vocabulary (on
+    CUDA that would be a device-side assert in the embedding, far from its cause)."""
+    low = min((int(ids.min()) for ids, _ in seqs if ids.numel()), default=0)
+    if low < 0:
+        raise DataError(f"{path} has token id {low}, which no token has (ids start at 0)")
     top = max((int(ids.max()) for ids, _ in seqs if ids.numel()), default=-1)
     if top >= vocab_size:
         raise DataError(

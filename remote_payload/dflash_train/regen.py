@@ -19,7 +19,8 @@ every row is there, the partial is split into OUT and, if rows failed, `<stem>.e
 ({"index", "reason"}), each through a temporary file and a rename, and removed.
 
 Exit codes: 0 done, 1 an engine failure (an endpoint that stays down, a batch that does not fit
-the GPU: resume after fixing it), 2 bad input, 4 a missing module, 143 (130) stopped by SIGTERM
+the GPU: resume after fixing it), 2 bad input (every row failed
+included: no output is written then), 4 a missing module, 143 (130) stopped by SIGTERM
 (SIGINT): the batches in flight are finished and written first. `--preflight` checks arguments, files and
 devices without generating and prints one JSON line, as the trainer's pre-flight does.
 """
@@ -360,6 +361,8 @@ def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) ->
             log(f"regen: stopped after {out.next_index}/{total} rows; --resume continues there")
             return 128 + (signals[0] if signals else signal.SIGTERM)
         out.finish()
+        if out.failed == total > 0:
+            refuse_empty(out, total)
         where = f"; failed rows: {out.errors}" if out.failed else ""
         log(f"regen: done, {total - out.failed} rows in {args.out}{where}")
         return 0
@@ -367,6 +370,19 @@ def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) ->
         out.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def refuse_empty(out: Output, total: int) -> None:
+    """Every row failed (a wrong --model: each request a 404; --max-new-tokens past the context):
+    an empty dataset would only fail the run that trains on it, so none is left under the
+    output's name (a corrected run may take it) and the run fails (RegenError, exit 2)."""
+    with out.errors.open(encoding="utf-8") as fh:
+        first = json.loads(fh.readline())
+    out.out.unlink()
+    raise RegenError(
+        f"all {total} rows failed, so no dataset was written (row {first['index']}: {first['reason'][:300]}); "
+        f"every row's reason: {out.errors}"
+    )
 
 
 if __name__ == "__main__":

@@ -261,6 +261,13 @@ def test_token_ids_beyond_the_target_vocabulary_are_an_error(tmp_path):
         )
 
 
+def test_a_negative_token_id_is_an_error_not_the_embeddings_failure(tmp_path):
+    path = tmp_path / "neg.jsonl"  # a hand-copied file: `data push` refuses the row
+    path.write_text("".join(json.dumps({"input_ids": [5, -1] + list(range(1, 40))}) + "\n" for _ in range(4)))
+    with pytest.raises(DataError, match=r"neg\.jsonl has token id -1, which no token has \(ids start at 0\)"):
+        build_datasets(load_config(overrides=["data.source=jsonl", f"data.train_path={path}"]), 3)
+
+
 @pytest.mark.parametrize(
     "field, value, said",
     [("path", "/models/any", "needs the random target"), ("backend", "transformers", "needs the native random")],

@@ -9,6 +9,7 @@ import pytest
 from test_data import CHATS, save_tokenizer
 
 from dflash_train.config import ConfigError, load_config
+from dflash_train.data import DataError, read_prompt_rows
 from dflash_train.evaluate import main as evaluate
 from dflash_train.evaluate import run_bytecode_dir
 from dflash_train.plan import resolve_run
@@ -133,3 +134,16 @@ def test_eval_finds_the_runs_bytecode_cache_from_its_config_and_none_without_one
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.resolved.yaml").write_text("run: [\n")
     assert run_bytecode_dir(tmp_path / "bad") is None  # the evaluation reports the broken config itself
+
+
+def test_prompt_rows_end_at_newlines_only_and_a_line_not_utf8_is_named(tmp_path):
+    # U+2028 is valid raw inside a JSON string (data regen writes it so); str.splitlines() split
+    # the row there. A byte that is not UTF-8 reached the tokenizer as a TypeError (exit 1).
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a\u2028b\x85c"}, ensure_ascii=False) + "\r\n" + '{"input_ids": [1]}\n')
+    assert [r["line"] for r in read_prompt_rows(path)] == [1, 2] and read_prompt_rows(path)[0][
+        "prompt"
+    ] == "a\u2028b\x85c"
+    path.write_bytes(b'{"input_ids": [1]}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"^prompts line 2: not UTF-8$"):
+        read_prompt_rows(path)

@@ -104,3 +104,19 @@ def test_an_answer_without_choices_is_that_rows_error_named_as_such(tmp_path, st
         "reason": 'the server\'s answer from chat/completions has no choices: {"id": '
         '"standin", "object": "error", "message": "stand-in: no choices"}',
     }
+
+
+def test_a_run_whose_every_row_failed_writes_no_dataset_and_exits_2(tmp_path, standin, capsys):
+    url, _ = standin(fail=0)
+    src = write_rows(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3)])
+    out = tmp_path / "oa.jsonl"
+    args = openai_args(src, out, url)
+    args[args.index("standin")] = "no-such-model"  # what the server answers each row with a 404
+    assert regen.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: all 3 rows failed, so no dataset was written (row 0: HTTP 404 from chat/completions")
+    assert "no-such-model" in err and "\n" not in err
+    assert not out.exists() and not (tmp_path / ".oa.jsonl.partial").exists()
+    assert [e["index"] for e in read_jsonl(tmp_path / "oa.errors.jsonl")] == [0, 1, 2]
+    assert regen.main(openai_args(src, out, url)) == 0  # the name is free for the corrected run
+    assert len(read_jsonl(out)) == 3 and not (tmp_path / "oa.errors.jsonl").exists()
