@@ -110,7 +110,10 @@ class OpenAIEngine:
             message = choice.get("message") or {}
             if not isinstance(message.get("content"), str):
                 raise RowError(f"the server's reply has no message content: {json.dumps(choice)[:200]}")
-            reply = with_thinking(message["content"], message.get("reasoning_content") or message.get("reasoning"))
+            thought = message.get("reasoning_content") or message.get("reasoning")
+            if thought is not None and not isinstance(thought, str):
+                raise RowError(f"the server's reasoning_content is not text: {json.dumps(thought)[:200]}")
+            reply = with_thinking(message["content"], thought)
             finish = finish_reason(choice, used, o.max_new_tokens)
             return Done(row.index, chat_row(row.index, convo, reply, finish), new_tokens=used)
         if kind == "prompt":

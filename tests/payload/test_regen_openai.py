@@ -106,6 +106,21 @@ def test_an_answer_without_choices_is_that_rows_error_named_as_such(tmp_path, st
     }
 
 
+def test_a_reasoning_content_that_is_not_text_fails_that_row_not_the_run(tmp_path, standin, capsys):
+    url, _ = standin(fail=0)
+    src = write_rows(
+        tmp_path / "r.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "ODD-REASONING"}]},
+            {"messages": [{"role": "user", "content": "fine"}]},
+        ],
+    )
+    assert regen.main(openai_args(src, tmp_path / "o.jsonl", url)) == 0, capsys.readouterr().err
+    assert [r["index"] for r in read_jsonl(tmp_path / "o.jsonl")] == [1]
+    (error,) = read_jsonl(tmp_path / "o.errors.jsonl")
+    assert error["index"] == 0 and error["reason"].startswith("the server's reasoning_content is not text: ")
+
+
 def test_a_run_whose_every_row_failed_writes_no_dataset_and_exits_2(tmp_path, standin, capsys):
     url, _ = standin(fail=0)
     src = write_rows(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3)])

@@ -14,7 +14,7 @@ request: words `w<k>` derived from the prompt and the seed, max_tokens of them a
 enable_thinking true it answers as a server with a reasoning parser does: the think text in
 `reasoning_content`, the answer in `content`. A prompt containing FAIL-ROW is a 400 (a row the
 server refuses), NO-CHOICES a 200 whose JSON has no `choices`, NULL-FINISH an answer whose
-finish_reason is null.
+finish_reason is null, ODD-REASONING a chat answer whose `reasoning_content` is an object.
 
     python openai_standin.py --port-file F [--model NAME] [--fail K] [--fail-status 500,429] [--log F]
 
@@ -150,6 +150,8 @@ def make_handler(state: Standin) -> type:
             message = {"role": "assistant", "content": " ".join(out)}
             if (body.get("chat_template_kwargs") or {}).get("enable_thinking"):
                 message["reasoning_content"] = "thinking " + " ".join(words(text, 2))
+            if "ODD-REASONING" in text:
+                message["reasoning_content"] = {"steps": words(text, 2)}
             self.reply(
                 200,
                 {
