@@ -242,7 +242,7 @@ def _refuse_with_resume(resume: Optional[str], flags: tuple) -> None:
 def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOptions) -> int:
     """`train h1,h2`: one run across hosts (docs/multihost.md); returns the exit code."""
     from rich.console import Console
-    from .multihost import check_hosts, check_names, push_all, start_group
+    from .multihost import check_hosts, check_names, check_rdzv_port, push_all, start_group
     from .devices import parse_gpus
     from .runs import check_trainer_config
 
@@ -260,6 +260,7 @@ def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOpti
     )
     if opts.name:
         check_names(session, hosts, opts.name)
+    check_rdzv_port(session, hosts[0], opts.rdzv_port)  # a port in use: refused before anything starts
     hashes = {} if opts.no_push else push_all(session, hosts, opts.source, err)
     group = start_group(
         session,
@@ -320,7 +321,7 @@ def _follow_group(state: AppState, session: Session, hosts: list, group, follow:
             out=sys.stdout.buffer,
             console=out if out.is_terminal else None,
             err=err,
-            final=partial(final_state, session, first),
+            final=partial(final_state, session, first, stop_rest=True),
         )
 
 

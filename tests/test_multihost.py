@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,9 @@ def test_combined_state_and_reason():
         1,
         "node b (rank 1) failed with exit code 1",
     )
+    # Rank 0 failed, then `train --follow` stopped the node that could not go on without it.
+    busy = "a (rank 0) cannot serve the rendezvous on port 29500 (...)"
+    assert combine([view("a", 0, "failed", 75, busy), view("b", 1, "stopped", 137)]) == ("failed", 75, busy)
     unknown = {**view("b", 1, "unknown"), "error": "connection refused"}
     assert combine([view("a", 0, "lost"), unknown]) == ("lost", None, "node a (rank 0) lost")
 
@@ -318,6 +322,61 @@ def test_a_name_taken_on_one_node_refuses_the_group_before_anything_starts(pair)
     assert not (pair.work["shim"] / "runs").exists()  # nothing started on the free node either
 
 
+def test_a_rendezvous_port_in_use_is_refused_before_anything_starts(pair):
+    """The port was found taken only by rank 0's trainer: the CLI followed it ~75 s, then exited 1
+    saying `run R running`, while gpu2 waited for the rendezvous (300 s). Now: one line, exit 6."""
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        done = pair.cli("train", "pair", "--follow", "--gpus", "cpu", "--rdzv-port", str(port), *sets(TINY))
+    assert done.returncode == 6 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: shim (pct 200): port {port} is not free there (Address already in use): rank 0 serves the "
+        f"rendezvous on it; choose another with --rdzv-port"
+    ]
+    assert not any((work / "runs").exists() for work in pair.work.values())  # nothing pushed or started
+    assert not any((work / "payload").exists() for work in pair.work.values())
+
+
+@pytest.mark.slow
+def test_rank_0_unable_to_serve_the_rendezvous_stops_the_other_node_at_once(pair, monkeypatch):
+    """A port taken after check_rdzv_port looked (a race no look can close; the look is skipped
+    here, as if the port had been free then): rank 0's trainer fails naming its host and port, and
+    `train --follow` stops gpu2 at once instead of leaving it to wait out the rendezvous timeout
+    (an hour here), then reports the run failed (exit 100)."""
+    import dflashctl.multihost
+
+    monkeypatch.setattr(dflashctl.multihost, "check_rdzv_port", lambda *args: None)
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        done = pair.cli(
+            "train",
+            "pair",
+            "--follow",
+            "--gpus",
+            "cpu",
+            "--rdzv-port",
+            str(port),
+            "--env",
+            "GLOO_SOCKET_IFNAME=lo",
+            *sets([*LONG, "dist.rendezvous_timeout_s=3600"]),
+        )
+        (run_id,) = [p.name for p in (pair.work["shim"] / "runs").iterdir() if p.is_dir()]
+        assert pair.exit_code("gpu2", run_id) is not None  # ended, while the port is still held
+    assert done.returncode == 100, done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith(
+        f"run {run_id} failed (exit code 75): shim (rank 0) cannot serve the rendezvous on port {port} ("
+    )
+    assert last.endswith(
+        "; is the port in use by another run or program? Choose a free one: dflashctl train --rdzv-port; "
+        "stopped gpu2 (rank 1), which cannot go on without rank 0"
+    ), last
+    shown = json.loads(pair.cli("runs", "show", "pair", run_id, "--json").stdout)
+    assert (shown["state"], shown["exit_code"]) == ("failed", 75)
+    assert shown["reason"].startswith(f"shim (rank 0) cannot serve the rendezvous on port {port} (")
+    assert [(n["host"], n["state"]) for n in shown["nodes"]] == [("shim", "failed"), ("gpu2", "stopped")]
+
+
 def trainer_pair(out: Path, extra: list[str], *args: str, timeout: float = 90) -> list[str]:
     """Rank 0 and rank 1 trainers as local processes (no dflashctl): their logs, after both exited 0."""
     import subprocess
@@ -408,7 +467,18 @@ def test_on_event_reaches_every_node_of_a_group(pair):
         install_standin(work / "payload")
     hook = ["sh", "-c", "true"]
     group = pair.cli(
-        "train", "pair", "--no-push", "--gpus", "cpu", "--set", "run.steps=1", "--on-event", " ".join(hook), "--follow"
+        "train",
+        "pair",
+        "--no-push",
+        "--gpus",
+        "cpu",
+        "--rdzv-port",  # the stand-in serves none, but rank 0's host must be able to (not on 29500 in a test)
+        str(free_port("127.0.0.1")),
+        "--set",
+        "run.steps=1",
+        "--on-event",
+        " ".join(hook),
+        "--follow",
     )
     assert group.returncode == 0, group.stderr
     for work in pair.work.values():
@@ -420,7 +490,10 @@ def test_resuming_one_node_of_a_group_run_is_refused_as_bad_input(pair):
     """`train shim --resume RUN` of a run across hosts exited 1, as if a remote step had failed."""
     for work in pair.work.values():
         install_standin(work / "payload")
-    group = pair.cli("train", "pair", "--no-push", "--gpus", "cpu", "--set", "run.steps=1", "--follow")
+    port = str(free_port("127.0.0.1"))
+    group = pair.cli(
+        "train", "pair", "--no-push", "--gpus", "cpu", "--rdzv-port", port, "--set", "run.steps=1", "--follow"
+    )
     assert group.returncode == 0, group.stderr
     (run_id,) = [p.name for p in (pair.work["shim"] / "runs").iterdir() if p.is_dir()]
     one = pair.cli("train", "shim", "--no-push", "--resume", run_id)

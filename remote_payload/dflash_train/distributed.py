@@ -239,8 +239,8 @@ class NodeGroup:
         except Exception as exc:  # noqa: BLE001
             if env.rank == 0:
                 raise NodeLost(
-                    f"cannot serve the rendezvous on {env.rendezvous} ({_first_line(exc)}); "
-                    f"is the port in use by another run? (dflashctl train --rdzv-port)"
+                    f"{env.node(0)} cannot serve the rendezvous on port {env.master_port} ({_first_line(exc)}); "
+                    f"is the port in use by another run or program? Choose a free one: dflashctl train --rdzv-port"
                 ) from None
             raise NodeLost(
                 f"cannot reach the rendezvous of {env.node(0)} at {env.rendezvous} within "
