@@ -33,7 +33,7 @@ from .cli_common import (
 )
 from .cli_common import logs_app, runs_app
 from .cli_common import follow_choice, follow_or_detach
-from .errors import NotFoundError, UsageError
+from .errors import DflashError, NotFoundError, UsageError
 from .session import Session
 from .yamlfile import load_yaml_file
 
@@ -425,10 +425,23 @@ def runs_stop(
     err = Console(stderr=True)
     if shown is None or shown.get("state") in ("running", "queued"):  # an ended run: only "had already ended"
         err.print(Text(f"stopping {run_id} on {target.label} (SIGKILL after {grace:g} s)...", style="dim"))
-    info = stop_group(session, target.host.name, run_id, grace)  # a multi-host run: every node
-    verb = "had already ended:" if info.get("already") else "is now"
-    where = f" on {info['host']}" if info.get("nodes") else ""
-    Console().print(Text(f"run {info['run_id']} {verb} ") + state_text(info) + Text(where), soft_wrap=True)
+    info, unreached = stop_group(session, target.host.name, run_id, grace)  # a multi-host run: every node
+    if info is not None:  # the nodes that answered only: a stop not done is never claimed
+        verb = "had already ended:" if info.get("already") else "is now"
+        where = f" on {info['host']}" if info.get("nodes") else ""
+        Console().print(Text(f"run {info['run_id']} {verb} ") + state_text(info) + Text(where), soft_wrap=True)
+    for rank, (node, exc) in unreached.items():
+        err.print(
+            Text("error: ", style="bold red")
+            + Text(
+                f"could not stop run {run_id} on {node} (rank {rank}): {exc}; it may still be running there "
+                f"(retry: dflashctl runs stop {node} {run_id})"
+            ),
+            soft_wrap=True,
+        )
+    if unreached:
+        exc = next(iter(unreached.values()))[1]
+        raise typer.Exit(exc.exit_code if isinstance(exc, DflashError) else 1)
 
 
 def _latest_running(target) -> str:  # type: ignore[no-untyped-def]

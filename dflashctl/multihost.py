@@ -361,19 +361,26 @@ def list_group_runs(session: Session, hosts: Sequence[HostSpec]) -> tuple[list[d
     return sorted(single + combined, key=lambda r: (r.get("started_ts") or 0, r.get("run_id", ""))), failed
 
 
-def stop_group(session: Session, host: str | None, selector: str | None, grace: float) -> dict[str, Any]:
-    """`runs stop`: a multi-host run is stopped on every node at once (each SIGTERM, then SIGKILL)."""
+def stop_group(
+    session: Session, host: str | None, selector: str | None, grace: float
+) -> tuple[dict[str, Any] | None, dict[int, tuple[str, BaseException]]]:
+    """`runs stop`: a multi-host run is stopped on every node at once (each SIGTERM, then SIGKILL).
+    Returns the summary over the nodes that answered (None if none did) and, by rank, each node
+    that did not (host, why): its stop is not confirmed."""
     info = show_run(session.target(host), selector, metrics=False)
     group = info.get("group")
     if not group:
-        return stop_run(session.target(host), info["run_id"], grace)
+        return stop_run(session.target(host), info["run_id"], grace), {}
     run_id, nodes = info["run_id"], list(group["nodes"])
     answers = parallel(lambda n: _ask(session, n, lambda t: stop_run(t, run_id, grace)), nodes)
-    views = [node_view(n, r, a) for r, (n, a) in enumerate(zip(nodes, answers))]
+    failed = {r: (n, a) for r, (n, a) in enumerate(zip(nodes, answers)) if isinstance(a, BaseException)}
+    views = [node_view(n, r, a) for r, (n, a) in enumerate(zip(nodes, answers)) if r not in failed]
+    if not views:
+        return None, failed
     base = answers[0] if isinstance(answers[0], dict) else info
     out = merged(base, views)
-    out["already"] = all(isinstance(a, dict) and a.get("already") for a in answers)
-    return out
+    out["already"] = all(a.get("already") for a in answers if isinstance(a, dict))
+    return out, failed
 
 
 def pick_node(

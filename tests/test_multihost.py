@@ -307,6 +307,29 @@ def test_logs_per_node_and_all_then_stop_stops_every_node(pair):
     assert followed.returncode == 101 and f"run {run_id} stopped" in followed.stderr
 
 
+@pytest.mark.slow
+def test_stop_with_a_node_unreachable_names_it_and_that_node_ends_stopped(pair, tmp_path):
+    """`runs stop` with gpu2 out of reach said `is now stopped (143) on shim,gpu2` and exited 0; now
+    it names the node it stopped and the one it could not reach (exit 3)."""
+    run_id = pair.train("pair", [*LONG, "run.threads=1"])
+    wait_until(
+        lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id),
+        90,
+        "both nodes to train",
+    )
+    cut = yaml.safe_load(pair.inventory.read_text())
+    cut["hosts"]["gpu2"]["port"] = free_port("127.0.0.2")  # nothing listens there: connection refused
+    (tmp_path / "cut.yaml").write_text(yaml.safe_dump(cut, sort_keys=False))
+    stopped = pair.first.run_cli(
+        "runs", "stop", "shim", run_id, "--grace", "60", env={"DFLASHCTL_INVENTORY": str(tmp_path / "cut.yaml")}
+    )
+    assert stopped.returncode == 3, stopped.stderr
+    assert stopped.stdout == f"run {run_id} is now stopped (143) on shim\n"
+    last = stopped.stderr.splitlines()[-1]
+    assert last.startswith(f"error: could not stop run {run_id} on gpu2 (rank 1): "), stopped.stderr
+    assert last.endswith(f"; it may still be running there (retry: dflashctl runs stop gpu2 {run_id})")
+
+
 def test_a_name_taken_on_one_node_refuses_the_group_before_anything_starts(pair):
     for work in pair.work.values():
         install_standin(work / "payload")
