@@ -310,7 +310,8 @@ def test_logs_per_node_and_all_then_stop_stops_every_node(pair):
 @pytest.mark.slow
 def test_stop_with_a_node_unreachable_names_it_and_that_node_ends_stopped(pair, tmp_path):
     """`runs stop` with gpu2 out of reach said `is now stopped (143) on shim,gpu2` and exited 0; now
-    it names the node it stopped and the one it could not reach (exit 3)."""
+    it names the node it stopped and the one it could not reach (exit 3). gpu2's trainer still
+    stops with the group (stop agreement): that node showed `failed (143)`, now `stopped`."""
     run_id = pair.train("pair", [*LONG, "run.threads=1"])
     wait_until(
         lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id),
@@ -328,6 +329,13 @@ def test_stop_with_a_node_unreachable_names_it_and_that_node_ends_stopped(pair, 
     last = stopped.stderr.splitlines()[-1]
     assert last.startswith(f"error: could not stop run {run_id} on gpu2 (rank 1): "), stopped.stderr
     assert last.endswith(f"; it may still be running there (retry: dflashctl runs stop gpu2 {run_id})")
+    wait_until(lambda: pair.exit_code("gpu2", run_id) is not None, 60, "gpu2 to stop with the group")
+    shown = json.loads(pair.cli("runs", "show", "pair", run_id, "--json").stdout)
+    assert [(n["host"], n["state"], n["exit_code"]) for n in shown["nodes"]] == [
+        ("shim", "stopped", 143),
+        ("gpu2", "stopped", 143),
+    ]
+    assert shown["state"] == "stopped"
 
 
 def test_a_name_taken_on_one_node_refuses_the_group_before_anything_starts(pair):

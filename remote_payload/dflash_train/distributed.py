@@ -47,6 +47,7 @@ from .config import DistConfig
 
 EXIT_NODE_LOST = 75  # sysexits EX_TEMPFAIL: another node died; rerun (or resume) when it is back
 REASON_FILE_ENV = "DFLASHCTL_REASON_FILE"  # set by dflashctl's runctl for every run
+AGREED_STOP_ENV = "DFLASHCTL_AGREED_STOP_FILE"  # likewise: where record_agreed_stop writes
 
 
 @dataclass(frozen=True)
@@ -450,9 +451,9 @@ class AgreedStop:
         return self.requested
 
 
-def write_reason(reason: str) -> None:
+def write_reason(reason: str, env_name: str = REASON_FILE_ENV) -> None:
     """Put the failure reason where dflashctl's runctl looks for it (if it started us)."""
-    path = os.environ.get(REASON_FILE_ENV)
+    path = os.environ.get(env_name)
     if not path:
         return
     try:
@@ -461,6 +462,12 @@ def write_reason(reason: str) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def record_agreed_stop(note: str) -> None:
+    """Tell dflashctl's runctl that this node stopped because the group agreed to (a stop asked of
+    another node), so that it records a stop, not a failure with exit code 143."""
+    write_reason(note, AGREED_STOP_ENV)
 
 
 def _exit_node_lost(reason: str) -> None:

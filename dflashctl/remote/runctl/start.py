@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from ..wire import EXIT, LOG, META, PREFLIGHT_TIMEOUT_S, REASON, RUN_DIR_TOKEN, STOP, WORKDIR_TOKEN
+from ..wire import AGREED_STOP, EXIT, LOG, META, PREFLIGHT_TIMEOUT_S, REASON, RUN_DIR_TOKEN, STOP, WORKDIR_TOKEN
 from .common import (
     RUN_ID_RE,
     SUPERVISED,
@@ -221,7 +221,7 @@ def cmd_resume(workdir, selector):
         if busy:
             raise RunError("conflict", "GPUs busy", runs=busy)
         check_interrupt(interrupts)
-        for name in (EXIT, STOP, REASON, SUPERVISED):
+        for name in (EXIT, STOP, REASON, AGREED_STOP, SUPERVISED):
             try:
                 os.remove(os.path.join(run_dir, name))
             except OSError:
