@@ -33,7 +33,7 @@ from .cli_common import (
 )
 from .cli_common import logs_app, runs_app
 from .cli_common import follow_choice, follow_or_detach
-from .errors import NotFoundError, UsageError
+from .errors import DflashError, NotFoundError, UsageError
 from .session import Session
 from .yamlfile import load_yaml_file
 
@@ -277,7 +277,7 @@ def _refuse_with_resume(resume: Optional[str], flags: tuple) -> None:
 def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOptions) -> int:
     """`train h1,h2`: one run across hosts (docs/multihost.md); returns the exit code."""
     from rich.console import Console
-    from .multihost import DEFAULT_RDZV_PORT, check_hosts, check_names, push_all, start_group
+    from .multihost import DEFAULT_RDZV_PORT, check_hosts, check_names, check_rdzv_port, push_all, start_group
     from .devices import parse_gpus
     from .runs import check_trainer_config
 
@@ -295,6 +295,8 @@ def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOpti
     )
     if opts.name:
         check_names(session, hosts, opts.name)
+    rdzv_port = DEFAULT_RDZV_PORT if opts.rdzv_port is None else opts.rdzv_port
+    check_rdzv_port(session, hosts[0], rdzv_port)  # a port in use: refused before anything starts
     hashes = {} if opts.no_push else push_all(session, hosts, opts.source, err)
     group = start_group(
         session,
@@ -305,7 +307,7 @@ def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOpti
         name=opts.name,
         force=opts.force,
         payload_hashes=hashes,
-        rdzv_port=DEFAULT_RDZV_PORT if opts.rdzv_port is None else opts.rdzv_port,
+        rdzv_port=rdzv_port,
         env=opts.env,
         preset=opts.preset,
         configs=configs,
@@ -357,7 +359,7 @@ def _follow_group(
             out=sys.stdout.buffer,
             console=out if out.is_terminal else None,
             err=err,
-            final=partial(final_state, session, first),
+            final=partial(final_state, session, first, stop_rest=True),
         )
 
 
@@ -461,10 +463,23 @@ def runs_stop(
     err = Console(stderr=True)
     if shown is None or shown.get("state") in ("running", "queued"):  # an ended run: only "had already ended"
         err.print(Text(f"stopping {run_id} on {target.label} (SIGKILL after {grace:g} s)...", style="dim"))
-    info = stop_group(session, target.host.name, run_id, grace)  # a multi-host run: every node
-    verb = "had already ended:" if info.get("already") else "is now"
-    where = f" on {info['host']}" if info.get("nodes") else ""
-    Console().print(Text(f"run {info['run_id']} {verb} ") + state_text(info) + Text(where), soft_wrap=True)
+    info, unreached = stop_group(session, target.host.name, run_id, grace)  # a multi-host run: every node
+    if info is not None:  # the nodes that answered only: a stop not done is never claimed
+        verb = "had already ended:" if info.get("already") else "is now"
+        where = f" on {info['host']}" if info.get("nodes") else ""
+        Console().print(Text(f"run {info['run_id']} {verb} ") + state_text(info) + Text(where), soft_wrap=True)
+    for rank, (node, exc) in unreached.items():
+        err.print(
+            Text("error: ", style="bold red")
+            + Text(
+                f"could not stop run {run_id} on {node} (rank {rank}): {exc}; it may still be running there "
+                f"(retry: dflashctl runs stop {node} {run_id})"
+            ),
+            soft_wrap=True,
+        )
+    if unreached:
+        exc = next(iter(unreached.values()))[1]
+        raise typer.Exit(exc.exit_code if isinstance(exc, DflashError) else 1)
 
 
 def _latest_running(target) -> str:  # type: ignore[no-untyped-def]

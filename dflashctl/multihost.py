@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.text import Text
 
 from .devices import GpuChoice
-from .errors import DflashError, Interrupted, OutputClosed, UsageError
+from .errors import ConflictError, DflashError, Interrupted, OutputClosed, RemoteError, UsageError
 from .output import write_out
 from .inventory import HostSpec
 from .logs import Ending, Reconnect, read_log
@@ -98,6 +98,36 @@ def check_names(session: Session, hosts: Sequence[HostSpec], name: str) -> None:
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         raise failed[0]
+
+
+# Listens on the port as rank 0's TCPStore will (every interface, SO_REUSEADDR as libuv sets it) and
+# lets go at once; exit 3 with the reason when it cannot.
+PORT_PROBE = """import os, socket, sys
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    sock.bind(("", int(sys.argv[1])))
+    sock.listen()
+except OSError as exc:
+    print(os.strerror(exc.errno) if exc.errno else exc)
+    sys.exit(3)
+"""
+
+
+def check_rdzv_port(session: Session, host: HostSpec, port: int) -> None:
+    """Refuse (ConflictError) a --rdzv-port that rank 0's host cannot listen on, before anything is
+    pushed or started. Only a first look: a port taken after it fails rank 0's trainer (docs/multihost.md)."""
+    if not 0 < port < 65536:
+        raise UsageError(f"--rdzv-port must be 1-65535, got {port}")
+    target = session.target(host.name)
+    result = target.run([host.interpreter, "-S", "-c", PORT_PROBE, str(port)], timeout=60)
+    if result.exit_code == 3:
+        raise ConflictError(
+            f"{target.label}: port {port} is not free there ({result.text().strip()}): rank 0 serves the "
+            f"rendezvous on it; choose another with --rdzv-port"
+        )
+    if not result.ok:
+        raise RemoteError(f"{target.label}: cannot check port {port}: {result.err_line()}")
 
 
 def push_all(session: Session, hosts: Sequence[HostSpec], source: Path | None, console: Console) -> dict[str, str]:
@@ -217,7 +247,8 @@ def node_view(host: str, rank: int, info: dict[str, Any] | BaseException | None)
 def combine(views: Sequence[dict[str, Any]]) -> tuple[str, int | None, str | None]:
     """The run's state across its nodes, an exit code, and the reason when it failed.
 
-    running while any node runs; stopped if any node was stopped; succeeded when all did;
+    running while any node runs; stopped if any node was stopped, unless rank 0 failed (the
+    others were then stopped because they could not go on without it); succeeded when all did;
     failed when any failed (reason: what a surviving node recorded, naming the dead one, else the
     first failed/lost node); lost when nodes are only lost or cannot be asked."""
     states = [v["state"] for v in views]
@@ -225,7 +256,7 @@ def combine(views: Sequence[dict[str, Any]]) -> tuple[str, int | None, str | Non
     reported = next((v for v in views if v.get("reason")), None)
     if "running" in states:
         state = "running"
-    elif "stopped" in states:
+    elif "stopped" in states and states[0] != "failed":
         state = "stopped"
     elif all(s == "succeeded" for s in states):
         state = "succeeded"
@@ -330,19 +361,26 @@ def list_group_runs(session: Session, hosts: Sequence[HostSpec]) -> tuple[list[d
     return sorted(single + combined, key=lambda r: (r.get("started_ts") or 0, r.get("run_id", ""))), failed
 
 
-def stop_group(session: Session, host: str | None, selector: str | None, grace: float) -> dict[str, Any]:
-    """`runs stop`: a multi-host run is stopped on every node at once (each SIGTERM, then SIGKILL)."""
+def stop_group(
+    session: Session, host: str | None, selector: str | None, grace: float
+) -> tuple[dict[str, Any] | None, dict[int, tuple[str, BaseException]]]:
+    """`runs stop`: a multi-host run is stopped on every node at once (each SIGTERM, then SIGKILL).
+    Returns the summary over the nodes that answered (None if none did) and, by rank, each node
+    that did not (host, why): its stop is not confirmed."""
     info = show_run(session.target(host), selector, metrics=False)
     group = info.get("group")
     if not group:
-        return stop_run(session.target(host), info["run_id"], grace)
+        return stop_run(session.target(host), info["run_id"], grace), {}
     run_id, nodes = info["run_id"], list(group["nodes"])
     answers = parallel(lambda n: _ask(session, n, lambda t: stop_run(t, run_id, grace)), nodes)
-    views = [node_view(n, r, a) for r, (n, a) in enumerate(zip(nodes, answers))]
+    failed = {r: (n, a) for r, (n, a) in enumerate(zip(nodes, answers)) if isinstance(a, BaseException)}
+    views = [node_view(n, r, a) for r, (n, a) in enumerate(zip(nodes, answers)) if r not in failed]
+    if not views:
+        return None, failed
     base = answers[0] if isinstance(answers[0], dict) else info
     out = merged(base, views)
-    out["already"] = all(isinstance(a, dict) and a.get("already") for a in answers)
-    return out
+    out["already"] = all(a.get("already") for a in answers if isinstance(a, dict))
+    return out, failed
 
 
 def pick_node(
@@ -360,18 +398,43 @@ def pick_node(
     return node, info["run_id"]
 
 
-def final_state(session: Session, host: str, ending: Ending, wait_s: float = 75.0) -> tuple[Ending, str | None]:
+def final_state(
+    session: Session, host: str, ending: Ending, wait_s: float = 75.0, stop_rest: bool = False
+) -> tuple[Ending, str | None]:
     """After following one node to its end: the whole run's state (all nodes) and reason. The
-    other nodes end within seconds of it (a lost peer is noticed within a minute): wait for them."""
+    other nodes end within seconds of it (a lost peer is noticed within a minute): wait for them.
+    stop_rest (`train --follow`): once rank 0 failed, stop the nodes still running at once; without
+    the rendezvous they cannot go on, and one still waiting for it would hold its GPUs until
+    `dist.rendezvous_timeout_s` (a port taken after check_rdzv_port's look, say)."""
     deadline = time.monotonic() + wait_s
+    stopped = ""
     while True:
         try:
             info = show_group(session, host, ending.run_id, metrics=False)
         except Exception:  # noqa: BLE001 - the node's own ending is still worth reporting
             return ending, None
-        if info["state"] != "running" or not info.get("nodes") or time.monotonic() > deadline:
-            return Ending(ending.run_id, info["state"], info.get("exit_code")), info.get("reason")
+        nodes = info.get("nodes") or []
+        if stop_rest and not stopped and nodes and nodes[0]["state"] == "failed":
+            rest = [v for v in nodes[1:] if v["state"] in ("running", "queued")]
+            if rest:
+                stopped = _stop_rest(session, ending.run_id, rest)
+                continue
+        if info["state"] != "running" or not nodes or time.monotonic() > deadline:
+            reason = "; ".join(r for r in (info.get("reason"), stopped) if r) or None
+            return Ending(ending.run_id, info["state"], info.get("exit_code")), reason
         time.sleep(0.5)
+
+
+def _stop_rest(session: Session, run_id: str, views: list[dict[str, Any]]) -> str:
+    """Stop these nodes of a run whose rank 0 failed (nothing to save: only rank 0 checkpoints);
+    what was done, in words, naming the nodes that could not be reached."""
+    answers = parallel(lambda v: _ask(session, v["host"], lambda t: stop_run(t, run_id, 5.0)), views)
+    done = [f"{v['host']} (rank {v['rank']})" for v, a in zip(views, answers) if isinstance(a, dict)]
+    said = [f"stopped {', '.join(done)}, which cannot go on without rank 0"] if done else []
+    said += [
+        f"could not stop {v['host']} (rank {v['rank']}): {a}" for v, a in zip(views, answers) if not isinstance(a, dict)
+    ]
+    return "; ".join(said)
 
 
 class Prefixer:

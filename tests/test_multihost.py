@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,9 @@ def test_combined_state_and_reason():
         1,
         "node b (rank 1) failed with exit code 1",
     )
+    # Rank 0 failed, then `train --follow` stopped the node that could not go on without it.
+    busy = "a (rank 0) cannot serve the rendezvous on port 29500 (...)"
+    assert combine([view("a", 0, "failed", 75, busy), view("b", 1, "stopped", 137)]) == ("failed", 75, busy)
     unknown = {**view("b", 1, "unknown"), "error": "connection refused"}
     assert combine([view("a", 0, "lost"), unknown]) == ("lost", None, "node a (rank 0) lost")
 
@@ -303,6 +307,37 @@ def test_logs_per_node_and_all_then_stop_stops_every_node(pair):
     assert followed.returncode == 101 and f"run {run_id} stopped" in followed.stderr
 
 
+@pytest.mark.slow
+def test_stop_with_a_node_unreachable_names_it_and_that_node_ends_stopped(pair, tmp_path):
+    """`runs stop` with gpu2 out of reach said `is now stopped (143) on shim,gpu2` and exited 0; now
+    it names the node it stopped and the one it could not reach (exit 3). gpu2's trainer still
+    stops with the group (stop agreement): that node showed `failed (143)`, now `stopped`."""
+    run_id = pair.train("pair", [*LONG, "run.threads=1"])
+    wait_until(
+        lambda: "step 2/" in pair.log("shim", run_id) and "step 2/" in pair.log("gpu2", run_id),
+        90,
+        "both nodes to train",
+    )
+    cut = yaml.safe_load(pair.inventory.read_text())
+    cut["hosts"]["gpu2"]["port"] = free_port("127.0.0.2")  # nothing listens there: connection refused
+    (tmp_path / "cut.yaml").write_text(yaml.safe_dump(cut, sort_keys=False))
+    stopped = pair.first.run_cli(
+        "runs", "stop", "shim", run_id, "--grace", "60", env={"DFLASHCTL_INVENTORY": str(tmp_path / "cut.yaml")}
+    )
+    assert stopped.returncode == 3, stopped.stderr
+    assert stopped.stdout == f"run {run_id} is now stopped (143) on shim\n"
+    last = stopped.stderr.splitlines()[-1]
+    assert last.startswith(f"error: could not stop run {run_id} on gpu2 (rank 1): "), stopped.stderr
+    assert last.endswith(f"; it may still be running there (retry: dflashctl runs stop gpu2 {run_id})")
+    wait_until(lambda: pair.exit_code("gpu2", run_id) is not None, 60, "gpu2 to stop with the group")
+    shown = json.loads(pair.cli("runs", "show", "pair", run_id, "--json").stdout)
+    assert [(n["host"], n["state"], n["exit_code"]) for n in shown["nodes"]] == [
+        ("shim", "stopped", 143),
+        ("gpu2", "stopped", 143),
+    ]
+    assert shown["state"] == "stopped"
+
+
 def test_a_name_taken_on_one_node_refuses_the_group_before_anything_starts(pair):
     for work in pair.work.values():
         install_standin(work / "payload")
@@ -316,6 +351,61 @@ def test_a_name_taken_on_one_node_refuses_the_group_before_anything_starts(pair)
         f"(that run stays reachable by its id: dflashctl runs show gpu2 {taken})"
     ]
     assert not (pair.work["shim"] / "runs").exists()  # nothing started on the free node either
+
+
+def test_a_rendezvous_port_in_use_is_refused_before_anything_starts(pair):
+    """The port was found taken only by rank 0's trainer: the CLI followed it ~75 s, then exited 1
+    saying `run R running`, while gpu2 waited for the rendezvous (300 s). Now: one line, exit 6."""
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        done = pair.cli("train", "pair", "--follow", "--gpus", "cpu", "--rdzv-port", str(port), *sets(TINY))
+    assert done.returncode == 6 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: shim (pct 200): port {port} is not free there (Address already in use): rank 0 serves the "
+        f"rendezvous on it; choose another with --rdzv-port"
+    ]
+    assert not any((work / "runs").exists() for work in pair.work.values())  # nothing pushed or started
+    assert not any((work / "payload").exists() for work in pair.work.values())
+
+
+@pytest.mark.slow
+def test_rank_0_unable_to_serve_the_rendezvous_stops_the_other_node_at_once(pair, monkeypatch):
+    """A port taken after check_rdzv_port looked (a race no look can close; the look is skipped
+    here, as if the port had been free then): rank 0's trainer fails naming its host and port, and
+    `train --follow` stops gpu2 at once instead of leaving it to wait out the rendezvous timeout
+    (an hour here), then reports the run failed (exit 100)."""
+    import dflashctl.multihost
+
+    monkeypatch.setattr(dflashctl.multihost, "check_rdzv_port", lambda *args: None)
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        done = pair.cli(
+            "train",
+            "pair",
+            "--follow",
+            "--gpus",
+            "cpu",
+            "--rdzv-port",
+            str(port),
+            "--env",
+            "GLOO_SOCKET_IFNAME=lo",
+            *sets([*LONG, "dist.rendezvous_timeout_s=3600"]),
+        )
+        (run_id,) = [p.name for p in (pair.work["shim"] / "runs").iterdir() if p.is_dir()]
+        assert pair.exit_code("gpu2", run_id) is not None  # ended, while the port is still held
+    assert done.returncode == 100, done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith(
+        f"run {run_id} failed (exit code 75): shim (rank 0) cannot serve the rendezvous on port {port} ("
+    )
+    assert last.endswith(
+        "; is the port in use by another run or program? Choose a free one: dflashctl train --rdzv-port; "
+        "stopped gpu2 (rank 1), which cannot go on without rank 0"
+    ), last
+    shown = json.loads(pair.cli("runs", "show", "pair", run_id, "--json").stdout)
+    assert (shown["state"], shown["exit_code"]) == ("failed", 75)
+    assert shown["reason"].startswith(f"shim (rank 0) cannot serve the rendezvous on port {port} (")
+    assert [(n["host"], n["state"]) for n in shown["nodes"]] == [("shim", "failed"), ("gpu2", "stopped")]
 
 
 def trainer_pair(out: Path, extra: list[str], *args: str, timeout: float = 90) -> list[str]:
@@ -432,7 +522,18 @@ def test_on_event_reaches_every_node_of_a_group(pair):
         install_standin(work / "payload")
     hook = ["sh", "-c", "true"]
     group = pair.cli(
-        "train", "pair", "--no-push", "--gpus", "cpu", "--set", "run.steps=1", "--on-event", " ".join(hook), "--follow"
+        "train",
+        "pair",
+        "--no-push",
+        "--gpus",
+        "cpu",
+        "--rdzv-port",  # the stand-in serves none, but rank 0's host must be able to (not on 29500 in a test)
+        str(free_port("127.0.0.1")),
+        "--set",
+        "run.steps=1",
+        "--on-event",
+        " ".join(hook),
+        "--follow",
     )
     assert group.returncode == 0, group.stderr
     for work in pair.work.values():

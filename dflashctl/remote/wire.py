@@ -22,6 +22,7 @@ METRICS = "metrics.jsonl"
 EXIT = "exit_code"
 STOP = "stop_request"
 REASON = "reason"  # why the run failed, in words, when the trainer knows (a lost node, ...)
+AGREED_STOP = "agreed_stop"  # a node of a run across hosts stopped because another node was asked to
 EVAL = "eval.json"  # `dflashctl eval`'s report
 
 # `runctl read` frames: 1 type byte + 4-byte big-endian length + payload.

@@ -47,6 +47,7 @@ from .config import DistConfig
 
 EXIT_NODE_LOST = 75  # sysexits EX_TEMPFAIL: another node died; rerun (or resume) when it is back
 REASON_FILE_ENV = "DFLASHCTL_REASON_FILE"  # set by dflashctl's runctl for every run
+AGREED_STOP_ENV = "DFLASHCTL_AGREED_STOP_FILE"  # likewise: where record_agreed_stop writes
 
 
 @dataclass(frozen=True)
@@ -239,8 +240,8 @@ class NodeGroup:
         except Exception as exc:  # noqa: BLE001
             if env.rank == 0:
                 raise NodeLost(
-                    f"cannot serve the rendezvous on {env.rendezvous} ({_first_line(exc)}); "
-                    f"is the port in use by another run? (dflashctl train --rdzv-port)"
+                    f"{env.node(0)} cannot serve the rendezvous on port {env.master_port} ({_first_line(exc)}); "
+                    f"is the port in use by another run or program? Choose a free one: dflashctl train --rdzv-port"
                 ) from None
             raise NodeLost(
                 f"cannot reach the rendezvous of {env.node(0)} at {env.rendezvous} within "
@@ -450,9 +451,9 @@ class AgreedStop:
         return self.requested
 
 
-def write_reason(reason: str) -> None:
+def write_reason(reason: str, env_name: str = REASON_FILE_ENV) -> None:
     """Put the failure reason where dflashctl's runctl looks for it (if it started us)."""
-    path = os.environ.get(REASON_FILE_ENV)
+    path = os.environ.get(env_name)
     if not path:
         return
     try:
@@ -461,6 +462,12 @@ def write_reason(reason: str) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def record_agreed_stop(note: str) -> None:
+    """Tell dflashctl's runctl that this node stopped because the group agreed to (a stop asked of
+    another node), so that it records a stop, not a failure with exit code 143."""
+    write_reason(note, AGREED_STOP_ENV)
 
 
 def _exit_node_lost(reason: str) -> None:

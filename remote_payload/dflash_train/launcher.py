@@ -82,6 +82,8 @@ def child_overrides(cfg: Config, r: Rank) -> list[str]:
 def child_env(r: Rank, world: int, port: int, run_id: str) -> dict[str, str]:
     """The multi-host environment (docs/multihost.md) for rank r of a group on this host."""
     env = dict(os.environ)
+    # The ranks' stop agreement is this host's own business: runctl hears of a stop from this process.
+    env.pop("DFLASHCTL_AGREED_STOP_FILE", None)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     env.update(

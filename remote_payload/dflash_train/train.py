@@ -490,5 +490,7 @@ class Trainer:
             # rest of what `runs stop` waits is the process's exit.
             took = f" (stopped {time.monotonic() - stop.at:.1f} s after the signal)" if stop.at is not None else ""
             self.log(f"stopped by {by} after step {self.stopped}; to continue, run again with --resume{took}")
+            if not stop.requested:
+                distributed.record_agreed_stop(f"{by}, after step {self.stopped}")
             return stop.exit_code if stop.requested else 128 + signal.SIGTERM
         return 0

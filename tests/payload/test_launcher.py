@@ -110,6 +110,17 @@ def test_processes_train_the_same_parameters_as_threads(tmp_path):
     assert any(not torch.equal(moved[k], torch.zeros_like(moved[k])) for k in moved)
 
 
+def test_ranks_do_not_tell_runctl_of_their_stop_agreement(monkeypatch):
+    """A rank stopped by the others' agreement would leave the launcher's run recorded as stopped
+    however the launcher itself ended (docs/multihost.md): that file is for one node per host."""
+    from dflash_train.launcher import Rank, child_env
+
+    monkeypatch.setenv("DFLASHCTL_AGREED_STOP_FILE", "/run/x/agreed_stop")
+    monkeypatch.setenv("DFLASHCTL_REASON_FILE", "/run/x/reason")
+    env = child_env(Rank(1, "cpu", Path("/out/ranks/1"), Path("/out/ranks/1/train.log")), 2, 29500, "r")
+    assert "DFLASHCTL_AGREED_STOP_FILE" not in env and env["DFLASHCTL_REASON_FILE"] == "/run/x/reason"
+
+
 def test_sigterm_to_the_launcher_stops_every_rank_at_one_step(tmp_path):
     out = tmp_path / "run"
     proc = trainer(out, "run.launcher=processes", "run.steps=100000", "run.log_every=1", "run.checkpoint_every=1000")

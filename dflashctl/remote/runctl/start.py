@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from ..wire import EXIT, LOG, META, PREFLIGHT_TIMEOUT_S, REASON, RUN_DIR_TOKEN, STOP, WORKDIR_TOKEN
+from ..wire import AGREED_STOP, EXIT, LOG, META, PREFLIGHT_TIMEOUT_S, REASON, RUN_DIR_TOKEN, STOP, WORKDIR_TOKEN
 from .common import (
     RUN_ID_RE,
     SUPERVISED,
@@ -200,7 +200,7 @@ def cmd_resume(workdir, selector):
         if spec.get("check"):
             emit({"run_id": run_id, "run_dir": run_dir, "pid": None, "gpus": meta.get("gpus"), "checked": True})
             return
-        for name in (EXIT, STOP, REASON, SUPERVISED):
+        for name in (EXIT, STOP, REASON, AGREED_STOP, SUPERVISED):
             try:
                 os.remove(os.path.join(run_dir, name))
             except OSError:

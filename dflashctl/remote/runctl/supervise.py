@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from ..wire import EXIT, LOG, META, NO_RESTART, REASON, STOP
+from ..wire import AGREED_STOP, EXIT, LOG, META, NO_RESTART, REASON, STOP
 from .common import (
     SUPERVISOR_POLL_S,
     marker,
@@ -37,6 +37,7 @@ def supervise(run_dir, meta, env):
         signal.signal(sig, lambda *_: stop_flag.append(1))
     child_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
     child_env["DFLASHCTL_REASON_FILE"] = os.path.join(run_dir, REASON)
+    child_env["DFLASHCTL_AGREED_STOP_FILE"] = os.path.join(run_dir, AGREED_STOP)
     if meta.get("queued"):
         update_meta(run_dir, supervisor=marker(os.getpid()))
         print(
@@ -80,6 +81,7 @@ def run_attempts(run_dir, meta, child_env, stop_flag, hooks):
         update_meta(run_dir, supervisor=marker(os.getpid()), trainer=marker(child.pid), pgid=child.pid)
         hooks.append(fire(run_dir, meta, "restarted" if attempt > 1 else "started", "running"))
         code = wait_trainer(run_dir, child, stop_flag)
+        adopt_agreed_stop(run_dir, code)
         step = newest_checkpoint(run_dir)
         done = (read_json(os.path.join(run_dir, META)) or {}).get("restarts", 0)
         if not wants_restart(restart, code, done) or stop_flag or os.path.exists(os.path.join(run_dir, STOP)):
@@ -111,6 +113,18 @@ def run_attempts(run_dir, meta, child_env, stop_flag, hooks):
             return code, log_from
         if step is not None and "--resume" not in argv:
             argv.append("--resume")
+
+
+def adopt_agreed_stop(run_dir, code):
+    """A trainer that stopped because its group agreed to (a stop asked of another node; it leaves
+    AGREED_STOP) was stopped on request: record the request as `runs stop` would have, so that the
+    node's state is `stopped`, not `failed (143)`, and no restart follows."""
+    path = os.path.join(run_dir, AGREED_STOP)
+    if code != 128 + signal.SIGTERM or os.path.exists(os.path.join(run_dir, STOP)) or not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        note = fh.read().strip()
+    request_stop(run_dir, 0.0, "the group's stop agreement: %s" % note)
 
 
 def finish(run_dir, meta, code, log_from, hooks):
