@@ -119,7 +119,11 @@ def data_regen(
     thinking: Optional[bool] = typer.Option(
         None, "--thinking/--no-thinking", help="enable_thinking of Qwen3 chat templates (default: the template's)."
     ),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Rows per batch (builtin: the largest up to 64 that fits the GPU memory, 32 on CPU; openai 1)."),
+    batch_size: Optional[int] = typer.Option(
+        None,
+        "--batch-size",
+        help="Rows per batch (builtin: the largest up to 64 that fits the GPU memory, 32 on CPU; openai 1).",
+    ),
     tokenizer: Optional[str] = typer.Option(
         None, "--tokenizer", help="Tokenizer directory in the container (default: target.path)."
     ),
