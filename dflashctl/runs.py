@@ -557,6 +557,8 @@ def details_rows(run: dict[str, Any]) -> list[tuple[str, Text]]:
         extra.append(("reason", Text(str(run["reason"]), style="red")))
     if run.get("eval"):
         extra += eval_rows(run["eval"])
+    for prompts, figures in sorted((run.get("evals") or {}).items()):  # `eval --prompts FILE`'s, by FILE's stem
+        extra += eval_rows(figures, f" on {prompts}")
     if run.get("nodes"):
         extra.append(("nodes", node_states(run["nodes"])))
         extra.append(("rendezvous", Text(str((run.get("group") or {}).get("rendezvous", "-")))))
@@ -565,8 +567,9 @@ def details_rows(run: dict[str, Any]) -> list[tuple[str, Text]]:
     return rows
 
 
-def eval_rows(ev: dict[str, Any]) -> list[tuple[str, Text]]:
-    """`runs show`'s `eval` row (tau, speedup, how it was decoded) and its `baseline` row (prompt lookup)."""
+def eval_rows(ev: dict[str, Any], prompts: str = "") -> list[tuple[str, Text]]:
+    """`runs show`'s `eval` row (tau, speedup, how it was decoded) and its `baseline` row (prompt
+    lookup); `prompts` (` on NAME`) labels an eval on other prompts than the run's own."""
     how = (
         ("greedy, identical: " + ("yes" if ev["identical"] else "NO"))
         if ev.get("identical") is not None
@@ -580,7 +583,7 @@ def eval_rows(ev: dict[str, Any]) -> list[tuple[str, Text]]:
     )
     rows = [
         (
-            "eval",
+            "eval" + prompts,
             Text(
                 f"{tau}, speedup {ev['speedup']:.2f}x on {ev['device']} "
                 f"({ev['prompts']} prompts x {ev['max_new_tokens']} tokens, {how})"
@@ -591,7 +594,7 @@ def eval_rows(ev: dict[str, Any]) -> list[tuple[str, Text]]:
     if free and free.get("tau") is not None:
         rows.append(
             (
-                "baseline",
+                "baseline" + prompts,
                 Text(
                     f"{free.get('method') or 'prompt lookup'}: tau "
                     f"{headline_tau(free, 'tau_prompt_mean', 'tau'):.3f}, speedup "
