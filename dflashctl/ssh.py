@@ -614,7 +614,8 @@ class _SshProcess(Process):
         if self._channel.exit_status != -1:
             return self._channel.exit_status
         # Closed without an exit status: a dropped connection, or a command killed by a signal
-        # (paramiko ignores exit-signal). The transport notices a drop just after the channel does.
+        # (paramiko ignores exit-signal; a guarded command's guard exits 255 for it instead, so this
+        # wait is for unguarded ones). The transport notices a drop just after the channel does.
         for _ in range(20):
             if not self._transport.is_active():
                 raise self._lost()
