@@ -54,7 +54,8 @@ def eval_cmd(
     prompts: Optional[Path] = typer.Option(
         None,
         "--prompts",
-        help="JSONL of input_ids, messages (chat) or prompt (text) rows (default: the run's held-out split).",
+        help="JSONL of input_ids, messages (chat) or prompt (text) rows (default: the run's own held-out prompts); "
+        "the report goes to eval-<FILE's stem>.json beside the default eval's eval.json.",
     ),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate per prompt."),
     count: int = typer.Option(16, "--count", help="At most this many prompts."),

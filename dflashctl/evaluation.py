@@ -5,6 +5,7 @@ the payload, sends the prompts and renders the report. docs/eval.md."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,6 +27,15 @@ USAGE_PREFIX = "eval error: "
 MISSING_PREFIX = "eval missing module: "
 NO_EXPORT = "no export in "  # how the evaluator's refusal of a run without an export begins
 TIME_LIMIT_S = 3600  # a long decode on a slow box: a backstop, not an estimate
+
+
+def report_name(prompts: Path | None) -> str:
+    """The report's file in the run directory: eval.json for the run's own prompts (what `runs list`,
+    `runs show` and the model card read), eval-<stem>.json beside it for `--prompts FILE`."""
+    if prompts is None:
+        return "eval.json"
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", prompts.stem).strip("._")[:80]
+    return f"eval-{stem or 'prompts'}.json"
 
 
 def eval_device(gpus: str | None) -> str | None:
@@ -82,6 +92,8 @@ def run_eval(
         *(["--prompts", "-"] if stdin is not None else []),
         *(["--device", device] if device else []),
         *([] if baseline else ["--no-baseline"]),
+        "--report",
+        report_name(prompts),
     ]
     lines = LineSplitter(progress, PROGRESS_PREFIX)
     result = target.run(argv, stdin=stdin, timeout=TIME_LIMIT_S, on_stderr=lines.feed)
@@ -99,6 +111,7 @@ def run_eval(
             f"{target.label}: eval gave no report (exit {result.exit_code}): {lines.last or 'no output'}"
         ) from None
     report["run_id"] = info["run_id"]
+    report["report_file"] = f"{info['run_dir']}/{report_name(prompts)}"
     return report
 
 
@@ -133,7 +146,7 @@ def render(report: dict[str, Any], console: Console) -> None:
         f"ms/token: speedup {report['speedup']:.2f}x",
         f"one verify step (draft, verify, accept) costs {report['spec_ms_per_step']:.2f} ms = "
         f"{report['step_cost']:.2f} target decode steps (speedup = tau / that)",
-        f"wrote {report['run_dir']}/eval.json",
+        f"wrote {report['report_file']}",
     ]
     if greedy:
         same = sum(r["identical"] for r in report["per_prompt"])

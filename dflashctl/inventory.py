@@ -69,6 +69,9 @@ class HostSpec:
     persist: int = 0  # seconds a background mux keeps the SSH connection open between CLI calls; 0 = off
     # (hosts.yaml's default for ssh hosts is DEFAULT_PERSIST_S)
     on_event: tuple[str, ...] = ()  # argv run in the container at each run event (docs/runs.md)
+    # The file the entry came from, as its errors name it (its full path: the file may be any of four
+    # places); "hosts.yaml" for an entry made in code.
+    inventory_file: str = field(default="hosts.yaml", compare=False)
 
     @property
     def interpreter(self) -> str:
@@ -269,6 +272,7 @@ def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
         rendezvous_address=strings["rendezvous_address"],
         persist=persist,
         on_event=tuple(on_event),
+        inventory_file=label,
     )
 
 

@@ -1,7 +1,7 @@
 """The model card `runs pull` writes into a pulled export (README.md in the Hugging Face Hub's
 format: YAML front matter, then Markdown), so that `huggingface-cli upload ORG/NAME EXPORT`
 publishes it as it is. Everything comes from the pulled run directory: run.json,
-config.resolved.yaml, metrics.jsonl, eval.json and the export itself (docs/runs.md).
+config.resolved.yaml, metrics.jsonl, eval.json (and eval-*.json) and the export itself (docs/runs.md).
 """
 
 from __future__ import annotations
@@ -208,23 +208,33 @@ def _tau_lines(run_dir: Path, records: list[dict], config: dict) -> list[str]:
             )
     report = _read_json(run_dir / "eval.json")
     if report is not None:
-        how = "greedy" if not report.get("temperature") else f"sampled at temperature {report['temperature']}"
-        lines.append(
-            f"- `dflashctl eval` ({how}, {len(report.get('per_prompt') or [])} prompts x up to "
-            f"{report.get('max_new_tokens')} new tokens, on {report.get('device')}): tau "
-            f"{report['tau_prompt_mean']:.3f} mean of per-prompt tau (as z-lab's benchmark.py reports), "
-            f"{report['tau']:.3f} pooled (as SpecForge's benchmarks report); output identical to the "
-            f"target's greedy decode: {_yes(report.get('identical'))}"
-        )
-        lines.append(f"- speedup over the target alone (`dflashctl eval`, the same machine): {report['speedup']:.2f}x")
-        free = report.get("baseline")
-        if free:
-            lines.append(
-                f"- free baseline, prompt lookup on the same decode path: tau {free['tau_prompt_mean']:.3f} "
-                f"mean per prompt, {free['tau']:.3f} pooled, speedup {free['speedup']:.2f}x"
-            )
+        lines += _eval_lines(report, "`dflashctl eval`")
     else:
         lines.append("- `dflashctl eval`: not run before this pull (`dflashctl eval HOST RUN`, then pull again)")
+    for path in sorted(run_dir.glob("eval-*.json")):  # `dflashctl eval --prompts FILE`: on FILE's prompts
+        other = _read_json(path)
+        if other is not None:
+            lines += _eval_lines(other, f"`dflashctl eval --prompts` on `{path.stem[len('eval-') :]}`")
+    return lines
+
+
+def _eval_lines(report: dict, what: str) -> list[str]:
+    """One eval report's figures: tau (both forms), identity, speedup, the free baseline."""
+    how = "greedy" if not report.get("temperature") else f"sampled at temperature {report['temperature']}"
+    lines = [
+        f"- {what} ({how}, {len(report.get('per_prompt') or [])} prompts x up to "
+        f"{report.get('max_new_tokens')} new tokens, on {report.get('device')}): tau "
+        f"{report['tau_prompt_mean']:.3f} mean of per-prompt tau (as z-lab's benchmark.py reports), "
+        f"{report['tau']:.3f} pooled (as SpecForge's benchmarks report); output identical to the "
+        f"target's greedy decode: {_yes(report.get('identical'))}",
+        f"- speedup over the target alone ({what}, the same machine): {report['speedup']:.2f}x",
+    ]
+    free = report.get("baseline")
+    if free:
+        lines.append(
+            f"- free baseline, prompt lookup on the same decode path: tau {free['tau_prompt_mean']:.3f} "
+            f"mean per prompt, {free['tau']:.3f} pooled, speedup {free['speedup']:.2f}x"
+        )
     return lines
 
 

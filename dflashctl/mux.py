@@ -102,13 +102,14 @@ def _options_dict(options: "SshOptions | None") -> dict:
 
 
 def mux_key(host: HostSpec, options: "SshOptions | None") -> str:
-    """A name for host's mux: hash of the inventory name, user@address:port, the SSH settings, persist,
-    the options and $HOME (one mux per hosts.yaml entry, so messages name the right host)."""
+    """A name for host's mux: hash of the inventory file and name, user@address:port, the SSH settings,
+    persist, the options and $HOME (one mux per hosts.yaml entry, so messages name the right host and file)."""
     ident = {
         "name": host.name,
         "persist": host.persist,
         "target": f"{host.user or ''}@{host.address or host.name}:{host.port or ''}",
         "identity_file": host.identity_file,
+        "inventory_file": host.inventory_file,
         "proxy_jump": host.proxy_jump,
         "options": _options_dict(options),
         "home": os.environ.get("HOME", ""),
@@ -215,6 +216,7 @@ def _host_dict(host: HostSpec) -> dict:
     return {
         "name": host.name, "address": host.address, "user": host.user, "port": host.port,
         "identity_file": host.identity_file, "proxy_jump": host.proxy_jump, "persist": host.persist,
+        "inventory_file": host.inventory_file,
     }  # fmt: skip
 
 

@@ -39,7 +39,8 @@ def run_passthrough(target: Target, command: Sequence[str]) -> int:
     except ConnectionLost as exc:  # the guard's stop could not reach the host either
         raise ConnectionLost(f"{exc}; the command may still run on {target.label}") from None
     err.release()
-    # A local child killed by a signal has a negative code; ssh's 255 for it, as over SSH (docs/cli.md).
+    # The guard exits 255 for a command killed by a signal; a local guard (or the shell before it)
+    # killed by one has a negative code: ssh's 255 for it too, as over SSH (docs/cli.md).
     return result.exit_code if result.exit_code >= 0 else EXIT_SIGNALLED
 
 

@@ -8,7 +8,9 @@ docs/runs.md.
 
 from __future__ import annotations
 
+import calendar
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -384,15 +386,56 @@ def exit_code_for(state: str) -> int:
 
 
 def last_start(run: dict[str, Any]) -> str | None:
-    """When the run last started: its last --resume, else its start (what `runs list` sorts by)."""
-    return run.get("resumed_at") or run.get("started_at")
+    """When the trainer last started: its last --resume, else the end of its wait in the queue, else
+    the run's start; None while it waits in the queue (or was cancelled there)."""
+    if run.get("queued"):
+        return None
+    return run.get("resumed_at") or run.get("dequeued_at") or run.get("started_at")
+
+
+def iso_ts(iso: Any) -> float | None:
+    """run.json's `2026-11-30T11:30:00Z` (UTC) as a Unix time; None if absent or malformed."""
+    try:
+        return float(calendar.timegm(time.strptime(iso, "%Y-%m-%dT%H:%M:%SZ")))
+    except (TypeError, ValueError):
+        return None
+
+
+def dequeued_ts(run: dict[str, Any]) -> float | None:
+    """When a `train --queue` run left its queue and started its trainer; None if it did not wait
+    (or waits still)."""
+    # dequeued_at alone: a run.json written before runctl recorded dequeued_ts.
+    return run.get("dequeued_ts") or iso_ts(run.get("dequeued_at"))
 
 
 def duration(run: dict[str, Any]) -> float | None:
-    """Seconds the run ran (until now, on the host's clock, while it runs)."""
-    start = run.get("started_ts")
+    """Seconds the trainer ran since its last start (until now, on the host's clock, while it runs);
+    a wait in the queue does not count, and a run still queued (or cancelled there) has none."""
+    if run.get("queued"):
+        return None
+    start = max(run.get("started_ts") or 0, dequeued_ts(run) or 0)
     end = run.get("ended_ts") or (run.get("now_ts") if run.get("state") == "running" else None)
     return end - start if start and end else None
+
+
+def queue_wait(run: dict[str, Any]) -> float | None:
+    """Seconds a `train --queue` run waited for its GPUs (so far, while it waits); None if it never queued."""
+    since = iso_ts(run.get("started_at"))  # its creation: started_ts moves on with every --resume
+    if not run.get("queued_behind") or since is None:
+        return None
+    until = dequeued_ts(run) or run.get("ended_ts") or run.get("now_ts")
+    return max(0.0, until - since) if until else None
+
+
+def queue_row(run: dict[str, Any]) -> list[tuple[str, Text]]:
+    """`runs show`'s `queued` row for a run that waited in the queue: since when, how long, behind whom."""
+    wait = queue_wait(run)
+    if wait is None:
+        return []
+    how = "waiting for" if run.get("state") == "queued" else "waited"
+    end = ", cancelled before it started" if run.get("queued") and run.get("state") != "queued" else ""
+    behind = ", ".join(run.get("queued_behind") or [])
+    return [("queued", Text(f"{run.get('started_at')}, {how} {fmt_duration(wait)} (behind {behind}){end}"))]
 
 
 def fmt_bytes(size: int) -> str:
@@ -504,7 +547,8 @@ def details_rows(run: dict[str, Any]) -> list[tuple[str, Text]]:
         ("state", state_text(run)),
         ("host", Text(str(run.get("host")))),
         ("GPUs", Text(",".join(run.get("gpus") or []))),
-        ("started", Text(str(run.get("started_at")))),
+        *queue_row(run),
+        ("started", Text(str(run.get("dequeued_at") or run.get("started_at")) if not run.get("queued") else "-")),
         *([("resumed", Text(f"{run.get('resumed_at')} ({run['resumes']}x)"))] if run.get("resumes") else []),
         ("duration", Text(fmt_duration(duration(run)) + (" (since the last resume)" if run.get("resumes") else ""))),
         ("directory", Text(str(run.get("run_dir")))),
@@ -518,6 +562,8 @@ def details_rows(run: dict[str, Any]) -> list[tuple[str, Text]]:
         extra.append(("reason", Text(str(run["reason"]), style="red")))
     if run.get("eval"):
         extra += eval_rows(run["eval"])
+    for prompts, figures in sorted((run.get("evals") or {}).items()):  # `eval --prompts FILE`'s, by FILE's stem
+        extra += eval_rows(figures, f" on {prompts}")
     if run.get("nodes"):
         extra.append(("nodes", node_states(run["nodes"])))
         extra.append(("rendezvous", Text(str((run.get("group") or {}).get("rendezvous", "-")))))
@@ -526,8 +572,9 @@ def details_rows(run: dict[str, Any]) -> list[tuple[str, Text]]:
     return rows
 
 
-def eval_rows(ev: dict[str, Any]) -> list[tuple[str, Text]]:
-    """`runs show`'s `eval` row (tau, speedup, how it was decoded) and its `baseline` row (prompt lookup)."""
+def eval_rows(ev: dict[str, Any], prompts: str = "") -> list[tuple[str, Text]]:
+    """`runs show`'s `eval` row (tau, speedup, how it was decoded) and its `baseline` row (prompt
+    lookup); `prompts` (` on NAME`) labels an eval on other prompts than the run's own."""
     how = (
         ("greedy, identical: " + ("yes" if ev["identical"] else "NO"))
         if ev.get("identical") is not None
@@ -541,7 +588,7 @@ def eval_rows(ev: dict[str, Any]) -> list[tuple[str, Text]]:
     )
     rows = [
         (
-            "eval",
+            "eval" + prompts,
             Text(
                 f"{tau}, speedup {ev['speedup']:.2f}x on {ev['device']} "
                 f"({ev['prompts']} prompts x {ev['max_new_tokens']} tokens, {how})"
@@ -552,7 +599,7 @@ def eval_rows(ev: dict[str, Any]) -> list[tuple[str, Text]]:
     if free and free.get("tau") is not None:
         rows.append(
             (
-                "baseline",
+                "baseline" + prompts,
                 Text(
                     f"{free.get('method') or 'prompt lookup'}: tau "
                     f"{headline_tau(free, 'tau_prompt_mean', 'tau'):.3f}, speedup "

@@ -104,9 +104,10 @@ class Endpoint:
         return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
 
 
-def check_identity_file(host: str, given: str, path: Path) -> None:
-    """hosts.yaml's identity_file must be a readable private key file (UsageError naming it)."""
-    where = f"hosts.yaml: host '{host}': identity_file {given}"
+def check_identity_file(host: HostSpec, path: Path) -> None:
+    """hosts.yaml's identity_file must be a readable private key file (UsageError naming the inventory
+    file, the host and the key)."""
+    where = f"{host.inventory_file}: host '{host.name}': identity_file {host.identity_file}"
     if not path.exists():
         raise UsageError(f"{where}: no such file")
     if path.is_dir():
@@ -119,6 +120,12 @@ def check_identity_file(host: str, given: str, path: Path) -> None:
         raise UsageError(f"{where}: is a public key; name the private key (without .pub)")
     if b"PRIVATE KEY-----" not in head:
         raise UsageError(f"{where}: is not a private key (expected '-----BEGIN ... PRIVATE KEY-----')")
+    try:
+        paramiko.PKey.from_path(path)
+    except TypeError:
+        pass  # encrypted (cryptography's TypeError): the connection says what to do about its passphrase
+    except Exception as exc:  # noqa: BLE001 - whatever the key parsers raise, the key cannot be used
+        raise UsageError(f"{where}: cannot be loaded as a private key ({exc})") from None
 
 
 def resolve_endpoint(host: HostSpec, options: SshOptions) -> Endpoint:
@@ -128,7 +135,7 @@ def resolve_endpoint(host: HostSpec, options: SshOptions) -> Endpoint:
     identities = [host.identity_file] if host.identity_file else config.get("identityfile", [])
     paths = tuple(options.expand(p) for p in identities)
     if host.identity_file:
-        check_identity_file(host.name, host.identity_file, paths[0])
+        check_identity_file(host, paths[0])
     if not paths:
         paths = tuple(p for p in (options.ssh_dir() / k for k in DEFAULT_KEYS) if p.is_file())
     jump = host.proxy_jump or config.get("proxyjump")
@@ -607,7 +614,8 @@ class _SshProcess(Process):
         if self._channel.exit_status != -1:
             return self._channel.exit_status
         # Closed without an exit status: a dropped connection, or a command killed by a signal
-        # (paramiko ignores exit-signal). The transport notices a drop just after the channel does.
+        # (paramiko ignores exit-signal; a guarded command's guard exits 255 for it instead, so this
+        # wait is for unguarded ones). The transport notices a drop just after the channel does.
         for _ in range(20):
             if not self._transport.is_active():
                 raise self._lost()

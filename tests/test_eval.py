@@ -24,7 +24,7 @@ def one_line(result) -> str:  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def local_run(sshd_host, tmp_path_factory) -> dict[str, str]:
     """The environment of a `local` host (its work directory module-wide) holding the trained run
-    `ev`: the eval on `local` below and the refusals read it, and neither changes what the other reads."""
+    `ev`: the evals on `local` below and the refusals read it; each eval reads back only what it wrote."""
     env = local_env(tmp_path_factory.mktemp("eval-local"))
     trained = sshd_host.run_cli("train", "local", "--name", "ev", *TRAIN, env=env, timeout=300)
     assert trained.returncode == 0, trained.stderr
@@ -115,6 +115,32 @@ def test_eval_bad_input_is_one_line(shim_host, local_run, tmp_path):
     )
     res = shim_host.run_cli("eval", "local", "ev", "--gpus", "0", env=env, timeout=120)  # this machine has no GPU
     assert res.returncode == 2 and "CUDA" in one_line(res), res.stderr
+
+
+def test_an_eval_on_other_prompts_is_kept_beside_the_default_one(shim_host, local_run, tmp_path):
+    """`eval --prompts FILE` overwrote eval.json, the report of the eval on the run's own prompts that
+    `runs list`, `runs show` and the model card read: it is now eval-<FILE's stem>.json, and
+    `runs show` lists it under its own rows."""
+    env = local_run
+    quick = ["--max-new-tokens", "4", "--json"]
+    default = shim_host.run_cli("eval", "local", "ev", "--count", "1", *quick, env=env, timeout=300)
+    assert default.returncode == 0, default.stderr
+    run_dir = Path(json.loads(default.stdout)["run_dir"])
+    kept = (run_dir / "eval.json").read_text()
+    mine = tmp_path / "my prompts.jsonl"  # the space is not kept in the report's name
+    mine.write_text("".join(json.dumps({"input_ids": [5 + i, 9, 11, 3 + i]}) + "\n" for i in range(2)))
+    res = shim_host.run_cli("eval", "local", "ev", "--prompts", str(mine), *quick, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert (run_dir / "eval.json").read_text() == kept
+    saved = json.loads((run_dir / "eval-my_prompts.json").read_text())
+    assert saved["prompts"] == report["prompts"] == 2 and saved["tau"] == report["tau"]
+    assert report["report_file"] == str(run_dir / "eval-my_prompts.json")
+    shown = shim_host.run_cli("runs", "show", "local", "ev", "--no-curves", env=env).stdout
+    evals = [line for line in shown.splitlines() if line.startswith("eval ")]
+    assert len(evals) == 2 and evals[0].endswith("(1 prompts x 4 tokens, greedy, identical: yes)")
+    mine_rows = [line for line in evals if line.startswith("eval on my_prompts ")]
+    assert len(mine_rows) == 1 and "(2 prompts x 4 tokens, greedy" in mine_rows[0]
 
 
 def test_eval_of_a_run_without_an_export_says_so(shim_host):

@@ -21,6 +21,7 @@ from sshd import CLI
 from test_mux import mux  # noqa: F401 - persist hosts with a private mux directory, no mux left after
 from test_quoting import PRINT_ARGS, arguments
 
+from dflashctl.containers import remote_script
 from dflashctl.errors import Interrupted
 from dflashctl.guard import run_guarded
 from dflashctl.mux import mux_stats
@@ -123,6 +124,30 @@ def test_a_normal_exec_is_unchanged_by_the_guard(shim_host, where):
     for sig in ("TERM", "KILL"):  # KILL: what the OOM killer sends (the guard exited 1 for it)
         killed = shim_host.run_cli("exec", where, "--", "sh", "-c", f"kill -{sig} $$")
         assert (killed.returncode, killed.stderr) == (255, ""), sig
+
+
+def test_the_guard_reports_a_death_by_signal_as_an_exit_status(tmp_path):
+    """The guard died of its command's signal, so sshd sent `exit-signal`, which paramiko ignores:
+    the CLI learnt of the end only when the channel closed, then waited a second to tell it from a
+    dropped connection. The guard now exits 255 for it (what ssh reports for a signal), an exit
+    status that sshd sends, and the CLI reads, at once."""
+    for sig in ("TERM", "KILL"):
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-S",
+                "-c",
+                remote_script("guard"),
+                "run",
+                f"t{os.getpid()}",
+                "sh",
+                "-c",
+                f"kill -{sig} $$",
+            ],
+            cwd=tmp_path,
+            timeout=60,
+        )
+        assert res.returncode == 255, sig
 
 
 def test_without_the_interpreter_exec_runs_the_command_unguarded(shim_host, tmp_path):

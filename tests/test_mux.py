@@ -320,3 +320,15 @@ def test_mux_serves_only_its_own_uid(mux):
     path.chmod(0o600)
     path.parent.chmod(0o700)
     assert mux.stats("pbare")["pid"]  # the owner is still served
+
+
+def test_a_bad_identity_file_is_named_with_the_inventory_file_through_the_mux(mux, tmp_path):
+    """The mux connects in its own process: its identity_file error names the file and host as a
+    direct connection's does (it said `hosts.yaml:` for any inventory file)."""
+    missing = tmp_path / "no-such-key"
+    inventory = mux.sshd.write_inventory(
+        tmp_path / "other.yaml", {"k": mux.sshd.host_entry(200, persist=30, identity_file=str(missing))}
+    )
+    res = mux.cli("exec", "k", "--", "true", env={"DFLASHCTL_INVENTORY": str(inventory)})
+    assert res.returncode == 2
+    assert res.stderr.strip() == f"error: {inventory}: host 'k': identity_file {missing}: no such file"

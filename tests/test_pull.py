@@ -293,6 +293,13 @@ def test_the_model_card_of_a_real_run_has_both_tau_figures_and_the_speedup(shim_
     )
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
+    mine = tmp_path / "mine.jsonl"  # an eval on other prompts is a line of its own, not the default's
+    mine.write_text(json.dumps({"input_ids": [5, 9, 11, 3]}) + "\n")
+    res = shim_host.run_cli(
+        "eval", "local", "mc", "--prompts", str(mine), "--max-new-tokens", "8", "--json", env=env, timeout=300
+    )
+    assert res.returncode == 0, res.stderr
+    other = json.loads(res.stdout)
     res = shim_host.run_cli("runs", "pull", "local", "mc", "--to", str(tmp_path / "out"), env=env)
     assert res.returncode == 0, res.stderr
     card = (tmp_path / "out" / "export" / "README.md").read_text()
@@ -309,6 +316,10 @@ def test_the_model_card_of_a_real_run_has_both_tau_figures_and_the_speedup(shim_
         f"mean of per-prompt tau (as z-lab's benchmark.py reports), {report['tau']:.3f} pooled"
     ) in card
     assert f"- speedup over the target alone (`dflashctl eval`, the same machine): {report['speedup']:.2f}x" in card
+    assert (
+        f"- `dflashctl eval --prompts` on `mine` (greedy, 1 prompts x up to 8 new tokens, on cpu): tau "
+        f"{other['tau_prompt_mean']:.3f} mean of per-prompt tau"
+    ) in card
     assert "- trained on: CPU (host `local`)" in card and "- steps: 4 of 4 steps" in card
     assert "- source: the target's own greedy continuations of random prompts (the demo data)" in card
     assert "base_model" not in _front_matter(card)

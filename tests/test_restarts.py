@@ -230,10 +230,44 @@ def test_a_follow_ends_only_after_the_final_hook_has_written_to_the_log(shim_hos
     command = f"{shim_host.host_entry(SHIM_VMID)['python']} -c {shlex.quote(late)}"
     res, run_id = start(shim_host, "--set", "run.steps=3", "--on-event", command)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.rstrip("\n").endswith("hook: the last word")
+    assert res.stdout.rstrip("\n").endswith("[hook succeeded] hook: the last word")
     assert (run_dir(workdir, run_id) / ".supervisor_done").exists()
     tail = shim_host.run_cli("logs", "tail", "shim", run_id, "-f", "-n", "1")
-    assert tail.returncode == 0 and tail.stdout == "hook: the last word\n"
+    assert tail.returncode == 0 and tail.stdout == "[hook succeeded] hook: the last word\n"
+
+
+def test_a_hooks_line_lands_whole_in_the_log_however_slowly_it_is_written(shim_host, tmp_path):
+    """The hook wrote straight into train.log: half a line of it, another writer's line, then the
+    rest, and the log had a line broken in two. Its lines now reach the log whole, each in one
+    write, marked `[hook EVENT] `. The final event's hook: the trainer has ended, so the test's own
+    line is the only other writer."""
+    workdir = shim_host.container_dir(SHIM_VMID) / "work"
+    install_standin(workdir / "payload")
+    half, go = tmp_path / "half", tmp_path / "go"
+    slow = (
+        "import os, sys, time\n"
+        "if os.environ['DFLASHCTL_EVENT'] == 'succeeded':\n"
+        "    sys.stdout.write('hook: half a line')\n"
+        "    sys.stdout.flush()\n"
+        f"    open({str(half)!r}, 'w').close()\n"
+        "    deadline = time.time() + 60\n"
+        f"    while not os.path.exists({str(go)!r}) and time.time() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        "    print(' and the rest', flush=True)\n"
+        "    sys.stderr.write('hook: no newline at the end')\n"
+    )
+    command = f"{shim_host.host_entry(SHIM_VMID)['python']} -c {shlex.quote(slow)}"
+    res = shim_host.run_cli("train", "shim", "--no-push", "--set", "run.steps=2", "--detach", "--on-event", command)
+    log = run_dir(workdir, res.stdout.strip()) / "train.log"
+    wait_until(half.exists, 60, "the hook's half line")
+    with open(log, "a") as fh:
+        fh.write("another writer's line\n")
+    go.touch()
+    wait_until(lambda: (log.parent / ".supervisor_done").exists(), 60, "the supervisor to end")
+    lines = log.read_text().splitlines()
+    assert "another writer's line" in lines
+    assert "[hook succeeded] hook: half a line and the rest" in lines
+    assert lines[-1] == "[hook succeeded] hook: no newline at the end"
 
 
 @pytest.mark.slow

@@ -3,14 +3,17 @@ session of its own, so that an interrupted call can reach the command and everyt
 through a second session (over SSH without a terminal, closing the channel sends the command no
 signal: it would run on). Stdlib only.
 
-    python -S -c <this source> run TOKEN ARGV...   run ARGV; exit as it exits
+    python -S -c <this source> run TOKEN ARGV...   run ARGV; exit as it exits (255: killed by a signal)
     python -S -c <this source> stop TOKEN          end what `run TOKEN` started
     python -S -c <this source> interrupt TOKEN     send it SIGINT once, as a terminal's Ctrl-C would
 
 `run` forks: the child starts a new session (its pid names it) and execs ARGV with the caller's
 stdin, stdout and stderr untouched, so every byte and the exit code are the command's own. The
 parent drops its copies of the streams, ignores the terminal's SIGINT and SIGQUIT (a `local` exec
-shares the terminal), waits, and exits with the child's code or dies of the child's signal.
+shares the terminal), waits, and exits with the child's code, or with 255 when a signal killed the
+child: what ssh reports for that, and an exit status, which sshd sends and the client reads at once
+(dying of the signal made sshd send `exit-signal`, which paramiko ignores: the client learnt of the
+end only when the channel closed, then waited a second to tell it from a dropped connection).
 
 `stop` first leaves a mark (STOPPED, in /tmp) that a `run TOKEN` not started yet obeys: its child
 checks it after starting its session and before the exec, so a Ctrl-C a moment after the call
@@ -29,6 +32,7 @@ import signal
 import sys
 import time
 
+EXIT_SIGNALLED = 255  # the command was killed by a signal (as ssh reports it)
 INT_GRACE_S = 2.0
 TERM_GRACE_S = 3.0
 SIGKILL_WAIT_S = 10.0
@@ -40,7 +44,7 @@ MARK_TTL_S = 600.0
 
 
 def run(token, argv):
-    """Run argv in a new session; returns its exit code (or dies of its signal)."""
+    """Run argv in a new session; returns its exit code (EXIT_SIGNALLED when a signal killed it)."""
     child = os.fork()
     if child == 0:
         try:
@@ -66,15 +70,7 @@ def run(token, argv):
     except OSError:
         pass
     sweep_marks()
-    if os.WIFSIGNALED(status):
-        import resource
-
-        sig = os.WTERMSIG(status)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # die of it as the child did, without a core of our own
-        if sig != signal.SIGKILL:  # SIGKILL (the OOM killer's) has no handler to reset: setting one raises
-            signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 255
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else EXIT_SIGNALLED
 
 
 def sweep_marks():

@@ -1,6 +1,6 @@
 """`python -m dflash_train.evaluate RUN_DIR [--prompts FILE|-] [--max-new-tokens N] [--count K]
-[--temperature T] [--seed S] [--no-baseline]`: a finished run's exported drafter against its
-target, by real speculative decoding (greedy by default), beside the free baseline.
+[--temperature T] [--seed S] [--no-baseline] [--report NAME]`: a finished run's exported drafter
+against its target, by real speculative decoding (greedy by default), beside the free baseline.
 
 For each prompt it times the target alone (KV-cached greedy decode) and the speculative loop,
 checks (greedy) that both produced the same tokens (or, where they part, that the target's two
@@ -10,7 +10,8 @@ ms per output token of each and the speedup, and the cost of one verify step (dr
 accept) in target decode steps. Greedy, unless --no-baseline, each prompt is also decoded by
 prompt lookup (lookup.py: proposals copied from the text itself, verified on the same path),
 checked the same way, with its tau and speedup and the drafter's ratios to them. The
-report goes to RUN_DIR/eval.json and, as one JSON line, to stdout; progress lines go to stderr.
+report goes to RUN_DIR/eval.json (--report NAME: RUN_DIR/NAME) and, as one JSON line, to stdout;
+progress lines go to stderr.
 Exit codes: 0 done (also when the outputs differed: the report says so), 2 bad input (no
 export yet, no or empty prompts, a prompt too long for the target's context), 4 torch missing.
 
@@ -338,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="skip the prompt-lookup baseline (measured greedy only)",
     )
+    ap.add_argument("--report", default="eval.json", help="the report's file name in RUN_DIR")
     args = ap.parse_args(argv)
 
     def progress(line: str) -> None:
@@ -377,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"eval missing module: {exc.name or exc}", file=sys.stderr, flush=True)
         return 4
-    (run_dir / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
+    (run_dir / args.report).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report), flush=True)
     return 0
 

@@ -1,12 +1,39 @@
-"""A run's event hook (`--on-event`): run with what happened in its environment, never through a shell."""
+"""A run's event hook (`--on-event`): run with what happened in its environment, never through a
+shell; its output reaches the run's log line by line, each line whole."""
 
 import os
 import signal
 import subprocess
-import sys
+import time
 
 
 HOOK_WAIT_S = 30.0  # how long the supervisor waits for the last event's hook before it exits
+HOOK_POLL_S = 0.05
+
+
+class Hook:
+    """A hook's relay process (see fire): the part of subprocess.Popen that end_hooks uses."""
+
+    def __init__(self, pid):
+        self.pid = pid
+        self.returncode = None
+
+    def poll(self):
+        """Its exit status once it has ended (and is reaped), else None."""
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+        return self.returncode
+
+    def wait(self, timeout):
+        """Its exit status; subprocess.TimeoutExpired when it still runs after timeout seconds."""
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(HOOK_POLL_S)
+        return self.returncode
 
 
 def fire(run_dir, meta, event, state, code=None, log=None):
@@ -26,32 +53,52 @@ def fire(run_dir, meta, event, state, code=None, log=None):
         DFLASHCTL_HOST=meta.get("host") or "",
         DFLASHCTL_RUN_DIR=run_dir,
     )
-    note = "dflashctl: event %s\n" % event
-    out = open(log, "ab") if log else None  # never this process's stdout there: it carries the answer
+    out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if log else 1
     try:
-        if out:
-            out.write(note.encode())
-            out.flush()
-        else:
-            sys.stdout.write(note)
-            sys.stdout.flush()
-        return subprocess.Popen(
-            argv,
-            cwd=run_dir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            stdout=out,
-            stderr=out,
-            close_fds=True,
+        os.write(out, ("dflashctl: event %s\n" % event).encode())
+        # A process of its own between the hook and the log: the hook writes to it through a pipe, and it
+        # writes each line whole, so no other writer's line lands inside one. Forked, not started
+        # afresh: this agent's files may be pruned under a long run (agent.py keeps the newest few).
+        pid = os.fork()
+        if pid == 0:
+            _relay_process(argv, env, run_dir, out, ("[hook %s] " % event).encode())
+        return Hook(pid)
+    finally:
+        if log:
+            os.close(out)
+
+
+def _relay_process(argv, env, cwd, out, prefix):
+    """The forked relay: its own session (the hook's too, so that end_hooks stops both), the log
+    as its only descriptor besides /dev/null; runs the hook and exits with its code. Never returns."""
+    code = 1
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.closerange(3, 65536)  # the caller's others (an SSH channel's pipes, the runs lock) stay theirs
+        code = relay(argv, env, cwd, prefix)
+    finally:
+        os._exit(code)
+
+
+def relay(argv, env, cwd, prefix):
+    """Run the hook with its stdout and stderr on a pipe and write each line of it to stdout in one
+    write, after prefix (a last line without its newline gets one); the hook's exit code."""
+    try:
+        hook = subprocess.Popen(
+            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
     except OSError as exc:
-        if not out:
-            print("dflashctl: the event hook cannot start: %s" % exc, flush=True)
-        return None
-    finally:
-        if out:
-            out.close()
+        os.write(1, ("dflashctl: the event hook cannot start: %s\n" % exc).encode())
+        return 127
+    # A stop of the session (end_hooks) is the hook's: its last words are still passed on; SIGKILL ends both.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for line in hook.stdout:
+        os.write(1, prefix + (line if line.endswith(b"\n") else line + b"\n"))
+    return hook.wait()
 
 
 def end_hooks(hooks):

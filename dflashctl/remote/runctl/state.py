@@ -102,7 +102,8 @@ def summary(run_dir, meta):
         last=last_metrics(run_dir),
         now_ts=time.time(),
         reason=read_reason(run_dir) if state != "running" else None,
-        eval=eval_figures(run_dir),
+        eval=eval_figures(run_dir, EVAL),
+        evals=other_evals(run_dir),
     )
     return out
 
@@ -118,9 +119,10 @@ def report_lost(run_dir, meta):
     fire(run_dir, meta, "lost", "lost", log=os.path.join(run_dir, LOG))
 
 
-def eval_figures(run_dir):
-    """The headline of `dflashctl eval`'s report (eval.json), or None before one was made."""
-    report = read_json(os.path.join(run_dir, EVAL))
+def eval_figures(run_dir, name):
+    """The headline of a `dflashctl eval` report (eval.json: on the run's own prompts), or None
+    before one was made."""
+    report = read_json(os.path.join(run_dir, name))
     if not isinstance(report, dict):
         return None
     keys = ("tau", "tau_prompt_mean", "speedup", "identical", "prompts", "max_new_tokens", "device", "temperature")
@@ -129,6 +131,21 @@ def eval_figures(run_dir):
     if isinstance(baseline, dict):  # prompt lookup on the same decode path (eval's default)
         figures["baseline"] = {k: baseline.get(k) for k in ("method", "tau", "tau_prompt_mean", "speedup")}
     return figures
+
+
+def other_evals(run_dir):
+    """{prompts name: headline} of `dflashctl eval --prompts FILE`'s reports, eval-<FILE's stem>.json."""
+    try:
+        names = sorted(os.listdir(run_dir))
+    except OSError:
+        return {}
+    found = {}
+    for name in names:
+        if name.startswith("eval-") and name.endswith(".json"):
+            figures = eval_figures(run_dir, name)
+            if figures is not None:
+                found[name[len("eval-") : -len(".json")]] = figures
+    return found
 
 
 def all_runs(root):

@@ -160,7 +160,8 @@ def wait_in_queue(run_dir, meta, stop_flag):
             return False
         with runs_lock(root):
             if not conflicts(root, meta["gpus"]) and not queued_ahead(root, meta["gpus"], meta["run_id"]):
-                update_meta(run_dir, queued=False, dequeued_at=utc_iso(time.time()))
+                now = time.time()
+                update_meta(run_dir, queued=False, dequeued_at=utc_iso(now), dequeued_ts=now)
                 print("dflashctl: GPUs %s free: starting" % ",".join(meta["gpus"]), flush=True)
                 return True
         time.sleep(QUEUE_POLL_S)
