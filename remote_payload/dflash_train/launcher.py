@@ -31,6 +31,7 @@ from pathlib import Path
 
 from .checkpoint import StopFlag, latest_checkpoint
 from .config import Config, ConfigError, dump_yaml
+from .distributed import AGREED_STOP_ENV
 
 POLL_S = 0.1
 
@@ -83,7 +84,7 @@ def child_env(r: Rank, world: int, port: int, run_id: str) -> dict[str, str]:
     """The multi-host environment (docs/multihost.md) for rank r of a group on this host."""
     env = dict(os.environ)
     # The ranks' stop agreement is this host's own business: runctl hears of a stop from this process.
-    env.pop("DFLASHCTL_AGREED_STOP_FILE", None)
+    env.pop(AGREED_STOP_ENV, None)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     env.update(

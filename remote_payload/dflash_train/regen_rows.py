@@ -54,9 +54,7 @@ class Options:
     top_p: float = 1.0
     seed: int = 0
     thinking: bool | None = None  # None: the chat template's default
-    batch_size: int | None = (
-        1  # rows per batch (the builtin engine pads a batch's generation to it; None: its auto_batch)
-    )
+    batch_size: int | None = 1  # rows per batch (builtin: pads each batch's generation to it; None: auto_batch)
     stop: threading.Event = field(default_factory=threading.Event)
 
 
