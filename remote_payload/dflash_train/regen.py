@@ -160,7 +160,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--batch-size",
         type=int,
-        help="rows per batch (builtin: the largest up to 64 that fits the GPU memory, 32 on CPU; openai: 1)",
+        help="rows per batch (builtin: the largest up to 128 that fits the GPU memory, 32 on CPU; openai: 1)",
     )
     ap.add_argument("--tokenizer", help="HF tokenizer directory (default: target.path; openai: none)")
     ap.add_argument("--preset", help="builtin: the target's preset (tiny, qwen3-8b)")

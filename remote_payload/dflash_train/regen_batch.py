@@ -1,10 +1,10 @@
 """The builtin regen engine's default batch: the largest that fits the GPU's memory, up to
 MAX_AUTO_BATCH. A step reads the whole target at any batch (5.4 ms at batch 1, 7.1 ms at 64 at the
 Qwen3-8B shape on an H200), so output tokens/s grow with the batch until the KV cache fills the
-memory: batch 64 wrote 8,434 tok/s there, 32 (the old fixed default) 4,999 (docs/performance.md,
-run 31). The rule reads only the GPU's total memory and the target's config, never its free memory,
-so a resumed run on the same machine gets the same batches and seeds as the run it continues.
-Standard library only (the device memory is handed in)."""
+memory: there batch 32 (the old fixed default) wrote 4,999 tok/s, 64 8,434-8,449 and 128 12,446
+(docs/performance.md, runs 31-32). The rule reads only the GPU's total memory and the target's
+config, never its free memory, so a resumed run on the same machine gets the same batches and
+seeds as the run it continues. Standard library only (the device memory is handed in)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .config import TargetConfig
 
-MAX_AUTO_BATCH = 64  # measured (run 31); larger batches not yet measured
+MAX_AUTO_BATCH = 128  # the largest measured (run 32: 1.47x batch 64's rate); 256 not measured
 PROMPT_ALLOWANCE = 1024  # prompt tokens planned per row; longer prompts make a larger cache
 CAPACITY_STEP = 1024  # cache positions are allocated in steps of this: fewer decoder shapes, each warmed up once
 MEMORY_SHARE = 0.85  # of the total memory: the rest for the CUDA context, other processes' slack

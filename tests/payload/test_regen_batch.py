@@ -26,10 +26,11 @@ def test_weight_count_is_the_models_parameter_count():
     assert abs(counted - sum(params.values())) / sum(params.values()) < 1e-3  # norms are not counted
 
 
-def test_an_h200_and_an_80_gb_gpu_get_the_largest_batch_a_24_gb_one_a_batch_that_fits():
+def test_an_h200_and_an_80_gb_gpu_get_the_largest_batch_smaller_ones_a_batch_that_fits():
     t = qwen3_8b()
     assert auto_batch(t, "bf16", 512, 141 * GIB)[0] == MAX_AUTO_BATCH
     assert auto_batch(t, "bf16", 512, 80 * GIB)[0] == MAX_AUTO_BATCH
+    assert auto_batch(t, "bf16", 512, 48 * GIB)[0] == MAX_AUTO_BATCH // 2
     small, why = auto_batch(t, "bf16", 512, 24 * GIB)
     assert 1 <= small < 32  # the old fixed default (32) does not fit beside 16 GB of weights
     room = 0.85 * 24 * GIB - weight_bytes(t, 2) - 3 * GIB
