@@ -69,7 +69,7 @@ def data_list(
     host: Optional[str] = typer.Argument(None, help="Host (default host if omitted).", autocompletion=complete_host),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """The datasets on a host: name, size, rows, sha256 prefix."""
+    """The datasets on a host: name, kind (a data regen's errors file is no dataset), size, rows, sha256 prefix."""
     from rich.console import Console
     from .data import list_data
     from .runs import fmt_bytes
@@ -82,8 +82,12 @@ def data_list(
         return
     show(
         Console(),
-        [Column("name"), Column("size", "right"), Column("rows", "right"), Column("sha256")],
-        [[d["name"], fmt_bytes(d["size"]), str(d["rows"]), d["sha256"][:12]] for d in datasets],
+        [Column("name"), Column("kind"), Column("size", "right"), Column("rows", "right"), Column("sha256")],
+        [
+            [d["name"], f"errors of {d['errors_of']}" if d.get("errors_of") else "dataset"]
+            + [fmt_bytes(d["size"]), str(d["rows"]), d["sha256"][:12]]
+            for d in datasets
+        ],
         title=f"datasets on {target.label}",
     )
 
