@@ -35,6 +35,7 @@ def data_push(
     from rich.text import Text
     from .data import push_data
     from .runs import fmt_bytes
+    from .tables import counted
 
     target = app_state(ctx).session().target(host)
     out = Console()
@@ -42,7 +43,7 @@ def data_push(
         verb = "sent" if done.sent else "unchanged"
         out.print(
             Text(
-                f"{done.name}: {verb}, {fmt_bytes(done.size)}, {done.rows} rows, sha256 {done.sha256[:12]} "
+                f"{done.name}: {verb}, {fmt_bytes(done.size)}, {counted(done.rows, 'row')}, sha256 {done.sha256[:12]} "
                 f"({_use_hint(target.host.name, done)})"
             ),
             soft_wrap=True,

@@ -189,6 +189,8 @@ def test_the_use_hint_follows_the_rows_kind(shim_host, tmp_path):
     res = shim_host.run_cli("data", "push", "shim", str(ids), str(chat), str(prompts), str(mixed))
     assert res.returncode == 0, res.stderr
     hints = {line.split(":")[0]: line.split(" (", 1)[1] for line in res.stdout.splitlines()}
+    counts = [line.split(", ")[2] for line in res.stdout.splitlines()]
+    assert counts == ["3 rows", "1 row", "1 row", "2 rows"]  # a one-row file said "1 rows"
     train = "train on it with --set data.source=jsonl --set data.train_path=data:{})"
     assert hints["ids.jsonl"] == train.format("ids.jsonl") and hints["chat.jsonl"] == train.format("chat.jsonl")
     regen = (
