@@ -7,10 +7,11 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from .config_yaml import read_yaml
 
 
 class ConfigError(ValueError):
@@ -291,10 +292,7 @@ def load_config(path: str | None = None, preset: str | None = None, overrides: l
     """Preset (default tiny), then the YAML file, then `a.b=c` overrides, validated."""
     file_data: dict[str, Any] = {}
     if path is not None:
-        try:
-            file_data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config {path}: {str(exc).splitlines()[0]}") from None
+        file_data = read_yaml(path, ConfigError) or {}
         if not isinstance(file_data, dict):
             raise ConfigError(f"config {path} must be a mapping at top level")
     explicit = preset or file_data.pop("preset", None)
