@@ -386,5 +386,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from .fast_exit import exit_now
+    from .lines import whole_lines
 
+    whole_lines()
     exit_now(main())

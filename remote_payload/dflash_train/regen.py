@@ -37,6 +37,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
+from .lines import say
 from .regen_options import ENGINES, check_options
 from .regen_output import Output, Progress, partial_path
 from .regen_rows import KINDS, Done, Options, RegenError, Row, count_rows, first_row, read_batches
@@ -276,7 +277,7 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
         return None, answer
     from .bytecode import keep_bytecode_saying
 
-    keep_bytecode_saying(cfg.run.bytecode_cache_dir, lambda line: print(line, flush=True))  # before torch
+    keep_bytecode_saying(cfg.run.bytecode_cache_dir, say)  # before torch
     from .regen_builtin import BuiltinEngine  # torch: after the pre-flight's answer
 
     return BuiltinEngine(cfg, list(devices.workers), args.tokenizer or cfg.target.path, opts), answer
@@ -285,17 +286,13 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
 def main(argv: list[str] | None = None) -> int:
     """Parse, check, regenerate; the exit code (see the module docstring)."""
     args = parse_args(argv)
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-
     try:
         check_args(args)
         engine, answer = build_engine(args, args.preflight)
         if args.preflight:
             print(json.dumps(answer), flush=True)
             return 0
-        return run(args, engine, log)
+        return run(args, engine, say)
     except RegenError as exc:
         return _fail(args.preflight, "config", str(exc), EXIT_USAGE)
     except ImportError as exc:
@@ -387,5 +384,7 @@ def refuse_empty(out: Output, total: int) -> None:
 
 if __name__ == "__main__":
     from .fast_exit import exit_now
+    from .lines import whole_lines
 
+    whole_lines()
     exit_now(main())
