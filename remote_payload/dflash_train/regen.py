@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Protocol
 from .lines import say
 from .regen_options import ENGINES, check_options
 from .regen_output import Output, Progress, partial_path
-from .regen_rows import KINDS, Done, Options, RegenError, Row, count_rows, first_row, read_batches
+from .regen_rows import Done, Options, RegenError, Row, Survey, read_batches, survey_rows
 
 EXIT_FAILED, EXIT_USAGE, EXIT_MISSING = 1, 2, 4
 DEFAULT_BATCH = {"builtin": None, "openai": 1}  # builtin: the largest that fits (regen_batch)
@@ -208,27 +208,27 @@ def check_args(args: argparse.Namespace) -> None:
                 )
 
 
-def check_tokenizer(args: argparse.Namespace, target_path: str | None) -> None:
-    """When the first row needs a tokenizer (chat or prompt rows with the builtin engine, prompt
-    or token rows with openai): one is configured and `transformers` is there to load it."""
-    first = first_row(Path(args.prompts))
-    kind = next((k for k in KINDS if k in first), None) if first is not None else None
+def check_tokenizer(args: argparse.Namespace, target_path: str | None, survey: Survey) -> None:
+    """When any row needs a tokenizer (chat or prompt rows with the builtin engine, prompt or
+    token rows with openai): one is configured and `transformers` is there to load it."""
     needs = ("messages", "prompt") if args.engine == "builtin" else ("prompt", "input_ids")
-    if kind not in needs:
+    found = sorted((survey.first[k], k) for k in needs if k in survey.first)
+    if not found:
         return
+    line, kind = found[0]
     if not (args.tokenizer or target_path):
         how = (
             "need a tokenizer: --tokenizer DIR, or target.path"
             if args.engine == "builtin"
             else "come back as text: the openai engine needs --tokenizer DIR to turn them into input_ids"
         )
-        raise RegenError(f"{args.prompts} has {kind} rows, which {how}")
+        raise RegenError(f"{args.prompts} has {kind} rows (the first on line {line}), which {how}")
     if importlib.util.find_spec("transformers") is None:
         raise ImportError("transformers is needed for the tokenizer", name="transformers")
 
 
-def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | None, dict]:
-    """The engine (None for a pre-flight) and the pre-flight's answer fields."""
+def build_engine(args: argparse.Namespace, preflight: bool, survey: Survey) -> tuple[Engine | None, dict]:
+    """The engine (None for a pre-flight) and the pre-flight's answer fields; `survey`: the prompts'."""
     opts = Options(
         args.max_new_tokens,
         args.temperature,
@@ -240,7 +240,7 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
     if args.engine == "openai":
         from .regen_openai import OpenAIEngine
 
-        check_tokenizer(args, None)
+        check_tokenizer(args, None, survey)
         # The pre-flight's one format (plan.preflight_answer); the server holds the model, the run nothing.
         answer = {
             "ok": True,
@@ -257,7 +257,7 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
     from .regen_plan import resolve_target
 
     cfg, devices = resolve_target(args.preset, args.overrides, args.gpus)
-    check_tokenizer(args, cfg.target.path)
+    check_tokenizer(args, cfg.target.path, survey)
     summary = [
         f"engine: builtin, target {cfg.target.path or 'random ' + str(cfg.target.num_layers) + ' layers'}"
         f", {cfg.run.dtype}, devices {', '.join(devices.workers)} ({devices.reason})"
@@ -288,11 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         check_args(args)
-        engine, answer = build_engine(args, args.preflight)
+        survey = survey_rows(Path(args.prompts))  # the one pass over the prompts before the run
+        engine, answer = build_engine(args, args.preflight, survey)
         if args.preflight:
             print(json.dumps(answer), flush=True)
             return 0
-        return run(args, engine, say)
+        return run(args, engine, say, survey.rows)
     except RegenError as exc:
         return _fail(args.preflight, "config", str(exc), EXIT_USAGE)
     except ImportError as exc:
@@ -311,8 +312,8 @@ def _fail(preflight: bool, kind: str, message: str, code: int, **extra: Any) -> 
     return code
 
 
-def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) -> int:
-    """Open the output, regenerate what is missing, finish; the exit code."""
+def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None], total: int) -> int:
+    """Open the output, regenerate what is missing of the `total` rows, finish; the exit code."""
     stop, signals = engine.options.stop, []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -326,7 +327,6 @@ def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) ->
             log(f"regen: {args.out} is complete already; nothing to do")
             return 0
         start = out.open()
-        total = count_rows(Path(args.prompts))
         batch = engine.options.batch_size
         if start > total:
             raise RegenError(
