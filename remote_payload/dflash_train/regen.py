@@ -34,6 +34,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
@@ -43,6 +44,7 @@ from .regen_output import Output, Progress, partial_path
 from .regen_rows import Done, Options, RegenError, Row, Survey, read_batches, survey_rows
 
 EXIT_FAILED, EXIT_USAGE, EXIT_MISSING = 1, 2, 4
+QUIET_S = 60.0  # no row finished for this long (a server that accepts and never answers): say so, as often
 DEFAULT_BATCH = {"builtin": None, "openai": 1}  # builtin: the largest that fits (regen_batch)
 
 
@@ -58,6 +60,9 @@ class Engine(Protocol):
 
     def run(self, worker: int, batch: int, rows: list[Row]) -> list[Done] | None:
         """Results for the batch's rows in order (None: abandoned for a stop, redone on resume)."""
+
+    def waiting(self) -> str | None:
+        """What the workers wait on, for the note when no row has finished for a while (None: no note)."""
 
 
 # --- the scheduler --------------------------------------------------------------------------------
@@ -100,6 +105,7 @@ def regenerate(
     pending: dict[int, list[Done] | None] = {}  # finished out of order (None: abandoned or failed)
     expected = None  # the batch to write next
     in_flight, alive, exhausted, failure = 0, len(threads), False, None
+    quiet = Quiet(engine, progress.log)
     while True:
         while not (stop.is_set() or failure is not None or exhausted) and in_flight + len(pending) < window:
             item = next(batches, None)
@@ -114,7 +120,9 @@ def regenerate(
         try:
             number, result = results.get(timeout=0.2)
         except queue.Empty:
+            quiet.check()
             continue
+        quiet.reset()
         if number is None:  # a worker could not set up
             failure, alive = failure or result, alive - 1
             continue
@@ -137,6 +145,30 @@ def regenerate(
         t.join()
     progress.update(output.next_index, output.failed, 0, final=True)
     return failure
+
+
+class Quiet:
+    """The note when no row has finished for QUIET_S, repeated as often while none does: each
+    request to a server that accepts and never answers waits minutes, in silence otherwise."""
+
+    def __init__(self, engine: Engine, log: Callable[[str], None]):
+        self.engine, self.log = engine, log
+        self.reset()
+
+    def reset(self) -> None:
+        """A result came back."""
+        self.since = time.monotonic()
+        self.due = self.since + QUIET_S
+
+    def check(self) -> None:
+        """Log the note when it is due and the engine has something to say."""
+        now = time.monotonic()
+        if now < self.due:
+            return
+        self.due = now + QUIET_S
+        what = self.engine.waiting()
+        if what:
+            self.log(f"regen: no row finished in the last {now - self.since:.0f} s; {what}")
 
 
 # --- the program ----------------------------------------------------------------------------------

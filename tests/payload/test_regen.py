@@ -241,24 +241,11 @@ def standin(tmp_path):
     """Start the stand-in server (failing its first 2 requests: 500, then 429); yields (url, log path)."""
     procs = []
 
-    def start(fail: int = 2, statuses: str = "500,429") -> tuple[str, Path]:
+    def start(fail: int = 2, statuses: str = "500,429", hold_until: Path | None = None) -> tuple[str, Path]:
         port_file, log = tmp_path / f"port{len(procs)}", tmp_path / f"requests{len(procs)}.jsonl"
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(STANDIN),
-                    "--port-file",
-                    str(port_file),
-                    "--fail",
-                    str(fail),
-                    "--fail-status",
-                    statuses,
-                    "--log",
-                    str(log),
-                ]
-            )
-        )
+        argv = [sys.executable, str(STANDIN), "--port-file", str(port_file), "--fail", str(fail)]
+        argv += ["--fail-status", statuses, "--log", str(log)]
+        procs.append(subprocess.Popen(argv + (["--hold-until", str(hold_until)] if hold_until else [])))
         deadline = time.monotonic() + 30
         while not port_file.exists():
             assert time.monotonic() < deadline, "the stand-in did not start"
