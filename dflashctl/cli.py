@@ -98,7 +98,29 @@ def main() -> None:
 
 def _interrupt(state: AppState, signum: int, frame: object) -> None:
     state.interrupted, state.signum = True, signum
+    if _starting_a_thread(frame):
+        _signal_again(signum)
+        return
     raise Interrupted()
+
+
+def _starting_a_thread(frame: object) -> bool:
+    """Whether the signal came in threading.Thread.start's own frame. Raised there, just after the new
+    thread came to be, start's `except Exception` undoes its bookkeeping under that thread, which then
+    dies of a KeyError that CPython prints (`Exception ignored in thread started by ...`), or the CLI
+    ends with `internal error: KeyError`."""
+    import threading
+
+    return getattr(frame, "f_code", None) is threading.Thread.start.__code__
+
+
+def _signal_again(signum: int) -> None:
+    """Send this main thread the signal again from a bare thread (one C call: no threading bookkeeping
+    to break), so that it is raised a moment later, once start has moved on."""
+    import _thread
+    import signal
+
+    _thread.start_new_thread(signal.pthread_kill, (_thread.get_ident(), signum))
 
 
 def _interrupted_line(state: AppState, exc: Interrupted) -> str:

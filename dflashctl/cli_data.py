@@ -35,6 +35,7 @@ def data_push(
     from rich.text import Text
     from .data import push_data
     from .runs import fmt_bytes
+    from .tables import counted
 
     target = app_state(ctx).session().target(host)
     out = Console()
@@ -42,7 +43,7 @@ def data_push(
         verb = "sent" if done.sent else "unchanged"
         out.print(
             Text(
-                f"{done.name}: {verb}, {fmt_bytes(done.size)}, {done.rows} rows, sha256 {done.sha256[:12]} "
+                f"{done.name}: {verb}, {fmt_bytes(done.size)}, {counted(done.rows, 'row')}, sha256 {done.sha256[:12]} "
                 f"({_use_hint(target.host.name, done)})"
             ),
             soft_wrap=True,
@@ -69,7 +70,7 @@ def data_list(
     host: Optional[str] = typer.Argument(None, help="Host (default host if omitted).", autocompletion=complete_host),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """The datasets on a host: name, size, rows, sha256 prefix."""
+    """The datasets on a host: name, kind (a data regen's errors file is no dataset), size, rows, sha256 prefix."""
     from rich.console import Console
     from .data import list_data
     from .runs import fmt_bytes
@@ -82,8 +83,12 @@ def data_list(
         return
     show(
         Console(),
-        [Column("name"), Column("size", "right"), Column("rows", "right"), Column("sha256")],
-        [[d["name"], fmt_bytes(d["size"]), str(d["rows"]), d["sha256"][:12]] for d in datasets],
+        [Column("name"), Column("kind"), Column("size", "right"), Column("rows", "right"), Column("sha256")],
+        [
+            [d["name"], f"errors of {d['errors_of']}" if d.get("errors_of") else "dataset"]
+            + [fmt_bytes(d["size"]), str(d["rows"]), d["sha256"][:12]]
+            for d in datasets
+        ],
         title=f"datasets on {target.label}",
     )
 

@@ -106,7 +106,10 @@ def train_cmd(
         None, "--source", help="Payload directory to push (default: the trainer that ships with dflashctl)."
     ),
     rdzv_port: Optional[int] = typer.Option(
-        None, "--rdzv-port", help="Several hosts: the rendezvous (MASTER_PORT) on the first host (default 29500)."
+        None,
+        "--rdzv-port",
+        help="Several hosts: the rendezvous (MASTER_PORT) on the first host (default 29500). "
+        "With --resume: move a run's rendezvous there (its port was taken since).",
     ),
     env_items: List[str] = typer.Option(
         [],
@@ -153,7 +156,6 @@ def train_cmd(
             ("--max-restarts", max_restarts),
             ("--queue", queue),  # a resume never waited: it was dropped unsaid
             ("--on-event", on_event is not None),  # the run keeps its hook (dropped unsaid before too)
-            ("--rdzv-port", rdzv_port is not None),  # the run's rendezvous is recorded on its nodes
         ),
     )
     hosts = session.inventory.resolve_many(host)
@@ -250,6 +252,10 @@ def _resume(state: AppState, session: Session, hosts: list, opts: TrainOptions) 
 
     run_id, group = find_run(session, hosts, opts.resume)
     if group is None:
+        if opts.rdzv_port is not None:
+            raise UsageError(
+                f"run {run_id} ran on {hosts[0].name} alone: it has no rendezvous to move (drop --rdzv-port)"
+            )
         return _train_one(state, session, hosts[0].name, opts)
     err = Console(stderr=True)
     nodes, started = resume_group(
@@ -261,6 +267,7 @@ def _resume(state: AppState, session: Session, hosts: list, opts: TrainOptions) 
         push=not opts.no_push,
         source=opts.source,
         console=err,
+        rdzv_port=opts.rdzv_port,
     )
     return _follow_group(state, session, nodes, started, opts.follow, err, verb="resumed")
 
@@ -269,9 +276,7 @@ def _refuse_with_resume(resume: Optional[str], flags: tuple) -> None:
     """--resume continues a run as it was: any of these (flag, value) pairs given is a UsageError."""
     given = [flag for flag, value in flags if value]
     if resume is not None and given:
-        raise UsageError(
-            f"--resume continues a run as it was started (config, GPUs, hook, rendezvous): drop {', '.join(given)}"
-        )
+        raise UsageError(f"--resume continues a run as it was started (config, GPUs, hook): drop {', '.join(given)}")
 
 
 def _train_group(state: AppState, session: Session, hosts: list, opts: TrainOptions) -> int:

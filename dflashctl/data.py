@@ -20,6 +20,9 @@ CHUNK = 1 << 20
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 TOKEN_IDS = "token ids (integers >= 0)"
 TRAIN_KINDS = frozenset({"input_ids", "messages"})  # the rows the trainer reads; `prompt` rows are regen's
+# `data regen`'s failed rows ({"index", "reason"}) beside its output X.jsonl: X.errors.jsonl
+# (remote_payload's regen_output.errors_path). Never a dataset: no push, regen or training run takes the name.
+ERRORS_SUFFIX = ".errors.jsonl"
 
 
 class BadRow(ValueError):
@@ -171,12 +174,29 @@ def check_name(name: str) -> str:
     """A dataset name as `data/` holds it (UsageError otherwise)."""
     if not name or len(name) > 200 or name[0] in "._-" or not set(name) <= NAME_CHARS:
         raise UsageError(f"dataset name {name!r}: letters, digits, '.', '_' and '-' (not first), at most 200")
+    if errors_of(name):
+        raise UsageError(
+            f"dataset name {name!r}: a name ending {ERRORS_SUFFIX} is a data regen's errors file (its failed rows), "
+            "not a dataset: choose another"
+        )
     return name
 
 
+def errors_of(name: str) -> str | None:
+    """The regen output whose errors file `name` is (X.jsonl for X.errors.jsonl), or None for a dataset."""
+    if name.endswith(ERRORS_SUFFIX) and len(name) > len(ERRORS_SUFFIX):
+        return name[: -len(ERRORS_SUFFIX)] + ".jsonl"
+    return None
+
+
 def list_data(target: Target) -> list[dict[str, Any]]:
-    """The host's datasets: name, size, rows, sha256."""
-    return _call(target, ["list", target.host.workdir])["datasets"]
+    """The host's files in data/: name, size, rows, sha256, and kind (a dataset, or the errors
+    file of a data regen with `errors_of` its output's name)."""
+    found = _call(target, ["list", target.host.workdir])["datasets"]
+    for entry in found:
+        of = errors_of(entry["name"])
+        entry.update({"kind": "errors", "errors_of": of} if of else {"kind": "dataset"})
+    return found
 
 
 def push_data(

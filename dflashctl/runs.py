@@ -212,12 +212,14 @@ def resume_run(
     group: dict[str, Any] | None = None,
     check: bool = False,
     preflight: bool = True,
+    rdzv_port: int | None = None,
 ) -> StartedRun:
     """Start an ended run again in its own directory, from its newest checkpoint (`--resume`),
     on the payload now in the container (pre-flight and GPU check as for a new run). A run of
     another kind (a data run given to `train --resume`) is refused. group: the run's group as
     recorded, when every node resumes (multihost_resume.py; runctl refuses a node of a group
-    without it); check: make every check, start nothing."""
+    without it); check: make every check, start nothing; rdzv_port: the group's rendezvous moves
+    there (run.json and MASTER_PORT, written by runctl under its lock)."""
     spec = {
         "cwd": f"{target.host.workdir}/payload",
         "payload_hash": payload_hash,
@@ -227,6 +229,7 @@ def resume_run(
         "kind": kind,
         "group": group,
         "check": check,
+        "rdzv_port": rdzv_port,
     }
     answer = call(
         target,

@@ -129,3 +129,8 @@ def notes(console: Console, items: Sequence[tuple[str, str, str]]) -> None:
             console.print(Text(f"{label}: ", style="bold") + Text(detail), highlight=False, soft_wrap=wrap)
         if hint:
             console.print(Text("  hint: ", style="cyan") + Text(hint), highlight=False, soft_wrap=wrap)
+
+
+def counted(n: int, noun: str) -> str:
+    """`1 row`, `0 rows`, `12 rows`: a count as one reads it (nouns that add an s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -59,8 +59,20 @@ def check_config(
 
 def check_data_source(data: dict[str, Any]) -> None:
     """A data file named while data.source reads none is a UsageError: the trainer would train on
-    its demo or random sequences and ignore the file. Checked on the config the trainer's code
-    resolved (`--set` and `--config` alike), since that code accepts it."""
+    its demo or random sequences and ignore the file; so is a data regen's errors file (its failed
+    rows, no training rows). Checked on the config the trainer's code resolved (`--set` and
+    `--config` alike), since that code accepts it."""
+    from .data import errors_of
+
+    for key in ("train_path", "eval_path"):
+        path = str(data.get(key) or "")
+        name = path.rpartition("/")[2].removeprefix("data:")
+        of = errors_of(name)
+        if of:
+            raise UsageError(
+                f"trainer config: data.{key}={path} is the errors file of a data regen (the rows that failed, "
+                f"{{index, reason}}), not a dataset: train on its output, {path[: len(path) - len(name)]}{of}"
+            )
     if "source" not in data or data["source"] == "jsonl":  # another trainer's config, or one that reads files
         return
     for key in ("train_path", "eval_path"):

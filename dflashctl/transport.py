@@ -120,8 +120,8 @@ class Transport(abc.ABC):
         proc = self.start(argv, env=env)
         # From here on a Ctrl-C (the CLI's SIGINT handler raises wherever the main thread is) must
         # kill the command, also while the threads start. The pumps show nothing before all three
-        # have started: a Ctrl-C that answers the command's first output must not land inside
-        # Thread.start (CPython's bookkeeping breaks there and prints a KeyError of its own).
+        # have started: a Ctrl-C that answers the command's first output does not land inside
+        # Thread.start (where the handler would only put it off: cli._starting_a_thread).
         try:
             out, err = bytearray(), bytearray()
             errors: list[BaseException] = []

@@ -36,9 +36,44 @@ def test_push_list_skip_unchanged_and_replace(shim_host, tmp_path):
     changed = shim_host.run_cli("data", "push", "shim", str(a), "--as", "train")
     assert "train: sent" in changed.stdout and (data / "train").read_bytes() == a.read_bytes()
     table = shim_host.run_cli("data", "list", "shim").stdout.splitlines()
-    assert table[0].split() == ["NAME", "SIZE", "ROWS", "SHA256"] and any(line.startswith("train ") for line in table)
+    assert table[0].split() == ["NAME", "KIND", "SIZE", "ROWS", "SHA256"]
+    assert any(line.split()[:2] == ["train", "dataset"] for line in table)
     bad = shim_host.run_cli("data", "push", "shim", str(a), str(b), "--as", "x")
     assert bad.returncode == 2 and "--as names one file" in bad.stderr
+
+
+def test_a_regen_errors_file_is_listed_as_such_and_refused_for_training(shim_host, tmp_path):
+    """`data list` showed a regen's X.errors.jsonl (its failed rows) like a dataset, and `train`
+    took it (failing only in the container). Listed as the errors of X.jsonl now; naming it for
+    training, or pushing under such a name, is one line, exit 2, before anything changes."""
+    work = shim_host.container_dir(SHIM_VMID) / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "chat-regen.jsonl").write_text(rows(3))  # as data regen leaves them
+    (work / "data" / "chat-regen.errors.jsonl").write_text(json.dumps({"index": 1, "reason": "HTTP 400"}) + "\n")
+    listed = {d["name"]: d for d in json.loads(shim_host.run_cli("data", "list", "shim", "--json").stdout)}
+    assert listed["chat-regen.errors.jsonl"]["kind"] == "errors"
+    assert listed["chat-regen.errors.jsonl"]["errors_of"] == "chat-regen.jsonl"
+    assert listed["chat-regen.jsonl"]["kind"] == "dataset" and "errors_of" not in listed["chat-regen.jsonl"]
+    table = [line.split() for line in shim_host.run_cli("data", "list", "shim").stdout.splitlines()]
+    assert ["chat-regen.errors.jsonl", "errors", "of", "chat-regen.jsonl"] in [line[:4] for line in table]
+    assert ["chat-regen.jsonl", "dataset"] in [line[:2] for line in table]
+    sets = ["--set", "data.source=jsonl", "--set", "data.train_path=data:chat-regen.errors.jsonl"]
+    train = shim_host.run_cli("train", "shim", *sets, "--detach")
+    assert (train.returncode, train.stdout) == (2, "")
+    assert train.stderr == (
+        "error: trainer config: data.train_path=data:chat-regen.errors.jsonl is the errors file of a data regen "
+        "(the rows that failed, {index, reason}), not a dataset: train on its output, data:chat-regen.jsonl\n"
+    )
+    assert not (work / "payload").exists() and not (work / "runs").exists()  # nothing pushed or started
+    named = tmp_path / "mine.errors.jsonl"
+    named.write_text(rows(2))
+    push = shim_host.run_cli("data", "push", "shim", str(named))
+    assert (push.returncode, push.stdout) == (2, "")
+    assert push.stderr == (
+        "error: dataset name 'mine.errors.jsonl': a name ending .errors.jsonl is a data regen's errors file "
+        "(its failed rows), not a dataset: choose another\n"
+    )
+    assert not (work / "data" / "mine.errors.jsonl").exists()
 
 
 def test_push_of_a_missing_file_or_a_directory_says_which(shim_host, tmp_path):
@@ -154,6 +189,8 @@ def test_the_use_hint_follows_the_rows_kind(shim_host, tmp_path):
     res = shim_host.run_cli("data", "push", "shim", str(ids), str(chat), str(prompts), str(mixed))
     assert res.returncode == 0, res.stderr
     hints = {line.split(":")[0]: line.split(" (", 1)[1] for line in res.stdout.splitlines()}
+    counts = [line.split(", ")[2] for line in res.stdout.splitlines()]
+    assert counts == ["3 rows", "1 row", "1 row", "2 rows"]  # a one-row file said "1 rows"
     train = "train on it with --set data.source=jsonl --set data.train_path=data:{})"
     assert hints["ids.jsonl"] == train.format("ids.jsonl") and hints["chat.jsonl"] == train.format("chat.jsonl")
     regen = (

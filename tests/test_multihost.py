@@ -585,8 +585,11 @@ def test_a_group_run_resumes_on_every_node_from_any_of_them(pair):
 
 
 def test_a_group_resume_is_refused_before_any_node_starts(pair, tmp_path):
-    """A node still running, a host set that is not the run's nodes, resume-only flags, an
-    unreachable node: one line each, and no node resumed."""
+    """A node still running, a host set that is not the run's nodes, --rdzv-port for a run of one
+    host, an unreachable node: one line each, and no node resumed."""
+    from dflashctl.errors import UsageError
+    from dflashctl.runs import resume_run
+
     run_id = held_group_run(pair)
     running = pair.cli("train", "gpu2", "--no-push", "--resume", run_id)
     assert running.returncode == 6 and running.stdout == "", running.stderr
@@ -600,6 +603,16 @@ def test_a_group_resume_is_refused_before_any_node_starts(pair, tmp_path):
     assert busy.stderr.startswith(f"error: gpu2 (pct 200): GPUs busy: run {blocker} uses cpu")
     assert busy.stderr.rstrip().endswith("; nothing was resumed")
     assert pair.cli("runs", "stop", "gpu2", blocker).returncode == 0
+    alone = pair.cli("train", "gpu2", "--no-push", "--resume", blocker, "--rdzv-port", "29501")
+    assert alone.returncode == 2 and alone.stderr.splitlines() == [
+        f"error: run {blocker} ran on gpu2 alone: it has no rendezvous to move (drop --rdzv-port)"
+    ]
+    with pair.first.session(inventory=pair.inventory) as session, pytest.raises(UsageError) as by_hand:
+        resume_run(session.target("gpu2"), blocker, payload_hash=None, rdzv_port=29501)  # runctl refuses too
+    assert str(by_hand.value).endswith(
+        f"run {blocker} ran on one host: it has no rendezvous to move (drop --rdzv-port)"
+    )
+    assert "resumes" not in pair.meta("gpu2", blocker)
     data = yaml.safe_load(pair.inventory.read_text())
     data["hosts"]["gpu3"] = dict(data["hosts"]["gpu2"])
     three = tmp_path / "three.yaml"
@@ -610,8 +623,6 @@ def test_a_group_resume_is_refused_before_any_node_starts(pair, tmp_path):
     assert wrong.returncode == 2 and wrong.stderr.splitlines() == [
         f"error: run {run_id} ran on shim,gpu2, not shim,gpu3: name one of its hosts, or exactly those"
     ]
-    port = pair.cli("train", "pair", "--no-push", "--resume", run_id, "--rdzv-port", "29501")
-    assert port.returncode == 2 and "drop --rdzv-port" in port.stderr
     data["hosts"]["gpu2"]["port"] = free_port("127.0.0.2")  # nothing listens there
     gone = tmp_path / "gone.yaml"
     gone.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -621,6 +632,41 @@ def test_a_group_resume_is_refused_before_any_node_starts(pair, tmp_path):
     assert unreachable.returncode == 3 and len(unreachable.stderr.splitlines()) == 1, unreachable.stderr
     assert unreachable.stderr.startswith("error: gpu2") and "nothing was resumed" in unreachable.stderr
     assert all("resumes" not in pair.meta(h, run_id) for h in ("shim", "gpu2"))
+
+
+def test_a_group_resume_checks_its_port_and_can_move_the_rendezvous(pair):
+    """Rank 0's recorded port taken since the run stopped: the resume is refused before any node
+    starts (it was a rendezvous failure), and `--rdzv-port P` moves the rendezvous: every node's
+    runctl records it (group.rendezvous, MASTER_PORT). Nodes left with different rendezvous (a move
+    that stopped part-way) need --rdzv-port."""
+    run_id = held_group_run(pair)
+    assert pair.cli("runs", "stop", "shim", run_id).returncode == 0
+    before = {h: pair.meta(h, run_id) for h in ("shim", "gpu2")}
+    addr, _, old_port = before["shim"]["group"]["rendezvous"].rpartition(":")
+    with socket.create_server((addr, int(old_port))):
+        taken = pair.cli("train", "gpu2", "--no-push", "--resume", run_id, "--follow")
+        assert taken.returncode == 6 and taken.stdout == "", taken.stderr
+        assert taken.stderr.splitlines() == [
+            f"error: shim (pct 200): port {old_port} is not free there (Address already in use): rank 0 serves "
+            f"the rendezvous on it; choose another with --rdzv-port"
+        ]
+        assert all("resumes" not in pair.meta(h, run_id) for h in ("shim", "gpu2"))
+        split = pair.run_dir("gpu2", run_id) / "run.json"
+        split.write_text(json.dumps(dict(before["gpu2"], group=dict(before["gpu2"]["group"], rendezvous=f"{addr}:1"))))
+        refused = pair.cli("train", "shim", "--no-push", "--resume", run_id)
+        assert refused.returncode == 2 and refused.stderr.splitlines() == [
+            f"error: gpu2: run {run_id} there records the rendezvous {addr}:1, not {addr}:{old_port}: give every "
+            f"node one with --rdzv-port"
+        ]
+        port = free_port("127.0.0.1")
+        moved = pair.cli("train", "pair", "--no-push", "--resume", run_id, "--rdzv-port", str(port), "--follow")
+    assert moved.returncode == 0, moved.stderr
+    assert f"resumed run {run_id} on shim (rank 0), gpu2 (rank 1), rendezvous {addr}:{port}" in moved.stderr
+    for host in ("shim", "gpu2"):
+        after = pair.meta(host, run_id)
+        assert after["resumes"] == 1 and pair.exit_code(host, run_id) == 0
+        assert after["group"] == dict(before[host]["group"], rendezvous=f"{addr}:{port}")
+        assert after["env"] == dict(before[host]["env"], MASTER_PORT=str(port))
 
 
 def test_a_node_refused_after_the_others_resumed_stops_them_again(pair, monkeypatch):

@@ -196,6 +196,7 @@ def cmd_resume(workdir, selector):
     root = runs_root(workdir)
     with runs_lock(root) as lock:
         run_id, run_dir, meta = resolve(root, selector)
+        group = moved_group(run_id, meta, spec)
         argv, cwd, env = admit_resume(root, run_id, run_dir, meta, spec, interrupts)
         if spec.get("check"):
             emit({"run_id": run_id, "run_dir": run_dir, "pid": None, "gpus": meta.get("gpus"), "checked": True})
@@ -218,6 +219,8 @@ def cmd_resume(workdir, selector):
             resumed_at=utc_iso(now),
             started_ts=now,
         )
+        if group:
+            meta["group"] = group
         write_atomic(os.path.join(run_dir, META), json.dumps(meta, indent=2))
         sup = spawn_supervisor(run_dir, meta, env, lock.fileno())
         meta = wait_for_pids(run_dir, sup)
@@ -246,6 +249,8 @@ def admit_resume(root, run_id, run_dir, meta, spec, interrupts):
         argv.append("--resume")
     cwd = os.path.realpath(os.path.expanduser(spec["cwd"])) if spec.get("cwd") else meta["cwd"]
     env = spec.get("env") or meta.get("env") or {}
+    if spec.get("rdzv_port"):  # the group's rendezvous moves: this node's trainer meets it there
+        env = dict(env, MASTER_PORT=str(spec["rdzv_port"]))
     if spec.get("preflight"):
         preflight(argv, cwd, env, interrupts)
     busy = [] if spec.get("force") else conflicts(root, meta.get("gpus") or [])
@@ -268,6 +273,19 @@ def check_group(run_id, meta, spec):
     if asked and asked != group:
         what = "another group (nodes %s, rank %s)" % (group["nodes"], group["rank"]) if group else "no group"
         raise RunError("usage", "run %s records %s on this host, not the one resumed" % (run_id, what))
+
+
+def moved_group(run_id, meta, spec):
+    """The group with the rendezvous on spec `rdzv_port` (`train --resume --rdzv-port`: rank 0's
+    recorded port was taken since), or None when it stays; a run of one host has none to move."""
+    port = spec.get("rdzv_port")
+    if not port:
+        return None
+    group = meta.get("group")
+    if not group:
+        raise RunError("usage", "run %s ran on one host: it has no rendezvous to move (drop --rdzv-port)" % run_id)
+    addr = str(group["rendezvous"]).rpartition(":")[0]
+    return dict(group, rendezvous="%s:%d" % (addr, int(port)))
 
 
 def preflight(argv, cwd, env, interrupts):
