@@ -564,11 +564,11 @@ class _StrictLoader(yaml.SafeLoader):
         for key, _ in node.value:
             if not isinstance(key, yaml.ScalarNode) or key.tag == _MERGE_TAG:
                 continue
-            line = key.start_mark.line + 1
-            seen = first.setdefault((key.tag, key.value), line)
-            if seen != line:
+            seen = first.get((key.tag, key.value))
+            if seen is not None:
                 problem = f"duplicate key '{key.value}' (first on line {seen})"
                 raise _DuplicateKey(problem=problem, problem_mark=key.start_mark)
+            first[(key.tag, key.value)] = key.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
 

@@ -210,9 +210,10 @@ def test_resolve_rejects_layer_ids_outside_the_target():
         ),
         (b"run:\n  steps: 5\nrun:\n  steps: 7\n", "line 3, column 1: duplicate key 'run' (first on line 1)"),
         (b"target:\n  rope_scaling:\n    factor: 8\n    factor: 2\n", "line 4, column 5: duplicate key 'factor'"),
+        (b"run: {steps: 5, steps: 7}\n", "line 1, column 17: duplicate key 'steps' (first on line 1)"),
         (b"run:\n  steps: 5\n  output_dir: caf\xe9\n", "line 3, column 18: not UTF-8 text (byte 0xe9)"),
     ],
-    ids=["nested", "top level", "deeper", "bad utf-8"],
+    ids=["nested", "top level", "deeper", "one line", "bad utf-8"],
 )
 def test_a_duplicate_key_or_bad_utf8_names_file_and_line(tmp_path, text, expected):
     path = tmp_path / "run.yaml"
