@@ -15,7 +15,7 @@ from rich.text import Text
 from .containers import LineSplitter, Target
 from .errors import ContainerError, RemoteError, UsageError
 from .devices import CPU, parse_gpus
-from .runs import show_run
+from .runs import prompts_text, show_run
 
 # Runs the payload's evaluator from wherever push put it: argv[1] is that directory.
 BOOTSTRAP = (
@@ -89,7 +89,7 @@ def run_eval(
         str(count),
         "--temperature",
         repr(temperature),
-        *(["--prompts", "-"] if stdin is not None else []),
+        *(["--prompts", "-", "--prompts-name", prompts.name] if prompts is not None else []),
         *(["--device", device] if device else []),
         *([] if baseline else ["--no-baseline"]),
         "--report",
@@ -138,6 +138,7 @@ def render(report: dict[str, Any], console: Console) -> None:
     lines = [
         f"run {report['run_id']}: {report['prompts']} prompts x up to {report['max_new_tokens']} new tokens, "
         f"{how}, on {report['device']}",
+        *([f"prompts: {source}"] if (source := prompts_text(report.get("prompts_source"), 64)) else []),
         f"speculative tau: {report['tau_prompt_mean']:.3f} mean of per-prompt tau (z-lab's benchmark.py), "
         f"{report['tau']:.3f} pooled over all verify steps (SpecForge): tokens per verify step "
         f"(block {report['block_size']}, bonus token included)",

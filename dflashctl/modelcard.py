@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from . import __version__
+from .runs import prompts_text
 from .serving import check_export, dflash_value, safetensors_metadata, serve_commands
 
 CARD = "README.md"
@@ -226,7 +227,8 @@ def _eval_lines(report: dict, what: str) -> list[str]:
         f"{report.get('max_new_tokens')} new tokens, on {report.get('device')}): tau "
         f"{report['tau_prompt_mean']:.3f} mean of per-prompt tau (as z-lab's benchmark.py reports), "
         f"{report['tau']:.3f} pooled (as SpecForge's benchmarks report); output identical to the "
-        f"target's greedy decode: {_yes(report.get('identical'))}",
+        f"target's greedy decode: {_yes(report.get('identical'))}"
+        + (f"; prompts: {source}" if (source := prompts_text(report.get("prompts_source"), 64)) else ""),
         f"- speedup over the target alone ({what}, the same machine): {report['speedup']:.2f}x",
     ]
     free = report.get("baseline")

@@ -598,6 +598,9 @@ def eval_rows(ev: dict[str, Any], prompts: str = "") -> list[tuple[str, Text]]:
             ),
         )
     ]
+    source = prompts_text(ev.get("prompts_source"))
+    if source is not None:
+        rows.append(("prompts" + prompts, Text(source)))
     free = ev.get("baseline")
     if free and free.get("tau") is not None:
         rows.append(
@@ -611,6 +614,17 @@ def eval_rows(ev: dict[str, Any], prompts: str = "") -> list[tuple[str, Text]]:
             )
         )
     return rows
+
+
+def prompts_text(source: Any, digits: int = 16) -> str | None:
+    """An eval report's `prompts_source` in words (`--prompts my.jsonl (2 rows, sha256 ...)`, the
+    sha256 cut to `digits`); None for a report written before eval recorded it."""
+    if not isinstance(source, dict) or not source.get("from"):
+        return None
+    if not source.get("file"):
+        return str(source["from"])
+    sha = str(source.get("sha256") or "?")[:digits]
+    return f"{source['from']} {source['file']} ({source.get('rows')} rows, sha256 {sha})"
 
 
 def node_states(nodes: Sequence[dict[str, Any]]) -> Text:

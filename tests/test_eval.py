@@ -3,7 +3,9 @@ export decoded speculatively against its target, on `local` and through sshd + t
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ from runs_helpers import install_standin, local_env
 from sshd import SHIM_VMID
 
 from dflashctl.evaluation import no_export_reason
+from dflashctl.modelcard import _eval_lines
+from dflashctl.runs import eval_rows
 
 TRAIN = ["--set", "run.steps=60", "--set", "run.eval_every=60", "--set", "run.checkpoint_every=60", "--follow"]
 
@@ -136,11 +140,21 @@ def test_an_eval_on_other_prompts_is_kept_beside_the_default_one(shim_host, loca
     saved = json.loads((run_dir / "eval-my_prompts.json").read_text())
     assert saved["prompts"] == report["prompts"] == 2 and saved["tau"] == report["tau"]
     assert report["report_file"] == str(run_dir / "eval-my_prompts.json")
+    # Which prompts: the file's name (it went over stdin), its rows and the sha256 of its bytes.
+    sha = hashlib.sha256(mine.read_bytes()).hexdigest()
+    assert saved["prompts_source"] == {"from": "--prompts", "file": "my prompts.jsonl", "rows": 2, "sha256": sha}
+    own = json.loads(kept)["prompts_source"]
+    assert own == {"from": "the held-out split of the demo data (seed 0)", "file": None, "rows": None, "sha256": None}
     shown = shim_host.run_cli("runs", "show", "local", "ev", "--no-curves", env=env).stdout
     evals = [line for line in shown.splitlines() if line.startswith("eval ")]
     assert len(evals) == 2 and evals[0].endswith("(1 prompts x 4 tokens, greedy, identical: yes)")
     mine_rows = [line for line in evals if line.startswith("eval on my_prompts ")]
     assert len(mine_rows) == 1 and "(2 prompts x 4 tokens, greedy" in mine_rows[0]
+    sources = [re.split(r"\s{2,}", line) for line in shown.splitlines() if line.startswith("prompts")]
+    assert sources == [
+        ["prompts", "the held-out split of the demo data (seed 0)"],
+        ["prompts on my_prompts", f"--prompts my prompts.jsonl (2 rows, sha256 {sha[:16]})"],
+    ], shown
 
 
 def test_eval_of_a_run_without_an_export_says_so(shim_host):
@@ -177,3 +191,18 @@ def test_the_no_export_line_says_what_became_of_the_run():
     assert reason("running") == "is running: it has no export yet (one is written at its last step)"
     assert reason("queued") == "is queued: it has no export yet (one is written at its last step)"
     assert reason("succeeded", exit_code=0) == "succeeded but has no export: /w/runs/r/export has no model.safetensors"
+
+
+def test_a_report_from_before_prompts_source_still_shows_without_it():
+    old = {"tau": 2.0, "tau_prompt_mean": 2.5, "speedup": 1.5, "identical": True, "prompts": 4}
+    old |= {"max_new_tokens": 8, "device": "cpu", "temperature": 0.0, "per_prompt": [{}] * 4}
+    rows = eval_rows(old)
+    assert [label for label, _ in rows] == ["eval"] and "speculative tau 2.500" in rows[0][1].plain
+    line = _eval_lines(old, "`dflashctl eval`")[0]
+    assert line.endswith("output identical to the target's greedy decode: yes")
+    given = {"from": "--prompts", "file": "p.jsonl", "rows": 3, "sha256": "ab" * 32}
+    assert eval_rows({**old, "prompts_source": given})[1][1].plain == f"--prompts p.jsonl (3 rows, sha256 {'ab' * 8})"
+    line = _eval_lines({**old, "prompts_source": given}, "`dflashctl eval`")[0]
+    assert line.endswith(
+        f"identical to the target's greedy decode: yes; prompts: --prompts p.jsonl (3 rows, sha256 {'ab' * 32})"
+    )

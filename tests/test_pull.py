@@ -320,6 +320,10 @@ def test_the_model_card_of_a_real_run_has_both_tau_figures_and_the_speedup(shim_
         f"- `dflashctl eval --prompts` on `mine` (greedy, 1 prompts x up to 8 new tokens, on cpu): tau "
         f"{other['tau_prompt_mean']:.3f} mean of per-prompt tau"
     ) in card
+    # Each eval line says which prompts gave its tau: the --prompts file by name, rows and sha256.
+    sha = hashlib.sha256(mine.read_bytes()).hexdigest()
+    assert f"yes; prompts: --prompts mine.jsonl (1 rows, sha256 {sha})\n" in card
+    assert "yes; prompts: the held-out split of the demo data (seed 0)\n" in card
     assert "- trained on: CPU (host `local`)" in card and "- steps: 4 of 4 steps" in card
     assert "- source: the target's own greedy continuations of random prompts (the demo data)" in card
     assert "base_model" not in _front_matter(card)

@@ -118,5 +118,7 @@ def _missing(exc: ImportError, preflight: bool) -> int:
 
 if __name__ == "__main__":
     from .fast_exit import exit_now
+    from .lines import whole_lines
 
+    whole_lines()
     exit_now(main())

@@ -291,10 +291,7 @@ def load_config(path: str | None = None, preset: str | None = None, overrides: l
     """Preset (default tiny), then the YAML file, then `a.b=c` overrides, validated."""
     file_data: dict[str, Any] = {}
     if path is not None:
-        try:
-            file_data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config {path}: {str(exc).splitlines()[0]}") from None
+        file_data = read_yaml(path) or {}
         if not isinstance(file_data, dict):
             raise ConfigError(f"config {path} must be a mapping at top level")
     explicit = preset or file_data.pop("preset", None)
@@ -546,3 +543,55 @@ def _coerce(value: Any, hint: Any, dotted: str) -> Any:
     else:
         raise ConfigError(f"{dotted}: unsupported type {hint}")
     raise ConfigError(f"{dotted} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+# --- the config file, read strictly ---------------------------------------------------------------
+# Here, not in a module of its own: dflashctl loads this file alone, by path (trainer_config.py).
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *base` exists to be overridden by the keys after it
+
+
+class _DuplicateKey(yaml.MarkedYAMLError):
+    """A mapping that gives one key twice."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a mapping's repeated key (PyYAML keeps the last, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """The mapping, once its own keys, as written (before merges are flattened in), are distinct."""
+        first: dict[tuple[str, str], int] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == _MERGE_TAG:
+                continue
+            seen = first.get((key.tag, key.value))
+            if seen is not None:
+                problem = f"duplicate key '{key.value}' (first on line {seen})"
+                raise _DuplicateKey(problem=problem, problem_mark=key.start_mark)
+            first[(key.tag, key.value)] = key.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: str) -> Any:
+    """The YAML file at `path`; ConfigError `config PATH: line L, column C: PROBLEM` for bad UTF-8,
+    a key given twice at any depth or bad YAML."""
+    label = f"config {path}"
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {label}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line, column = data.count(b"\n", 0, exc.start) + 1, exc.start - data.rfind(b"\n", 0, exc.start)
+        raise ConfigError(
+            f"{label}: line {line}, column {column}: not UTF-8 text (byte 0x{data[exc.start]:02x})"
+        ) from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
+        raise ConfigError(f"{label}:{where} {exc.problem or exc.context or 'invalid YAML'}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{label}: {str(exc).splitlines()[0]}") from None

@@ -342,7 +342,11 @@ def read_prompt_rows(source: str | Path) -> list[dict]:
     """Prompt rows from a JSONL file (`-`: stdin): `{"input_ids": [...]}`, `{"messages": [...]}`
     or `{"prompt": "..."}` per line, as `data regen` reads them (encoded by `encode_prompt_rows`),
     each with its line number."""
-    raw = sys.stdin.buffer.read() if str(source) == "-" else Path(source).read_bytes()
+    return parse_prompt_rows(sys.stdin.buffer.read() if str(source) == "-" else Path(source).read_bytes())
+
+
+def parse_prompt_rows(raw: bytes) -> list[dict]:
+    """The prompt rows of a prompts file's bytes (`read_prompt_rows`)."""
     rows = []
     # Lines end at b"\n", as data regen and the trainer read them: str.splitlines() also splits
     # at U+2028 and other separators a JSON string may hold raw.

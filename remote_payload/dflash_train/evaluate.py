@@ -1,5 +1,5 @@
 """`python -m dflash_train.evaluate RUN_DIR [--prompts FILE|-] [--max-new-tokens N] [--count K]
-[--temperature T] [--seed S] [--no-baseline] [--report NAME]`: a finished run's exported drafter
+[--prompts-name NAME] [--temperature T] [--seed S] [--no-baseline] [--report NAME]`: a finished run's exported drafter
 against its target, by real speculative decoding (greedy by default), beside the free baseline.
 
 For each prompt it times the target alone (KV-cached greedy decode) and the speculative loop,
@@ -17,12 +17,17 @@ export yet, no or empty prompts, a prompt too long for the target's context), 4 
 
 Prompts: JSON lines with `input_ids` (token ids), `messages` (a chat, answered after its last
 user turn through the run's tokenizer and chat template) or `prompt` (text); without --prompts,
-the run's held-out split (the tokens before each sequence's first supervised token).
+the run's held-out split (the tokens before each sequence's first supervised token). The report's
+`prompts_source` says which: {"from", "file" (--prompts-name for stdin), "rows", "sha256" of its
+bytes}, file, rows and sha256 null for generated (demo, random) data.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import io
 import json
 import sys
 import time
@@ -86,11 +91,13 @@ def evaluate_run(
     seed: int = 0,
     progress=lambda line: None,
     baseline: bool = True,
+    source: dict | None = None,
 ) -> dict:
     """Decode each prompt with the target alone and speculatively (and, greedy with `baseline`, by
     prompt lookup); the report (see the module doc). At temperature 0 the outputs must be
     identical; sampled, they are not compared (the speculative-sampling rule keeps the target's
-    distribution, tested statistically)."""
+    distribution, tested statistically). `source`: where `prompts` came from (`prompts_source`;
+    None: the run's own, `run_prompts_source`)."""
     import torch
 
     from .decode import greedy, make_decoder
@@ -140,6 +147,7 @@ def evaluate_run(
         "run_dir": str(run_dir),
         "device": str(dev),
         "prompts": len(rows),
+        "prompts_source": source or run_prompts_source(cfg),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "seed": seed,
@@ -149,6 +157,32 @@ def evaluate_run(
         **report,
         **decode_figures(rows, results, cfg.drafter.block_size, temperature, lookups, lookup_rows, lookup_tokens),
     }
+
+
+def prompts_source(what: str, name: str | None, raw: bytes | None = None) -> dict:
+    """eval.json's `prompts_source`: where the prompts came from (`what`), the file (`name`; None
+    for generated data), its rows (non-blank lines) and the sha256 of its bytes (`raw`, else the
+    file's, read in a stream: a held-out split's file is the whole training set)."""
+    if name is None:
+        return {"from": what, "file": None, "rows": None, "sha256": None}
+    digest, rows = hashlib.sha256(), 0
+    with contextlib.nullcontext(io.BytesIO(raw)) if raw is not None else open(name, "rb") as lines:
+        for line in lines:  # lines end at b"\n" alone, as the prompts reader's do
+            digest.update(line)
+            rows += bool(line.strip())
+    return {"from": what, "file": name, "rows": rows, "sha256": digest.hexdigest()}
+
+
+def run_prompts_source(cfg) -> dict:
+    """Where the run's own prompts (`train.spec_prompts`: eval without --prompts) come from."""
+    d = cfg.data
+    if d.spec_prompts_path:
+        return prompts_source("data.spec_prompts_path", d.spec_prompts_path)
+    if d.source == "jsonl" and d.eval_path:
+        return prompts_source("the held-out data.eval_path", d.eval_path)
+    if d.source == "jsonl":
+        return prompts_source(f"the held-out split ({d.eval_fraction:g}) of data.train_path", d.train_path)
+    return prompts_source(f"the held-out split of the {d.source} data (seed {cfg.run.seed})", None)
 
 
 def eval_plan(run_dir: Path, prompts: list[dict] | None, max_new_tokens: int, count: int, device: str | None) -> tuple:
@@ -321,12 +355,27 @@ def run_bytecode_dir(run_dir: Path) -> str | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, evaluate, write eval.json, print the report line; see the module docstring."""
+def given_prompts(path: str | None, name: str | None) -> tuple[list[dict] | None, dict | None]:
+    """--prompts' rows (`-`: stdin) and their `prompts_source` (None, None: the run's own prompts)."""
+    from .data import parse_prompt_rows
+
+    if not path:
+        return None, None
+    raw = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    return parse_prompt_rows(raw), prompts_source("--prompts", name or ("stdin" if path == "-" else path), raw)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(prog="python -m dflash_train.evaluate", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
     ap.add_argument(
         "--prompts", help="JSONL of input_ids, messages or prompt rows (- for stdin); default: held-out split"
+    )
+    ap.add_argument(
+        "--prompts-name",
+        metavar="NAME",
+        help="the prompts file's name for the report (--prompts -: where it came from)",
     )
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--count", type=int, default=16, help="at most this many prompts")
@@ -340,7 +389,12 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the prompt-lookup baseline (measured greedy only)",
     )
     ap.add_argument("--report", default="eval.json", help="the report's file name in RUN_DIR")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, evaluate, write eval.json, print the report line; see the module docstring."""
+    args = parse_args(argv)
 
     def progress(line: str) -> None:
         print(f"eval: {line}", file=sys.stderr, flush=True)
@@ -353,10 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = Path(args.run_dir)
         keep_bytecode_saying(run_bytecode_dir(run_dir), progress)  # where the run's trainer kept it; before torch
         from .config import ConfigError
-        from .data import DataError, read_prompt_rows
+        from .data import DataError
 
         try:
-            prompts = read_prompt_rows(args.prompts) if args.prompts else None
+            prompts, source = given_prompts(args.prompts, args.prompts_name)
             report = evaluate_run(
                 run_dir,
                 prompts,
@@ -367,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.seed,
                 progress,
                 args.baseline,
+                source,
             )
         except (ConfigError, DataError) as exc:  # DataError: a prompts file that cannot be read or encoded
             raise EvalError(str(exc)) from None
@@ -386,5 +441,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from .fast_exit import exit_now
+    from .lines import whole_lines
 
+    whole_lines()
     exit_now(main())

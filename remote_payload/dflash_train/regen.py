@@ -34,14 +34,17 @@ import queue
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
+from .lines import say
 from .regen_options import ENGINES, check_options
 from .regen_output import Output, Progress, partial_path
-from .regen_rows import KINDS, Done, Options, RegenError, Row, count_rows, first_row, read_batches
+from .regen_rows import Done, Options, RegenError, Row, Survey, read_batches, survey_rows
 
 EXIT_FAILED, EXIT_USAGE, EXIT_MISSING = 1, 2, 4
+QUIET_S = 60.0  # no row finished for this long (a server that accepts and never answers): say so, as often
 DEFAULT_BATCH = {"builtin": None, "openai": 1}  # builtin: the largest that fits (regen_batch)
 
 
@@ -57,6 +60,9 @@ class Engine(Protocol):
 
     def run(self, worker: int, batch: int, rows: list[Row]) -> list[Done] | None:
         """Results for the batch's rows in order (None: abandoned for a stop, redone on resume)."""
+
+    def waiting(self) -> str | None:
+        """What the workers wait on, for the note when no row has finished for a while (None: no note)."""
 
 
 # --- the scheduler --------------------------------------------------------------------------------
@@ -99,6 +105,7 @@ def regenerate(
     pending: dict[int, list[Done] | None] = {}  # finished out of order (None: abandoned or failed)
     expected = None  # the batch to write next
     in_flight, alive, exhausted, failure = 0, len(threads), False, None
+    quiet = Quiet(engine, progress.log)
     while True:
         while not (stop.is_set() or failure is not None or exhausted) and in_flight + len(pending) < window:
             item = next(batches, None)
@@ -113,7 +120,9 @@ def regenerate(
         try:
             number, result = results.get(timeout=0.2)
         except queue.Empty:
+            quiet.check()
             continue
+        quiet.reset()
         if number is None:  # a worker could not set up
             failure, alive = failure or result, alive - 1
             continue
@@ -136,6 +145,30 @@ def regenerate(
         t.join()
     progress.update(output.next_index, output.failed, 0, final=True)
     return failure
+
+
+class Quiet:
+    """The note when no row has finished for QUIET_S, repeated as often while none does: each
+    request to a server that accepts and never answers waits minutes, in silence otherwise."""
+
+    def __init__(self, engine: Engine, log: Callable[[str], None]):
+        self.engine, self.log = engine, log
+        self.reset()
+
+    def reset(self) -> None:
+        """A result came back."""
+        self.since = time.monotonic()
+        self.due = self.since + QUIET_S
+
+    def check(self) -> None:
+        """Log the note when it is due and the engine has something to say."""
+        now = time.monotonic()
+        if now < self.due:
+            return
+        self.due = now + QUIET_S
+        what = self.engine.waiting()
+        if what:
+            self.log(f"regen: no row finished in the last {now - self.since:.0f} s; {what}")
 
 
 # --- the program ----------------------------------------------------------------------------------
@@ -207,27 +240,27 @@ def check_args(args: argparse.Namespace) -> None:
                 )
 
 
-def check_tokenizer(args: argparse.Namespace, target_path: str | None) -> None:
-    """When the first row needs a tokenizer (chat or prompt rows with the builtin engine, prompt
-    or token rows with openai): one is configured and `transformers` is there to load it."""
-    first = first_row(Path(args.prompts))
-    kind = next((k for k in KINDS if k in first), None) if first is not None else None
+def check_tokenizer(args: argparse.Namespace, target_path: str | None, survey: Survey) -> None:
+    """When any row needs a tokenizer (chat or prompt rows with the builtin engine, prompt or
+    token rows with openai): one is configured and `transformers` is there to load it."""
     needs = ("messages", "prompt") if args.engine == "builtin" else ("prompt", "input_ids")
-    if kind not in needs:
+    found = sorted((survey.first[k], k) for k in needs if k in survey.first)
+    if not found:
         return
+    line, kind = found[0]
     if not (args.tokenizer or target_path):
         how = (
             "need a tokenizer: --tokenizer DIR, or target.path"
             if args.engine == "builtin"
             else "come back as text: the openai engine needs --tokenizer DIR to turn them into input_ids"
         )
-        raise RegenError(f"{args.prompts} has {kind} rows, which {how}")
+        raise RegenError(f"{args.prompts} has {kind} rows (the first on line {line}), which {how}")
     if importlib.util.find_spec("transformers") is None:
         raise ImportError("transformers is needed for the tokenizer", name="transformers")
 
 
-def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | None, dict]:
-    """The engine (None for a pre-flight) and the pre-flight's answer fields."""
+def build_engine(args: argparse.Namespace, preflight: bool, survey: Survey) -> tuple[Engine | None, dict]:
+    """The engine (None for a pre-flight) and the pre-flight's answer fields; `survey`: the prompts'."""
     opts = Options(
         args.max_new_tokens,
         args.temperature,
@@ -239,7 +272,7 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
     if args.engine == "openai":
         from .regen_openai import OpenAIEngine
 
-        check_tokenizer(args, None)
+        check_tokenizer(args, None, survey)
         # The pre-flight's one format (plan.preflight_answer); the server holds the model, the run nothing.
         answer = {
             "ok": True,
@@ -256,7 +289,7 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
     from .regen_plan import resolve_target
 
     cfg, devices = resolve_target(args.preset, args.overrides, args.gpus)
-    check_tokenizer(args, cfg.target.path)
+    check_tokenizer(args, cfg.target.path, survey)
     summary = [
         f"engine: builtin, target {cfg.target.path or 'random ' + str(cfg.target.num_layers) + ' layers'}"
         f", {cfg.run.dtype}, devices {', '.join(devices.workers)} ({devices.reason})"
@@ -276,7 +309,7 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
         return None, answer
     from .bytecode import keep_bytecode_saying
 
-    keep_bytecode_saying(cfg.run.bytecode_cache_dir, lambda line: print(line, flush=True))  # before torch
+    keep_bytecode_saying(cfg.run.bytecode_cache_dir, say)  # before torch
     from .regen_builtin import BuiltinEngine  # torch: after the pre-flight's answer
 
     return BuiltinEngine(cfg, list(devices.workers), args.tokenizer or cfg.target.path, opts), answer
@@ -285,17 +318,14 @@ def build_engine(args: argparse.Namespace, preflight: bool) -> tuple[Engine | No
 def main(argv: list[str] | None = None) -> int:
     """Parse, check, regenerate; the exit code (see the module docstring)."""
     args = parse_args(argv)
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-
     try:
         check_args(args)
-        engine, answer = build_engine(args, args.preflight)
+        survey = survey_rows(Path(args.prompts))  # the one pass over the prompts before the run
+        engine, answer = build_engine(args, args.preflight, survey)
         if args.preflight:
             print(json.dumps(answer), flush=True)
             return 0
-        return run(args, engine, log)
+        return run(args, engine, say, survey.rows)
     except RegenError as exc:
         return _fail(args.preflight, "config", str(exc), EXIT_USAGE)
     except ImportError as exc:
@@ -314,8 +344,8 @@ def _fail(preflight: bool, kind: str, message: str, code: int, **extra: Any) -> 
     return code
 
 
-def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) -> int:
-    """Open the output, regenerate what is missing, finish; the exit code."""
+def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None], total: int) -> int:
+    """Open the output, regenerate what is missing of the `total` rows, finish; the exit code."""
     stop, signals = engine.options.stop, []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -329,7 +359,6 @@ def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None]) ->
             log(f"regen: {args.out} is complete already; nothing to do")
             return 0
         start = out.open()
-        total = count_rows(Path(args.prompts))
         batch = engine.options.batch_size
         if start > total:
             raise RegenError(
@@ -387,5 +416,7 @@ def refuse_empty(out: Output, total: int) -> None:
 
 if __name__ == "__main__":
     from .fast_exit import exit_now
+    from .lines import whole_lines
 
+    whole_lines()
     exit_now(main())

@@ -92,6 +92,10 @@ class BuiltinEngine:
             raw = None
         return tuple(raw if isinstance(raw, list) else [] if raw is None else [raw])
 
+    def waiting(self) -> str | None:
+        """No note: a batch's generation on the target's GPUs may take minutes, and says so when done."""
+        return None
+
     def setup(self, worker: int) -> None:
         """Build this worker's replica of the target on its device."""
         device, t = self.devices[worker], self.cfg.target

@@ -17,11 +17,14 @@ string) the answer does not say."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
 from .regen_rows import (
     Done,
@@ -68,12 +71,22 @@ class OpenAIEngine:
         self.url, self.model, self.retries, self.options = base_url(endpoint), model, retries, options
         self.workers = concurrency
         self.batch_reason = ""
+        self.requests = 0  # requests sent and not yet answered (`waiting`)
+        self.lock = threading.Lock()
         self.tokenizer = SharedTokenizer(
             tokenizer_dir, "prompt and token rows need --tokenizer DIR with the openai engine"
         )
 
     def setup(self, worker: int) -> None:
         """Nothing to build: the server holds the model."""
+
+    def waiting(self) -> str | None:
+        """The requests the server has not answered yet, and how long each may take."""
+        n = self.requests
+        return (
+            f"{n} request{'' if n == 1 else 's'} waiting on {self.url} (each gives up after {REQUEST_TIMEOUT_S:g} s, "
+            f"then retries {self.retries} times)"
+        )
 
     def run(self, worker: int, batch: int, rows: list[Row]) -> list[Done] | None:
         """The batch's rows one after another (the workers run batches side by side)."""
@@ -131,6 +144,17 @@ class OpenAIEngine:
             new = list(tok(choice["text"], add_special_tokens=False)["input_ids"])
         return Done(row.index, token_row(row.index, ids, new, finish), new_tokens=len(new))
 
+    @contextlib.contextmanager
+    def asking(self) -> Iterator[None]:
+        """Count a request as waiting on the server while it is inside."""
+        with self.lock:
+            self.requests += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.requests -= 1
+
     def post(self, path: str, body: dict) -> tuple[dict, int]:
         """POST body to <url>/<path>: (the answer's first choice, completion tokens it counts).
         Retries as the module docstring says."""
@@ -141,7 +165,7 @@ class OpenAIEngine:
                 f"{self.url}/{path}", data=data, method="POST", headers={"Content-Type": "application/json"}
             )
             try:
-                with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
+                with self.asking(), urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
                     reply = json.loads(answer.read())
             except urllib.error.HTTPError as exc:
                 detail = exc.read()[:300].decode("utf-8", "replace")

@@ -141,23 +141,29 @@ def chat_row(
 # --- reading the input ---------------------------------------------------------------------------
 
 
-def count_rows(path: Path) -> int:
-    """Non-blank lines of the prompts file (streamed)."""
-    with path.open("rb") as fh:
-        return sum(1 for line in fh if line.strip())
+@dataclass
+class Survey:
+    """The prompts file read once before the run: its rows and the line of each kind's first row."""
+
+    rows: int = 0
+    first: dict[str, int] = field(default_factory=dict)  # kind -> line number (from 1)
 
 
-def first_row(path: Path) -> dict | None:
-    """The first parseable row (for the pre-flight's checks), or None."""
+def survey_rows(path: Path) -> Survey:
+    """Count the rows (non-blank lines, streamed) and note where each kind first appears; a row
+    that is not a JSON object or has no kind is left to fail on its own in the run."""
+    survey = Survey()
     with path.open("rb") as fh:
-        for line in fh:
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    return None
-                return row if isinstance(row, dict) else None
-    return None
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            survey.rows += 1
+            if len(survey.first) < len(KINDS):  # every kind seen: the rest only needs counting
+                row = parse_row(0, line).data
+                kind = next((k for k in KINDS if k in row), None) if row is not None else None
+                if kind is not None:
+                    survey.first.setdefault(kind, number)
+    return survey
 
 
 def read_batches(path: Path, batch_size: int, first_batch: int) -> Iterator[tuple[int, list[Row]]]:

@@ -34,6 +34,7 @@ from .data import (
     read_prompt_rows,
 )
 from .export import export_drafter
+from .lines import say
 from .model import DFlashDrafter
 from .recipe import CHECKPOINT_STEPS, DEFAULT_EPOCHS, EVALUATIONS, cadence_for, epochs_note
 from .metrics import Cadence, MetricsLog, TrainMeter, train_line
@@ -155,7 +156,7 @@ def run_training(
     resume: bool = False,
     overwrite: bool = False,
     stop: StopFlag | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = say,
     launched_at: float | None = None,
 ) -> int:
     """Train end to end on every worker device (`run.gpus`, or `run.threads` x `run.device`)

@@ -199,3 +199,40 @@ def test_auto_attention_compiles_nothing_when_compile_is_off(on_cuda, compile_mo
 def test_resolve_rejects_layer_ids_outside_the_target():
     with pytest.raises(ConfigError, match="target_layer_ids"):
         resolve_run(load_config(overrides=["drafter.target_layer_ids=[1, 6]"])).cfg
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            b"run:\n  steps: 5\n  log_every: 1\n  steps: 7\n",
+            "line 4, column 3: duplicate key 'steps' (first on line 2)",
+        ),
+        (b"run:\n  steps: 5\nrun:\n  steps: 7\n", "line 3, column 1: duplicate key 'run' (first on line 1)"),
+        (b"target:\n  rope_scaling:\n    factor: 8\n    factor: 2\n", "line 4, column 5: duplicate key 'factor'"),
+        (b"run: {steps: 5, steps: 7}\n", "line 1, column 17: duplicate key 'steps' (first on line 1)"),
+        (b"run:\n  steps: 5\n  output_dir: caf\xe9\n", "line 3, column 18: not UTF-8 text (byte 0xe9)"),
+    ],
+    ids=["nested", "top level", "deeper", "one line", "bad utf-8"],
+)
+def test_a_duplicate_key_or_bad_utf8_names_file_and_line(tmp_path, text, expected):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    message = str(err.value)
+    assert message.startswith(f"config {path}: ") and expected in message and "\n" not in message
+
+
+def test_a_merge_key_may_repeat_the_keys_it_merges(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("target:\n  rope_scaling:\n    <<: &base {factor: 8, rope_type: llama3}\n    factor: 2\n")
+    assert load_config(str(path)).target.rope_scaling == {"factor": 2, "rope_type": "llama3"}
+
+
+def test_a_duplicate_key_is_exit_2_and_one_line_in_the_trainer(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  steps: 5\n  steps: 7\n")
+    assert main(["--config", str(path), "--preflight"]) == 2
+    out = capsys.readouterr().out
+    assert '"error": "config"' in out and "line 3, column 3: duplicate key 'steps'" in out

@@ -3,7 +3,11 @@ run's tokenizer, a chat with its template's generation prompt after the last use
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import sys
+from types import SimpleNamespace
 
 import pytest
 from test_data import CHATS, save_tokenizer
@@ -11,7 +15,7 @@ from test_data import CHATS, save_tokenizer
 from dflash_train.config import ConfigError, load_config
 from dflash_train.data import DataError, read_prompt_rows
 from dflash_train.evaluate import main as evaluate
-from dflash_train.evaluate import run_bytecode_dir
+from dflash_train.evaluate import run_bytecode_dir, run_prompts_source
 from dflash_train.plan import resolve_run
 from dflash_train.train import load_data, run_training, spec_prompts
 
@@ -73,6 +77,12 @@ def test_the_report_carries_the_prompt_lookup_baseline_unless_turned_off(tmp_pat
         torch.set_num_threads(1)
     report = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert json.loads((out / "eval.json").read_text()) == report
+    assert report["prompts_source"] == {
+        "from": "the held-out split of the demo data (seed 0)",
+        "file": None,
+        "rows": None,
+        "sha256": None,
+    }
     free = report["baseline"]
     assert free["method"] == "prompt lookup" and free["num_tokens"] == report["block_size"] - 1
     assert free["identical"] and all(r["identical"] for r in free["per_prompt"]) and len(free["per_prompt"]) == 3
@@ -147,3 +157,47 @@ def test_prompt_rows_end_at_newlines_only_and_a_line_not_utf8_is_named(tmp_path)
     path.write_bytes(b'{"input_ids": [1]}\n{"prompt": "caf\xe9"}\n')
     with pytest.raises(DataError, match=r"^prompts line 2: not UTF-8$"):
         read_prompt_rows(path)
+
+
+def test_the_report_says_which_prompts_it_decoded_with_their_rows_and_sha256(tmp_path, capsys, monkeypatch):
+    """eval.json's `prompts_source`: the run's data.spec_prompts_path, or a --prompts file, by the
+    name the CLI gives it (it sends the file on stdin), with its rows and the sha256 of its bytes."""
+    own = tmp_path / "own.jsonl"
+    own.write_bytes(b'{"input_ids": [5, 6, 7]}\n\n{"input_ids": [9, 1, 4]}\n')
+    out = tmp_path / "run"
+    overrides = [f"run.output_dir={out}", "run.steps=10", "run.eval_every=10", "run.checkpoint_every=10"]
+    assert run_training(load_config(overrides=[*overrides, f"data.spec_prompts_path={own}"]), log=print) == 0
+    capsys.readouterr()
+    assert evaluate([str(out), "--max-new-tokens", "4", "--no-baseline"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    sha = hashlib.sha256(own.read_bytes()).hexdigest()
+    assert report["prompts_source"] == {"from": "data.spec_prompts_path", "file": str(own), "rows": 2, "sha256": sha}
+    given = b'{"input_ids": [3, 4, 5, 6]}\n'
+    monkeypatch.setattr(sys, "stdin", SimpleNamespace(buffer=io.BytesIO(given)))
+    argv = [str(out), "--prompts", "-", "--prompts-name", "mine.jsonl", "--max-new-tokens", "4", "--report", "e.json"]
+    assert evaluate([*argv, "--no-baseline"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert report["prompts_source"] == {
+        "from": "--prompts",
+        "file": "mine.jsonl",
+        "rows": 1,
+        "sha256": hashlib.sha256(given).hexdigest(),
+    }
+
+
+def test_a_jsonl_runs_own_prompts_are_its_eval_file_or_the_split_of_its_train_file(tmp_path):
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_bytes(b'{"input_ids": [1, 2]}\n{"input_ids": [3, 4]}\n{"input_ids": [5, 6]}\n')
+    held.write_bytes(b'{"input_ids": [7, 8]}\n')
+    data = SimpleNamespace(source="jsonl", spec_prompts_path=None, eval_path=None, train_path=str(train))
+    data.eval_fraction = 0.05
+    cfg = SimpleNamespace(data=data, run=SimpleNamespace(seed=0))
+    assert run_prompts_source(cfg) == {
+        "from": "the held-out split (0.05) of data.train_path",
+        "file": str(train),
+        "rows": 3,
+        "sha256": hashlib.sha256(train.read_bytes()).hexdigest(),
+    }
+    data.eval_path = str(held)
+    assert run_prompts_source(cfg)["from"] == "the held-out data.eval_path"
+    assert run_prompts_source(cfg)["rows"] == 1

@@ -152,7 +152,8 @@ def test_bad_options_are_one_line_exit_2(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == {
         "ok": False,
         "error": "config",
-        "message": f"{chats} has messages rows, which need a tokenizer: --tokenizer DIR, or target.path",
+        "message": f"{chats} has messages rows (the first on line 1), which need a tokenizer: --tokenizer DIR, or "
+        "target.path",
     }
     assert regen.main(["--prompts", str(src), "--out", str(tmp_path / "o.jsonl"), "--preflight"]) == 0
     answer = json.loads(capsys.readouterr().out)  # the trainer's pre-flight format (plan.preflight_answer)
@@ -166,6 +167,26 @@ def test_bad_options_are_one_line_exit_2(tmp_path, capsys):
         "engine: builtin, target random 6 layers, fp32, devices cpu (run.device auto: no CUDA)"
     ]
     assert answer["plan"]["devices"] == ["cpu"] and "gpus" not in answer
+
+
+def test_a_row_that_needs_a_tokenizer_after_the_first_is_refused_before_the_run(tmp_path, capsys):
+    # The first row (input_ids) needs none; line 4 (row 2: a blank line is no row) does.
+    src = write_rows(tmp_path / "p.jsonl", [*token_prompts(2), "", {"messages": CHATS[1]}, *token_prompts(2)])
+    out = tmp_path / "o.jsonl"
+    assert regen.main(["--prompts", str(src), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {src} has messages rows (the first on line 4), which need a tokenizer: --tokenizer DIR, "
+        "or target.path\n"
+    )
+    assert list(tmp_path.iterdir()) == [src]  # refused before the run: no partial, no errors file
+
+
+def test_the_openai_engine_refuses_a_later_token_row_without_a_tokenizer(tmp_path, capsys):
+    src = write_rows(tmp_path / "c.jsonl", [{"messages": CHATS[1]}, {"messages": CHATS[1]}, {"input_ids": [5, 6]}])
+    argv = ["--prompts", str(src), "--out", str(tmp_path / "o.jsonl"), "--engine", "openai", "--preflight"]
+    assert regen.main([*argv, "--endpoint", "http://127.0.0.1:9", "--model", "m"]) == 2
+    message = json.loads(capsys.readouterr().out)["message"]
+    assert message.startswith(f"{src} has input_ids rows (the first on line 3), which come back as text"), message
 
 
 THINK_TEMPLATE = (
@@ -220,24 +241,11 @@ def standin(tmp_path):
     """Start the stand-in server (failing its first 2 requests: 500, then 429); yields (url, log path)."""
     procs = []
 
-    def start(fail: int = 2, statuses: str = "500,429") -> tuple[str, Path]:
+    def start(fail: int = 2, statuses: str = "500,429", hold_until: Path | None = None) -> tuple[str, Path]:
         port_file, log = tmp_path / f"port{len(procs)}", tmp_path / f"requests{len(procs)}.jsonl"
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(STANDIN),
-                    "--port-file",
-                    str(port_file),
-                    "--fail",
-                    str(fail),
-                    "--fail-status",
-                    statuses,
-                    "--log",
-                    str(log),
-                ]
-            )
-        )
+        argv = [sys.executable, str(STANDIN), "--port-file", str(port_file), "--fail", str(fail)]
+        argv += ["--fail-status", statuses, "--log", str(log)]
+        procs.append(subprocess.Popen(argv + (["--hold-until", str(hold_until)] if hold_until else [])))
         deadline = time.monotonic() + 30
         while not port_file.exists():
             assert time.monotonic() < deadline, "the stand-in did not start"

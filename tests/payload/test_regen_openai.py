@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 from test_data import save_tokenizer
 from test_regen import STANDIN, read_jsonl, standin, write_rows  # noqa: F401 - standin is a fixture
 
 from dflash_train import regen
+
+PAYLOAD = Path(__file__).resolve().parents[2] / "remote_payload"
 
 
 def standin_module():
@@ -135,3 +142,38 @@ def test_a_run_whose_every_row_failed_writes_no_dataset_and_exits_2(tmp_path, st
     assert [e["index"] for e in read_jsonl(tmp_path / "oa.errors.jsonl")] == [0, 1, 2]
     assert regen.main(openai_args(src, out, url)) == 0  # the name is free for the corrected run
     assert len(read_jsonl(out)) == 3 and not (tmp_path / "oa.errors.jsonl").exists()
+
+
+def test_a_server_that_accepts_and_never_answers_gets_a_note_before_the_row_finishes(tmp_path, standin):
+    """Each attempt waits up to REQUEST_TIMEOUT_S in silence; the run says so while it waits. The
+    stand-in holds the request until the test, having seen the note, lets it answer."""
+    release = tmp_path / "release"
+    url, _ = standin(fail=0, hold_until=release)
+    src = write_rows(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "HOLD this one"}]}])
+    out = tmp_path / "o.jsonl"
+    code = "import sys\nfrom dflash_train import regen\nregen.QUIET_S = 0.2\nsys.exit(regen.main(sys.argv[1:]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *openai_args(src, out, url)],
+        cwd=PAYLOAD,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any("no row finished" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, (lines, proc.poll())
+            time.sleep(0.05)
+        release.touch()
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+    reader.join(timeout=60)
+    note = next(line for line in lines if "no row finished" in line)
+    assert note.startswith("regen: no row finished in the last "), note
+    assert note.endswith(f" s; 1 request waiting on {url}/v1 (each gives up after 600 s, then retries 8 times)\n"), note
+    assert lines.index(note) < next(i for i, line in enumerate(lines) if line.startswith("regen: 1/1 rows"))
+    assert len(read_jsonl(out)) == 1

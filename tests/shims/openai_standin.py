@@ -14,9 +14,12 @@ request: words `w<k>` derived from the prompt and the seed, max_tokens of them a
 enable_thinking true it answers as a server with a reasoning parser does: the think text in
 `reasoning_content`, the answer in `content`. A prompt containing FAIL-ROW is a 400 (a row the
 server refuses), NO-CHOICES a 200 whose JSON has no `choices`, NULL-FINISH an answer whose
-finish_reason is null, ODD-REASONING a chat answer whose `reasoning_content` is an object.
+finish_reason is null, ODD-REASONING a chat answer whose `reasoning_content` is an object, HOLD
+no answer at all (the connection stays open) until the file --hold-until names exists (never,
+without it): a server that accepts and never answers.
 
     python openai_standin.py --port-file F [--model NAME] [--fail K] [--fail-status 500,429] [--log F]
+                             [--hold-until FILE]
 
 --fail K answers the first K generation requests with the statuses of --fail-status in turn
 (429 with `Retry-After: 0`; 200: a JSON body cut short), to exercise the client's retries; --log
@@ -30,6 +33,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -42,8 +46,9 @@ def words(seed_text: str, count: int) -> list[str]:
 class Standin:
     """The server's state: the model it serves, failures still to give, the request log."""
 
-    def __init__(self, model: str, fail: int, statuses: list[int], log: str | None):
+    def __init__(self, model: str, fail: int, statuses: list[int], log: str | None, hold_until: str | None = None):
         self.model, self.fail, self.statuses, self.log = model, fail, statuses, log
+        self.hold_until = hold_until
         self.served = 0
         self.lock = threading.Lock()
 
@@ -56,6 +61,11 @@ class Standin:
                 return status
             self.served += 1
             return None
+
+    def hold(self) -> None:
+        """Answer nothing until the --hold-until file exists (forever without one)."""
+        while not (self.hold_until and os.path.exists(self.hold_until)):
+            time.sleep(0.05)
 
     def record(self, path: str, body: dict) -> None:
         """Append the request to the log."""
@@ -137,6 +147,9 @@ def make_handler(state: Standin) -> type:
                 self.error(400, "messages must be a non-empty list")
             elif not chat and not given:
                 self.error(400, "prompt must be given")
+            elif "HOLD" in json.dumps(given):
+                state.hold()
+                (self.chat if chat else self.completion)(body, json.dumps(given))
             elif "FAIL-ROW" in json.dumps(given):
                 self.error(400, "stand-in: this prompt is refused")
             elif "NO-CHOICES" in json.dumps(given):
@@ -192,8 +205,9 @@ def main() -> None:
     ap.add_argument("--fail", type=int, default=0)
     ap.add_argument("--fail-status", default="500,429")
     ap.add_argument("--log")
+    ap.add_argument("--hold-until")
     args = ap.parse_args()
-    state = Standin(args.model, args.fail, [int(s) for s in args.fail_status.split(",")], args.log)
+    state = Standin(args.model, args.fail, [int(s) for s in args.fail_status.split(",")], args.log, args.hold_until)
     server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
     with open(args.port_file + ".tmp", "w") as fh:
         fh.write(str(server.server_address[1]))

@@ -125,7 +125,17 @@ def eval_figures(run_dir, name):
     report = read_json(os.path.join(run_dir, name))
     if not isinstance(report, dict):
         return None
-    keys = ("tau", "tau_prompt_mean", "speedup", "identical", "prompts", "max_new_tokens", "device", "temperature")
+    keys = (
+        "tau",
+        "tau_prompt_mean",
+        "speedup",
+        "identical",
+        "prompts",
+        "prompts_source",  # absent (None) from reports written before eval recorded it
+        "max_new_tokens",
+        "device",
+        "temperature",
+    )
     figures = {k: report.get(k) for k in keys}
     baseline = report.get("baseline")
     if isinstance(baseline, dict):  # prompt lookup on the same decode path (eval's default)
