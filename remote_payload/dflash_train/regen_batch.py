@@ -57,13 +57,14 @@ def auto_batch(t: TargetConfig, dtype: str, max_new_tokens: int, total_bytes: in
     size = DTYPE_BYTES[dtype]
     capacity = cache_capacity(PROMPT_ALLOWANCE + max_new_tokens, t.max_position_embeddings)
     per_row = capacity * cache_bytes_per_position(t, size) + 4 * t.vocab_size  # + its fp32 logits
-    room = int(total_bytes * MEMORY_SHARE) - weight_bytes(t, size) - OVERHEAD_BYTES
+    weights = weight_bytes(t, size)
+    room = int(total_bytes * MEMORY_SHARE) - weights - OVERHEAD_BYTES
     batch = MAX_AUTO_BATCH
     while batch > 1 and batch * per_row > room:
         batch //= 2
     gib = 1 << 30
     why = (
-        f"auto: GPU memory {total_bytes / gib:.1f} GiB, target weights {weight_bytes(t, size) / gib:.1f} GiB, "
+        f"auto: GPU memory {total_bytes / gib:.1f} GiB, target weights {weights / gib:.1f} GiB, "
         f"KV cache {per_row / gib:.2f} GiB a row at {capacity} positions (prompts up to {PROMPT_ALLOWANCE} "
         f"tokens + {max_new_tokens} new); at most {MAX_AUTO_BATCH}; --batch-size N sets it"
     )
