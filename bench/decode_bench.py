@@ -14,9 +14,10 @@ Stages (--stages, comma-separated; each prints a table row and goes into decode_
            kernels, other), the GEMMs' effective bandwidth, and the step's kernel time against the
            graph's ms/token (the rest is the gaps between kernels); then the same for one step of a
            regen batch (64 rows, 384 cached slots)
-  inductor the batch-1 decode of the decode stage with the layer parts compiled under other Inductor
-           settings (coordinate-descent tuning; max-autotune with it): ms/token and the warm-up
-           (compile) time of each, to learn whether the GEMVs gain from tuned kernels
+  inductor the batch-1 decode of the decode stage and the batch stage's regen batch with the layer
+           parts compiled under other Inductor settings (programmatic dependent launch, coordinate-
+           descent tuning, max-autotune): ms/token, tokens/s and the warm-up (compile) time of
+           each, the default first and again last (the spread between them is the noise)
   batch    batched generation (what `data regen --engine builtin` runs): 64 prompts x 128 tokens,
            512 new, output tokens/s, and how much of it the prompts' (eager) prefill takes
   e2e      the user's path on the same random target: its greedy text of 128 prompts as JSONL
@@ -274,20 +275,28 @@ class Bench:
         )
 
     def inductor(self) -> None:
-        prompt_len, new, _, _ = self.sizes
+        prompt_len, new, batch, batch_new = self.sizes
         prompt = self.prompts(1, prompt_len)
+        prompts = self.prompts(batch, prompt_len)
         graphs = self.device.type == "cuda"  # on the CPU (a dry run) eager: checks the loop only
+        pdl = {"triton.enable_pdl": True}
+        tuned = {"coordinate_descent_tuning": True, **pdl}
         settings = (
             ("inductor default", {}),
-            ("coordinate-descent tuning", {"coordinate_descent_tuning": True}),
-            ("max-autotune + coordinate descent", {"max_autotune": True, "coordinate_descent_tuning": True}),
+            ("programmatic dependent launch", pdl),
+            ("coordinate descent + PDL", tuned),
+            ("max-autotune + coordinate descent + PDL", {"max_autotune": True, **tuned}),
+            ("inductor default (again)", {}),
         )
         for label, options in settings:
             torch._dynamo.reset()  # the parts compile again, under these settings
             with torch._inductor.config.patch(options):
                 decoder = Decoder(self.target, 1, prompt_len + new, graphs=graphs)
                 warm_s, _ = self.timed(lambda: generate(self.target, prompt, new, decoder=decoder))
+                wide = Decoder(self.target, batch, prompt_len + batch_new, graphs=graphs)
+                generate(self.target, prompts, batch_new, decoder=wide)  # every window's graph
             times = [self.timed(lambda: generate(self.target, prompt, new, decoder=decoder))[0] for _ in range(3)]
+            secs, out = self.timed(lambda: generate(self.target, prompts, batch_new, decoder=wide))
             self.add(
                 {
                     "stage": "inductor",
@@ -295,8 +304,11 @@ class Bench:
                     "options": options,
                     "ms_per_token": round(1e3 * statistics.median(times) / new, 2),
                     "warm_up_s": round(warm_s, 1),
+                    f"batch_{batch}_tokens_per_s": round(sum(map(len, out)) / secs, 1),
                 }
             )
+            decoder = wide = None  # their caches and graphs go before the next setting's
+            gc.collect()
         torch._dynamo.reset()
 
     def batch(self) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -244,7 +245,18 @@ def compile_policy(mode: str, device_type: str):
         return ("off" if mode == "off" else "default"), {}, f"plan.py not importable: {exc}"
 
 
-def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, fh) -> Rig:
+# FlexAttention kernel options to try in `fast` rows (a plan row's optional fourth field): the
+# draft layers' attention backward was 14.6 ms of a 202.5 ms step at 141 TFLOP/s (docs/performance.md).
+FLEX_VARIANTS = {
+    "safe": {"ROWS_GUARANTEED_SAFE": True},  # every block query sees its own block
+    "tma": {"USE_TMA": True},
+    "bwd64": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64},
+    "bwd32": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32, "bwd_num_warps": 4},
+    "fwd64": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64},
+}
+
+
+def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, fh, flex: str = "") -> Rig:
     """Target (early exit), drafter, fused AdamW and schedule on `device`, initialised there
     (random weights: speed does not depend on values), compiled per `mode`."""
     dtype = torch.float32 if cfg.dtype == "fp32" else torch.bfloat16
@@ -274,11 +286,13 @@ def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, 
         if cfg.attention == "flex":
             flex_fn = torch.compile(flex_attention, dynamic=False)  # as replica.build_replica does
     elif mode == "fast":
+        if flex:
+            flex_fn = functools.partial(flex_attention, kernel_options=FLEX_VARIANTS[flex])
         drafter.compile_layers(**kw)
         target.compile_layers(**kw)
     else:
         run_drafter = torch.compile(drafter, **kw)
-    log(f"  compile policy: {compile_mode} -> {effective} ({reason}); mode {mode}", fh)
+    log(f"  compile policy: {compile_mode} -> {effective} ({reason}); mode {mode} {FLEX_VARIANTS.get(flex, '')}", fh)
     return Rig(cfg, device, target, drafter, optimizer, scheduler, run_drafter, flex_fn)
 
 
@@ -310,6 +324,10 @@ def dry_check_against_trainer(rig: Rig, batch, fh) -> None:
     cfg = plan.cfg
     assert tuple(cfg.drafter.target_layer_ids) == rig.cfg.layer_ids and cfg.optim.gamma == rig.cfg.gamma
     replica = build_replica(cfg, "cpu", 0, plan.policy)
+    # The replica builds the whole target (its decoder needs every layer) and so draws another LM
+    # head from the same seed; the bench's target stops at the last feature layer: share its weights.
+    missing, unexpected = replica.target.load_state_dict(rig.target.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("layers.") for k in missing), (missing, unexpected)
     replica.drafter.load_state_dict(rig.drafter.state_dict())
     ref = float(forward_loss(replica, batch).loss)
     ours = float(step(rig, batch, False, None))
@@ -385,12 +403,12 @@ def matmul_peak(device: torch.device, n: int, reps: int) -> float:
     return 2.0 * n**3 / statistics.median(times) / 1e12
 
 
-def run_row(shape: str, mode: str, batch: int, args, device: torch.device, peak: float, fh) -> dict:
+def run_row(shape: str, mode: str, batch: int, args, device: torch.device, peak: float, fh, flex: str = "") -> dict:
     """Build, warm up and time one (shape, mode, batch) row; returns its speed, FLOPs, memory and phases."""
     dry = args.dry_run
     cfg = make_config(shape, batch, dry)
     t0 = time.perf_counter()
-    rep = build(cfg, mode, args.compile, device, fh)
+    rep = build(cfg, mode, args.compile, device, fh, flex)
     seqs = random_sequences(cfg.target.vocab_size, cfg.data.num_train, cfg.data.max_length, cfg.mask_token_id, 0)
     sampler = BlockSampler(seqs, cfg.data, cfg.block_size, 0)
     n_steps = args.warmup + args.steps
@@ -401,7 +419,7 @@ def run_row(shape: str, mode: str, batch: int, args, device: torch.device, peak:
     build_s = time.perf_counter() - t0
     row = {
         "shape": shape,
-        "mode": mode,
+        "mode": f"{mode}+{flex}" if flex else mode,
         "compile": args.compile,
         "batch": batch,
         "fused_ce": fused,
@@ -512,6 +530,14 @@ def table(rows: list[dict], peak: float) -> str:
     return "\n".join(lines)
 
 
+def plan_row(text: str) -> tuple[str, str, int, str]:
+    """shape:mode:batch[:flex variant] -> its fields."""
+    shape, mode, batch, *flex = text.split(":")
+    if flex and flex[0] not in FLEX_VARIANTS:
+        raise SystemExit(f"unknown flex variant {flex[0]!r} (known: {', '.join(FLEX_VARIANTS)})")
+    return shape, mode, int(batch), flex[0] if flex else ""
+
+
 def main(argv=None) -> int:
     """Run the plan's rows within the deadline, logging each; write step_bench.json; 0 if all rows ran."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -534,7 +560,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--plan",
         default="8b:fast:1,4b:fast:1,0.6b:fast:1",
-        help="rows shape:mode:batch, run in order while the deadline allows",
+        help="rows shape:mode:batch[:flex variant], run in order while the deadline allows",
     )
     p.add_argument("--deadline", type=float, default=0, help="seconds of wall time for all rows (0: none)")
     p.add_argument("--profile", action="store_true", help="torch.profiler of one step of the first row")
@@ -551,16 +577,12 @@ def main(argv=None) -> int:
     torch._dynamo.config.cache_size_limit = 64
     if args.dry_run:
         device = torch.device("cpu")
-        plan = [("tiny", args.mode, args.batch)]
+        plan = [("tiny", args.mode, args.batch, "")]
         torch.set_num_threads(1)
     else:
         device = torch.device("cuda")
         torch.backends.cuda.matmul.allow_tf32 = True
-        plan = (
-            [(args.shape, args.mode, args.batch)]
-            if args.shape
-            else [(x.split(":")[0], x.split(":")[1], int(x.split(":")[2])) for x in args.plan.split(",")]
-        )
+        plan = [(args.shape, args.mode, args.batch, "")] if args.shape else [plan_row(x) for x in args.plan.split(",")]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     log(
         f"torch {torch.__version__}, triton "
@@ -572,7 +594,7 @@ def main(argv=None) -> int:
     log(f"peak bf16 matmul {args.peak_n}^3: {peak:.0f} TFLOP/s", fh)
     rows: list[dict] = []
     est_row_s = 90.0  # first-row guess (compile + warm-up); later rows: 0.9 x the slowest seen
-    for shape, mode, batch in plan:
+    for shape, mode, batch, flex in plan:
         left = args.deadline - (time.perf_counter() - t_start) if args.deadline else float("inf")
         if left < est_row_s:
             log(f"skip {shape}:{mode}:{batch}: {left:.0f} s left, a row took up to {est_row_s:.0f} s", fh)
@@ -580,7 +602,7 @@ def main(argv=None) -> int:
         log(f"row {shape} {mode} batch {batch} ...", fh)
         t_row = time.perf_counter()
         try:
-            r = run_row(shape, mode, batch, args, device, peak, fh)
+            r = run_row(shape, mode, batch, args, device, peak, fh, flex)
         except Exception as exc:  # keep the other rows
             log(traceback.format_exc(), fh)
             r = {"shape": shape, "mode": mode, "batch": batch, "error": f"{type(exc).__name__}: {exc}"}
