@@ -373,7 +373,8 @@ def test_rank_0_unable_to_serve_the_rendezvous_stops_the_other_node_at_once(pair
     """A port taken after check_rdzv_port looked (a race no look can close; the look is skipped
     here, as if the port had been free then): rank 0's trainer fails naming its host and port, and
     `train --follow` stops gpu2 at once instead of leaving it to wait out the rendezvous timeout
-    (an hour here), then reports the run failed (exit 100)."""
+    (an hour here), then reports the run failed (exit 100). gpu2 exits 143 on the SIGTERM (it
+    used to ignore it inside the rendezvous wait and be killed after the 5 s grace: 137)."""
     import dflashctl.multihost
 
     monkeypatch.setattr(dflashctl.multihost, "check_rdzv_port", lambda *args: None)
@@ -405,7 +406,14 @@ def test_rank_0_unable_to_serve_the_rendezvous_stops_the_other_node_at_once(pair
     shown = json.loads(pair.cli("runs", "show", "pair", run_id, "--json").stdout)
     assert (shown["state"], shown["exit_code"]) == ("failed", 75)
     assert shown["reason"].startswith(f"shim (rank 0) cannot serve the rendezvous on port {port} (")
-    assert [(n["host"], n["state"]) for n in shown["nodes"]] == [("shim", "failed"), ("gpu2", "stopped")]
+    # gpu2 heard the stop while it waited for the rendezvous: a clean stop, not the SIGKILL after the grace.
+    nodes = [(n["host"], n["state"], n["exit_code"]) for n in shown["nodes"]]
+    assert nodes == [("shim", "failed", 75), ("gpu2", "stopped", 143)], pair.log("gpu2", run_id)[-2000:]
+    assert (
+        pair.log("gpu2", run_id)
+        .rstrip()
+        .endswith("stopped by signal 15 while waiting for the rendezvous: nothing to save")
+    )
 
 
 def trainer_pair(out: Path, extra: list[str], *args: str, timeout: float = 90) -> list[str]:
@@ -513,6 +521,58 @@ def test_rendezvous_timeout_names_the_missing_node(tmp_path):
     assert "error: cannot reach the rendezvous of a (rank 0) at 127.0.0.1:" in errs[1]
     assert all(" within 2 s" in err for err in errs.values()), errs
     assert (tmp_path / "reason0").read_text().startswith("b (rank 1) did not join")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sigterm_while_waiting_for_the_rendezvous_stops_at_once(tmp_path, rank):
+    """A node whose peer never comes (rank 1: no store to connect to; rank 0: nobody joins) used to
+    ignore SIGTERM until `dist.rendezvous_timeout_s` ran out (the C++ connect holds the main thread),
+    so `runs stop` ended it with SIGKILL. Now it stops as before step 1: exit 143, nothing saved,
+    no failure reason, and an existing checkpoint left as it was."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    kept = out / "checkpoints" / "step_00000002"
+    kept.mkdir(parents=True)
+    (kept / "meta.json").write_text("{}")
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port("127.0.0.1")),
+        "DFLASH_NODES": "a,b",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONUNBUFFERED": "1",
+        "DFLASHCTL_REASON_FILE": str(tmp_path / "reason"),
+    }
+    argv = sets(["dist.rendezvous_timeout_s=3600", "run.device=cpu", f"run.output_dir={out}"])
+    log = tmp_path / "train.log"
+    with log.open("w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash_train", "--resume", *argv],
+            cwd=TRAIN_PY.parent.parent,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        node = "a (rank 0)" if rank == 0 else "b (rank 1)"
+        waiting = f"node {node} of 2: waiting for the rendezvous at 127.0.0.1:{env['MASTER_PORT']} (up to 3600 s)"
+        wait_until(lambda: waiting in log.read_text() or proc.poll() is not None, 120, "the rendezvous wait")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)  # a bound, not a timing claim: before the fix it waited out the 3600 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 143, text
+    assert text.splitlines()[-1] == "stopped by signal 15 while waiting for the rendezvous: nothing to save", text
+    assert not (tmp_path / "reason").exists()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]
+    assert (kept / "meta.json").read_text() == "{}"
 
 
 def test_on_event_reaches_every_node_of_a_group(pair):

@@ -109,6 +109,10 @@ class NodeLost(RuntimeError):
     """Another node died or failed; the message names it."""
 
 
+class RendezvousStopped(Exception):
+    """A stop request (SIGTERM, SIGINT) came while this node waited for the rendezvous."""
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
@@ -195,6 +199,7 @@ class NodeGroup:
         local_replicas: int,
         on_lost: Callable[[str], None] | None = None,
         log: Callable[[str], None] = print,
+        stopped: Callable[[], bool] = lambda: False,
     ):
         if local_replicas < 1:
             raise ValueError("local_replicas must be at least 1")
@@ -205,7 +210,7 @@ class NodeGroup:
         self.on_lost = on_lost or _exit_node_lost
         self._closed = False
         self.last_check: tuple[int, int] | None = None  # (number of checks, common checksum)
-        self._store = self._rendezvous()
+        self._store = self._rendezvous(stopped)
         backend = "nccl" if device_type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=env.timeout_s)
         dist.init_process_group(
@@ -231,33 +236,61 @@ class NodeGroup:
 
     # -- setup --------------------------------------------------------------------------------
 
-    def _rendezvous(self) -> dist.Store:
-        """Rank 0 serves the store; everyone announces itself and waits (bounded) for the rest."""
+    def _rendezvous(self, stopped: Callable[[], bool]) -> dist.Store:
+        """Rank 0 serves the store; everyone announces itself and waits (bounded) for the rest.
+        RendezvousStopped as soon as `stopped()` is true."""
         env = self.env
         t0 = time.monotonic()
-        try:
-            store = _store(env, env.rank == 0, env.rendezvous_timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            if env.rank == 0:
-                raise NodeLost(
-                    f"{env.node(0)} cannot serve the rendezvous on port {env.master_port} ({_first_line(exc)}); "
-                    f"is the port in use by another run or program? Choose a free one: dflashctl train --rdzv-port"
-                ) from None
-            raise NodeLost(
-                f"cannot reach the rendezvous of {env.node(0)} at {env.rendezvous} within "
-                f"{env.rendezvous_timeout_s:g} s ({_first_line(exc)})"
-            ) from None
+        self.log(
+            f"node {env.node(env.rank)} of {env.world_size}: waiting for the rendezvous at {env.rendezvous} "
+            f"(up to {env.rendezvous_timeout_s:g} s)"
+        )
+        store = self._connect(stopped)
         store.set(f"join/{env.rank}", env.nodes[env.rank])
         while True:
             missing = [r for r in range(env.world_size) if not store.check([f"join/{r}"])]
             if not missing:
                 return store
+            if stopped():
+                raise RendezvousStopped()
             if time.monotonic() - t0 > env.rendezvous_timeout_s:
                 names = ", ".join(env.node(r) for r in missing)
                 raise NodeLost(
                     f"{names} did not join the rendezvous at {env.rendezvous} within {env.rendezvous_timeout_s:g} s"
                 )
             time.sleep(0.1)
+
+    def _connect(self, stopped: Callable[[], bool]) -> dist.Store:
+        """The rendezvous store, made by a helper thread: the C++ connect holds its thread until
+        rank 0 answers or `dist.rendezvous_timeout_s` ends, and Python runs signal handlers only in
+        the main thread, so the main thread waits here, free to hear a stop (and then leaves the
+        helper, a daemon thread, to its timeout)."""
+        env, box = self.env, {}
+
+        def connect() -> None:
+            try:
+                box["store"] = _store(env, env.rank == 0, env.rendezvous_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - judged below, in the main thread
+                box["error"] = exc
+
+        helper = threading.Thread(target=connect, name="dflash-rendezvous", daemon=True)
+        helper.start()
+        while helper.is_alive():
+            if stopped():
+                raise RendezvousStopped()
+            helper.join(0.1)
+        exc = box.get("error")
+        if exc is None:
+            return box["store"]
+        if env.rank == 0:
+            raise NodeLost(
+                f"{env.node(0)} cannot serve the rendezvous on port {env.master_port} ({_first_line(exc)}); "
+                f"is the port in use by another run or program? Choose a free one: dflashctl train --rdzv-port"
+            )
+        raise NodeLost(
+            f"cannot reach the rendezvous of {env.node(0)} at {env.rendezvous} within "
+            f"{env.rendezvous_timeout_s:g} s ({_first_line(exc)})"
+        )
 
     # -- the hooks ----------------------------------------------------------------------------
 
@@ -488,13 +521,15 @@ def init_from_env(
     cfg: DistConfig,
     log: Callable[[str], None] = print,
     environ: Mapping[str, str] | None = None,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> NodeGroup | None:
-    """The NodeGroup when WORLD_SIZE > 1 (dflashctl multi-host runs), else None; timeouts from `cfg`."""
+    """The NodeGroup when WORLD_SIZE > 1 (dflashctl multi-host runs), else None; timeouts from `cfg`.
+    RendezvousStopped when `stopped()` turns true before every node has joined."""
     env = NodeEnv.from_env(cfg, environ)
     if env is None:
         return None
     try:
-        return NodeGroup(env, device_type, local_replicas, log=log)
+        return NodeGroup(env, device_type, local_replicas, log=log, stopped=stopped)
     except NodeLost as exc:  # rendezvous failed: same message, record and exit code as a lost node
         _exit_node_lost(str(exc))
         raise  # unreachable unless os._exit is patched

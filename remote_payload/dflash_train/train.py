@@ -164,21 +164,28 @@ def run_training(
     or stalled worker raises `workers.WorkerError` (with its traceback). `launched_at`: the
     process's start (time.monotonic), for the time-to-first-step line."""
     launched_at = time.monotonic() if launched_at is None else launched_at
+    stop = stop or StopFlag()
     plan = resolve_run(cfg, multi_host=distributed.NodeEnv.from_env(cfg.dist) is not None)
     cfg, devices, notes = plan.cfg, list(plan.devices.workers), list(plan.notes)
     if plan.launcher == "processes":  # one process per device instead
         for line in notes:
             log(line)
-        return launcher.run_processes(cfg, devices, resume, overwrite, stop or StopFlag(), log)
+        return launcher.run_processes(cfg, devices, resume, overwrite, stop, log)
     if plan.policy.effective != "off":
         preload_compiler()
         notes.append(use_compile_cache(cfg.run.compile_cache_dir))
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Several hosts (WORLD_SIZE > 1, set by `dflashctl train h1,h2`): docs/multihost.md.
-    group = distributed.init_from_env(plan.devices.type, len(devices), cfg.dist, log=log)
+    try:
+        group = distributed.init_from_env(
+            plan.devices.type, len(devices), cfg.dist, log=log, stopped=lambda: stop.requested
+        )
+    except distributed.RendezvousStopped:  # as a stop before step 1: nothing trained, nothing to save
+        log(f"stopped by signal {stop.signum} while waiting for the rendezvous: nothing to save")
+        return stop.exit_code
     with group or contextlib.nullcontext():
-        return Trainer(plan, out, group, stop or StopFlag(), log, notes, launched_at).run(resume, overwrite)
+        return Trainer(plan, out, group, stop, log, notes, launched_at).run(resume, overwrite)
 
 
 class Trainer:
