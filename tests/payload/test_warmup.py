@@ -145,6 +145,20 @@ def read_until(proc: subprocess.Popen, prefix: str) -> list[str]:
     raise AssertionError("".join(lines))
 
 
+def output_within(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The process's output once it ends; past `timeout_s` it gets SIGTERM (the trainer then stops
+    its warm-up process too), 30 s later SIGKILL: what a hung run printed is still there to read."""
+    try:
+        return proc.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+    try:
+        return proc.communicate(timeout=30)[0] + f"\n(test: still running after {timeout_s:g} s: SIGTERM)"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()[0] + f"\n(test: still running after {timeout_s:g} s: SIGTERM, then SIGKILL)"
+
+
 def test_sigterm_during_the_warm_up_exits_143_at_once(tmp_path):
     proc = trainer(tmp_path, "debug.hang_at=compile")  # the warm-up process hangs where it would compile
     lines = read_until(proc, "parallel warm-up: 1 process(es) compiling on cpu")
@@ -201,15 +215,19 @@ def test_the_threads_compile_from_the_cache_the_warm_up_filled(tmp_path):
         "run.eval_every=2",
         "run.checkpoint_every=2",
     )
-    text = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, text
-    assert "parallel warm-up: 1/1 done in " in text and "the worker threads now compile from the warm cache" in text
-    child = (tmp_path / "run" / "warmup" / "cpu.log").read_text()
-    assert "compiled; AOTAutograd 0 from the cache" in child  # the warm-up itself compiled: the cache was cold
-    line = next(line for line in text.splitlines() if line.startswith("compiled and warmed up: "))
-    stats = line.split("compile cache: ")[1]
+    text = output_within(proc, 540)  # within pytest's 600 s timeout: a hang still shows the output
+    child_log = tmp_path / "run" / "warmup" / "cpu.log"
+    child = child_log.read_text() if child_log.exists() else "(no log)"
+    everything = f"{text}\n--- warm-up process log {child_log} ---\n{child}"  # every assert's message
+    assert proc.returncode == 0, everything
+    assert "parallel warm-up: 1/1 done in " in text and "the worker threads now compile from the warm cache" in text, (
+        everything
+    )
+    assert "compiled; AOTAutograd 0 from the cache" in child, everything  # the warm-up compiled: the cache was cold
+    line = next((line for line in text.splitlines() if line.startswith("compiled and warmed up: ")), "")
+    stats = line.partition("compile cache: ")[2]
     assert (
         "FX graphs 0 from the cache" not in stats
         and " 0 compiled; AOTAutograd" in stats
         and stats.endswith(" 0 compiled")
-    ), line
+    ), everything
