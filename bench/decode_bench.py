@@ -284,9 +284,9 @@ class Bench:
         settings = (
             ("inductor default", {}),
             ("programmatic dependent launch", pdl),
-            ("coordinate descent + PDL", tuned),
             ("max-autotune + coordinate descent + PDL", {"max_autotune": True, **tuned}),
             ("inductor default (again)", {}),
+            ("coordinate descent + PDL", tuned),
         )
         for label, options in settings:
             torch._dynamo.reset()  # the parts compile again, under these settings
