@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 import json
 import os
@@ -245,15 +244,24 @@ def compile_policy(mode: str, device_type: str):
         return ("off" if mode == "off" else "default"), {}, f"plan.py not importable: {exc}"
 
 
-# FlexAttention kernel options to try in `fast` rows (a plan row's optional fourth field): the
-# draft layers' attention backward was 14.6 ms of a 202.5 ms step at 141 TFLOP/s (docs/performance.md).
+# FlexAttention kernel options to try in `fast` rows (a plan row's optional fourth field), over the
+# trainer's own (model.FLEX_KERNEL_OPTIONS): "unsafe" is the step before run 34 adopted its option.
 FLEX_VARIANTS = {
-    "safe": {"ROWS_GUARANTEED_SAFE": True},  # every block query sees its own block
+    "unsafe": {"ROWS_GUARANTEED_SAFE": False},
     "tma": {"USE_TMA": True},
     "bwd64": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64},
     "bwd32": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32, "bwd_num_warps": 4},
     "fwd64": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64},
 }
+
+
+def flex_with(options: dict):
+    """flex_attention with `options` over the kernel options its caller (model.attend) passes."""
+
+    def flex(q, k, v, kernel_options=None, **kwargs):
+        return flex_attention(q, k, v, kernel_options={**(kernel_options or {}), **options}, **kwargs)
+
+    return flex
 
 
 def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, fh, flex: str = "") -> Rig:
@@ -287,7 +295,7 @@ def build(cfg: BenchConfig, mode: str, compile_mode: str, device: torch.device, 
             flex_fn = torch.compile(flex_attention, dynamic=False)  # as replica.build_replica does
     elif mode == "fast":
         if flex:
-            flex_fn = functools.partial(flex_attention, kernel_options=FLEX_VARIANTS[flex])
+            flex_fn = flex_with(FLEX_VARIANTS[flex])
         drafter.compile_layers(**kw)
         target.compile_layers(**kw)
     else:

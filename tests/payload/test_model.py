@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.model import (
+    FLEX_KERNEL_OPTIONS,
     DFlashDrafter,
     DrafterSpec,
     Shape,
@@ -16,6 +17,7 @@ from dflash_train.model import (
     attend,
     rope_cos_sin,
 )
+from dflash_train.sliding import dense_sliding_mask
 
 # Eager FlexAttention on CPU is the unfused reference path: exactly what these checks want.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -148,3 +150,17 @@ def test_parameter_names_match_published_layout():
     mlp = {f"layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
     norms = {"layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight"}
     assert names == attn | mlp | norms | {"norm.weight", "fc.weight", "hidden_norm.weight"}
+
+
+def test_no_query_row_of_a_training_mask_is_fully_masked():
+    """What `FLEX_KERNEL_OPTIONS` (ROWS_GUARANTEED_SAFE) promises FlexAttention: every block query
+    sees a key (its own block), in the full mask and the sliding one, an anchor at 0 and a window
+    of one position included."""
+    assert FLEX_KERNEL_OPTIONS == {"ROWS_GUARANTEED_SAFE": True}
+    anchors = torch.tensor([[0, 1, 7, 20], [3, 3, 12, 19]])
+    seq_len, bs = 24, 4
+    masks = [dense_block_mask(anchors, seq_len, bs)] + [
+        dense_sliding_mask(anchors, seq_len, bs, window) for window in (1, 2, 5)
+    ]
+    for mask in masks:
+        assert mask.any(-1).all()

@@ -17,5 +17,5 @@ def test_the_bench_step_is_the_trainers_step(tmp_path):
 
 
 def test_a_plan_row_names_a_known_flex_variant():
-    assert step_bench.plan_row("8b:fast:1:safe") == ("8b", "fast", 1, "safe")
+    assert step_bench.plan_row("8b:fast:1:unsafe") == ("8b", "fast", 1, "unsafe")
     assert step_bench.plan_row("8b:trainer:2") == ("8b", "trainer", 2, "")
