@@ -541,8 +541,8 @@ def table(rows: list[dict], peak: float) -> str:
 def plan_row(text: str) -> tuple[str, str, int, str]:
     """shape:mode:batch[:flex variant] -> its fields."""
     shape, mode, batch, *flex = text.split(":")
-    if flex and flex[0] not in FLEX_VARIANTS:
-        raise SystemExit(f"unknown flex variant {flex[0]!r} (known: {', '.join(FLEX_VARIANTS)})")
+    if flex and (flex[0] not in FLEX_VARIANTS or mode != "fast"):
+        raise SystemExit(f"{text}: a flex variant is one of {', '.join(FLEX_VARIANTS)}, in a fast row")
     return shape, mode, int(batch), flex[0] if flex else ""
 
 

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import step_bench  # noqa: E402
 
@@ -19,3 +21,6 @@ def test_the_bench_step_is_the_trainers_step(tmp_path):
 def test_a_plan_row_names_a_known_flex_variant():
     assert step_bench.plan_row("8b:fast:1:unsafe") == ("8b", "fast", 1, "unsafe")
     assert step_bench.plan_row("8b:trainer:2") == ("8b", "trainer", 2, "")
+    for text in ("8b:fast:1:nope", "8b:trainer:1:unsafe"):
+        with pytest.raises(SystemExit, match="a flex variant is one of unsafe, tma"):
+            step_bench.plan_row(text)
