@@ -523,6 +523,78 @@ def test_rendezvous_timeout_names_the_missing_node(tmp_path):
     assert (tmp_path / "reason0").read_text().startswith("b (rank 1) did not join")
 
 
+# Rank 0 of a group of 3 in the tests below: a bare TCPStore server, the store a real rank 0 serves.
+SERVE_STORE = (
+    "import datetime, sys, threading, torch.distributed as dist; "
+    "store = dist.TCPStore('127.0.0.1', int(sys.argv[1]), 3, True, "
+    "timeout=datetime.timedelta(seconds=600), wait_for_workers=False); threading.Event().wait()"
+)
+
+
+@pytest.mark.parametrize("window", ["join", "init"])
+def test_rank_0_dying_during_the_rendezvous_is_a_lost_node_not_a_traceback(tmp_path, window):
+    """World of 3. Rank 0 dies (SIGKILL) after rank 1 joined its store, while rank 2 has not
+    ("join"), or once every node joined and rank 1 is inside init_process_group ("init": rank 1
+    has written its first process-group key, and waits for ranks 0 and 2). Rank 1's store call
+    used to end in a torch traceback and exit 1; now it exits 75 with one line naming rank 0,
+    recorded as the reason, as the other rendezvous failures."""
+    import datetime
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    port = free_port("127.0.0.1")
+    server = subprocess.Popen([sys.executable, "-c", SERVE_STORE, str(port)])
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env = {
+        **base,
+        "RANK": "1",
+        "WORLD_SIZE": "3",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "DFLASH_NODES": "a,b,c",
+        "DFLASH_RUN_ID": "r1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "DFLASHCTL_REASON_FILE": str(tmp_path / "reason"),
+    }
+    argv = sets(["dist.rendezvous_timeout_s=600", "run.device=cpu", f"run.output_dir={tmp_path / 'out'}"])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_train", *argv],
+        cwd=TRAIN_PY.parent.parent,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # The test's own connection to rank 0's store (it retries until the server is up): the keys
+        # tell where rank 1 is.
+        raw = dist.TCPStore("127.0.0.1", port, 3, False, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+        store = dist.PrefixStore("dflash/r1/", raw)
+        wait_until(lambda: store.check(["join/1"]) or proc.poll() is not None, 120, "rank 1's join")
+        if window == "init":
+            store.set("join/0", "a")
+            store.set("join/2", "c")
+            keys = raw.num_keys()  # from here on only rank 1 adds keys, all of them in init_process_group
+            wait_until(lambda: raw.num_keys() > keys or proc.poll() is not None, 120, "rank 1's init_process_group")
+        assert proc.poll() is None, proc.communicate()[1]
+        server.kill()
+        server.wait()
+        err = proc.communicate(timeout=60)[1]  # a bound: the exit follows the kill at once
+    finally:
+        for p in (server, proc):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    during = "while waiting for c (rank 2) to join" if window == "join" else "while joining the gloo group"
+    lost = f"lost node a (rank 0) {during}: the rendezvous store at 127.0.0.1:{port} stopped answering ("
+    assert proc.returncode == 75, err
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith(f"error: {lost}"), err
+    assert err.splitlines()[-1].endswith("); exiting with code 75"), err
+    assert (tmp_path / "reason").read_text().startswith(lost)
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_sigterm_while_waiting_for_the_rendezvous_stops_at_once(tmp_path, rank):
     """A node whose peer never comes (rank 1: no store to connect to; rank 0: nobody joins) used to

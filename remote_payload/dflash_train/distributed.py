@@ -118,6 +118,14 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
 
 
+def _rank0_lost(env: NodeEnv, exc: BaseException, during: str = "") -> str:
+    """The verdict when rank 0's store stops answering (rank 0 died or is cut off)."""
+    return (
+        f"lost node {env.node(0)}{during}: the rendezvous store at {env.rendezvous} stopped answering "
+        f"({_first_line(exc)})"
+    )
+
+
 def _store(env: NodeEnv, is_master: bool, timeout_s: float) -> dist.Store:
     """A TCPStore connection (or, on rank 0 once, the server), under this run's key prefix."""
     store = dist.TCPStore(
@@ -154,10 +162,7 @@ class Monitor(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - the store is rank 0's: it died or is cut off
                 if self.halt.is_set():
                     return
-                reason = (
-                    f"lost node {env.node(0)}: the rendezvous store at {env.rendezvous} stopped "
-                    f"answering ({_first_line(exc)})"
-                )
+                reason = _rank0_lost(env, exc)
             if reason is not None and not self.halt.is_set():
                 self.verdict = reason
                 self.on_lost(reason)
@@ -212,17 +217,19 @@ class NodeGroup:
         self.last_check: tuple[int, int] | None = None  # (number of checks, common checksum)
         self._store = self._rendezvous(stopped)
         backend = "nccl" if device_type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=env.timeout_s)
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore("pg/", self._store),
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-        )
-        # Checksums, counts and objects travel on gloo even when gradients go over NCCL.
-        self.control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
-        self.monitor = Monitor(env, self._lost)
+        with self._setup(f"joining the {backend} group"):
+            timeout = datetime.timedelta(seconds=env.timeout_s)
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore("pg/", self._store),
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timeout,
+            )
+            # Checksums, counts and objects travel on gloo even when gradients go over NCCL.
+            self.control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+        with self._setup("starting the heartbeat monitor"):
+            self.monitor = Monitor(env, self._lost)
         self.monitor.start()
         counts = self._gather_ints([local_replicas])
         self.replica_counts = [c[0] for c in counts]
@@ -246,19 +253,24 @@ class NodeGroup:
             f"(up to {env.rendezvous_timeout_s:g} s)"
         )
         store = self._connect(stopped)
-        store.set(f"join/{env.rank}", env.nodes[env.rank])
-        while True:
-            missing = [r for r in range(env.world_size) if not store.check([f"join/{r}"])]
-            if not missing:
-                return store
-            if stopped():
-                raise RendezvousStopped()
-            if time.monotonic() - t0 > env.rendezvous_timeout_s:
-                names = ", ".join(env.node(r) for r in missing)
-                raise NodeLost(
-                    f"{names} did not join the rendezvous at {env.rendezvous} within {env.rendezvous_timeout_s:g} s"
-                )
-            time.sleep(0.1)
+        missing = [r for r in range(env.world_size) if r != env.rank]
+        try:
+            store.set(f"join/{env.rank}", env.nodes[env.rank])
+            while missing := [r for r in range(env.world_size) if not store.check([f"join/{r}"])]:
+                if stopped():
+                    raise RendezvousStopped()
+                if time.monotonic() - t0 > env.rendezvous_timeout_s:
+                    names = ", ".join(env.node(r) for r in missing)
+                    raise NodeLost(
+                        f"{names} did not join the rendezvous at {env.rendezvous} within {env.rendezvous_timeout_s:g} s"
+                    )
+                time.sleep(0.1)
+        except (NodeLost, RendezvousStopped):
+            raise
+        except Exception as exc:  # noqa: BLE001 - only rank 0's store is asked here: rank 0 died or is cut off
+            names = ", ".join(env.node(r) for r in missing if r != 0)
+            raise NodeLost(_rank0_lost(env, exc, f" while waiting for {names} to join" if names else "")) from exc
+        return store
 
     def _connect(self, stopped: Callable[[], bool]) -> dist.Store:
         """The rendezvous store, made by a helper thread: the C++ connect holds its thread until
@@ -291,6 +303,19 @@ class NodeGroup:
             f"cannot reach the rendezvous of {env.node(0)} at {env.rendezvous} within "
             f"{env.rendezvous_timeout_s:g} s ({_first_line(exc)})"
         )
+
+    @contextmanager
+    def _setup(self, what: str) -> Iterator[None]:
+        """A setup step after the rendezvous (before the monitor watches): a failure becomes NodeLost,
+        naming rank 0 when its store no longer answers (the step's error alone could be any node's)."""
+        try:
+            yield
+        except Exception as exc:
+            try:
+                self._store.check([f"join/{self.rank}"])
+            except Exception:  # noqa: BLE001 - rank 0 died or is cut off
+                raise NodeLost(_rank0_lost(self.env, exc, f" while {what}")) from exc
+            raise NodeLost(f"{what} failed on {self.env.node(self.rank)}: {_first_line(exc)}") from exc
 
     # -- the hooks ----------------------------------------------------------------------------
 
