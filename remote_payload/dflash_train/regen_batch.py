@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .config import TargetConfig
 
-MAX_AUTO_BATCH = 128  # the largest measured (run 32: 1.47x batch 64's rate); 256 not measured
+MAX_AUTO_BATCH = 128  # run 32: 1.47x batch 64's rate; 256 gave 1.21x more (run 36) but its prefill peak is unmeasured
 PROMPT_ALLOWANCE = 1024  # prompt tokens planned per row; longer prompts make a larger cache
 CAPACITY_STEP = 1024  # cache positions are allocated in steps of this: fewer decoder shapes, each warmed up once
 MEMORY_SHARE = 0.85  # of the total memory: the rest for the CUDA context, other processes' slack
