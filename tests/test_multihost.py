@@ -573,9 +573,11 @@ def test_rank_0_dying_during_the_rendezvous_is_a_lost_node_not_a_traceback(tmp_p
         store = dist.PrefixStore("dflash/r1/", raw)
         wait_until(lambda: store.check(["join/1"]) or proc.poll() is not None, 120, "rank 1's join")
         if window == "init":
+            # Counted before the two joins below: rank 1 may see them and write its first process-group
+            # key before this test could count again. Past these two, only rank 1 adds keys.
+            keys = raw.num_keys() + 2
             store.set("join/0", "a")
             store.set("join/2", "c")
-            keys = raw.num_keys()  # from here on only rank 1 adds keys, all of them in init_process_group
             wait_until(lambda: raw.num_keys() > keys or proc.poll() is not None, 120, "rank 1's init_process_group")
         assert proc.poll() is None, proc.communicate()[1]
         server.kill()
