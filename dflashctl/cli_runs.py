@@ -168,6 +168,8 @@ def train_cmd(
                 "dflashctl train HOST --resume RUN)"
             )
         raise typer.Exit(_train_group(app_state(ctx), session, hosts, opts))
+    if rdzv_port is not None:  # it was ignored: a run on one host has no rendezvous
+        raise UsageError(f"--rdzv-port is for a run across several hosts; one on {hosts[0].name} has none: drop it")
     raise typer.Exit(_train_one(app_state(ctx), session, hosts[0].name, opts))
 
 

@@ -322,6 +322,15 @@ def test_queue_and_force_together_are_refused(shim_host):
     assert res.stderr == "error: --queue waits for the GPUs and --force takes them at once: give one\n"
 
 
+def test_a_rendezvous_port_for_one_host_is_refused(shim_host):
+    """`train local --rdzv-port P` started the run and ignored P (one host has no rendezvous);
+    refused before anything is pushed or started, as `--resume` of a one-host run refuses it."""
+    res = shim_host.run_cli("train", "local", "--rdzv-port", "29501")
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == "error: --rdzv-port is for a run across several hosts; one on local has none: drop it\n"
+    assert shim_host.run_cli("runs", "list", "local").stdout.count("\n") <= 1  # no run started
+
+
 @pytest.mark.parametrize("flag", [["--queue"], ["--on-event", "true"]], ids=lambda f: f[0])
 def test_resume_refuses_what_only_a_new_start_takes(shim_host, flag):
     """--queue and --on-event were dropped unsaid with --resume (the run keeps its hook; a resume
