@@ -366,8 +366,9 @@ class LogView:
 
 
 def progress_text(m: dict[str, Any]) -> Text:
-    """`step 120/1000 (12%)  loss 2.3456  accept 3.21  12,345 tok/s  ETA 1:02:03`, or for a data
-    run `rows 120/1000 (12%)  3 failed  12,345 tok/s  ETA 0:04:10`."""
+    """`step 120/1000 (12%)  loss 2.3456  teacher-forced accept 3.21  tau ~1.52  12,345 tok/s  ETA 1:02:03`
+    (the acceptance is the proxy, `~` the in-training speculative tau as `runs list` marks it), or for
+    a data run `rows 120/1000 (12%)  3 failed  12,345 tok/s  ETA 0:04:10`."""
     if "rows_done" in m:
         done, total = m["rows_done"], m.get("rows_total") or 0
         share = f" ({100 * done / total:.0f}%)" if total else ""
@@ -380,14 +381,16 @@ def progress_text(m: dict[str, Any]) -> Text:
         )
     step, total = m.get("step"), m.get("total_steps")
     parts = [f"step {step}/{total} ({100 * step / total:.0f}%)" if step is not None and total else f"step {step}"]
-    for key, label, fmt in (
-        ("loss", "loss", "{:.4f}"),
-        ("acceptance_length", "accept", "{:.2f}"),
-        ("tokens_per_s", "tok/s", "{:,.0f}"),
+    tau = m.get("spec_tau_prompt_mean")
+    tau = m.get("spec_tau") if tau is None else tau  # a run from before the mean of per-prompt tau
+    for value, shown in (
+        (m.get("loss"), "loss {:.4f}"),
+        (m.get("acceptance_length"), "teacher-forced accept {:.2f}"),
+        (tau, "tau ~{:.2f}"),
+        (m.get("tokens_per_s"), "{:,.0f} tok/s"),
     ):
-        value = m.get(key)
         if isinstance(value, (int, float)):
-            parts.append(f"{fmt.format(value)} {label}" if label == "tok/s" else f"{label} {fmt.format(value)}")
+            parts.append(shown.format(value))
     step_time = m.get("step_time_s")
     if isinstance(step_time, (int, float)) and step is not None and total:
         parts.append(f"ETA {fmt_duration(max(0, total - step) * step_time)}")

@@ -583,17 +583,12 @@ def eval_rows(ev: dict[str, Any], prompts: str = "") -> list[tuple[str, Text]]:
         if ev.get("identical") is not None
         else f"sampled at temperature {ev.get('temperature')}"
     )
-    mean = ev.get("tau_prompt_mean")
-    tau = (
-        f"speculative tau {mean:.3f} (mean of per-prompt tau; pooled {ev['tau']:.3f})"
-        if mean is not None
-        else f"speculative tau {ev['tau']:.3f}"
-    )
+    tau = f"speculative {tau_words(ev)}"
     rows = [
         (
             "eval" + prompts,
             Text(
-                f"{tau}, speedup {ev['speedup']:.2f}x on {ev['device']} "
+                f"{tau}, speedup {ev['speedup']:.2f}x over the target alone on {ev['device']} "
                 f"({ev['prompts']} prompts x {ev['max_new_tokens']} tokens, {how})"
             ),
         )
@@ -607,13 +602,21 @@ def eval_rows(ev: dict[str, Any], prompts: str = "") -> list[tuple[str, Text]]:
             (
                 "baseline" + prompts,
                 Text(
-                    f"{free.get('method') or 'prompt lookup'}: tau "
-                    f"{headline_tau(free, 'tau_prompt_mean', 'tau'):.3f}, speedup "
-                    f"{free['speedup']:.2f}x (no drafter: what costs nothing)"
+                    f"{free.get('method') or 'prompt lookup'}: {tau_words(free)}, speedup "
+                    f"{free['speedup']:.2f}x over the target alone (no drafter: what costs nothing)"
                 ),
             )
         )
     return rows
+
+
+def tau_words(figures: dict[str, Any]) -> str:
+    """`tau 2.296 (mean of per-prompt tau; pooled 1.459)`, or `tau 1.459 (pooled)` for a report
+    from before the mean existed: either form named, as the two differ by up to 2x."""
+    mean = figures.get("tau_prompt_mean")
+    if mean is None:
+        return f"tau {figures['tau']:.3f} (pooled)"
+    return f"tau {mean:.3f} (mean of per-prompt tau; pooled {figures['tau']:.3f})"
 
 
 def prompts_text(source: Any, digits: int = 16) -> str | None:
@@ -644,9 +647,11 @@ def metrics_summary(records: Sequence[dict[str, Any]], count: int) -> list[tuple
         return [("metrics", "none yet")]
     last = records[-1]
     if "rows_done" in last:  # a data run's progress records
+        start_up = bool(last.get("rate_includes_start_up"))
         return [
             ("rows", f"{last['rows_done']}/{last.get('rows_total', '?')} ({last.get('rows_failed', 0)} failed)"),
-            ("tokens/s", f"{last.get('tokens_per_s') or 0:.0f}"),
+            # Counted from the program's start until the first round of batches is in (its log says so too).
+            ("output tok/s", f"{last.get('tokens_per_s') or 0:.0f}" + (start_up * " (incl. start-up)")),
         ]
     losses = series(records, "loss")[1]
     accs = series(records, "acceptance_length")[1]
@@ -659,15 +664,36 @@ def metrics_summary(records: Sequence[dict[str, Any]], count: int) -> list[tuple
         out.append(("loss", f"{losses[-1]:.4f} (best {min(losses):.4f})"))
     if accs:
         out.append(("acceptance", f"teacher-forced {accs[-1]:.3f} (best {max(accs):.3f}; a proxy)"))
-    taus = series(records, "spec_tau_prompt_mean")[1] or series(records, "spec_tau")[1]
-    if taus:
-        out.append(
-            (
-                "speculative tau",
-                f"{taus[-1]:.3f} (best {max(taus):.3f}; real draft-and-verify, greedy, held-out prompts)",
-            )
-        )
+    out += in_training_tau(records)
     speed = series(records, "tokens_per_s")[1]
     if speed:
-        out.append(("tokens/s", f"{speed[-1]:.0f}"))
+        out.append(("tokens/s", f"{speed[-1]:.0f} ({train_rate_span(records)})"))
     return out
+
+
+def in_training_tau(records: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The trainer's own speculative tau (runs list's `~X`): which average, on how many prompts."""
+    form, taus = "mean of per-prompt tau", series(records, "spec_tau_prompt_mean")[1]
+    if not taus:  # a run from before the mean existed
+        form, taus = "pooled", series(records, "spec_tau")[1]
+    if not taus:
+        return []
+    latest = next(r for r in reversed(records) if r.get("spec_tau") is not None)
+    prompts = f"{latest['spec_prompts']} " if latest.get("spec_prompts") else ""
+    return [
+        (
+            "speculative tau",
+            f"{taus[-1]:.3f} {form} (best {max(taus):.3f}; in training: real draft-and-verify on "
+            f"{prompts}held-out prompts, greedy)",
+        )
+    ]
+
+
+def train_rate_span(records: Sequence[dict[str, Any]]) -> str:
+    """What the latest training record's tokens/s covers: every worker's tokens, over the steps since
+    the record (or resume) before it, sync points (evaluations, checkpoints) not counted."""
+    trained = [i for i, r in enumerate(records) if r.get("event", "train") == "train" and "tokens_per_s" in r]
+    last = trained[-1]
+    first = next((r.get("step") for r in reversed(records[:last]) if r.get("event", "train") in ("train", "start")), 0)
+    first, step = (first or 0) + 1, records[last].get("step")
+    return f"all workers together, {f'step {step}' if first == step else f'steps {first}-{step}'}"

@@ -127,3 +127,44 @@ def test_a_resumed_run_is_listed_by_its_last_start_and_shown_with_both():
     shown = {label: value.plain for label, value in details_rows(run)}
     assert (shown["started"], shown["resumed"]) == ("2026-12-04T23:00:08Z", "2026-12-04T23:41:30Z (1x)")
     assert shown["duration"] == "2:00 (since the last resume)"
+
+
+def test_runs_show_says_which_tau_and_whose_tokens_per_second():
+    records = [{"event": "eval", "step": 0, "total_steps": 60, "loss": 6.6, "acceptance_length": 1.0}]
+    records += [
+        {"event": "train", "step": s, "total_steps": 60, "loss": 5.0, "tokens_per_s": 35014.2} for s in (50, 60)
+    ]
+    final = {"event": "final", "step": 60, "total_steps": 60, "loss": 4.7, "acceptance_length": 2.56}
+    records.append({**final, "spec_tau": 1.204, "spec_tau_prompt_mean": 1.525, "spec_prompts": 4})
+    rows = dict(metrics_summary(records, len(records)))
+    # Was `1.525 (best 1.525; real draft-and-verify, greedy, held-out prompts)`: not which average
+    # (pooled is 1.204 here), nor that it is the trainer's own figure on its few prompts.
+    assert rows["speculative tau"].startswith("1.525 mean of per-prompt tau (best 1.525; in training:")
+    assert "on 4 held-out prompts" in rows["speculative tau"]
+    # Was a bare `35014`: the sum over every worker, of the steps since the record before.
+    assert rows["tokens/s"] == "35014 (all workers together, steps 51-60)"
+    older = [{k: v for k, v in r.items() if k not in ("spec_tau_prompt_mean", "spec_prompts")} for r in records]
+    assert dict(metrics_summary(older, 4))["speculative tau"].startswith("1.204 pooled (best 1.204; in training:")
+    resumed = [*records[:2], {"event": "start", "step": 54}, records[2]]  # resumed from step 54's checkpoint
+    assert dict(metrics_summary(resumed, 4))["tokens/s"] == "35014 (all workers together, steps 55-60)"
+    regen = {"rows_done": 8, "rows_total": 120, "tokens_per_s": 99.6, "rate_includes_start_up": True}
+    assert dict(metrics_summary([regen], 1))["output tok/s"] == "100 (incl. start-up)"  # as its log line says
+    assert dict(metrics_summary([{**regen, "rate_includes_start_up": False}], 1))["output tok/s"] == "100"
+
+
+def test_runctl_show_keeps_the_record_before_the_last_for_the_rate_span(tmp_path, capsys):
+    from dflashctl.remote.runctl.listing import cmd_show
+
+    run = tmp_path / "runs" / "20261205-000000-abcd"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"run_id": run.name, "run_dir": str(run), "gpus": ["cpu"]}))
+    lines = [
+        {"event": "train", "step": s, "total_steps": 3000, "loss": 1.0, "tokens_per_s": 9.0} for s in range(1, 3001)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    cmd_show(str(tmp_path), "", "1000")
+    shown = json.loads(capsys.readouterr().out)
+    # Thinned to every 3rd record, the one kept before the last was step 2998's: the rate of step
+    # 3000 alone (log_every 1) would have read as `steps 2999-3000`.
+    assert [r["step"] for r in shown["metrics"][-2:]] == [2999, 3000]
+    assert dict(metrics_summary(shown["metrics"], 3000))["tokens/s"] == "9 (all workers together, step 3000)"

@@ -198,6 +198,17 @@ def test_a_report_from_before_prompts_source_still_shows_without_it():
     old |= {"max_new_tokens": 8, "device": "cpu", "temperature": 0.0, "per_prompt": [{}] * 4}
     rows = eval_rows(old)
     assert [label for label, _ in rows] == ["eval"] and "speculative tau 2.500" in rows[0][1].plain
+    assert "speedup 1.50x over the target alone on cpu" in rows[0][1].plain
+    # A report from before the mean of per-prompt tau: its one figure is named as the pooled one.
+    pooled = {k: v for k, v in old.items() if k != "tau_prompt_mean"}
+    assert "speculative tau 2.000 (pooled), speedup" in eval_rows(pooled)[0][1].plain
+    # The baseline row said `tau 4.198` (which average?) and `speedup 2.99x` (over what?).
+    free = {"method": "prompt lookup", "tau": 3.692, "tau_prompt_mean": 4.198, "speedup": 2.99}
+    row = dict(eval_rows({**old, "baseline": free}))["baseline"].plain
+    assert row == (
+        "prompt lookup: tau 4.198 (mean of per-prompt tau; pooled 3.692), speedup 2.99x over the "
+        "target alone (no drafter: what costs nothing)"
+    )
     line = _eval_lines(old, "`dflashctl eval`")[0]
     assert line.endswith("output identical to the target's greedy decode: yes")
     given = {"from": "--prompts", "file": "p.jsonl", "rows": 3, "sha256": "ab" * 32}

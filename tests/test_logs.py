@@ -67,17 +67,16 @@ def test_parse_frames_handles_split_input():
 
 
 def test_progress_text_shows_step_loss_acceptance_eta():
-    text = progress_text(
-        {
-            "step": 50,
-            "total_steps": 200,
-            "loss": 1.23456,
-            "acceptance_length": 3.2,
-            "tokens_per_s": 12345.6,
-            "step_time_s": 2.0,
-        }
-    ).plain
-    assert text == "step 50/200 (25%)  loss 1.2346  accept 3.20  12,346 tok/s  ETA 5:00"
+    record = {"step": 50, "total_steps": 200, "loss": 1.23456, "acceptance_length": 3.2}
+    record |= {"tokens_per_s": 12345.6, "step_time_s": 2.0}
+    text = progress_text(record).plain
+    # The acceptance is the teacher-forced proxy: a bare `accept 3.20` read as the tau a user gets.
+    assert text == "step 50/200 (25%)  loss 1.2346  teacher-forced accept 3.20  12,346 tok/s  ETA 5:00"
+    # The in-training speculative tau (merged from eval records by runctl) is shown beside it, marked
+    # `~` as `runs list` marks it; its mean of per-prompt tau first, the pooled one for older runs.
+    text = progress_text({**record, "spec_tau": 1.2, "spec_tau_prompt_mean": 1.5}).plain
+    assert "teacher-forced accept 3.20  tau ~1.50  12,346 tok/s" in text
+    assert "tau ~1.20  " in progress_text({**record, "spec_tau": 1.2, "spec_tau_prompt_mean": None}).plain
 
 
 def test_tail_lines_and_since_step_on_local(tmp_path):

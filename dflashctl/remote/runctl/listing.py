@@ -49,7 +49,8 @@ def cmd_show(workdir, selector, max_points="1000"):
     is_train = [r.get("event", "train") == "train" for r in records]
     stride = max(1, -(-sum(is_train) // int(max_points)))
     train_idx = [i for i, t in enumerate(is_train) if t]
-    keep = set(train_idx[::stride] + train_idx[-1:])
+    # The last two stay: `runs show` says which steps the latest tokens/s covers (from the one before).
+    keep = set(train_idx[::stride] + train_idx[-2:])
     thinned = [r for i, r in enumerate(records) if i in keep or not is_train[i]]
     out = summary(run_dir, meta)
     out.update(metrics=thinned, metrics_count=len(records))
