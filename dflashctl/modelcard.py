@@ -204,8 +204,8 @@ def _tau_lines(run_dir: Path, records: list[dict], config: dict) -> list[str]:
             lines.append(
                 f"- in training, speculative tau (real draft-and-verify decoding, greedy, "
                 f"{final.get('spec_prompts')} held-out prompts x {tokens} tokens): "
-                f"{final['spec_tau_prompt_mean']:.3f} mean of "
-                f"per-prompt tau, {final['spec_tau']:.3f} pooled over all verify steps"
+                + _mean_tau(final.get("spec_tau_prompt_mean"))
+                + f"{final['spec_tau']:.3f} pooled over all verify steps"
             )
     report = _read_json(run_dir / "eval.json")
     if report is not None:
@@ -225,8 +225,8 @@ def _eval_lines(report: dict, what: str) -> list[str]:
     lines = [
         f"- {what} ({how}, {len(report.get('per_prompt') or [])} prompts x up to "
         f"{report.get('max_new_tokens')} new tokens, on {report.get('device')}): tau "
-        f"{report['tau_prompt_mean']:.3f} mean of per-prompt tau (as z-lab's benchmark.py reports), "
-        f"{report['tau']:.3f} pooled (as SpecForge's benchmarks report); output identical to the "
+        + _mean_tau(report.get("tau_prompt_mean"), " (as z-lab's benchmark.py reports)")
+        + f"{report['tau']:.3f} pooled (as SpecForge's benchmarks report); output identical to the "
         f"target's greedy decode: {_yes(report.get('identical'))}"
         + (f"; prompts: {source}" if (source := prompts_text(report.get("prompts_source"), 64)) else ""),
         f"- speedup over the target alone ({what}, the same machine): {report['speedup']:.2f}x",
@@ -234,10 +234,17 @@ def _eval_lines(report: dict, what: str) -> list[str]:
     free = report.get("baseline")
     if free:
         lines.append(
-            f"- free baseline, prompt lookup on the same decode path: tau {free['tau_prompt_mean']:.3f} "
-            f"mean per prompt, {free['tau']:.3f} pooled, speedup {free['speedup']:.2f}x"
+            "- free baseline, prompt lookup on the same decode path: tau "
+            + _mean_tau(free.get("tau_prompt_mean"))
+            + f"{free['tau']:.3f} pooled, speedup over the target alone {free['speedup']:.2f}x"
         )
     return lines
+
+
+def _mean_tau(mean: float | None, note: str = "") -> str:
+    """`2.296 mean of per-prompt tau<note>, ` before the pooled figure; empty for a report written
+    before the mean was kept (it has the pooled one only)."""
+    return "" if mean is None else f"{mean:.3f} mean of per-prompt tau{note}, "
 
 
 def _yes(value: object) -> str:

@@ -262,6 +262,21 @@ def test_the_model_card_names_the_base_model_given_or_says_it_is_left_out(shim_h
     assert "- target: `/models/Qwen3-8B`" in card and _front_matter(card)["license"] == "other"
 
 
+def test_the_card_of_an_eval_from_before_the_per_prompt_mean_has_its_pooled_tau(shim_host, tmp_path, finished_run):
+    """An eval.json written before `tau_prompt_mean` existed (pooled tau only): the card was not
+    written (a KeyError); now it gives the pooled figures it has, the baseline's speedup named."""
+    _, run_dir = finished_run
+    shutil.rmtree(run_dir / "export")
+    _real_export(run_dir / "export", "NVIDIA H200")
+    old = {"tau": 2.5, "speedup": 1.8, "identical": True, "device": "NVIDIA H200", "max_new_tokens": 64}
+    (run_dir / "eval.json").write_text(json.dumps({**old, "baseline": {"tau": 1.5, "speedup": 1.2}}))
+    res = shim_host.run_cli("runs", "pull", "shim", "p1", "--to", str(tmp_path / "out"))
+    assert res.returncode == 0 and res.stderr.splitlines()[-1].startswith("model card: "), res.stderr
+    card = (tmp_path / "out" / "export" / "README.md").read_text()
+    assert "NVIDIA H200): tau 2.500 pooled (as SpecForge's benchmarks report); output identical" in card
+    assert "- free baseline, prompt lookup on the same decode path: tau 1.500 pooled, speedup over the" in card
+
+
 def test_a_card_that_cannot_be_written_does_not_undo_the_pull(shim_host, tmp_path, finished_run):
     _, run_dir = finished_run
     (run_dir / "export" / "config.json").write_text("{not json")
