@@ -26,7 +26,7 @@ from .containers import Target
 from .errors import ConnectError, Interrupted, RemoteError
 from .output import write_out
 from .remote.wire import FRAME_DATA, FRAME_END, FRAME_ERROR, FRAME_METRICS, FRAME_ROTATED, FRAME_START
-from .runs import EXIT_DETACHED, STATE_STYLE, answer_error, exit_code_for, fmt_duration
+from .runs import EXIT_DETACHED, STATE_STYLE, answer_error, exit_code_for, fmt_duration, headline_tau
 from .session import Session
 from .transport import Completed, Process
 
@@ -381,8 +381,7 @@ def progress_text(m: dict[str, Any]) -> Text:
         )
     step, total = m.get("step"), m.get("total_steps")
     parts = [f"step {step}/{total} ({100 * step / total:.0f}%)" if step is not None and total else f"step {step}"]
-    tau = m.get("spec_tau_prompt_mean")
-    tau = m.get("spec_tau") if tau is None else tau  # a run from before the mean of per-prompt tau
+    tau = headline_tau(m, "spec_tau_prompt_mean", "spec_tau")
     for value, shown in (
         (m.get("loss"), "loss {:.4f}"),
         (m.get("acceptance_length"), "teacher-forced accept {:.2f}"),
