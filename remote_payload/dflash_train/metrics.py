@@ -85,7 +85,7 @@ def train_line(record: dict) -> str:
     """The log line of a train record."""
     return (
         f"step {record['step']}/{record['total_steps']} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-        f"gnorm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s "
+        f"gnorm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s (all GPUs) "
         f"{record['step_time_s'] * 1000:.1f} ms/step"
     )
 
