@@ -14,7 +14,7 @@ from sshd import SHIM_VMID
 
 from dflashctl.evaluation import no_export_reason
 from dflashctl.modelcard import _eval_lines
-from dflashctl.runs import eval_rows
+from dflashctl.figures import eval_rows
 
 TRAIN = ["--set", "run.steps=60", "--set", "run.eval_every=60", "--set", "run.checkpoint_every=60", "--follow"]
 
