@@ -18,23 +18,61 @@ def headline_tau(figures: dict[str, Any], mean_key: str, pooled_key: str) -> flo
     return value if value is not None else figures.get(pooled_key)
 
 
+# A mark after `runs list`'s tau says what the figure is; unmarked: `dflashctl eval`'s greedy mean
+# of per-prompt tau on a prompts file of its own (data.spec_prompts_path or data.eval_path).
+TAU_MARKS = {
+    "~": "in training (no eval yet)",
+    "h": "eval prompts: the held-out split of the training data, not a separate file",
+    "?": "eval prompts not recorded (an older report)",
+    "p": "pooled (no mean of per-prompt tau recorded)",
+    "s": "sampled (temperature > 0), not greedy",
+}
+
+
 def tau_cell(run: dict[str, Any]) -> str:
     """The run's real acceptance length: `dflashctl eval`'s, else the training log's latest
-    speculative tau (marked `~`: the trainer's held-out prompts), else `-`."""
-    tau = headline_tau(run.get("eval") or {}, "tau_prompt_mean", "tau")
+    speculative tau (`~`), else `-`; marked as TAU_MARKS says."""
+    ev = run.get("eval") or {}
+    tau = headline_tau(ev, "tau_prompt_mean", "tau")
     if tau is not None:
-        return f"{tau:.2f}"
-    spec = headline_tau(run.get("last") or {}, "spec_tau_prompt_mean", "spec_tau")
-    return f"~{spec:.2f}" if spec is not None else "-"
+        origin = prompts_origin(ev)
+        marks = "?" if origin is None else "h" if origin.startswith("the held-out split") else ""
+        return f"{tau:.2f}{marks}{pooled_mark(ev, 'tau_prompt_mean')}{'s' if sampled(ev) else ''}"
+    last = run.get("last") or {}
+    spec = headline_tau(last, "spec_tau_prompt_mean", "spec_tau")
+    return f"~{spec:.2f}{pooled_mark(last, 'spec_tau_prompt_mean')}" if spec is not None else "-"
+
+
+def pooled_mark(figures: dict[str, Any], mean_key: str) -> str:
+    """`p` where the headline tau is the pooled one (written before the mean existed)."""
+    return "p" if figures.get(mean_key) is None else ""
+
+
+def tau_legend(cells: Sequence[str]) -> str | None:
+    """The line below `runs list`'s table naming the marks its tau cells carry (None: no marks)."""
+    shown = [mark for mark in TAU_MARKS if any(mark in cell for cell in cells)]
+    return ("tau: " + "; ".join(f"{mark} {TAU_MARKS[mark]}" for mark in shown)) if shown else None
+
+
+def sampled(ev: dict[str, Any]) -> bool:
+    """An eval decoded by sampling (temperature > 0; a report from before the field was greedy)."""
+    return bool(ev.get("temperature"))
+
+
+def prompts_origin(ev: dict[str, Any]) -> str | None:
+    """`from` of an eval's `prompts_source` (`--prompts`, `the held-out split ...`); None for a report
+    written before eval recorded it."""
+    source = ev.get("prompts_source")
+    return str(source["from"]) if isinstance(source, dict) and source.get("from") else None
 
 
 def eval_rows(ev: dict[str, Any], prompts: str = "") -> list[tuple[str, Text]]:
     """`runs show`'s `eval` row (tau, speedup, how it was decoded) and its `baseline` row (prompt
     lookup); `prompts` (` on NAME`) labels an eval on other prompts than the run's own."""
     how = (
-        ("greedy, identical: " + ("yes" if ev["identical"] else "NO"))
-        if ev.get("identical") is not None
-        else f"sampled at temperature {ev.get('temperature')}"
+        f"sampled at temperature {ev['temperature']}"
+        if sampled(ev)
+        else "greedy, identical: " + ("yes" if ev.get("identical") else "NO")
     )
     tau = f"speculative {tau_words(ev)}"
     rows = [
@@ -46,9 +84,8 @@ def eval_rows(ev: dict[str, Any], prompts: str = "") -> list[tuple[str, Text]]:
             ),
         )
     ]
-    source = prompts_text(ev.get("prompts_source"))
-    if source is not None:
-        rows.append(("prompts" + prompts, Text(source)))
+    source = prompts_text(ev.get("prompts_source"))  # runs list's `h`, or `?` where not recorded
+    rows.append(("prompts" + prompts, Text(source or "not recorded (a report from before eval recorded its prompts)")))
     free = ev.get("baseline")
     if free and free.get("tau") is not None:
         rows.append(

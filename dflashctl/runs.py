@@ -21,7 +21,7 @@ from rich.text import Text
 from .agent import run_agent
 from .containers import Target
 from .devices import GpuChoice
-from .figures import eval_rows, in_training_tau, tau_cell
+from .figures import eval_rows, in_training_tau, tau_cell, tau_legend
 from .errors import ConflictError, ContainerError, Interrupted, NotFoundError, RemoteError, UsageError
 from .guard import InterruptedAfter
 from .inventory import HostSpec
@@ -514,7 +514,8 @@ def print_runs(console: Console, runs: Sequence[dict[str, Any]], host: str, seve
         if multi:
             cells.insert(4, Text(",".join(n["host"] for n in run.get("nodes") or []) or str(run.get("host") or "-")))
         rows.append(cells)
-    show(console, columns, rows, title=f"runs on {host} (times UTC)")
+    legend = tau_legend([row[-1].plain for row in rows])
+    show(console, columns, rows, title=f"runs on {host} (times UTC)", legend=[("tau", legend)] if legend else [])
 
 
 def progress_of(run: dict[str, Any]) -> tuple[int | None, int | None]:
