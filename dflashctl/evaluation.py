@@ -15,7 +15,8 @@ from rich.text import Text
 from .containers import LineSplitter, Target
 from .errors import ContainerError, RemoteError, UsageError
 from .devices import CPU, parse_gpus
-from .runs import prompts_text, show_run
+from .figures import prompts_text
+from .runs import show_run
 
 # Runs the payload's evaluator from wherever push put it: argv[1] is that directory.
 BOOTSTRAP = (

@@ -26,7 +26,8 @@ from .containers import Target
 from .errors import ConnectError, Interrupted, RemoteError
 from .output import write_out
 from .remote.wire import FRAME_DATA, FRAME_END, FRAME_ERROR, FRAME_METRICS, FRAME_ROTATED, FRAME_START
-from .runs import EXIT_DETACHED, STATE_STYLE, answer_error, exit_code_for, fmt_duration, headline_tau
+from .figures import headline_tau
+from .runs import EXIT_DETACHED, STATE_STYLE, answer_error, exit_code_for, fmt_duration
 from .session import Session
 from .transport import Completed, Process
 

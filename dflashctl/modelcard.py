@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from . import __version__
-from .runs import prompts_text
+from .figures import prompts_text
 from .serving import check_export, dflash_value, safetensors_metadata, serve_commands
 
 CARD = "README.md"

@@ -42,9 +42,12 @@ def show(
     rows: Sequence[Sequence["str | Text"]],
     title: str | None = None,
     sections: Sequence[int] = (),
+    legend: Sequence[tuple[str, str]] = (),
 ) -> None:
     """Print rows under columns: rich on a terminal, plain aligned columns otherwise.
-    `sections`: row indices that start a new section (a rule above them, on a terminal)."""
+    `sections`: row indices that start a new section (a rule above them, on a terminal).
+    `legend`: (column name, line) pairs, each line dim below the table on a terminal where that
+    column is drawn (its marks explained); a pipe keeps one row per line."""
     if not console.is_terminal:
         _plain(console, columns, rows)
         return
@@ -61,6 +64,10 @@ def show(
             table.add_section()
         table.add_row(*(row[i] for i in kept))
     console.print(table)
+    drawn = {columns[i].name for i in kept}
+    for name, line in legend:
+        if name in drawn:
+            console.print(Text(line, style="dim"), highlight=False)
     hidden = [col.name for i, col in enumerate(columns) if i not in kept]
     if hidden:
         console.print(

@@ -14,7 +14,7 @@ from sshd import SHIM_VMID
 
 from dflashctl.evaluation import no_export_reason
 from dflashctl.modelcard import _eval_lines
-from dflashctl.runs import eval_rows
+from dflashctl.figures import eval_rows
 
 TRAIN = ["--set", "run.steps=60", "--set", "run.eval_every=60", "--set", "run.checkpoint_every=60", "--follow"]
 
@@ -60,7 +60,8 @@ def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, request, where):
     assert saved["tau"] == report["tau"]
     listed = shim_host.run_cli("runs", "list", where, env=env)
     header, row = listed.stdout.splitlines()[:2]
-    assert header.split()[-1] == "TAU" and row.split()[-1] == f"{report['tau_prompt_mean']:.2f}"
+    # `h`: the demo data's held-out split, as the report's prompts_source says (docs/runs.md's marks)
+    assert header.split()[-1] == "TAU" and row.split()[-1] == f"{report['tau_prompt_mean']:.2f}h"
     shown = shim_host.run_cli("runs", "show", where, "ev", "--no-curves", env=env)
     assert (
         f"speculative tau {report['tau_prompt_mean']:.3f} (mean of per-prompt tau; pooled {report['tau']:.3f})"
@@ -194,11 +195,15 @@ def test_the_no_export_line_says_what_became_of_the_run():
     assert reason("succeeded", exit_code=0) == "succeeded but has no export: /w/runs/r/export has no model.safetensors"
 
 
-def test_a_report_from_before_prompts_source_still_shows_without_it():
+def test_a_report_from_before_prompts_source_says_its_prompts_were_not_recorded():
     old = {"tau": 2.0, "tau_prompt_mean": 2.5, "speedup": 1.5, "identical": True, "prompts": 4}
     old |= {"max_new_tokens": 8, "device": "cpu", "temperature": 0.0, "per_prompt": [{}] * 4}
     rows = eval_rows(old)
-    assert [label for label, _ in rows] == ["eval"] and "speculative tau 2.500" in rows[0][1].plain
+    assert [label for label, _ in rows] == ["eval", "prompts"] and "speculative tau 2.500" in rows[0][1].plain
+    # runs list marks its tau `?`: runs show says the same in words (it left the row out)
+    assert rows[1][1].plain == "not recorded (a report from before eval recorded its prompts)"
+    sampled = eval_rows({**old, "temperature": 0.8, "identical": None})[0][1].plain  # runs list's `s`
+    assert sampled.endswith("(4 prompts x 8 tokens, sampled at temperature 0.8)")
     assert "speedup 1.50x over the target alone on cpu" in rows[0][1].plain
     # A report from before the mean of per-prompt tau: its one figure is named as the pooled one.
     pooled = {k: v for k, v in old.items() if k != "tau_prompt_mean"}

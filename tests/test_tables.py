@@ -111,3 +111,60 @@ def test_runs_show_in_a_pipe_is_one_whole_line_per_field_at_any_width(sshd_host,
     assert len({line.index(by_label[line.split()[0]]) for line in lines}) == 1  # values aligned in one column
     argv = by_label["argv"]
     assert argv.endswith(f"--set run.steps=1 --set {tag}") and f"run.output_dir={tmp_path}/wd/runs/{run_id}" in argv
+
+
+def evaluated(run_id: str, **report: object) -> dict:
+    """A listed run whose eval.json headline is `report` over a greedy eval on a separate prompts file."""
+    source = {"from": "data.spec_prompts_path", "file": "/d/held.jsonl", "rows": 8, "sha256": "ab" * 32}
+    figures = {"tau": 1.8, "tau_prompt_mean": 2.4, "temperature": 0.0, "identical": True, "prompts_source": source}
+    return {**RUNS[0], "run_id": run_id, "eval": {**figures, **report}}
+
+
+SPLIT = {
+    "from": "the held-out split (0.05) of data.train_path",
+    "file": "/d/train.jsonl",
+    "rows": 9,
+    "sha256": "c" * 64,
+}
+TAUS = [
+    evaluated("r-file"),  # the plain case: greedy, mean of per-prompt tau, a prompts file of its own
+    evaluated("r-split", prompts_source=SPLIT),
+    evaluated("r-old", prompts_source=None, tau_prompt_mean=None),  # before both fields
+    evaluated("r-sampled", temperature=0.8, identical=None, prompts_source=SPLIT),
+    {**RUNS[0], "run_id": "r-train", "last": {"spec_tau": 1.5, "spec_tau_prompt_mean": 1.9}},
+    {**RUNS[0], "run_id": "r-train-old"},  # in training, the pooled figure only
+]
+
+
+def test_the_tau_column_marks_a_sampled_a_pooled_and_a_held_out_split_eval():
+    """`runs list`'s tau said `2.40` alike for a sampled eval, an old report's pooled figure and an
+    eval on the training file's own held-out split: each now carries a mark, kept whole in a pipe."""
+    buf = io.StringIO()
+    print_runs(Console(file=buf, width=200, force_terminal=False), TAUS, "shim")
+    header, *lines = buf.getvalue().splitlines()
+    assert {line.split()[0]: line.split()[-1] for line in lines} == {
+        "r-file": "2.40",
+        "r-split": "2.40h",
+        "r-old": "1.80?p",
+        "r-sampled": "2.40hs",
+        "r-train": "~1.90",
+        "r-train-old": "~3.10p",
+    }
+    assert header.split()[-1] == "TAU" and len(lines) == len(TAUS)  # in a pipe: one row per line, no legend
+
+
+def test_a_terminal_names_the_tau_marks_shown_below_the_table():
+    console, buf = terminal(300)
+    print_runs(console, TAUS, "shim")
+    legend = buf.getvalue().splitlines()[-1]
+    assert legend == (
+        "tau: ~ in training (no eval yet); h eval prompts: the held-out split of the training data, not a "
+        "separate file; ? eval prompts not recorded (an older report); p pooled (no mean of per-prompt tau "
+        "recorded); s sampled (temperature > 0), not greedy"
+    )
+    console, buf = terminal(200)
+    print_runs(console, TAUS[:1], "shim")  # nothing marked: nothing to explain
+    assert not buf.getvalue().splitlines()[-1].startswith("tau:")
+    console, buf = terminal(40)  # the tau column hidden: its legend too
+    print_runs(console, TAUS, "shim")
+    assert "tau:" not in buf.getvalue() and "hidden at 40 columns:" in buf.getvalue()
