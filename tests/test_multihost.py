@@ -558,7 +558,9 @@ def test_rank_0_dying_during_the_rendezvous_is_a_lost_node_not_a_traceback(tmp_p
         "GLOO_SOCKET_IFNAME": "lo",
         "DFLASHCTL_REASON_FILE": str(tmp_path / "reason"),
     }
-    argv = sets(["dist.rendezvous_timeout_s=600", "run.device=cpu", f"run.output_dir={tmp_path / 'out'}"])
+    # Ranks 0 and 2 are this test's keys, with no heartbeat: only the store's end may end rank 1.
+    settings = ["dist.rendezvous_timeout_s=600", "dist.lost_after_s=600"]
+    argv = sets([*settings, "run.device=cpu", f"run.output_dir={tmp_path / 'out'}"])
     proc = subprocess.Popen(
         [sys.executable, "-m", "dflash_train", *argv],
         cwd=TRAIN_PY.parent.parent,
@@ -573,9 +575,10 @@ def test_rank_0_dying_during_the_rendezvous_is_a_lost_node_not_a_traceback(tmp_p
         store = dist.PrefixStore("dflash/r1/", raw)
         wait_until(lambda: store.check(["join/1"]) or proc.poll() is not None, 120, "rank 1's join")
         if window == "init":
-            # Counted before the two joins below: rank 1 may see them and write its first process-group
-            # key before this test could count again. Past these two, only rank 1 adds keys.
-            keys = raw.num_keys() + 2
+            # Counted before the two joins below: rank 1 may see them and go on before this test could
+            # count again. Past these two, only rank 1 adds keys: its monitor's three heartbeat
+            # counters (it watches the group's setup), then its first process-group key.
+            keys = raw.num_keys() + 2 + 3
             store.set("join/0", "a")
             store.set("join/2", "c")
             wait_until(lambda: raw.num_keys() > keys or proc.poll() is not None, 120, "rank 1's init_process_group")
@@ -595,6 +598,89 @@ def test_rank_0_dying_during_the_rendezvous_is_a_lost_node_not_a_traceback(tmp_p
     assert err.splitlines()[-1].startswith(f"error: {lost}"), err
     assert err.splitlines()[-1].endswith("); exiting with code 75"), err
     assert (tmp_path / "reason").read_text().startswith(lost)
+
+
+def node_process(tmp_path: Path, rank: int, world: int, port: int, settings: list[str]):
+    """One real trainer node of group `r1` (nodes a, b, c... by rank) on 127.0.0.1:port, stderr piped;
+    its reason file is tmp_path/reason<rank>."""
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env = {
+        **base,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "DFLASH_NODES": ",".join("abcdefgh"[:world]),
+        "DFLASH_RUN_ID": "r1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "DFLASHCTL_REASON_FILE": str(tmp_path / f"reason{rank}"),
+    }
+    argv = sets([*settings, "run.device=cpu", f"run.output_dir={tmp_path / str(rank)}"])
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash_train", *argv],
+        cwd=TRAIN_PY.parent.parent,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run_store(port: int):
+    """The test's own connection to the store on 127.0.0.1:port, under group r1's keys (it retries
+    until the store is up)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    raw = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    return dist.PrefixStore("dflash/r1/", raw)
+
+
+# A node that joins group r1 as rank 1 of 2 and beats its heartbeat as a real node's monitor does, but
+# never sets up the process group: the node of the test below, stalled in the group's setup until killed.
+JOIN_AND_BEAT = (
+    "import datetime, sys, time, torch.distributed as dist; "
+    "store = dist.PrefixStore('dflash/r1/', dist.TCPStore('127.0.0.1', int(sys.argv[1]), 2, False, "
+    "timeout=datetime.timedelta(seconds=60), wait_for_workers=False)); store.set('join/1', 'b')\n"
+    "while True: store.add('hb/1', 1); time.sleep(0.2)"
+)
+
+
+def test_a_node_killed_while_the_group_is_set_up_ends_the_others_by_name(tmp_path):
+    """Rank 1 joins the rendezvous, then dies (SIGKILL) before the process group is set up. Rank 0,
+    inside init_process_group waiting for it, used to wait out gloo's own connect (`dist.timeout_s`,
+    1800 s): its monitor started only after the setup. Now the monitor watches the setup too: exit
+    75 after `dist.lost_after_s`, one line naming rank 1, recorded as the reason."""
+    import subprocess
+    import sys
+
+    port = free_port("127.0.0.1")
+    proc = node_process(tmp_path, 0, 2, port, ["dist.heartbeat_s=0.5", "dist.lost_after_s=3"])
+    victim = None
+    try:
+        store = run_store(port)
+        wait_until(lambda: store.check(["join/0"]) or proc.poll() is not None, 120, "rank 0's join")
+        victim = subprocess.Popen([sys.executable, "-c", JOIN_AND_BEAT, str(port)])
+        wait_until(lambda: store.check(["join/1"]) or victim.poll() is not None, 120, "rank 1's join")
+        assert proc.poll() is None, proc.communicate()[1]
+        victim.kill()
+        victim.wait()
+        err = proc.communicate(timeout=60)[1]  # a bound: before the fix, 1800 s
+    finally:
+        for p in (proc, victim):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    lost = "lost node b (rank 1) while joining the gloo group: no heartbeat for "
+    assert proc.returncode == 75, err
+    assert "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [err.splitlines()[-1]], err
+    assert err.splitlines()[-1].startswith(f"error: {lost}"), err
+    assert err.splitlines()[-1].endswith(" s (process killed, host down or network cut); exiting with code 75"), err
+    assert (tmp_path / "reason0").read_text().startswith(lost)
 
 
 @pytest.mark.parametrize("rank", [0, 1])

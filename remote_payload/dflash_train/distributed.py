@@ -13,14 +13,15 @@ this module adds the second level:
   mismatch raises workers.DivergenceError naming the hosts.
 - `NodeGroup.sharded(data)`: global replica indices, so every replica of every host gets its own
   slice of the global batch (same slices as one host with as many threads).
-- Liveness: every process bumps a heartbeat counter in the rendezvous TCPStore every
-  `dist.heartbeat_s` (1 s) and watches the others'. A peer whose counter stalls for
-  `dist.lost_after_s` (15 s; 3 s once a collective has failed), a peer that reported its own
-  failure, or a rendezvous store that stops answering (rank 0 died) ends this process within
-  seconds: the reason, naming the node, goes to stderr and to $DFLASHCTL_REASON_FILE (runctl
-  shows it as the run's failure reason), then `os._exit(EXIT_NODE_LOST)`. A hard exit on purpose:
-  a thread stuck inside a collective cannot be interrupted otherwise. Collectives also carry the
-  process-group timeout (`dist.timeout_s`) as a backstop.
+- Liveness: from the rendezvous on (the process group's setup included), every process bumps a
+  heartbeat counter in the rendezvous TCPStore every `dist.heartbeat_s` (1 s) and watches the
+  others'. A peer whose counter stalls for `dist.lost_after_s` (15 s; 3 s once a collective has
+  failed), a peer that reported its own failure, or a rendezvous store that stops answering (rank
+  0 died) ends this process within seconds: the reason, naming the node, goes to stderr and to
+  $DFLASHCTL_REASON_FILE (runctl shows it as the run's failure reason), then
+  `os._exit(EXIT_NODE_LOST)`. A hard exit on purpose: a thread stuck inside a collective cannot be
+  interrupted otherwise. Collectives also carry the process-group timeout (`dist.timeout_s`) as a
+  backstop.
 - Checkpoints: rank 0 writes them (`NodeGroup.is_main`); on resume, `sync_checkpoint` sends rank
   0's latest checkpoint to every node, so `load_checkpoint` works the same everywhere.
 
@@ -150,6 +151,7 @@ class Monitor(threading.Thread):
         self.halt = threading.Event()
         self.suspect = threading.Event()  # a collective failed: judge quickly
         self.verdict: str | None = None
+        self.during = ""  # ` while joining the gloo group`: what this node is doing, for the verdict
         self.seen = {r: (-1, time.monotonic()) for r in range(env.world_size) if r != env.rank}
 
     def run(self) -> None:
@@ -162,7 +164,7 @@ class Monitor(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - the store is rank 0's: it died or is cut off
                 if self.halt.is_set():
                     return
-                reason = _rank0_lost(env, exc)
+                reason = _rank0_lost(env, exc, self.during)
             if reason is not None and not self.halt.is_set():
                 self.verdict = reason
                 self.on_lost(reason)
@@ -182,7 +184,7 @@ class Monitor(threading.Thread):
                 self.seen[r] = (value, now)
             elif now - since > limit:
                 return (
-                    f"lost node {env.node(r)}: no heartbeat for {now - since:.0f} s "
+                    f"lost node {env.node(r)}{self.during}: no heartbeat for {now - since:.0f} s "
                     f"(process killed, host down or network cut)"
                 )
         return None
@@ -217,8 +219,15 @@ class NodeGroup:
         self.last_check: tuple[int, int] | None = None  # (number of checks, common checksum)
         self._store = self._rendezvous(stopped)
         backend = "nccl" if device_type == "cuda" else "gloo"
-        with self._setup(f"joining the {backend} group"):
-            timeout = datetime.timedelta(seconds=env.timeout_s)
+        with self._setup("starting the heartbeat monitor"):
+            self.monitor = Monitor(env, self._lost)
+        # Watching before the group's setup: gloo's and NCCL's own connect wait for a node that died
+        # in it up to `dist.timeout_s` (30 min), its heartbeat stops within `dist.lost_after_s`.
+        joining = f"joining the {backend} group"
+        self.monitor.during = f" while {joining}"
+        self.monitor.start()
+        with self._setup(joining):
+            timeout = datetime.timedelta(seconds=env.timeout_s)  # the collectives' backstop, as before
             dist.init_process_group(
                 backend,
                 store=dist.PrefixStore("pg/", self._store),
@@ -228,9 +237,7 @@ class NodeGroup:
             )
             # Checksums, counts and objects travel on gloo even when gradients go over NCCL.
             self.control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
-        with self._setup("starting the heartbeat monitor"):
-            self.monitor = Monitor(env, self._lost)
-        self.monitor.start()
+        self.monitor.during = ""
         counts = self._gather_ints([local_replicas])
         self.replica_counts = [c[0] for c in counts]
         self.total_replicas = sum(self.replica_counts)
@@ -306,8 +313,9 @@ class NodeGroup:
 
     @contextmanager
     def _setup(self, what: str) -> Iterator[None]:
-        """A setup step after the rendezvous (before the monitor watches): a failure becomes NodeLost,
-        naming rank 0 when its store no longer answers (the step's error alone could be any node's)."""
+        """A setup step after the rendezvous: a failure becomes NodeLost, naming rank 0 when its store
+        no longer answers, else the node the monitor (once it runs) finds lost (the step's error
+        alone could be any node's)."""
         try:
             yield
         except Exception as exc:
@@ -315,7 +323,10 @@ class NodeGroup:
                 self._store.check([f"join/{self.rank}"])
             except Exception:  # noqa: BLE001 - rank 0 died or is cut off
                 raise NodeLost(_rank0_lost(self.env, exc, f" while {what}")) from exc
-            raise NodeLost(f"{what} failed on {self.env.node(self.rank)}: {_first_line(exc)}") from exc
+            failed = f"{what} failed on {self.env.node(self.rank)}: {_first_line(exc)}"
+            if getattr(self, "monitor", None) is None or not self.monitor.is_alive():
+                raise NodeLost(failed) from exc
+            raise self._explain(what, exc, failed) from exc
 
     # -- the hooks ----------------------------------------------------------------------------
 
@@ -434,9 +445,9 @@ class NodeGroup:
         except Exception as exc:
             raise self._explain(what, exc) from exc
 
-    def _explain(self, what: str, exc: BaseException) -> BaseException:
-        """A failed collective usually means a peer died: wait briefly for the monitor's verdict
-        (which ends the process), else report the collective's own error."""
+    def _explain(self, what: str, exc: BaseException, failed: str | None = None) -> BaseException:
+        """A failed collective (or setup step) usually means a peer died: wait briefly for the
+        monitor's verdict (which ends the process), else report the step's own error (`failed`)."""
         self.monitor.suspect.set()
         deadline = time.monotonic() + max(10.0, 4 * self.env.heartbeat_s + 5)
         while self.monitor.verdict is None and self.monitor.is_alive() and time.monotonic() < deadline:
@@ -444,7 +455,7 @@ class NodeGroup:
         if self.monitor.verdict is not None:
             return NodeLost(self.monitor.verdict)
         return NodeLost(
-            f"{what} across {self.world_size} nodes failed on {self.env.node(self.rank)}: {_first_line(exc)}"
+            failed or f"{what} across {self.world_size} nodes failed on {self.env.node(self.rank)}: {_first_line(exc)}"
         )
 
     def _lost(self, reason: str) -> None:
@@ -528,8 +539,12 @@ def record_agreed_stop(note: str) -> None:
     write_reason(note, AGREED_STOP_ENV)
 
 
+_EXITING = threading.Lock()  # the monitor and the main thread may both reach a verdict: one line
+
+
 def _exit_node_lost(reason: str) -> None:
     """Default verdict action: say why, record it, and end the process now."""
+    _EXITING.acquire()  # a second verdict waits here for the first one's exit
     try:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001
