@@ -49,6 +49,8 @@ from .config import DistConfig
 EXIT_NODE_LOST = 75  # sysexits EX_TEMPFAIL: another node died; rerun (or resume) when it is back
 REASON_FILE_ENV = "DFLASHCTL_REASON_FILE"  # set by dflashctl's runctl for every run
 AGREED_STOP_ENV = "DFLASHCTL_AGREED_STOP_FILE"  # likewise: where record_agreed_stop writes
+CONNECT_GRACE_S = 5.0  # past `dist.rendezvous_timeout_s`, for torch's own connect error to come first
+TELL_TIMEOUT_S = 5.0  # how long a rank 0 that cannot serve the rendezvous tries to tell the others
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,24 @@ def _store(env: NodeEnv, is_master: bool, timeout_s: float) -> dist.Store:
         wait_for_workers=False,
     )
     return dist.PrefixStore(f"dflash/{env.run_id}/", store)
+
+
+def _tell_waiting_nodes(env: NodeEnv, reason: str) -> None:
+    """Rank 0 cannot serve the rendezvous: when another run's store holds its port, the other nodes
+    are connected to that store, waiting for rank 0 under this run's keys. Leave them the reason
+    there (`fail/0`: they exit with it at once) rather than to `dist.rendezvous_timeout_s`. Best
+    effort, and bounded: a holder that is not a store never answers the connect."""
+    bound = min(TELL_TIMEOUT_S, env.rendezvous_timeout_s)
+
+    def tell() -> None:
+        try:
+            _store(env, False, bound).set("fail/0", reason[:2000])
+        except Exception:  # noqa: BLE001 - nothing to tell it to: the others time out as before
+            pass
+
+    helper = threading.Thread(target=tell, name="dflash-rendezvous-failed", daemon=True)
+    helper.start()
+    helper.join(bound + 1)
 
 
 class Monitor(threading.Thread):
@@ -266,6 +286,8 @@ class NodeGroup:
             while missing := [r for r in range(env.world_size) if not store.check([f"join/{r}"])]:
                 if stopped():
                     raise RendezvousStopped()
+                if env.rank != 0 and store.check(["fail/0"]):  # rank 0 could not serve: _tell_waiting_nodes
+                    raise NodeLost(f"node {env.node(0)} failed: {store.get('fail/0').decode(errors='replace')}")
                 if time.monotonic() - t0 > env.rendezvous_timeout_s:
                     names = ", ".join(env.node(r) for r in missing)
                     raise NodeLost(
@@ -294,18 +316,29 @@ class NodeGroup:
 
         helper = threading.Thread(target=connect, name="dflash-rendezvous", daemon=True)
         helper.start()
+        # torch's connect ends by `dist.rendezvous_timeout_s`, unless a program that is not a store
+        # accepted it: torch then waits for its answer for ever. Its own error, when it comes, says more.
+        deadline = time.monotonic() + env.rendezvous_timeout_s + CONNECT_GRACE_S
         while helper.is_alive():
             if stopped():
                 raise RendezvousStopped()
+            if time.monotonic() > deadline:
+                raise NodeLost(
+                    f"cannot reach the rendezvous of {env.node(0)} at {env.rendezvous} within "
+                    f"{env.rendezvous_timeout_s:g} s (no rendezvous store answered there: is the port taken by "
+                    f"another program?)"
+                )
             helper.join(0.1)
         exc = box.get("error")
         if exc is None:
             return box["store"]
         if env.rank == 0:
-            raise NodeLost(
-                f"{env.node(0)} cannot serve the rendezvous on port {env.master_port} ({_first_line(exc)}); "
+            reason = (
+                f"cannot serve the rendezvous on port {env.master_port} ({_first_line(exc)}); "
                 f"is the port in use by another run or program? Choose a free one: dflashctl train --rdzv-port"
             )
+            _tell_waiting_nodes(env, reason)
+            raise NodeLost(f"{env.node(0)} {reason}")
         raise NodeLost(
             f"cannot reach the rendezvous of {env.node(0)} at {env.rendezvous} within "
             f"{env.rendezvous_timeout_s:g} s ({_first_line(exc)})"
