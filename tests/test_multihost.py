@@ -416,6 +416,48 @@ def test_rank_0_unable_to_serve_the_rendezvous_stops_the_other_node_at_once(pair
     )
 
 
+def test_rank_0_unable_to_serve_the_rendezvous_ends_a_detached_run_on_every_node(pair, monkeypatch):
+    """The same race with `--detach`, the port taken by another run's store: nobody follows to stop
+    gpu2, which used to wait out `dist.rendezvous_timeout_s` (an hour here) connected to that store.
+    Rank 0 now leaves its reason there, so gpu2 exits 75 at once with it, and the run is failed."""
+    import subprocess
+    import sys
+
+    import dflashctl.multihost
+
+    monkeypatch.setattr(dflashctl.multihost, "check_rdzv_port", lambda *args: None)
+    port = free_port("127.0.0.1")
+    holder = subprocess.Popen([sys.executable, "-c", SERVE_STORE, str(port)])
+    try:
+        run_store(port)  # the holder is up
+        done = pair.cli(
+            "train",
+            "pair",
+            "--detach",
+            "--gpus",
+            "cpu",
+            "--rdzv-port",
+            str(port),
+            "--env",
+            "GLOO_SOCKET_IFNAME=lo",
+            *sets([*LONG, "dist.rendezvous_timeout_s=3600"]),
+        )
+        assert done.returncode == 0, done.stderr
+        run_id = done.stdout.strip()
+        ended = lambda: None not in (pair.exit_code("shim", run_id), pair.exit_code("gpu2", run_id))  # noqa: E731
+        wait_until(ended, 60, "both nodes to end")  # a bound: before the fix, gpu2 waited an hour
+    finally:
+        holder.kill()
+        holder.wait()
+    shown = json.loads(pair.cli("runs", "show", "pair", run_id, "--json").stdout)
+    cannot = f"cannot serve the rendezvous on port {port} ("
+    assert (shown["state"], shown["exit_code"]) == ("failed", 75)
+    assert shown["reason"].startswith(f"shim (rank 0) {cannot}")
+    nodes = [(n["host"], n["state"], n["exit_code"]) for n in shown["nodes"]]
+    assert nodes == [("shim", "failed", 75), ("gpu2", "failed", 75)], pair.log("gpu2", run_id)[-2000:]
+    assert shown["nodes"][1]["reason"].startswith(f"node shim (rank 0) failed: {cannot}")
+
+
 def trainer_pair(out: Path, extra: list[str], *args: str, timeout: float = 90) -> list[str]:
     """Rank 0 and rank 1 trainers as local processes (no dflashctl): their logs, after both exited 0."""
     import subprocess
@@ -558,7 +600,9 @@ def test_rank_0_dying_during_the_rendezvous_is_a_lost_node_not_a_traceback(tmp_p
         "GLOO_SOCKET_IFNAME": "lo",
         "DFLASHCTL_REASON_FILE": str(tmp_path / "reason"),
     }
-    argv = sets(["dist.rendezvous_timeout_s=600", "run.device=cpu", f"run.output_dir={tmp_path / 'out'}"])
+    # Ranks 0 and 2 are this test's keys, with no heartbeat: only the store's end may end rank 1.
+    settings = ["dist.rendezvous_timeout_s=600", "dist.lost_after_s=600"]
+    argv = sets([*settings, "run.device=cpu", f"run.output_dir={tmp_path / 'out'}"])
     proc = subprocess.Popen(
         [sys.executable, "-m", "dflash_train", *argv],
         cwd=TRAIN_PY.parent.parent,
@@ -573,9 +617,10 @@ def test_rank_0_dying_during_the_rendezvous_is_a_lost_node_not_a_traceback(tmp_p
         store = dist.PrefixStore("dflash/r1/", raw)
         wait_until(lambda: store.check(["join/1"]) or proc.poll() is not None, 120, "rank 1's join")
         if window == "init":
-            # Counted before the two joins below: rank 1 may see them and write its first process-group
-            # key before this test could count again. Past these two, only rank 1 adds keys.
-            keys = raw.num_keys() + 2
+            # Counted before the two joins below: rank 1 may see them and go on before this test could
+            # count again. Past these two, only rank 1 adds keys: its monitor's three heartbeat
+            # counters (it watches the group's setup), then its first process-group key.
+            keys = raw.num_keys() + 2 + 3
             store.set("join/0", "a")
             store.set("join/2", "c")
             wait_until(lambda: raw.num_keys() > keys or proc.poll() is not None, 120, "rank 1's init_process_group")
@@ -595,6 +640,142 @@ def test_rank_0_dying_during_the_rendezvous_is_a_lost_node_not_a_traceback(tmp_p
     assert err.splitlines()[-1].startswith(f"error: {lost}"), err
     assert err.splitlines()[-1].endswith("); exiting with code 75"), err
     assert (tmp_path / "reason").read_text().startswith(lost)
+
+
+def node_process(tmp_path: Path, rank: int, world: int, port: int, settings: list[str]):
+    """One real trainer node of group `r1` (nodes a, b, c... by rank) on 127.0.0.1:port, stderr piped;
+    its reason file is tmp_path/reason<rank>."""
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env = {
+        **base,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "DFLASH_NODES": ",".join("abcdefgh"[:world]),
+        "DFLASH_RUN_ID": "r1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "DFLASHCTL_REASON_FILE": str(tmp_path / f"reason{rank}"),
+    }
+    argv = sets([*settings, "run.device=cpu", f"run.output_dir={tmp_path / str(rank)}"])
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash_train", *argv],
+        cwd=TRAIN_PY.parent.parent,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run_store(port: int):
+    """The test's own connection to the store on 127.0.0.1:port, under group r1's keys (it retries
+    until the store is up)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    raw = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    return dist.PrefixStore("dflash/r1/", raw)
+
+
+# A node that joins group r1 as rank 1 of 2 and beats its heartbeat as a real node's monitor does, but
+# never sets up the process group: the node of the test below, stalled in the group's setup until killed.
+JOIN_AND_BEAT = (
+    "import datetime, sys, time, torch.distributed as dist; "
+    "store = dist.PrefixStore('dflash/r1/', dist.TCPStore('127.0.0.1', int(sys.argv[1]), 2, False, "
+    "timeout=datetime.timedelta(seconds=60), wait_for_workers=False)); store.set('join/1', 'b')\n"
+    "while True: store.add('hb/1', 1); time.sleep(0.2)"
+)
+
+
+def test_a_node_killed_while_the_group_is_set_up_ends_the_others_by_name(tmp_path):
+    """Rank 1 joins the rendezvous, then dies (SIGKILL) before the process group is set up. Rank 0,
+    inside init_process_group waiting for it, used to wait out gloo's own connect (`dist.timeout_s`,
+    1800 s): its monitor started only after the setup. Now the monitor watches the setup too: exit
+    75 after `dist.lost_after_s`, one line naming rank 1, recorded as the reason."""
+    import subprocess
+    import sys
+
+    port = free_port("127.0.0.1")
+    proc = node_process(tmp_path, 0, 2, port, ["dist.heartbeat_s=0.5", "dist.lost_after_s=3"])
+    victim = None
+    try:
+        store = run_store(port)
+        wait_until(lambda: store.check(["join/0"]) or proc.poll() is not None, 120, "rank 0's join")
+        victim = subprocess.Popen([sys.executable, "-c", JOIN_AND_BEAT, str(port)])
+        wait_until(lambda: store.check(["join/1"]) or victim.poll() is not None, 120, "rank 1's join")
+        assert proc.poll() is None, proc.communicate()[1]
+        victim.kill()
+        victim.wait()
+        err = proc.communicate(timeout=60)[1]  # a bound: before the fix, 1800 s
+    finally:
+        for p in (proc, victim):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    lost = "lost node b (rank 1) while joining the gloo group: no heartbeat for "
+    assert proc.returncode == 75, err
+    assert "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [err.splitlines()[-1]], err
+    assert err.splitlines()[-1].startswith(f"error: {lost}"), err
+    assert err.splitlines()[-1].endswith(" s (process killed, host down or network cut); exiting with code 75"), err
+    assert (tmp_path / "reason0").read_text().startswith(lost)
+
+
+def test_rank_0_unable_to_serve_the_rendezvous_ends_the_waiting_node_at_once(tmp_path):
+    """Another run's store holds the port (taken after dflashctl's pre-flight look): rank 1 connects
+    to it and waits there for rank 0 under this run's keys, and used to wait out
+    `dist.rendezvous_timeout_s` (an hour here) unless `train --follow` stopped it. Rank 0 now leaves
+    its reason in that store under this run's keys, and rank 1 exits 75 at once with it."""
+    import subprocess
+    import sys
+
+    port = free_port("127.0.0.1")
+    holder = subprocess.Popen([sys.executable, "-c", SERVE_STORE, str(port)])
+    procs = []
+    try:
+        # The holder is up once a client connects (the client retries until then).
+        run_store(port)
+        procs = [node_process(tmp_path, r, 2, port, ["dist.rendezvous_timeout_s=3600"]) for r in (0, 1)]
+        errs = [p.communicate(timeout=60)[1] for p in procs]  # a bound: before the fix, rank 1 waited an hour
+    finally:
+        for p in (holder, *procs):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [75, 75], errs
+    cannot = f"cannot serve the rendezvous on port {port} ("
+    advice = "; is the port in use by another run or program? Choose a free one: dflashctl train --rdzv-port"
+    assert errs[0].splitlines()[-1].startswith(f"error: a (rank 0) {cannot}"), errs[0]
+    last = errs[1].splitlines()[-1]
+    assert last.startswith(f"error: node a (rank 0) failed: {cannot}"), errs[1]
+    assert last.endswith(f"{advice}; exiting with code 75"), errs[1]
+    assert "Traceback" not in errs[1], errs[1]
+    assert (tmp_path / "reason1").read_text().startswith(f"node a (rank 0) failed: {cannot}")
+
+
+def test_a_port_held_by_a_program_that_is_not_a_store_ends_the_wait_on_time(tmp_path):
+    """Something else listens on the rendezvous port and never answers: torch's store client waits
+    for its answer for ever (past its own timeout), and so did rank 1. Now it gives up after
+    `dist.rendezvous_timeout_s` (and a few seconds for torch's own connect to fail first): exit 75,
+    one line naming rank 0 and the likely cause."""
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        proc = node_process(tmp_path, 1, 2, port, ["dist.rendezvous_timeout_s=2"])
+        try:
+            err = proc.communicate(timeout=60)[1]  # a bound: before the fix, for ever
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 75, err
+    cannot = f"cannot reach the rendezvous of a (rank 0) at 127.0.0.1:{port} within 2 s ("
+    assert err.splitlines()[-1].startswith(f"error: {cannot}"), err
+    assert "no rendezvous store answered there" in err.splitlines()[-1], err
+    assert (tmp_path / "reason1").read_text().startswith(cannot)
 
 
 @pytest.mark.parametrize("rank", [0, 1])

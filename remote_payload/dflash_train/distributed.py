@@ -13,14 +13,15 @@ this module adds the second level:
   mismatch raises workers.DivergenceError naming the hosts.
 - `NodeGroup.sharded(data)`: global replica indices, so every replica of every host gets its own
   slice of the global batch (same slices as one host with as many threads).
-- Liveness: every process bumps a heartbeat counter in the rendezvous TCPStore every
-  `dist.heartbeat_s` (1 s) and watches the others'. A peer whose counter stalls for
-  `dist.lost_after_s` (15 s; 3 s once a collective has failed), a peer that reported its own
-  failure, or a rendezvous store that stops answering (rank 0 died) ends this process within
-  seconds: the reason, naming the node, goes to stderr and to $DFLASHCTL_REASON_FILE (runctl
-  shows it as the run's failure reason), then `os._exit(EXIT_NODE_LOST)`. A hard exit on purpose:
-  a thread stuck inside a collective cannot be interrupted otherwise. Collectives also carry the
-  process-group timeout (`dist.timeout_s`) as a backstop.
+- Liveness: from the rendezvous on (the process group's setup included), every process bumps a
+  heartbeat counter in the rendezvous TCPStore every `dist.heartbeat_s` (1 s) and watches the
+  others'. A peer whose counter stalls for `dist.lost_after_s` (15 s; 3 s once a collective has
+  failed), a peer that reported its own failure, or a rendezvous store that stops answering (rank
+  0 died) ends this process within seconds: the reason, naming the node, goes to stderr and to
+  $DFLASHCTL_REASON_FILE (runctl shows it as the run's failure reason), then
+  `os._exit(EXIT_NODE_LOST)`. A hard exit on purpose: a thread stuck inside a collective cannot be
+  interrupted otherwise. Collectives also carry the process-group timeout (`dist.timeout_s`) as a
+  backstop.
 - Checkpoints: rank 0 writes them (`NodeGroup.is_main`); on resume, `sync_checkpoint` sends rank
   0's latest checkpoint to every node, so `load_checkpoint` works the same everywhere.
 
@@ -48,6 +49,8 @@ from .config import DistConfig
 EXIT_NODE_LOST = 75  # sysexits EX_TEMPFAIL: another node died; rerun (or resume) when it is back
 REASON_FILE_ENV = "DFLASHCTL_REASON_FILE"  # set by dflashctl's runctl for every run
 AGREED_STOP_ENV = "DFLASHCTL_AGREED_STOP_FILE"  # likewise: where record_agreed_stop writes
+CONNECT_GRACE_S = 5.0  # past `dist.rendezvous_timeout_s`, for torch's own connect error to come first
+TELL_TIMEOUT_S = 5.0  # how long a rank 0 that cannot serve the rendezvous tries to tell the others
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,24 @@ def _store(env: NodeEnv, is_master: bool, timeout_s: float) -> dist.Store:
     return dist.PrefixStore(f"dflash/{env.run_id}/", store)
 
 
+def _tell_waiting_nodes(env: NodeEnv, reason: str) -> None:
+    """Rank 0 cannot serve the rendezvous: when another run's store holds its port, the other nodes
+    are connected to that store, waiting for rank 0 under this run's keys. Leave them the reason
+    there (`fail/0`: they exit with it at once) rather than to `dist.rendezvous_timeout_s`. Best
+    effort, and bounded: a holder that is not a store never answers the connect."""
+    bound = min(TELL_TIMEOUT_S, env.rendezvous_timeout_s)
+
+    def tell() -> None:
+        try:
+            _store(env, False, bound).set("fail/0", reason[:2000])
+        except Exception:  # noqa: BLE001 - nothing to tell it to: the others time out as before
+            pass
+
+    helper = threading.Thread(target=tell, name="dflash-rendezvous-failed", daemon=True)
+    helper.start()
+    helper.join(bound + 1)
+
+
 class Monitor(threading.Thread):
     """Heartbeats out, heartbeats in: turns a dead or failed peer into a named, prompt exit."""
 
@@ -150,6 +171,7 @@ class Monitor(threading.Thread):
         self.halt = threading.Event()
         self.suspect = threading.Event()  # a collective failed: judge quickly
         self.verdict: str | None = None
+        self.during = ""  # ` while joining the gloo group`: what this node is doing, for the verdict
         self.seen = {r: (-1, time.monotonic()) for r in range(env.world_size) if r != env.rank}
 
     def run(self) -> None:
@@ -162,7 +184,7 @@ class Monitor(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - the store is rank 0's: it died or is cut off
                 if self.halt.is_set():
                     return
-                reason = _rank0_lost(env, exc)
+                reason = _rank0_lost(env, exc, self.during)
             if reason is not None and not self.halt.is_set():
                 self.verdict = reason
                 self.on_lost(reason)
@@ -182,7 +204,7 @@ class Monitor(threading.Thread):
                 self.seen[r] = (value, now)
             elif now - since > limit:
                 return (
-                    f"lost node {env.node(r)}: no heartbeat for {now - since:.0f} s "
+                    f"lost node {env.node(r)}{self.during}: no heartbeat for {now - since:.0f} s "
                     f"(process killed, host down or network cut)"
                 )
         return None
@@ -217,8 +239,15 @@ class NodeGroup:
         self.last_check: tuple[int, int] | None = None  # (number of checks, common checksum)
         self._store = self._rendezvous(stopped)
         backend = "nccl" if device_type == "cuda" else "gloo"
-        with self._setup(f"joining the {backend} group"):
-            timeout = datetime.timedelta(seconds=env.timeout_s)
+        with self._setup("starting the heartbeat monitor"):
+            self.monitor = Monitor(env, self._lost)
+        # Watching before the group's setup: gloo's and NCCL's own connect wait for a node that died
+        # in it up to `dist.timeout_s` (30 min), its heartbeat stops within `dist.lost_after_s`.
+        joining = f"joining the {backend} group"
+        self.monitor.during = f" while {joining}"
+        self.monitor.start()
+        with self._setup(joining):
+            timeout = datetime.timedelta(seconds=env.timeout_s)  # the collectives' backstop, as before
             dist.init_process_group(
                 backend,
                 store=dist.PrefixStore("pg/", self._store),
@@ -228,9 +257,7 @@ class NodeGroup:
             )
             # Checksums, counts and objects travel on gloo even when gradients go over NCCL.
             self.control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
-        with self._setup("starting the heartbeat monitor"):
-            self.monitor = Monitor(env, self._lost)
-        self.monitor.start()
+        self.monitor.during = ""
         counts = self._gather_ints([local_replicas])
         self.replica_counts = [c[0] for c in counts]
         self.total_replicas = sum(self.replica_counts)
@@ -259,6 +286,8 @@ class NodeGroup:
             while missing := [r for r in range(env.world_size) if not store.check([f"join/{r}"])]:
                 if stopped():
                     raise RendezvousStopped()
+                if env.rank != 0 and store.check(["fail/0"]):  # rank 0 could not serve: _tell_waiting_nodes
+                    raise NodeLost(f"node {env.node(0)} failed: {store.get('fail/0').decode(errors='replace')}")
                 if time.monotonic() - t0 > env.rendezvous_timeout_s:
                     names = ", ".join(env.node(r) for r in missing)
                     raise NodeLost(
@@ -287,18 +316,29 @@ class NodeGroup:
 
         helper = threading.Thread(target=connect, name="dflash-rendezvous", daemon=True)
         helper.start()
+        # torch's connect ends by `dist.rendezvous_timeout_s`, unless a program that is not a store
+        # accepted it: torch then waits for its answer for ever. Its own error, when it comes, says more.
+        deadline = time.monotonic() + env.rendezvous_timeout_s + CONNECT_GRACE_S
         while helper.is_alive():
             if stopped():
                 raise RendezvousStopped()
+            if time.monotonic() > deadline:
+                raise NodeLost(
+                    f"cannot reach the rendezvous of {env.node(0)} at {env.rendezvous} within "
+                    f"{env.rendezvous_timeout_s:g} s (no rendezvous store answered there: is the port taken by "
+                    f"another program?)"
+                )
             helper.join(0.1)
         exc = box.get("error")
         if exc is None:
             return box["store"]
         if env.rank == 0:
-            raise NodeLost(
-                f"{env.node(0)} cannot serve the rendezvous on port {env.master_port} ({_first_line(exc)}); "
+            reason = (
+                f"cannot serve the rendezvous on port {env.master_port} ({_first_line(exc)}); "
                 f"is the port in use by another run or program? Choose a free one: dflashctl train --rdzv-port"
             )
+            _tell_waiting_nodes(env, reason)
+            raise NodeLost(f"{env.node(0)} {reason}")
         raise NodeLost(
             f"cannot reach the rendezvous of {env.node(0)} at {env.rendezvous} within "
             f"{env.rendezvous_timeout_s:g} s ({_first_line(exc)})"
@@ -306,8 +346,9 @@ class NodeGroup:
 
     @contextmanager
     def _setup(self, what: str) -> Iterator[None]:
-        """A setup step after the rendezvous (before the monitor watches): a failure becomes NodeLost,
-        naming rank 0 when its store no longer answers (the step's error alone could be any node's)."""
+        """A setup step after the rendezvous: a failure becomes NodeLost, naming rank 0 when its store
+        no longer answers, else the node the monitor (once it runs) finds lost (the step's error
+        alone could be any node's)."""
         try:
             yield
         except Exception as exc:
@@ -315,7 +356,10 @@ class NodeGroup:
                 self._store.check([f"join/{self.rank}"])
             except Exception:  # noqa: BLE001 - rank 0 died or is cut off
                 raise NodeLost(_rank0_lost(self.env, exc, f" while {what}")) from exc
-            raise NodeLost(f"{what} failed on {self.env.node(self.rank)}: {_first_line(exc)}") from exc
+            failed = f"{what} failed on {self.env.node(self.rank)}: {_first_line(exc)}"
+            if getattr(self, "monitor", None) is None or not self.monitor.is_alive():
+                raise NodeLost(failed) from exc
+            raise self._explain(what, exc, failed) from exc
 
     # -- the hooks ----------------------------------------------------------------------------
 
@@ -434,9 +478,9 @@ class NodeGroup:
         except Exception as exc:
             raise self._explain(what, exc) from exc
 
-    def _explain(self, what: str, exc: BaseException) -> BaseException:
-        """A failed collective usually means a peer died: wait briefly for the monitor's verdict
-        (which ends the process), else report the collective's own error."""
+    def _explain(self, what: str, exc: BaseException, failed: str | None = None) -> BaseException:
+        """A failed collective (or setup step) usually means a peer died: wait briefly for the
+        monitor's verdict (which ends the process), else report the step's own error (`failed`)."""
         self.monitor.suspect.set()
         deadline = time.monotonic() + max(10.0, 4 * self.env.heartbeat_s + 5)
         while self.monitor.verdict is None and self.monitor.is_alive() and time.monotonic() < deadline:
@@ -444,7 +488,7 @@ class NodeGroup:
         if self.monitor.verdict is not None:
             return NodeLost(self.monitor.verdict)
         return NodeLost(
-            f"{what} across {self.world_size} nodes failed on {self.env.node(self.rank)}: {_first_line(exc)}"
+            failed or f"{what} across {self.world_size} nodes failed on {self.env.node(self.rank)}: {_first_line(exc)}"
         )
 
     def _lost(self, reason: str) -> None:
@@ -528,8 +572,12 @@ def record_agreed_stop(note: str) -> None:
     write_reason(note, AGREED_STOP_ENV)
 
 
+_EXITING = threading.Lock()  # the monitor and the main thread may both reach a verdict: one line
+
+
 def _exit_node_lost(reason: str) -> None:
     """Default verdict action: say why, record it, and end the process now."""
+    _EXITING.acquire()  # a second verdict waits here for the first one's exit
     try:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001
