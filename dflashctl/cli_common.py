@@ -143,11 +143,15 @@ def word_is_host_or_run(session: Session, host: Optional[str], run: Optional[str
     try:
         yield
     except NotFoundError as exc:
-        if host is None and run is not None and run not in session.inventory.hosts and "no run matches" in str(exc):
-            known = ", ".join(sorted(session.inventory.hosts)) or "none"
-            raise NotFoundError(
-                f"'{run}' is neither a host in the inventory (hosts: {known}) nor a run on {session.host(None).name}"
-            ) from None
+        # "no runs yet" too: on a fresh machine the word was a host far more often than a run.
+        none_yet = "no runs yet" in str(exc)
+        if host is None and run is not None and run not in session.inventory.hosts:
+            if none_yet or "no run matches" in str(exc):
+                known = ", ".join(sorted(session.inventory.hosts)) or "none"
+                raise NotFoundError(
+                    f"'{run}' is neither a host in the inventory (hosts: {known}) nor a run on "
+                    f"{session.host(None).name}" + (" (no runs yet)" if none_yet else "")
+                ) from None
         raise
 
 
