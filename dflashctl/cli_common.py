@@ -150,7 +150,9 @@ def word_is_host_or_run(session: Session, host: Optional[str], run: Optional[str
                 known = ", ".join(sorted(session.inventory.hosts)) or "none"
                 raise NotFoundError(
                     f"'{run}' is neither a host in the inventory (hosts: {known}) nor a run on "
-                    f"{session.host(None).name}" + (" (no runs yet)" if none_yet else "")
+                    f"{session.host(None).name}"
+                    + (" (no runs yet)" if none_yet else "")
+                    + session.inventory.none_found()
                 ) from None
         raise
 

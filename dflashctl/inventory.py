@@ -100,6 +100,7 @@ class Inventory:
     default: str
     path: Path | None = None
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    searched: tuple[Path, ...] = ()  # built in: where a hosts.yaml was looked for
 
     def get(self, name: str | None) -> HostSpec:
         """The named host, or the default one when name is None."""
@@ -108,7 +109,14 @@ class Inventory:
             return self.hosts[key]
         where = f" in {self.path}" if self.path else ""
         known = ", ".join(sorted(self.hosts)) or "none"
-        raise UsageError(f"unknown host '{key}'{where} (known: {known})")
+        raise UsageError(f"unknown host '{key}'{where} (known: {known}){self.none_found()}")
+
+    def none_found(self) -> str:
+        """`; no hosts.yaml found (...)` where no file was found, else '': a new user's file may be elsewhere."""
+        if self.path or not self.searched:
+            return ""
+        looked = ", ".join(f"{p} (a directory)" if p.is_dir() else str(p) for p in self.searched)
+        return f"; no hosts.yaml found (looked for {looked}; --inventory or ${ENV_VAR} names another)"
 
     def resolve_many(self, spec: str | None) -> list[HostSpec]:
         """Hosts named by `a,b`, a group name, or a single host."""
@@ -142,17 +150,21 @@ def find_inventory(explicit: str | os.PathLike[str] | None, cwd: Path | None = N
     env = os.environ.get(ENV_VAR)
     if env:
         return _named_file(Path(env).expanduser(), f" (from ${ENV_VAR})")
-    for candidate in ((cwd or Path.cwd()) / "hosts.yaml", Path.home() / ".config/dflashctl/hosts.yaml"):
+    for candidate in _looked_up(cwd):
         if candidate.is_file():
             return candidate
     return None
+
+
+def _looked_up(cwd: Path | None) -> tuple[Path, ...]:
+    return (cwd or Path.cwd()) / "hosts.yaml", Path.home() / ".config/dflashctl/hosts.yaml"
 
 
 def load_inventory(explicit: str | os.PathLike[str] | None = None, cwd: Path | None = None) -> Inventory:
     """Find and parse the inventory; with no file anywhere, only the built-in `local` host exists."""
     path = find_inventory(explicit, cwd)
     if path is None:
-        return Inventory(hosts={LOCAL: builtin_local()}, default=LOCAL)
+        return Inventory(hosts={LOCAL: builtin_local()}, default=LOCAL, searched=_looked_up(cwd))
     try:
         data = path.read_bytes()
     except OSError as exc:
