@@ -112,10 +112,13 @@ RUN_ARG = {"help": "Run id, unique prefix, or name (default: the latest run).", 
 
 
 def hosts_or_all(session: Session, host: Optional[str], all_hosts: bool) -> list:
-    """The hosts named by HOST (a host, `h1,h2` or a group), or with --all every inventory host."""
+    """The hosts named by HOST (a host, `h1,h2` or a group; each once), or with --all every inventory host."""
     if all_hosts and host is not None:
         raise UsageError("give HOST or --all, not both")
-    return list(session.inventory.hosts.values()) if all_hosts else session.inventory.resolve_many(host)
+    if all_hosts:
+        return list(session.inventory.hosts.values())
+    named = {spec.name: spec for spec in session.inventory.resolve_many(host)}  # `h1,h1`: once, in order
+    return list(named.values())
 
 
 def parse_env(items: List[str]) -> dict:
