@@ -121,6 +121,13 @@ def hosts_or_all(session: Session, host: Optional[str], all_hosts: bool) -> list
     return list(named.values())
 
 
+def run_name(value: Optional[str]) -> Optional[str]:
+    """--name's callback: a blank name started an unnamed run ('') or one no table shows ('  ')."""
+    if value is not None and not value.strip():
+        raise UsageError(f"--name {value!r} is blank: give the run a name, or leave --name out")
+    return value
+
+
 def parse_env(items: List[str]) -> dict:
     """`--env KEY=VALUE` (repeatable) as a dict; bad names are a usage error."""
     env = {}

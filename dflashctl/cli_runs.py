@@ -27,6 +27,7 @@ from .cli_common import (
     host_and_run,
     hosts_or_all,
     parse_env,
+    run_name,
     run_target,
     split_command,
     word_is_host_or_run,
@@ -68,7 +69,9 @@ def train_cmd(
         help="Config override key=value (repeatable). Out of GPU memory? --set data.max_length=2048 "
         "or fewer data.anchors_per_seq.",
     ),
-    name: Optional[str] = typer.Option(None, "--name", help="A label for the run (stored as given)."),
+    name: Optional[str] = typer.Option(
+        None, "--name", callback=run_name, help="A label for the run (stored as given)."
+    ),
     resume: Optional[str] = typer.Option(
         None,
         "--resume",
