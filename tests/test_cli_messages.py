@@ -38,6 +38,18 @@ def test_a_mistyped_command_suggests_once(monkeypatch, capsys):
     assert code == 2 and err.splitlines()[0] == "error: No such command 'lst'. Did you mean 'list'?"
 
 
+@pytest.mark.parametrize("option", ["--debug", "--inventory", "-i"])
+def test_a_global_option_after_the_command_says_where_it_goes(monkeypatch, capsys, option):
+    """`(rerun with --debug)` invites `dflashctl runs show X --debug`, which said only `No such option`."""
+    args = [option] if option == "--debug" else [option, "hosts.yaml"]
+    code, _, err = cli(monkeypatch, capsys, "runs", "show", "x", *args)
+    first = err.splitlines()[0]
+    assert code == 2 and first == (
+        f"error: No such option '{option}'. ({option} is dflashctl's own option: give it before the command, "
+        f"dflashctl {option} ... runs show ...)"
+    )
+
+
 def test_help_keeps_brackets_and_shows_no_meaningless_default(monkeypatch, capsys):
     _, out, _ = cli(monkeypatch, capsys, "runs", "show", "--help")
     assert "pip install 'dflashctl[plot]'" in out
