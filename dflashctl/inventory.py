@@ -199,6 +199,8 @@ def parse_inventory(text: str | bytes, path: Path | None = None) -> Inventory:
     for name, raw in raw_hosts.items():
         if not isinstance(name, str) or not name:
             raise UsageError(f"{label}: host names must be non-empty strings, got {name!r}")
+        if "," in name:
+            raise UsageError(f"{label}: host '{name}': {_COMMA}")
         hosts[name] = _parse_host(label, name, raw)
     if LOCAL not in hosts:
         hosts[LOCAL] = builtin_local()
@@ -224,6 +226,7 @@ _HOST_KEYS = {
     "persist",
     "on_event",
 }
+_COMMA = "a name cannot hold a comma (the command line reads h1,h2 as two hosts)"
 _CONTAINER_KEYS = {"runtime", "vmid", "name", "pct", "docker"}
 _DOCKER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
 
@@ -332,6 +335,8 @@ def _parse_groups(label: str, raw: Any, hosts: dict[str, HostSpec]) -> dict[str,
         raise UsageError(f"{label}: 'groups' must map a group name to a list of hosts")
     groups = {}
     for gname, members in raw.items():
+        if "," in str(gname):
+            raise UsageError(f"{label}: group '{gname}': {_COMMA}")
         if not isinstance(members, list) or not members or not all(isinstance(m, str) for m in members):
             raise UsageError(f"{label}: group '{gname}': must be a non-empty list of host names")
         for m in members:

@@ -66,6 +66,14 @@ from dflashctl.inventory import completions, load_inventory, parse_inventory
         ),
         ("default: gpu9\nhosts:\n  gpu1: {}\n", "hosts.yaml: default host 'gpu9' is not defined under hosts"),
         ("hosts: [a, b]\n", "hosts.yaml: 'hosts' must be a mapping of host name to settings"),
+        (
+            "hosts:\n  'a,b': {}\n",
+            "hosts.yaml: host 'a,b': a name cannot hold a comma (the command line reads h1,h2 as two hosts)",
+        ),
+        (
+            "hosts:\n  a: {}\ngroups:\n  'x,y': [a]\n",
+            "hosts.yaml: group 'x,y': a name cannot hold a comma (the command line reads h1,h2 as two hosts)",
+        ),
         ("hosts:\n  gpu1: {address: [}\n", "hosts.yaml: line 2, column 20: expected the node content, but found '}'"),
         (
             "hosts:\n  gpu1:\n    container: {runtime: pct}\n",
