@@ -141,8 +141,21 @@ def _usage_line(exc: "click.UsageError") -> str:
         message = f"{head} Did you mean {hints[0]}"
     if exc.ctx is None:
         return message
+    message += _global_option_hint(exc)
     usage = exc.ctx.get_usage().replace("Usage: ", "usage: ", 1)
     return f"{message}\n{usage} (see {exc.ctx.command_path} --help)"
+
+
+def _global_option_hint(exc: "click.UsageError") -> str:
+    """Where a global option goes when it came after a command (`(rerun with --debug)` invites that)."""
+    name = getattr(exc, "option_name", None)
+    ctx = exc.ctx
+    if not isinstance(exc, click.NoSuchOption) or ctx is None or ctx.parent is None:
+        return ""
+    if not any(name in param.opts and not param.is_eager for param in ctx.find_root().command.params):
+        return ""
+    command = ctx.command_path.split(" ", 1)[1]
+    return f" ({name} is dflashctl's own option: give it before the command, dflashctl {name} ... {command} ...)"
 
 
 def _quiet_std_streams() -> None:

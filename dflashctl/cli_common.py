@@ -112,10 +112,20 @@ RUN_ARG = {"help": "Run id, unique prefix, or name (default: the latest run).", 
 
 
 def hosts_or_all(session: Session, host: Optional[str], all_hosts: bool) -> list:
-    """The hosts named by HOST (a host, `h1,h2` or a group), or with --all every inventory host."""
+    """The hosts named by HOST (a host, `h1,h2` or a group; each once), or with --all every inventory host."""
     if all_hosts and host is not None:
         raise UsageError("give HOST or --all, not both")
-    return list(session.inventory.hosts.values()) if all_hosts else session.inventory.resolve_many(host)
+    if all_hosts:
+        return list(session.inventory.hosts.values())
+    named = {spec.name: spec for spec in session.inventory.resolve_many(host)}  # `h1,h1`: once, in order
+    return list(named.values())
+
+
+def run_name(value: Optional[str]) -> Optional[str]:
+    """--name's callback: a blank name started an unnamed run ('') or one no table shows ('  ')."""
+    if value is not None and not value.strip():
+        raise UsageError(f"--name {value!r} is blank: give the run a name, or leave --name out")
+    return value
 
 
 def parse_env(items: List[str]) -> dict:
@@ -143,11 +153,17 @@ def word_is_host_or_run(session: Session, host: Optional[str], run: Optional[str
     try:
         yield
     except NotFoundError as exc:
-        if host is None and run is not None and run not in session.inventory.hosts and "no run matches" in str(exc):
-            known = ", ".join(sorted(session.inventory.hosts)) or "none"
-            raise NotFoundError(
-                f"'{run}' is neither a host in the inventory (hosts: {known}) nor a run on {session.host(None).name}"
-            ) from None
+        # "no runs yet" too: on a fresh machine the word was a host far more often than a run.
+        none_yet = "no runs yet" in str(exc)
+        if host is None and run is not None and run not in session.inventory.hosts:
+            if none_yet or "no run matches" in str(exc):
+                known = ", ".join(sorted(session.inventory.hosts)) or "none"
+                raise NotFoundError(
+                    f"'{run}' is neither a host in the inventory (hosts: {known}) nor a run on "
+                    f"{session.host(None).name}"
+                    + (" (no runs yet)" if none_yet else "")
+                    + session.inventory.none_found()
+                ) from None
         raise
 
 

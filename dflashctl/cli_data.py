@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # rich is imported where output is drawn: a piped call never 
 
     from .data import Pushed
 
-from .cli_common import app_state, complete_host, held
+from .cli_common import app_state, complete_host, held, run_name
 from .cli_common import data_app
 from .cli_common import follow_choice, follow_or_detach
 from .errors import UsageError
@@ -144,7 +144,9 @@ def data_regen(
     retries: int = typer.Option(
         8, "--retries", help="openai: retries of a 429, 5xx, connection error or non-JSON answer."
     ),
-    name: Optional[str] = typer.Option(None, "--name", help="A label for the run (default: the output's name)."),
+    name: Optional[str] = typer.Option(
+        None, "--name", callback=run_name, help="A label for the run (default: the output's name)."
+    ),
     resume: Optional[str] = typer.Option(
         None, "--resume", metavar="RUN", help="Continue a stopped or failed regen run where it stopped."
     ),

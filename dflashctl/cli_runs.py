@@ -27,6 +27,7 @@ from .cli_common import (
     host_and_run,
     hosts_or_all,
     parse_env,
+    run_name,
     run_target,
     split_command,
     word_is_host_or_run,
@@ -68,7 +69,9 @@ def train_cmd(
         help="Config override key=value (repeatable). Out of GPU memory? --set data.max_length=2048 "
         "or fewer data.anchors_per_seq.",
     ),
-    name: Optional[str] = typer.Option(None, "--name", help="A label for the run (stored as given)."),
+    name: Optional[str] = typer.Option(
+        None, "--name", callback=run_name, help="A label for the run (stored as given)."
+    ),
     resume: Optional[str] = typer.Option(
         None,
         "--resume",
@@ -118,9 +121,9 @@ def train_cmd(
         "With --resume: instead of those the run was started with.",
     ),
 ) -> None:
-    """Push the payload if it changed, pre-flight the config and devices, start the trainer
-    detached, and (optionally) follow it. `--resume RUN` continues an ended run instead (every
-    node of a run across hosts)."""
+    """Push the payload if it changed, pre-flight the config and devices, start the trainer detached and follow it.
+
+    `--resume RUN` continues an ended run instead (every node of a run across hosts)."""
     from .runs import restart_policy
 
     session = app_state(ctx).session()
@@ -453,8 +456,7 @@ def runs_stop(
     run: Optional[str] = typer.Argument(None, **RUN_ARG),
     grace: float = typer.Option(60.0, "--grace", help="Seconds between SIGTERM (trainer checkpoints) and SIGKILL."),
 ) -> None:
-    """Stop a run: SIGTERM to its trainer, SIGKILL to the trainer's process group after the grace period; state
-    `stopped`."""
+    """Stop a run: SIGTERM to its trainer (it checkpoints), SIGKILL to its process group after --grace."""
     from rich.console import Console
     from rich.text import Text
     from .multihost import stop_group
@@ -513,8 +515,7 @@ def runs_pull(
     ),
     license_id: str = typer.Option("other", "--license", help="The model card's license (a Hub license id)."),
 ) -> None:
-    """Copy a run's directory here: exported drafter with a model card, config, logs, metrics (and checkpoints if
-    asked)."""
+    """Copy a run's directory here: exported drafter with a model card, config, logs, metrics, checkpoints if asked."""
     from rich.console import Console
     from rich.text import Text
     from rich.filesize import decimal

@@ -70,6 +70,7 @@ class DoctorOptions:
 
 def run_doctor(target: Target, options: DoctorOptions, progress: Callable[[str], None] | None = None) -> dict:
     """Push the payload, run the doctor in the container, and return its report (with `host` added)."""
+    from .guard import run_guarded
     from .payload import push
 
     choice = parse_gpus(options.gpus, target.host.gpus)  # a bad --gpus fails before the push
@@ -78,7 +79,8 @@ def run_doctor(target: Target, options: DoctorOptions, progress: Callable[[str],
     lines = LineSplitter(progress, PROGRESS_PREFIX)
     cache = COMPILE_CACHE.replace(WORKDIR_TOKEN, target.host.workdir)  # the cache dflashctl's runs compile into
     argv = [target.host.interpreter, "-c", BOOTSTRAP, payload_dir, *opts.argv(), "--compile-cache-dir", cache]
-    result = target.run(argv, timeout=opts.time_limit(), on_stderr=lines.feed)
+    # Guarded: over SSH a Ctrl-C would otherwise leave the report and its smoke tests running on the host.
+    result = run_guarded(target, argv, timeout=opts.time_limit(), on_stderr=lines.feed)
     if result.exit_code == 2:
         raise UsageError("doctor: " + (lines.last.removeprefix(USAGE_PREFIX) or "bad arguments"))
     if result.exit_code == EXIT_MISSING and lines.last.startswith(MISSING_PREFIX):

@@ -63,6 +63,7 @@ def run_eval(
     baseline: bool = True,
 ) -> dict[str, Any]:
     """Evaluate the run (latest when selector is empty) on its host; the report (eval.json's content)."""
+    from .guard import run_guarded
     from .payload import push
 
     device = eval_device(gpus)
@@ -97,7 +98,8 @@ def run_eval(
         report_name(prompts),
     ]
     lines = LineSplitter(progress, PROGRESS_PREFIX)
-    result = target.run(argv, stdin=stdin, timeout=TIME_LIMIT_S, on_stderr=lines.feed)
+    # Guarded: over SSH a Ctrl-C would leave the decode running on the host (holding its GPU).
+    result = run_guarded(target, argv, stdin=stdin, timeout=TIME_LIMIT_S, on_stderr=lines.feed)
     if result.exit_code == 2 and lines.last.startswith(USAGE_PREFIX + NO_EXPORT):
         raise UsageError(f"{target.label}: run {info['run_id']} {no_export_reason(info)}")
     if result.exit_code == 2 and lines.last.startswith(USAGE_PREFIX):

@@ -100,6 +100,7 @@ class Inventory:
     default: str
     path: Path | None = None
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    searched: tuple[Path, ...] = ()  # built in: where a hosts.yaml was looked for
 
     def get(self, name: str | None) -> HostSpec:
         """The named host, or the default one when name is None."""
@@ -108,7 +109,14 @@ class Inventory:
             return self.hosts[key]
         where = f" in {self.path}" if self.path else ""
         known = ", ".join(sorted(self.hosts)) or "none"
-        raise UsageError(f"unknown host '{key}'{where} (known: {known})")
+        raise UsageError(f"unknown host '{key}'{where} (known: {known}){self.none_found()}")
+
+    def none_found(self) -> str:
+        """`; no hosts.yaml found (...)` where no file was found, else '': a new user's file may be elsewhere."""
+        if self.path or not self.searched:
+            return ""
+        looked = ", ".join(f"{p} (a directory)" if p.is_dir() else str(p) for p in self.searched)
+        return f"; no hosts.yaml found (looked for {looked}; --inventory or ${ENV_VAR} names another)"
 
     def resolve_many(self, spec: str | None) -> list[HostSpec]:
         """Hosts named by `a,b`, a group name, or a single host."""
@@ -142,17 +150,21 @@ def find_inventory(explicit: str | os.PathLike[str] | None, cwd: Path | None = N
     env = os.environ.get(ENV_VAR)
     if env:
         return _named_file(Path(env).expanduser(), f" (from ${ENV_VAR})")
-    for candidate in ((cwd or Path.cwd()) / "hosts.yaml", Path.home() / ".config/dflashctl/hosts.yaml"):
+    for candidate in _looked_up(cwd):
         if candidate.is_file():
             return candidate
     return None
+
+
+def _looked_up(cwd: Path | None) -> tuple[Path, ...]:
+    return (cwd or Path.cwd()) / "hosts.yaml", Path.home() / ".config/dflashctl/hosts.yaml"
 
 
 def load_inventory(explicit: str | os.PathLike[str] | None = None, cwd: Path | None = None) -> Inventory:
     """Find and parse the inventory; with no file anywhere, only the built-in `local` host exists."""
     path = find_inventory(explicit, cwd)
     if path is None:
-        return Inventory(hosts={LOCAL: builtin_local()}, default=LOCAL)
+        return Inventory(hosts={LOCAL: builtin_local()}, default=LOCAL, searched=_looked_up(cwd))
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -187,6 +199,8 @@ def parse_inventory(text: str | bytes, path: Path | None = None) -> Inventory:
     for name, raw in raw_hosts.items():
         if not isinstance(name, str) or not name:
             raise UsageError(f"{label}: host names must be non-empty strings, got {name!r}")
+        if "," in name:
+            raise UsageError(f"{label}: host '{name}': {_COMMA}")
         hosts[name] = _parse_host(label, name, raw)
     if LOCAL not in hosts:
         hosts[LOCAL] = builtin_local()
@@ -212,6 +226,7 @@ _HOST_KEYS = {
     "persist",
     "on_event",
 }
+_COMMA = "a name cannot hold a comma (the command line reads h1,h2 as two hosts)"
 _CONTAINER_KEYS = {"runtime", "vmid", "name", "pct", "docker"}
 _DOCKER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
 
@@ -320,6 +335,8 @@ def _parse_groups(label: str, raw: Any, hosts: dict[str, HostSpec]) -> dict[str,
         raise UsageError(f"{label}: 'groups' must map a group name to a list of hosts")
     groups = {}
     for gname, members in raw.items():
+        if "," in str(gname):
+            raise UsageError(f"{label}: group '{gname}': {_COMMA}")
         if not isinstance(members, list) or not members or not all(isinstance(m, str) for m in members):
             raise UsageError(f"{label}: group '{gname}': must be a non-empty list of host names")
         for m in members:

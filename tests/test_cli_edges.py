@@ -10,7 +10,7 @@ import venv
 
 import pytest
 from runs_helpers import install_standin
-from sshd import CLI, SHIM_VMID, keygen
+from sshd import CLI, SHIM_VMID, keygen, run_main_in_process
 
 
 def one_line(result: subprocess.CompletedProcess) -> str:
@@ -103,6 +103,18 @@ def test_a_word_that_is_neither_host_nor_run_says_both(shim_host):
             line.startswith("error: 'nosuch' is neither a host in the inventory (hosts: ")
             and "nor a run on shim" in line
         )
+
+
+def test_a_word_that_is_neither_host_nor_run_says_both_before_the_first_run(tmp_path):
+    """On a fresh machine (no hosts.yaml, no runs) `runs show gpu1` meant a host: `local: no runs yet` hid that."""
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    for args in (("runs", "show", "gpu1"), ("logs", "tail", "gpu1"), ("runs", "stop", "gpu1"), ("eval", "gpu1")):
+        res = run_main_in_process(args, env, tmp_path)
+        assert res.returncode == 5, args
+        line = one_line(res)
+        assert line.startswith(
+            "error: 'gpu1' is neither a host in the inventory (hosts: local) nor a run on local (no runs yet)"
+        ), line
 
 
 def test_doctor_without_torch_is_exit_4_like_inspect(shim_host, tmp_path):

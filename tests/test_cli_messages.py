@@ -3,6 +3,7 @@ through main() where no host is needed, through the real sshd and pct shim where
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import signal
@@ -37,12 +38,46 @@ def test_a_mistyped_command_suggests_once(monkeypatch, capsys):
     assert code == 2 and err.splitlines()[0] == "error: No such command 'lst'. Did you mean 'list'?"
 
 
+@pytest.mark.parametrize("option", ["--debug", "--inventory", "-i"])
+def test_a_global_option_after_the_command_says_where_it_goes(monkeypatch, capsys, option):
+    """`(rerun with --debug)` invites `dflashctl runs show X --debug`, which said only `No such option`."""
+    args = [option] if option == "--debug" else [option, "hosts.yaml"]
+    code, _, err = cli(monkeypatch, capsys, "runs", "show", "x", *args)
+    first = err.splitlines()[0]
+    assert code == 2 and first == (
+        f"error: No such option '{option}'. ({option} is dflashctl's own option: give it before the command, "
+        f"dflashctl {option} ... runs show ...)"
+    )
+
+
 def test_help_keeps_brackets_and_shows_no_meaningless_default(monkeypatch, capsys):
     _, out, _ = cli(monkeypatch, capsys, "runs", "show", "--help")
     assert "pip install 'dflashctl[plot]'" in out
     _, out, _ = cli(monkeypatch, capsys, "doctor", "--help")
     steps = next(line for line in out.splitlines() if "--steps" in line)
     assert "default 30 on GPU, 3 on CPU" in steps and "[default: 0]" not in out
+
+
+def test_every_command_summary_is_one_paragraph_without_hard_breaks():
+    """The command lists of `--help` print a docstring's first paragraph with its line breaks kept
+    (typer's rich mode): `train`'s wrapped docstring showed as three ragged lines in `dflashctl --help`."""
+    import click
+    import typer
+
+    from dflashctl.cli_common import app
+
+    def commands(group: click.Group):  # type: ignore[no-untyped-def]
+        for name, command in group.commands.items():
+            yield name, command
+            if isinstance(command, click.Group):
+                yield from commands(command)
+
+    broken = [
+        name
+        for name, command in commands(typer.main.get_command(app))
+        if "\n" in inspect.cleandoc(command.help or "").split("\n\n")[0]
+    ]
+    assert broken == []
 
 
 def test_runs_show_counts_steps_like_runs_list_after_a_resume():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -21,8 +22,8 @@ import yaml
 from rich.console import Console
 
 from dflashctl.doctor import SCHEMA, DoctorOptions, parse_report, render_report
-from runs_helpers import alive
-from sshd import run_main_in_process
+from runs_helpers import alive, wait_until
+from sshd import CLI, SHIM_VMID, _children, run_main_in_process
 
 PAYLOAD = Path(__file__).resolve().parent.parent / "remote_payload"
 sys.path.insert(0, str(PAYLOAD))
@@ -437,6 +438,56 @@ def test_shim_host_quick(sshd_host) -> None:  # type: ignore[no-untyped-def]
         cache = sshd_host.container_dir(200) / "work" / "cache" / "compile"
         assert by_id["inductor_cache"]["evidence"].startswith(f"{cache} (run.compile_cache_dir of dflashctl's runs)")
         assert not by_id["inductor_cache"].get("hint")
+
+
+def _doctor_processes(cache: Path) -> list[int]:
+    """The processes whose command line names cache (the report, the guard around it) and their children."""
+    named = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(cache).encode() in (entry / "cmdline").read_bytes():
+                named.append(int(entry.name))
+        except OSError:
+            continue
+    return named + [kid for pid in named for kid in _children(pid)]
+
+
+def _smoke_started(pids: list[int]) -> bool:
+    return any(b"dflash_train.doctor\0smoke" in _cmdline(pid) for pid in pids)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+@pytest.mark.parametrize("where", ["shim", "local"])
+def test_ctrl_c_stops_the_doctor_and_its_smoke_tests_on_the_host(sshd_host, local_env, tmp_path, where) -> None:
+    """Ctrl-C of `doctor` over SSH left the report and its smoke test running on the host (closing the
+    channel signals nothing), here one that hangs until --smoke-timeout; on `local` the smoke test too."""
+    sshd_host.reset()
+    env = sshd_host.env if where == "shim" else local_env
+    work = sshd_host.container_dir(SHIM_VMID) / "work" if where == "shim" else tmp_path / "work"
+    argv = ["doctor", where, "--policies", "off", "--inject", "hang:off", "--smoke-timeout", "600"]
+    proc = subprocess.Popen(
+        [*CLI, *argv], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    pids: list[int] = []
+    try:
+        while b"smoke off" not in (line := proc.stderr.readline()):
+            assert line, proc.stderr.read()
+        pids = wait_until(lambda: _smoke_started(found := _doctor_processes(work / "cache" / "compile")) and found)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert (proc.returncode, err) == (130, b"error: interrupted\n")
+        wait_until(lambda: not any(alive(p) for p in pids), 60, f"{pids} to end")
+    finally:
+        proc.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_parse_report_ignores_noise() -> None:

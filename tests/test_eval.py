@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
-from runs_helpers import install_standin, local_env
-from sshd import SHIM_VMID
+from runs_helpers import alive, install_standin, local_env
+from sshd import CLI, SHIM_VMID
 
 from dflashctl.evaluation import no_export_reason
 from dflashctl.modelcard import _eval_lines
@@ -97,6 +100,44 @@ def test_eval_reports_real_tau_and_a_lossless_decode(shim_host, request, where):
     assert report["baseline"] is None  # prompt lookup is measured greedy only
     bad = shim_host.run_cli("eval", where, "ev", "--temperature", "-1", env=env)
     assert bad.returncode == 2 and one_line(bad) == "error: --temperature must be 0 (greedy) or positive, got -1"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_eval_on_the_host_before_the_cli_exits(shim_host):
+    """Over SSH a Ctrl-C left the decode running on the host (on a GPU: holding it) until its next
+    progress line met the closed channel; now it is stopped before the CLI exits, as an exec's command."""
+    trained = shim_host.run_cli("train", "shim", "--name", "evi", *TRAIN, timeout=300)
+    assert trained.returncode == 0, trained.stderr
+    runs = str(shim_host.container_dir(SHIM_VMID) / "work" / "runs").encode()
+    long = ["--max-new-tokens", "4000", "--count", "32", "--no-baseline"]  # minutes of decoding on a CPU
+    proc = subprocess.Popen(
+        [*CLI, "eval", "shim", "evi", *long], env=shim_host.env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    remote: list[int] = []
+    try:
+        while b"warm-up decode" not in (line := proc.stderr.readline()):
+            assert line, proc.stderr.read()
+        remote = [pid for pid in _pids_naming(runs) if pid != proc.pid]
+        assert remote
+        proc.send_signal(signal.SIGINT)
+        assert (proc.wait(120), proc.stderr.read()) == (130, b"error: interrupted\n")
+        assert not [pid for pid in remote if alive(pid)]
+    finally:
+        proc.kill()
+        for pid in remote:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _pids_naming(text: bytes) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def test_eval_bad_input_is_one_line(shim_host, local_run, tmp_path):

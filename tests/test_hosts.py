@@ -6,7 +6,7 @@ import json
 import socket
 import subprocess
 
-from sshd import CLI
+from sshd import CLI, run_main_in_process
 
 from dflashctl.hosts import _interpreter_checks
 from dflashctl.inventory import HostSpec
@@ -79,6 +79,13 @@ def test_check_several_hosts_at_once(shim_host):
     assert hosts == ["stopped", "dockstop"]
     assert "stopped container: " in table.stdout and "hint: pct start 201" in table.stdout  # below the table
     assert lines[-1] == "0 of 2 hosts ok; failing: stopped, dockstop"
+
+
+def test_a_host_named_twice_is_checked_once(tmp_path):
+    """`hosts check local,local` (and `runs list local,local`) showed every row twice."""
+    res = run_main_in_process(("hosts", "check", "local,local", "--json"), {"HOME": str(tmp_path)}, tmp_path)
+    doc = json.loads(res.stdout)
+    assert res.returncode == 0 and "hosts" not in doc and doc["ok"], res.stdout + res.stderr
 
 
 def test_check_all_and_a_host_exclude_each_other(shim_host):

@@ -6,7 +6,7 @@ import os
 import subprocess
 
 import pytest
-from sshd import CLI
+from sshd import CLI, run_main_in_process
 
 from dflashctl.errors import UsageError
 from dflashctl.inventory import completions, load_inventory, parse_inventory
@@ -66,6 +66,14 @@ from dflashctl.inventory import completions, load_inventory, parse_inventory
         ),
         ("default: gpu9\nhosts:\n  gpu1: {}\n", "hosts.yaml: default host 'gpu9' is not defined under hosts"),
         ("hosts: [a, b]\n", "hosts.yaml: 'hosts' must be a mapping of host name to settings"),
+        (
+            "hosts:\n  'a,b': {}\n",
+            "hosts.yaml: host 'a,b': a name cannot hold a comma (the command line reads h1,h2 as two hosts)",
+        ),
+        (
+            "hosts:\n  a: {}\ngroups:\n  'x,y': [a]\n",
+            "hosts.yaml: group 'x,y': a name cannot hold a comma (the command line reads h1,h2 as two hosts)",
+        ),
         ("hosts:\n  gpu1: {address: [}\n", "hosts.yaml: line 2, column 20: expected the node content, but found '}'"),
         (
             "hosts:\n  gpu1:\n    container: {runtime: pct}\n",
@@ -200,6 +208,23 @@ def test_missing_explicit_inventory_exit_2(shim_host, tmp_path):
     result = shim_host.run_cli("--inventory", str(tmp_path / "nope.yaml"), "hosts", "list")
     assert result.returncode == 2
     assert "inventory file not found" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_unknown_host_without_any_hosts_yaml_says_where_one_was_looked_for(tmp_path):
+    """A new user's file in another place (or `mkdir -p` of the file's own path) left only `(known: local)`."""
+    home, cwd = tmp_path / "home", (tmp_path / "cwd").resolve()
+    (home / ".config/dflashctl/hosts.yaml").mkdir(parents=True)
+    cwd.mkdir()
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin"}
+    looked = (
+        f"no hosts.yaml found (looked for {cwd}/hosts.yaml, {home}/.config/dflashctl/hosts.yaml (a directory); "
+        "--inventory or $DFLASHCTL_INVENTORY names another)"
+    )
+    res = run_main_in_process(("exec", "gpu1", "--", "true"), env, cwd)
+    assert (res.returncode, res.stderr) == (2, f"error: unknown host 'gpu1' (known: local); {looked}\n")
+    res = run_main_in_process(("runs", "show", "gpu1"), env, cwd)
+    neither = "'gpu1' is neither a host in the inventory (hosts: local) nor a run on local (no runs yet)"
+    assert (res.returncode, res.stderr) == (5, f"error: {neither}; {looked}\n")
 
 
 COMPLETION_INVENTORY = """default: gpu1

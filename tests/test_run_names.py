@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from runs_helpers import install_standin, meta, race, run_dir, wait_until
-from sshd import SHIM_VMID
+from sshd import SHIM_VMID, run_main_in_process
 from test_eval import local_env
 from test_runs import kill_leftovers
 
@@ -54,6 +54,18 @@ def test_a_second_start_with_a_taken_name_on_local_is_one_line_exit_2(sshd_host,
     assert shown.returncode == 0 and json.loads(shown.stdout)["run_id"] == run_id
     other = sshd_host.run_cli("train", "local", "--no-push", "--name", "other", "--set", "run.steps=1", env=env)
     assert other.returncode == 0, other.stderr  # another name starts as ever
+
+
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_a_blank_name_is_refused_before_anything(tmp_path, blank):
+    """`--name ''` started an unnamed run, `--name '  '` one whose NAME column was empty (a pipe's columns shifted)."""
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    regen = ("data", "regen", "local", "--prompts", "p.jsonl", "--out", "o")
+    for args in (("train", "local", "--no-push"), regen):
+        res = run_main_in_process((*args, "--name", blank), env, tmp_path)
+        expected = f"error: --name {blank!r} is blank: give the run a name, or leave --name out\n"
+        assert (res.returncode, res.stderr) == (2, expected), args
+    assert not (tmp_path / ".dflashctl").exists()  # nothing was pushed or started
 
 
 def test_two_starts_racing_for_one_name_one_wins(shim_host):
