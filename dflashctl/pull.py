@@ -100,7 +100,9 @@ class _Pack:
 
     def __init__(self, target: Target, argv: list[str]):
         self.target = target
-        self.dialogue = Dialogue(target, argv)
+        # Guarded: a pull of checkpoints can stream for minutes, and a pack that the closed channel
+        # does not reach (under `docker exec`, or not writing just then) would run on after a Ctrl-C.
+        self.dialogue = Dialogue(target, argv, guarded=True)
 
     @classmethod
     def open(cls, target: Target, argv: list[str]) -> tuple["_Pack", dict]:
@@ -116,7 +118,7 @@ class _Pack:
         return self
 
     def __exit__(self, kind: type | None, *exc: object) -> None:
-        self.dialogue.__exit__(kind)  # Ctrl-C or an error: stop the remote tar
+        self.dialogue.__exit__(kind)  # Ctrl-C or an error: stop the remote tar on the host
 
     def header(self) -> dict:
         """The JSON line before the tar; an error answer or an early exit raises."""
