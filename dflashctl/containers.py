@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import ContainerError, DflashError, Interrupted, RemoteError
+from .errors import ContainerError, DflashError, RemoteError
 from .inventory import ContainerSpec, HostSpec
 from .transport import CHUNK, STDERR_TAIL, Completed, Process, Sink, StdinSource, Transport, env_argv
 
@@ -146,14 +146,14 @@ class Dialogue:
     its stdin for writing, stderr drained by a thread and kept (its tail) for the error message.
 
     push and pull use it as a context manager: an exception inside kills the command, so the
-    remote sees EOF and discards whatever it was staging. guarded: the command runs under the exec
-    guard (guard.py), and that kill stops it on the host before the channel closes."""
+    remote sees EOF and discards whatever it was staging. `start`: how the command starts (default
+    Target.start; guard.start_guarded makes that kill stop it on the host too)."""
 
-    def __init__(self, target: Target, argv: Sequence[str], guarded: bool = False):
-        from .guard import start_guarded  # guard.py builds on this module
-
+    def __init__(
+        self, target: Target, argv: Sequence[str], start: Callable[[Target, Sequence[str]], Process] | None = None
+    ):
         self.target, self.argv = target, list(argv)
-        self.proc: Process = start_guarded(target, self.argv) if guarded else target.start(self.argv)
+        self.proc: Process = (start or Target.start)(target, self.argv)
         try:  # a Ctrl-C before the caller holds this Dialogue must still kill the command
             self._pending = b""
             self._stderr = bytearray()
@@ -167,14 +167,8 @@ class Dialogue:
         return self
 
     def __exit__(self, kind: type | None, *exc: object) -> None:
-        if kind is None:
-            return
-        self.proc.kill()
-        from .guard import may_still_run
-
-        left = may_still_run(self.proc)
-        if left and issubclass(kind, Interrupted):  # as run_guarded says it
-            raise Interrupted(f"{self.target.label}: the command may still run ({left})") from None
+        if kind is not None:
+            self.proc.kill()
 
     def _drain_stderr(self) -> None:
         try:
