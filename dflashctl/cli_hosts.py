@@ -150,7 +150,7 @@ def push_cmd(
         help="Payload directory (default: the trainer that ships with dflashctl, remote_payload/ in a checkout).",
     ),
 ) -> None:
-    """Send remote_payload/ to <workdir>/payload in the container: incremental, atomic, verified."""
+    """Send the trainer (this package's payload, or --source) to <workdir>/payload: incremental, atomic, verified."""
     from pathlib import Path
 
     from .payload import BarProgress, push

@@ -417,7 +417,12 @@ def runs_show(
         "--plot",
         help="Also write the curves to this file: .png, .pdf or .svg (needs: pip install 'dflashctl\\[plot]').",
     ),
-    curves: bool = typer.Option(True, "--curves/--no-curves", help="Draw loss and acceptance length in the terminal."),
+    curves: Optional[bool] = typer.Option(
+        None,
+        "--curves/--no-curves",
+        help="Draw loss and acceptance length as text (default: on a terminal, not in a pipe).",
+        show_default=False,
+    ),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Show one run: run.json fields, a metrics summary, and loss / acceptance-length curves."""
@@ -441,7 +446,9 @@ def runs_show(
         return
     console = Console()
     fields(console, details_rows(info))
-    drawing = terminal_plot(info.get("metrics") or [], width=min(console.width, 120)) if curves else None
+    # Like the tables: a pipe gets the label/value rows only (chart lines would meet a grep).
+    draw = console.is_terminal if curves is None else curves
+    drawing = terminal_plot(info.get("metrics") or [], width=min(console.width, 120)) if draw else None
     if drawing:
         console.print(Text(drawing), soft_wrap=True)
     if plot is not None:

@@ -146,11 +146,14 @@ class Dialogue:
     its stdin for writing, stderr drained by a thread and kept (its tail) for the error message.
 
     push and pull use it as a context manager: an exception inside kills the command, so the
-    remote sees EOF and discards whatever it was staging."""
+    remote sees EOF and discards whatever it was staging. `start`: how the command starts (default
+    Target.start; guard.start_guarded makes that kill stop it on the host too)."""
 
-    def __init__(self, target: Target, argv: Sequence[str]):
+    def __init__(
+        self, target: Target, argv: Sequence[str], start: Callable[[Target, Sequence[str]], Process] | None = None
+    ):
         self.target, self.argv = target, list(argv)
-        self.proc: Process = target.start(self.argv)
+        self.proc: Process = (start or Target.start)(target, self.argv)
         try:  # a Ctrl-C before the caller holds this Dialogue must still kill the command
             self._pending = b""
             self._stderr = bytearray()

@@ -1,4 +1,5 @@
-"""Commands that an interrupt must reach on the host too (`dflashctl exec`, `runctl start`).
+"""Commands that an interrupt must reach on the host too (`dflashctl exec`, `runctl start`, `doctor`,
+`eval`, `runs pull`'s `runctl pack`, `inspect`'s live config).
 
 Over SSH without a terminal, closing a channel sends the command no signal: `sleep 60` ran on
 after Ctrl-C, through pct and docker as well. So the argv runs under `remote/guard.py`, in a
@@ -32,6 +33,17 @@ STOP_TIMEOUT_S = 60.0  # a bound on the stop command: it ends by itself in about
 def guarded_argv(interpreter: str, token: str, argv: Sequence[str]) -> list[str]:
     """The argv that runs argv under the guard (it must stay 6 words before argv: see _PRELUDE)."""
     return ["sh", "-c", _PRELUDE, "sh", interpreter, "-S", "-c", remote_script("guard"), "run", token, *argv]
+
+
+def start_guarded(target: Target, argv: Sequence[str]) -> Process:
+    """Target.start for a command that must not outlive an interrupted call: kill() stops it on the
+    host first; afterwards `may_still_run(proc)` says why, when that stop could not be confirmed."""
+    return _GuardedTransport(target).start(argv)
+
+
+def may_still_run(proc: Process) -> str | None:
+    """Why a killed command of start_guarded may still run on the host (its stop failed), else None."""
+    return proc._owner.left if isinstance(proc, _GuardedProcess) else None
 
 
 class InterruptedAfter(Interrupted):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .containers import Target
+from .containers import Target, remote_script
 from .errors import ContainerError, NotFoundError, RemoteError, UsageError
 from .inventory import HostSpec
 
@@ -416,8 +416,13 @@ class ConfigView:
 
 def read_config(target: Target, module: str, key: str = "", grep: str | None = None) -> ConfigView:
     """Live config keys of module in a fresh remote process; key selects one key or a subtree."""
+    from .guard import run_guarded
+
     pattern = _compile(grep)
-    result = target.python("introspect_config", [module], timeout=CONFIG_TIMEOUT)
+    argv = [target.host.interpreter, "-c", remote_script("introspect_config"), module]
+    # Guarded, unlike the source reads (a file read, stdlib only): it imports torch, seconds and more
+    # when cold, and over SSH a Ctrl-C would leave that import running in the container.
+    result = run_guarded(target, argv, timeout=CONFIG_TIMEOUT)
     header, _ = _split_reply(target, result.stdout, result)
     if "error" in header:
         raise _config_error(target, module, header)

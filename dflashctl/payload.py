@@ -84,13 +84,12 @@ class PushResult:
     deleted_paths: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        """`pushed 3 files (12.4 kB), deleted 1, unchanged 41 in 0.4 s` (or `would push ...`)."""
-        verb = "would push" if self.dry_run else "pushed"
-        noun = "file" if self.files_sent == 1 else "files"
-        return (
-            f"{verb} {self.files_sent} {noun} ({decimal(self.bytes_sent)}), deleted {self.deleted}, "
-            f"unchanged {self.unchanged} in {self.elapsed_s:.1f} s"
-        )
+        """`pushed 3 files (12.4 kB), deleted 1, unchanged 41 in 0.4 s`, or of a dry run
+        `would push 3 files (12.4 kB), would delete 1, unchanged 41`."""
+        sent = f"{self.files_sent} {'file' if self.files_sent == 1 else 'files'} ({decimal(self.bytes_sent)})"
+        if self.dry_run:  # no time: it would read as the push's
+            return f"would push {sent}, would delete {self.deleted}, unchanged {self.unchanged}"
+        return f"pushed {sent}, deleted {self.deleted}, unchanged {self.unchanged} in {self.elapsed_s:.1f} s"
 
 
 class ProgressSink(Protocol):

@@ -19,7 +19,8 @@ from typing import Callable, NoReturn
 
 from .agent import AgentMissing, agent_argv, is_missing, with_agent
 from .containers import Dialogue, Target
-from .errors import ConnectError, DflashError, RemoteError, UsageError
+from .errors import ConnectError, DflashError, Interrupted, RemoteError, UsageError
+from .guard import may_still_run, start_guarded
 from .remote.wire import CHECKPOINT_CHOICES
 from .runs import answer_error
 from .transport import CHUNK
@@ -100,7 +101,9 @@ class _Pack:
 
     def __init__(self, target: Target, argv: list[str]):
         self.target = target
-        self.dialogue = Dialogue(target, argv)
+        # Guarded: a pull of checkpoints can stream for minutes, and a pack that the closed channel
+        # does not reach (under `docker exec`, or not writing just then) would run on after a Ctrl-C.
+        self.dialogue = Dialogue(target, argv, start=start_guarded)
 
     @classmethod
     def open(cls, target: Target, argv: list[str]) -> tuple["_Pack", dict]:
@@ -116,7 +119,10 @@ class _Pack:
         return self
 
     def __exit__(self, kind: type | None, *exc: object) -> None:
-        self.dialogue.__exit__(kind)  # Ctrl-C or an error: stop the remote tar
+        self.dialogue.__exit__(kind)  # Ctrl-C or an error: stop the remote tar on the host
+        left = may_still_run(self.dialogue.proc)
+        if left and kind is not None and issubclass(kind, Interrupted):  # as run_guarded says it
+            raise Interrupted(f"{self.target.label}: the command may still run ({left})") from None
 
     def header(self) -> dict:
         """The JSON line before the tar; an error answer or an early exit raises."""

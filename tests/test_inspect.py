@@ -371,6 +371,51 @@ def test_cli_errors_are_one_line_with_exit_codes(sshd_host, tmp_path):
         assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and text in out.stderr, out.stderr
 
 
+def test_ctrl_c_of_a_config_read_stops_its_torch_import_on_the_host(sshd_host, tmp_path):
+    """`inspect inductor.config` imports torch in the container (seconds, more when cold); a Ctrl-C
+    over SSH closed the channel and left that import running there. A torch whose import hangs
+    stands in for a slow one; it must be gone when the CLI has exited."""
+    import os
+    import shlex
+    import signal
+
+    from runs_helpers import alive, wait_until
+    from sshd import SHIM_VMID
+
+    fake, started = tmp_path / "fake", tmp_path / "importing"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text(
+        f"import os, time\nopen({str(started)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+    )
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={shlex.quote(str(fake))} exec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
+    slow = sshd_host.host_entry(SHIM_VMID, python=str(python))
+    env = {
+        **sshd_host.env,
+        "DFLASHCTL_INVENTORY": str(sshd_host.write_inventory(tmp_path / "hosts.yaml", {"slow": slow})),
+        "XDG_CACHE_HOME": str(tmp_path),
+    }
+    proc = subprocess.Popen(
+        [*CLI, "inspect", "inductor.config", "-H", "slow"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    pid = 0
+    try:
+        pid = int(wait_until(lambda: started.exists() and started.read_text(), 60, "the remote torch import"))
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert (proc.returncode, err) == (130, b"error: interrupted\n")
+        assert not alive(pid)
+    finally:
+        proc.kill()
+        if pid and alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _closed_port() -> int:
     import socket
 

@@ -11,19 +11,20 @@ import io
 import json
 import os
 import shutil
+import signal
 import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 import yaml
-from runs_helpers import install_standin
+from runs_helpers import alive, install_standin
 from sshd import SHIM_VMID
 from test_eval import local_env
 from test_exec import one_line_error
 
 from dflashctl.containers import Target
-from dflashctl.errors import ConnectError, RemoteError
+from dflashctl.errors import ConnectError, Interrupted, RemoteError
 from dflashctl.inventory import HostSpec
 from dflashctl.pull import pull_run
 from dflashctl.transport import LocalTransport
@@ -166,6 +167,84 @@ def test_dropped_connection_mid_pull_keeps_nothing(shim_host, tmp_path, finished
             pull_run(session.target("shim"), "p1", here / "out", on_bytes=strike)
     assert struck and struck[0] >= 1
     assert list(here.iterdir()) == []
+
+
+def test_ctrl_c_mid_pull_stops_the_remote_pack_before_the_pull_returns(shim_host, tmp_path, finished_run):
+    """Ctrl-C of a pull closed the channel and left `runctl pack` to die of it at its next write; one
+    that did not write (here stopped, as one reading a slow disk, or under `docker exec`, whose
+    command outlives its client) ran on. Now it is stopped on the host, as an exec's command is."""
+    _, run_dir = finished_run
+    (run_dir / "export" / "big.bin").write_bytes(os.urandom(24 * MB))
+    packs: list[int] = []
+
+    def ctrl_c(done: int, total: int) -> None:
+        if done > 2 * MB:  # the pack has 22 MB left to send: it is there, blocked on this reader
+            packs.extend(_packs(run_dir.parents[1]))
+            for pid in packs:
+                os.kill(pid, signal.SIGSTOP)
+            raise Interrupted()  # what the CLI's SIGINT handler raises
+
+    here = tmp_path / "here"
+    here.mkdir()
+    try:
+        with shim_host.session() as session:
+            with pytest.raises(Interrupted):
+                pull_run(session.target("shim"), "p1", here / "out", on_bytes=ctrl_c)
+            assert packs and not [pid for pid in packs if alive(pid)]
+        assert list(here.iterdir()) == []
+    finally:
+        for pid in packs:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_pack_that_could_not_be_stopped_is_reported(shim_host, tmp_path, finished_run):
+    """A Ctrl-C whose stop fails (here the host's interpreter refuses the guard's `stop`) says that
+    the pack may still run, as exec's line does, rather than implying that nothing is left."""
+    import shlex
+
+    from sshd import SHIM_VMID
+
+    _, run_dir = finished_run
+    (run_dir / "export" / "big.bin").write_bytes(os.urandom(24 * MB))
+    python = tmp_path / "python"  # argv: -S -c SOURCE ACTION TOKEN for the guard's own calls
+    refuse = '[ "$4" = stop ] && { echo "stop refused" >&2; exit 1; }'
+    python.write_text(f'#!/bin/sh\n{refuse}\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
+    entry = shim_host.host_entry(SHIM_VMID, python=str(python))
+    inventory = shim_host.write_inventory(tmp_path / "hosts.yaml", {"refuses": entry})
+    packs: list[int] = []
+
+    def ctrl_c(done: int, total: int) -> None:
+        if done > 2 * MB:
+            packs.extend(_packs(run_dir.parents[1]))
+            raise Interrupted()
+
+    try:
+        with shim_host.session(inventory=inventory) as session:
+            with pytest.raises(Interrupted) as info:
+                pull_run(session.target("refuses"), "p1", tmp_path / "out", on_bytes=ctrl_c)
+        line = "interrupted; refuses (pct 200): the command may still run (its stop failed: stop refused)"
+        assert str(info.value) == line
+        assert packs and not (tmp_path / "out").exists()
+    finally:
+        for pid in packs:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _packs(workdir: Path) -> list[int]:
+    """The processes that run `runctl pack` for workdir (the program, not a guard around it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            parts = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        at = parts.index(b"-c") if b"-c" in parts else -1
+        if at >= 0 and parts[at + 3 : at + 6] == [b"runctl", b"pack", os.fsencode(workdir)]:
+            found.append(int(entry.name))
+    return found
 
 
 def test_a_hostile_tar_is_refused(tmp_path):

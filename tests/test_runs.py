@@ -409,8 +409,8 @@ def test_run_selection_by_prefix_name_and_latest(shim, tmp_path):
     assert missing.returncode == 5 and missing.stderr.strip().endswith(
         "'zzz' is neither a host in the inventory (hosts: bare, dock, dockstop, local, shim, stopped) nor a run on shim"
     )
-    shown = host.run_cli("runs", "show", "shim", "n2", "--plot", str(png))
-    assert ids[2] in shown.stdout and "teacher-forced (a proxy)" in shown.stdout  # details and terminal curves
+    shown = host.run_cli("runs", "show", "shim", "n2", "--curves", "--plot", str(png))  # curves: a pipe's too
+    assert ids[2] in shown.stdout and "teacher-forced (a proxy)" in shown.stdout  # details and text curves
     assert shown.returncode == 0 and png.read_bytes().startswith(b"\x89PNG") and f"wrote {png}" in shown.stdout
     bare_name = host.run_cli("runs", "show", "shim", "n2", "--no-curves", "--plot", str(tmp_path / "named"))
     assert bare_name.returncode == 0 and f"wrote {tmp_path / 'named.png'}" in bare_name.stdout  # the file written

@@ -95,14 +95,15 @@ def test_fields_on_a_narrow_terminal_fold_long_values_never_cut_them():
 
 
 def test_runs_show_in_a_pipe_is_one_whole_line_per_field_at_any_width(sshd_host, tmp_path):
-    """`runs show | cat` at 40 columns: no value cut with "…" or wrapped (payload, argv, override paths)."""
+    """`runs show | cat` at 40 columns: no value cut with "…" or wrapped (payload, argv, override paths),
+    and no chart lines among the rows (a grep met them) unless --curves asks for them."""
     env = {**local_env(tmp_path), "COLUMNS": "40"}
     install_standin(tmp_path / "wd" / "payload")
     tag = f"standin.tag={LONG_VALUE}"
     done = sshd_host.run_cli("train", "local", "--no-push", "--set", "run.steps=1", "--set", tag, "--follow", env=env)
     assert done.returncode == 0, done.stderr
     run_id = done.stderr.split("started run ")[1].split()[0]
-    shown = sshd_host.run_cli("runs", "show", "local", run_id, "--no-curves", env=env)
+    shown = sshd_host.run_cli("runs", "show", "local", run_id, env=env)
     lines = shown.stdout.splitlines()
     assert shown.returncode == 0 and "…" not in shown.stdout, shown.stdout
     by_label = {line.split()[0]: line.split(maxsplit=1)[1] for line in lines}
@@ -111,6 +112,11 @@ def test_runs_show_in_a_pipe_is_one_whole_line_per_field_at_any_width(sshd_host,
     assert len({line.index(by_label[line.split()[0]]) for line in lines}) == 1  # values aligned in one column
     argv = by_label["argv"]
     assert argv.endswith(f"--set run.steps=1 --set {tag}") and f"run.output_dir={tmp_path}/wd/runs/{run_id}" in argv
+    assert "training loss" not in shown.stdout  # the rows only
+    forced = sshd_host.run_cli("runs", "show", "local", run_id, "--curves", env=env)
+    assert forced.stdout.startswith(shown.stdout) and "training loss" in forced.stdout
+    on_a_terminal = sshd_host.run_cli("runs", "show", "local", run_id, env={**env, "FORCE_COLOR": "1"})
+    assert "training loss" in on_a_terminal.stdout  # drawn by default there
 
 
 def evaluated(run_id: str, **report: object) -> dict:
