@@ -50,6 +50,24 @@ def test_a_global_option_after_the_command_says_where_it_goes(monkeypatch, capsy
     )
 
 
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("target=5", "target is a section: give target.KEY=VALUE (keys: path, backend, "),
+        ("preset.x=1", "preset.x is not a key to set: give --preset NAME"),
+    ],
+)
+def test_train_set_of_a_section_or_the_preset_is_one_line(monkeypatch, capsys, tmp_path, item, message):
+    """The pre-flight by the payload's config code: `target=5` said `unknown config key 'target'`,
+    `preset.x=1` an internal TypeError."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("DFLASHCTL_INVENTORY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(monkeypatch, capsys, "train", "local", "--set", item, "--detach")
+    assert (code, out) == (2, "") and err.startswith(f"error: trainer config: {message}") and err.count("\n") == 1
+    assert not any(tmp_path.iterdir())  # refused before anything was pushed or written
+
+
 def test_help_keeps_brackets_and_shows_no_meaningless_default(monkeypatch, capsys):
     _, out, _ = cli(monkeypatch, capsys, "runs", "show", "--help")
     assert "pip install 'dflashctl[plot]'" in out

@@ -342,9 +342,15 @@ def set_override(cfg: Config, item: str) -> None:
 def _field(cfg: Config, dotted: str) -> tuple[Any, str, Any]:
     """(section, field name, type hint) of a dotted key; ConfigError naming the known keys if none."""
     section_name, _, name = dotted.partition(".")
-    section = getattr(cfg, section_name, None) if section_name in _field_names(cfg) else None
-    if section is None or not name:
-        raise ConfigError(f"unknown config key {dotted!r} (sections: {', '.join(_field_names(cfg))})")
+    sections = [s for s in _field_names(cfg) if dataclasses.is_dataclass(getattr(cfg, s))]
+    if section_name == "preset":  # a top-level field, not a section: chosen before any override applies
+        raise ConfigError(f"{dotted} is not a key to set: give --preset NAME (or `preset:` in the config file)")
+    if section_name not in sections:
+        raise ConfigError(f"unknown config key {dotted!r} (sections: {', '.join(sections)})")
+    section = getattr(cfg, section_name)
+    if not name:
+        keys = ", ".join(_field_names(section))
+        raise ConfigError(f"{section_name} is a section: give {section_name}.KEY=VALUE (keys: {keys})")
     if name not in _field_names(section):
         raise ConfigError(f"unknown config key {dotted!r} (keys in {section_name}: {', '.join(_field_names(section))})")
     return section, name, typing.get_type_hints(type(section))[name]

@@ -371,18 +371,33 @@ def trainer_policies(device_type: str) -> set[str]:
 
 
 def launcher_verdict(gpus: int) -> str:
-    """What `run.launcher: auto` picks on a box with this many GPUs, for each width class of
-    plan.THREADS_KEEP_UP (the model is the user's, so every class is named)."""
+    """What `run.launcher: auto` picks on a box with this many GPUs: one pick and why where every
+    width class of plan.THREADS_KEEP_UP gets it, else each class's (the model is the user's)."""
     from .plan import THREADS_KEEP_UP, launcher_decision
 
     devices = [f"cuda:{i}" for i in range(gpus)] or ["cpu"]
-    picks = []
-    for i, (width, _) in enumerate(THREADS_KEEP_UP):
-        which = launcher_decision("auto", devices, width)[0]
+    head = f"launcher (run.launcher auto, {f'{gpus} GPU(s)' if gpus else 'no GPU'})"
+    picks = [launcher_decision("auto", devices, width)[0] for width, _ in THREADS_KEEP_UP]
+    if len(set(picks)) == 1:
+        return f"{head}: {picks[0]} ({_one_pick_reason(gpus, picks[0])})"
+    classes = []
+    for i, ((width, _), which) in enumerate(zip(THREADS_KEEP_UP, picks)):
         upper = THREADS_KEEP_UP[i - 1][0] if i else None
         widths = f">= {width}" if upper is None else f"< {upper}" if width == 0 else f"{width}-{upper - 1}"
-        picks.append(f"{which} for target hidden {widths}")
-    return f"launcher (run.launcher auto, {gpus} GPU(s)): {', '.join(picks)}"
+        classes.append(f"{which} for target hidden {widths}")
+    return f"{head}: {', '.join(classes)}"
+
+
+def _one_pick_reason(gpus: int, which: str) -> str:
+    """Why `run.launcher: auto` picks `which` on this many GPUs whatever the target's width."""
+    from .plan import THREADS_KEEP_UP
+
+    if gpus <= 1:
+        return "one device" if gpus else "one device, the CPU"
+    keep_up = [n for _, n in THREADS_KEEP_UP]
+    if which == "processes":
+        return f"{gpus} GPUs > {max(keep_up)}, the most threads are predicted to keep up with at any target width"
+    return f"{gpus} GPUs <= {min(keep_up)}, the fewest threads are predicted to keep up with at any target width"
 
 
 def verdict_check(device_type: str, mode: str, smoke: dict[str, dict], gpus: int) -> Check:

@@ -5,12 +5,14 @@ runs without torch)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 KINDS = ("messages", "prompt", "input_ids")
+SURVEY_BLOCK = 1 << 20  # bytes the survey reads at once (then to the end of the line)
 
 
 class RegenError(ValueError):
@@ -151,19 +153,43 @@ class Survey:
 
 def survey_rows(path: Path) -> Survey:
     """Count the rows (non-blank lines, streamed) and note where each kind first appears; a row
-    that is not a JSON object or has no kind is left to fail on its own in the run."""
+    that is not a JSON object or has no kind is left to fail on its own in the run. Only a row
+    that may be of a kind not seen yet is parsed, so a file of one kind is parsed at its first row."""
     survey = Survey()
+    unseen = [f'"{k}"'.encode() for k in KINDS]
+    number = 0
     with path.open("rb") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
+        while block := fh.read(SURVEY_BLOCK):
+            block += fh.readline()  # whole lines; the file's last may have no newline
+            lines = block.split(b"\n")
+            if block.endswith(b"\n"):
+                lines.pop()
+            if not (unseen and _may_name(block, unseen)):  # one search answers for the block's rows
+                survey.rows += sum(1 for line in lines if line.strip())
+                number += len(lines)
                 continue
-            survey.rows += 1
-            if len(survey.first) < len(KINDS):  # every kind seen: the rest only needs counting
-                row = parse_row(0, line).data
-                kind = next((k for k in KINDS if k in row), None) if row is not None else None
-                if kind is not None:
-                    survey.first.setdefault(kind, number)
+            for line in lines:
+                number += 1
+                if not line.strip():
+                    continue
+                survey.rows += 1
+                if unseen and _may_name(line, unseen):
+                    row = parse_row(0, line).data
+                    kind = next((k for k in KINDS if k in row), None) if row is not None else None
+                    if kind is not None and kind not in survey.first:
+                        survey.first[kind] = number
+                        unseen.remove(f'"{kind}"'.encode())
     return survey
+
+
+# A key's ASCII letter or underscore written as an escape (\u0040-\u007f): `"\u006dessages"` is messages.
+_ASCII_ESCAPE = re.compile(rb"\\u00[4-7]")
+
+
+def _may_name(text: bytes, keys: list[bytes]) -> bool:
+    """Whether JSON lines may have one of these quoted keys: they hold one as written, spell one
+    with escapes, or are UTF-16/32 (json reads those; their NUL bytes are invalid in UTF-8 JSON)."""
+    return any(key in text for key in keys) or b"\x00" in text or _ASCII_ESCAPE.search(text) is not None
 
 
 def read_batches(path: Path, batch_size: int, first_batch: int) -> Iterator[tuple[int, list[Row]]]:

@@ -125,6 +125,23 @@ def test_unknown_yaml_key_and_preset(tmp_path):
         load_config(preset="qwen9")
 
 
+@pytest.mark.parametrize("section", ["target", "run", "debug"])
+def test_a_section_given_a_value_says_it_is_a_section(section):
+    """`--set target=5` said `unknown config key 'target'`, naming target among the sections."""
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[f"{section}=5"])
+    assert str(err.value).startswith(f"{section} is a section: give {section}.KEY=VALUE (keys: ")
+
+
+@pytest.mark.parametrize("override", ["preset=qwen3-8b", "preset.x=1"])
+def test_preset_is_not_a_key_to_set(override):
+    """`preset` was listed among the sections; `preset.x=1` raised a TypeError, not a ConfigError."""
+    with pytest.raises(ConfigError, match=r"is not a key to set: give --preset NAME"):
+        load_config(overrides=[override])
+    with pytest.raises(ConfigError, match=r"\(sections: target, drafter, data, optim, run, dist, debug\)$"):
+        load_config(overrides=["nosection.x=1"])
+
+
 def test_cli_exit_code_2_and_one_line(capsys):
     assert main(["--set", "optim.lrr=1"]) == 2
     err = capsys.readouterr().err
