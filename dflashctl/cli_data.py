@@ -110,7 +110,8 @@ def data_regen(
     engine: str = typer.Option(
         "builtin",
         "--engine",
-        help="builtin (the project's Qwen3 target on the GPUs) or openai (a server reachable from the container).",
+        help="builtin (the trainer's target on the GPUs or CPU: Qwen3, or any causal LM through transformers) "
+        "or openai (a server reachable from the container).",
     ),
     gpus: Optional[str] = typer.Option(
         None,
