@@ -163,7 +163,8 @@ class Progress:
         if not final and now - self.last < LOG_EVERY_S:
             return
         self.last = now
-        steady = self.round is not None and now > self.round[0]
+        # Steady once a batch is in after the first round; a run whose rows all fit in that round never is.
+        steady = self.round is not None and now > self.round[0] and self.tokens > self.round[2]
         since, rows0, tokens0 = self.round if steady else (self.t0, self.start, 0)
         elapsed = max(now - since, 1e-9)
         rate = (done - rows0) / elapsed

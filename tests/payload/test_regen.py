@@ -361,6 +361,22 @@ def test_openai_engine_runs_on_the_standard_library_alone(tmp_path, standin):
     assert row["messages"][-1]["role"] == "assistant" and row["finish_reason"] in ("stop", "length")
 
 
+def test_a_run_whose_rows_all_fit_in_the_first_round_ends_on_its_rate_since_the_start():
+    """No batch came after the first round: the final line gives the rate since the start, marked,
+    where it said `0 tok/s, ETA -`."""
+    from dflash_train.regen_output import Progress
+
+    now, lines = [0.0], []
+    progress = Progress(128, 0, None, lines.append, workers=2, clock=lambda: now[0])
+    now[0] = 10.0
+    progress.update(64, 0, 4096)
+    now[0] = 12.0
+    progress.update(128, 0, 4096)  # the round's end: every row is in
+    now[0] = 12.5
+    progress.update(128, 0, 0, final=True)
+    assert lines[-1] == "regen: 128/128 rows (100%), 0 failed, 655 tok/s incl. start-up, ETA 0:00"
+
+
 def test_progress_measures_the_rate_after_the_first_round_of_batches(tmp_path):
     """Start-up (imports, the target's build, compiles) is not counted into the rate or the ETA:
     a simulated clock, two workers, 64-row batches of 4096 tokens every 2 s after a 20 s start."""
