@@ -62,29 +62,34 @@ import pytest
 
 from sshd import SHIM_VMID, SshdHost
 
-# The files that take longest on 2 busy cores (measured under xdist for issue 30), longest
-# first. xdist hands out whole files (--dist loadfile) in collection order (--no-loadscope-reorder,
-# pyproject.toml): starting the long ones first keeps one of them from running alone at the end
-# while the other workers sit idle. Every other file follows in its usual order. Re-measure with
-# `pytest --junitxml=...` when a file grows; a stale entry only costs time, never a result.
+# The files that take longest on 2 busy cores, longest first: per-file totals of a whole run with a
+# cold compile cache, as on a fresh CI machine (`pytest --junitxml=...`, the times summed by file;
+# a warm cache shortens the compiling files: test_fastpath.py 58 s cold, 5 s warm). xdist hands
+# out whole files (--dist loadfile) in collection order (--no-loadscope-reorder, pyproject.toml):
+# starting the long ones first keeps one of them from running alone at the end while the other
+# workers sit idle (test_restarts.py, when absent here, ran last: 42 s, most of it a hook's 30 s
+# wait, the other two workers done for the last 35 s of it). Every other file follows in its usual order.
+# Re-measure when a file grows; a stale entry only costs time, never a result.
 LONGEST_FIRST = [
-    "tests/test_eval.py",
     "tests/test_doctor.py",
-    "tests/payload/test_train.py",
-    "tests/payload/test_speculate.py",
     "tests/test_multihost.py",
-    "tests/test_exec_interrupt.py",
     "tests/payload/test_warmup.py",
+    "tests/payload/test_workers.py",
+    "tests/test_exec_interrupt.py",
+    "tests/test_eval.py",
+    "tests/payload/test_fastpath.py",
     "tests/payload/test_quality.py",
-    "tests/test_regen_cli.py",
-    "tests/payload/test_launcher.py",
+    "tests/payload/test_speculate.py",
+    "tests/payload/test_train.py",
+    "tests/test_restarts.py",
+    "tests/payload/test_decode.py",
     "tests/test_runs.py",
     "tests/test_pull.py",
-    "tests/payload/test_sliding.py",
-    "tests/payload/test_evaluate.py",
-    "tests/payload/test_tensorboard.py",
+    "tests/test_regen_cli.py",
     "tests/test_train_cli.py",
-    "tests/payload/test_workers.py",
+    "tests/payload/test_launcher.py",
+    "tests/payload/test_recipe.py",
+    "tests/test_inspect.py",
 ]
 
 

@@ -184,7 +184,7 @@ def test_resume_continues_a_stopped_run_in_its_directory(shim_host):
         "--name",
         "r",
         "--set",
-        "run.steps=60",
+        "run.steps=8",
         "--set",
         "standin.step_time=0.05",
         "--set",
