@@ -26,9 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse arguments, train (or pre-flight), return the exit code."""
     parser = argparse.ArgumentParser(prog="python -m dflash_train", description="Train a DFlash drafter.")
     parser.add_argument("--config", help="YAML run config (may name a `preset:`)")
-    parser.add_argument(
-        "--preset", help="base preset (default: tiny, or real-target when target.path is set; see config.PRESETS)"
-    )
+    parser.add_argument("--preset", help="base preset (default: tiny; real-target with target.path; config.PRESETS)")
     parser.add_argument(
         "--set",
         dest="overrides",
