@@ -224,8 +224,7 @@ def test_smoke_rows_and_verdict() -> None:
         "launcher (run.launcher auto, 1 GPU(s)): threads (one device)"
     )
     assert D.verdict_check("cuda", "default", smoke, 4).result.endswith(
-        "launcher (run.launcher auto, 4 GPU(s)): processes "
-        "(4 GPUs > 3, the most threads are predicted to keep up with at any target width)"
+        "launcher (run.launcher auto, 4 GPU(s)): processes (at every target width)"
     )
     assert verdict.hint == "run.compile: cudagraphs was 2.0x faster here"
     broken = D.verdict_check("cuda", "default", {**smoke, "default": {"outcome": "hang"}}, 2)
@@ -237,14 +236,11 @@ def test_the_launcher_verdict_says_one_thing_where_every_width_gets_it(monkeypat
     from dflash_train import plan
     from dflash_train.doctor_checks import launcher_verdict
 
-    assert launcher_verdict(0) == "launcher (run.launcher auto, no GPU): threads (one device, the CPU)"
+    assert launcher_verdict(0) == "launcher (run.launcher auto, no GPU): threads (one device)"
     cpu = D.verdict_check("cpu", "off", {}, 0)
     assert cpu.result == "trainer uses off (run.compile unset -> off); " + launcher_verdict(0)
     monkeypatch.setattr(plan, "THREADS_KEEP_UP", ((1024, 4), (0, 2)))  # a table where 2 GPUs keep threads
-    assert launcher_verdict(2) == (
-        "launcher (run.launcher auto, 2 GPU(s)): threads "
-        "(2 GPUs <= 2, the fewest threads are predicted to keep up with at any target width)"
-    )
+    assert launcher_verdict(2) == ("launcher (run.launcher auto, 2 GPU(s)): threads (at every target width)")
     assert launcher_verdict(3).endswith(": threads for target hidden >= 1024, processes for target hidden < 1024")
 
 
@@ -384,8 +380,7 @@ def test_local_quick_table(local_env: dict[str, str]) -> None:
     assert rows["threads: eager"].split()[0] == "skipped"
     assert rows["threads: reduce-overhead, trees"].split()[0] == "n/a" and rows["GPUs"].split()[0] == "n/a"
     assert rows["verdict"].split(None, 1)[1] == (
-        "trainer uses off (run.compile unset -> off); "
-        "launcher (run.launcher auto, no GPU): threads (one device, the CPU)"
+        "trainer uses off (run.compile unset -> off); launcher (run.launcher auto, no GPU): threads (one device)"
     )
     assert "\nGPUs: nvidia-smi not found; torch.cuda.device_count() = 0\n" in proc.stdout  # evidence below
     assert "no failures" in proc.stdout

@@ -377,27 +377,17 @@ def launcher_verdict(gpus: int) -> str:
 
     devices = [f"cuda:{i}" for i in range(gpus)] or ["cpu"]
     head = f"launcher (run.launcher auto, {f'{gpus} GPU(s)' if gpus else 'no GPU'})"
-    picks = [launcher_decision("auto", devices, width)[0] for width, _ in THREADS_KEEP_UP]
-    if len(set(picks)) == 1:
-        return f"{head}: {picks[0]} ({_one_pick_reason(gpus, picks[0])})"
+    decisions = [launcher_decision("auto", devices, width) for width, _ in THREADS_KEEP_UP]
+    picks = [which for which, _ in decisions]
+    if len(set(picks)) == 1:  # the rule's own reason where it does not name a width
+        reasons = {why for _, why in decisions}
+        return f"{head}: {picks[0]} ({reasons.pop() if len(reasons) == 1 else 'at every target width'})"
     classes = []
     for i, ((width, _), which) in enumerate(zip(THREADS_KEEP_UP, picks)):
         upper = THREADS_KEEP_UP[i - 1][0] if i else None
         widths = f">= {width}" if upper is None else f"< {upper}" if width == 0 else f"{width}-{upper - 1}"
         classes.append(f"{which} for target hidden {widths}")
     return f"{head}: {', '.join(classes)}"
-
-
-def _one_pick_reason(gpus: int, which: str) -> str:
-    """Why `run.launcher: auto` picks `which` on this many GPUs whatever the target's width."""
-    from .plan import THREADS_KEEP_UP
-
-    if gpus <= 1:
-        return "one device" if gpus else "one device, the CPU"
-    keep_up = [n for _, n in THREADS_KEEP_UP]
-    if which == "processes":
-        return f"{gpus} GPUs > {max(keep_up)}, the most threads are predicted to keep up with at any target width"
-    return f"{gpus} GPUs <= {min(keep_up)}, the fewest threads are predicted to keep up with at any target width"
 
 
 def verdict_check(device_type: str, mode: str, smoke: dict[str, dict], gpus: int) -> Check:
