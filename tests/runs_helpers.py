@@ -54,8 +54,8 @@ def meta(workdir: Path, run_id: str) -> dict:
     return json.loads((run_dir(workdir, run_id) / "run.json").read_text())
 
 
-def readers(workdir: Path) -> list[int]:
-    """Pids of `runctl read` processes for this workdir (remote log readers)."""
+def pids_where(match: Callable[[list[bytes]], bool]) -> list[int]:
+    """Pids of the processes whose command line (its arguments, from /proc) `match` accepts."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -64,10 +64,16 @@ def readers(workdir: Path) -> list[int]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        # python -c LAUNCHER AGENT_ROOT runctl read WORKDIR ... (dflashctl/agent.py)
-        if args[1:2] == [b"-c"] and args[4:7] == [b"runctl", b"read", os.fsencode(str(workdir))]:
+        if match(args):
             found.append(int(entry.name))
     return found
+
+
+def readers(workdir: Path) -> list[int]:
+    """Pids of `runctl read` processes for this workdir (remote log readers)."""
+    # python -c LAUNCHER AGENT_ROOT runctl read WORKDIR ... (dflashctl/agent.py)
+    wanted = [b"runctl", b"read", os.fsencode(str(workdir))]
+    return pids_where(lambda args: args[1:2] == [b"-c"] and args[4:7] == wanted)
 
 
 def local_env(tmp_path: Path) -> dict[str, str]:

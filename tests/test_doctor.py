@@ -22,7 +22,7 @@ import yaml
 from rich.console import Console
 
 from dflashctl.doctor import SCHEMA, DoctorOptions, parse_report, render_report
-from runs_helpers import alive, wait_until
+from runs_helpers import alive, pids_where, wait_until
 from sshd import CLI, SHIM_VMID, _children, run_main_in_process
 
 PAYLOAD = Path(__file__).resolve().parent.parent / "remote_payload"
@@ -459,13 +459,7 @@ def test_shim_host_quick(sshd_host) -> None:  # type: ignore[no-untyped-def]
 
 def _doctor_processes(cache: Path) -> list[int]:
     """The processes whose command line names cache (the report, the guard around it) and their children."""
-    named = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and str(cache).encode() in (entry / "cmdline").read_bytes():
-                named.append(int(entry.name))
-        except OSError:
-            continue
+    named = pids_where(lambda args: str(cache).encode() in b"\0".join(args))
     return named + [kid for pid in named for kid in _children(pid)]
 
 

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from runs_helpers import alive, install_standin, local_env
+from runs_helpers import alive, install_standin, local_env, pids_where
 from sshd import CLI, SHIM_VMID
 
 from dflashctl.evaluation import no_export_reason
@@ -132,14 +132,7 @@ def test_ctrl_c_stops_the_eval_on_the_host_before_the_cli_exits(shim_host):
 
 
 def _pids_naming(text: bytes) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
+    return pids_where(lambda args: text in b"\0".join(args))
 
 
 def test_eval_bad_input_is_one_line(shim_host, local_run, tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from runs_helpers import alive, install_standin
+from runs_helpers import alive, install_standin, pids_where
 from sshd import SHIM_VMID
 from test_eval import local_env
 from test_exec import one_line_error
@@ -235,16 +235,13 @@ def test_a_pack_that_could_not_be_stopped_is_reported(shim_host, tmp_path, finis
 
 def _packs(workdir: Path) -> list[int]:
     """The processes that run `runctl pack` for workdir (the program, not a guard around it)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            parts = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
-        except OSError:
-            continue
+    wanted = [b"runctl", b"pack", os.fsencode(workdir)]
+
+    def pack(parts: list[bytes]) -> bool:
         at = parts.index(b"-c") if b"-c" in parts else -1
-        if at >= 0 and parts[at + 3 : at + 6] == [b"runctl", b"pack", os.fsencode(workdir)]:
-            found.append(int(entry.name))
-    return found
+        return at >= 0 and parts[at + 3 : at + 6] == wanted
+
+    return pids_where(pack)
 
 
 def test_a_hostile_tar_is_refused(tmp_path):
