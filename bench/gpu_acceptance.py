@@ -19,7 +19,9 @@ Stages (each bounded; all run even if one fails; exit 1 if any failed):
   8b-regen     `dflashctl data regen local --preset qwen3-8b --batch-size 64 --max-new-tokens 512 --follow`
                of 256 random-id prompts: output tokens/s of the batches after the first (goal >= 8,500);
                `regen:N` (e.g. regen:256) the same at --batch-size N over 4 batches; `regen:default`
-               without --batch-size: what `data regen` gives a user who does not set it
+               without --batch-size: what `data regen` gives a user who does not set it;
+               `regen:default:1024` with prompts of 1,024 tokens (the batch rule's allowance):
+               each row also gives the GPU's peak memory
   decode       bench/decode_bench.py's decode, profile and inductor stages: the target-only decode at
                the 8B shape (goal <= 5.0 ms/token), where a step's GPU time goes by kernel kind, and
                the same decode under tuned Inductor settings (issue 31 item 3)
@@ -553,10 +555,12 @@ class Acceptance(LocalHostBench):
         said = (out + err).strip().splitlines()
         return {"ok": code == 0, "exit": code, "said": said[-1][-300:] if said else ""}
 
-    def regen(self, batch: int | None = 64) -> dict:
+    def regen(self, batch: int | None = 64, length: int = 128) -> dict:
         """bench/regen_bench.py's job in this call: output tokens/s (goal >= 8,500 at the 8B shape and
-        batch 64; other batches say what a larger `--batch-size` buys; None: `data regen`'s default)."""
-        row = self.regen_random(f"acceptance-regen-b{batch or 'default'}", self.dry, 400, batch)
+        batch 64; other batches say what a larger `--batch-size` buys; None: `data regen`'s default)
+        over prompts of `length` tokens, and the GPU's peak memory."""
+        name = f"acceptance-regen-b{batch or 'default'}-p{length}"
+        row = self.regen_random(name, self.dry, 400, batch, length)
         rate = row.get("tokens_per_s")
         goal = None if self.dry or rate is None or batch != 64 else rate >= 8500
         return {**row, "goal_8500_met": goal}
@@ -654,10 +658,13 @@ def main(argv: list[str] | None = None) -> int:
         elif key.startswith("smoke:"):
             name = key.split(":", 1)[1]
             acc.stage(f"smoke {name}", lambda name=name: acc.smoke(name))
-        elif key.startswith("regen:"):  # regen:256: the regen stage at another --batch-size; regen:default none
-            spec = key.split(":", 1)[1]
+        elif key.startswith("regen:"):  # regen:256 / regen:default[:PROMPT_TOKENS]: another batch, prompts
+            spec, _, length = key.split(":", 1)[1].partition(":")
             batch = None if spec == "default" else int(spec)
-            acc.stage(f"8b-regen-b{spec}", lambda batch=batch: acc.regen(batch))
+            acc.stage(
+                f"8b-regen-b{spec}" + (f"-p{length}" if length else ""),
+                lambda batch=batch, length=int(length or 128): acc.regen(batch, length),
+            )
         else:
             acc.stage(*stages[key])
     table = acc.table()

@@ -96,14 +96,17 @@ class LocalHostBench:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-    def regen_random(self, name: str, dry: bool, timeout: float, batch: int | None = 64) -> dict:
-        """`data push` 4 batches (at least 256 prompts) of 128 random ids, then `data regen --preset
-        qwen3-8b --batch-size BATCH --max-new-tokens 512 --follow` into dataset `name` (dry: the tiny
-        preset on the CPU, 16 x 16 at batch 4; batch None: no --batch-size, the default a user gets,
-        at 32 rows a batch): a row with the whole command's and the later batches' output tokens/s."""
+    def regen_random(self, name: str, dry: bool, timeout: float, batch: int | None = 64, length: int = 128) -> dict:
+        """`data push` 4 batches (at least 256 prompts) of `length` random ids, then `data regen
+        --preset qwen3-8b --batch-size BATCH --max-new-tokens 512 --follow` into dataset `name` (dry:
+        the tiny preset on the CPU, 16 x 16 at batch 4; batch None: no --batch-size, the default a
+        user gets, planned as 4 batches of 256 rows): a row with the whole command's and the later
+        batches' output tokens/s and the GPU's peak memory."""
         given = batch
         preset, rows, length, new, batch, vocab = (
-            ("tiny", 16, 8, 16, 4, 511) if dry else ("qwen3-8b", max(256, 4 * (batch or 32)), 128, 512, batch, 151600)
+            ("tiny", 16, 8, 16, 4, 511)
+            if dry
+            else ("qwen3-8b", max(256, 4 * (batch or 256)), length, 512, batch, 151600)
         )
         prompts = self.work / f"{name}-prompts.jsonl"
         write_random_prompts(prompts, rows, length, vocab)
@@ -119,19 +122,22 @@ class LocalHostBench:
         match = re.search(r"started regen run (\S+)", err)
         if code != 0 or not match:
             return {"ok": False, "exit": code, "note": err.strip()[-300:]}
-        rates = [r["tokens_per_s"] for r in self.records(match.group(1)) if r.get("tokens_per_s")]
+        records = self.records(match.group(1))
+        rates = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
         tokens = output_tokens(self.work / "dflashctl" / "data" / f"{name}.jsonl")
         return {
             "ok": True,
             "exit": code,
             "preset": preset,
             "rows": rows,
+            "prompt_tokens": length,
             "batch": batch if given is not None else "default",
             "max_new_tokens": new,
             "output_tokens": tokens,
             "regen_s": round(secs, 1),
             "whole_command_tokens_per_s": round(tokens / secs, 1),
             "tokens_per_s": rates[-1] if rates else None,  # the last progress record: from the first batch's end
+            "gpu_mem_gb": max((r["gpu_mem_gb"] for r in records if r.get("gpu_mem_gb")), default=None),
         }
 
 

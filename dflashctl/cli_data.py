@@ -128,7 +128,7 @@ def data_regen(
     batch_size: Optional[int] = typer.Option(
         None,
         "--batch-size",
-        help="Rows per batch (builtin: the largest up to 128 that fits the GPU memory, 32 on CPU; openai 1).",
+        help="Rows per batch (builtin: the largest up to 256 that fits the GPU memory, 32 on CPU; openai 1).",
     ),
     tokenizer: Optional[str] = typer.Option(
         None, "--tokenizer", help="Tokenizer directory in the container (default: target.path)."

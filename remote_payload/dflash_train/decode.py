@@ -33,6 +33,11 @@ from .target_hf import HFDecoder, HFTarget, left_padded
 # kernels at 384 slots, and a fixed 256-slot step read a third more slots than written on average.
 WINDOWS = 16
 WINDOW_ALIGN = 64
+# A prefill runs its rows in groups of about this many prompt tokens, so its activations (~100 kB
+# a token at 8B: the MLP's 12,288-wide gate, up and product in bf16) stay near 1.6 GB at any batch,
+# where one forward over 256 rows of 1,024-token prompts would hold ~26 GB beside the KV cache.
+# A group of 16k tokens is still a large GEMM: the prefill stays compute-bound.
+PREFILL_TOKENS = 16384
 
 
 class StepGraphs:
@@ -105,12 +110,15 @@ class Decoder:
     def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompts (left-padded to the longest) from slot 0: (the last position's logits
         [N, V] in fp32, features [N, P, L*H] or None). Eager: its shape is the prompts'."""
-        ids = left_padded(prompts, self.pad, self.capacity)
+        ids = left_padded(prompts, self.pad, self.capacity).to(self.device)
         p = self.length = ids.shape[1]
-        logits, feats = self._forward(
-            ids.to(self.device), torch.zeros(1, dtype=torch.long, device=self.device), p, prefill=True
-        )
-        return logits[:, -1], feats
+        start, group = torch.zeros(1, dtype=torch.long, device=self.device), max(1, PREFILL_TOKENS // p)
+        parts = [
+            self._forward(ids[a : a + group], start, p, prefill=True, rows=slice(a, a + group))
+            for a in range(0, len(prompts), group)
+        ]
+        feats = None if parts[0][1] is None else torch.cat([f for _, f in parts])
+        return torch.cat([logits[:, -1] for logits, _ in parts]), feats
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -149,19 +157,24 @@ class Decoder:
     # -- internals -------------------------------------------------------------------------
 
     def _forward(
-        self, ids: torch.Tensor, start: torch.Tensor, window: int, prefill: bool = False
+        self, ids: torch.Tensor, start: torch.Tensor, window: int, prefill: bool = False, rows: slice | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target over ids [N, T] written at slots start..start+T-1, attending to `window` slots:
-        (logits [N, T, V], or [N, 1, V] for a prefill; features [N, T, L*H] or None)."""
+        (logits [N, T, V], or [N, 1, V] for a prefill; features [N, T, L*H] or None). `rows`: the
+        cache rows ids are (a prefill's group; None: all of them)."""
         m, t = self.target, ids.shape[1]
+        keys, values, pad = self.keys, self.values, self.pad
+        if rows is not None:  # views: the group's keys and values are written into the cache itself
+            keys, values, pad = [k[rows] for k in keys], [v[rows] for v in values], pad[rows]
         slots = start + torch.arange(t, device=self.device)  # [T]
-        positions = (slots[None] - self.pad[:, None]).clamp_min(0)  # [N, T]
+        positions = (slots[None] - pad[:, None]).clamp_min(0)  # [N, T]
         x = m.embed_tokens(ids)  # [N, T, H]
         cos, sin = rope_cos_sin(positions, m.shape.head_dim, m.shape.rope_theta, x.dtype)
-        mask = grouped_mask(self._mask(slots, window, prefill), m.shape.num_heads // m.shape.num_kv_heads, self.dtype)
+        group = m.shape.num_heads // m.shape.num_kv_heads
+        mask = grouped_mask(self._mask(slots, window, prefill, pad), group, self.dtype)
         wanted, feats = set(self.feature_layers), {}
         for i, layer in enumerate(m.layers):
-            x = self._layers(layer, x, cos, sin, self.keys[i], self.values[i], slots, window, mask, eager=prefill)
+            x = self._layers(layer, x, cos, sin, keys[i], values[i], slots, window, mask, eager=prefill)
             if i in wanted:
                 feats[i] = x
         # A prefill needs the last position's logits only: the head over every prompt position would
@@ -169,14 +182,15 @@ class Decoder:
         logits = m.lm_head(m.norm(x[:, -1:] if prefill else x)).float()  # [N, T or 1, V]
         return logits, torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
 
-    def _mask(self, slots: torch.Tensor, window: int, prefill: bool) -> torch.Tensor | None:
-        """[N, 1, T, W] (True = attend): a row's own slots up to each query; None when that is
-        plain causal attention over exactly the written slots (the CPU path without padding)."""
+    def _mask(self, slots: torch.Tensor, window: int, prefill: bool, pad: torch.Tensor) -> torch.Tensor | None:
+        """[N, 1, T, W] (True = attend): a row's own slots (after its padding `pad` [N]) up to each
+        query; None when that is plain causal attention over exactly the written slots (the CPU
+        path without padding)."""
         keys = torch.arange(window, device=self.device)
         causal = keys[None, :] <= slots[:, None]  # [T, W]
-        if not self.graphs and not bool(self.pad.any()) and (prefill or slots.numel() == 1):
+        if not self.graphs and not bool(pad.any()) and (prefill or slots.numel() == 1):
             return None
-        mask = causal[None] & (keys[None, None, :] >= self.pad[:, None, None])  # [N, T, W]
+        mask = causal[None] & (keys[None, None, :] >= pad[:, None, None])  # [N, T, W]
         if prefill:  # a padding query sees itself: no row without keys (SDPA would give NaN)
             mask = mask | (keys[None, :] == slots[:, None])[None]
         return mask[:, None]

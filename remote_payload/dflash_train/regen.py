@@ -64,6 +64,9 @@ class Engine(Protocol):
     def waiting(self) -> str | None:
         """What the workers wait on, for the note when no row has finished for a while (None: no note)."""
 
+    def peak_memory_gb(self) -> float | None:
+        """The most memory a worker's GPU has held since the start, in GiB (None: not known)."""
+
 
 # --- the scheduler --------------------------------------------------------------------------------
 
@@ -193,7 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--batch-size",
         type=int,
-        help="rows per batch (builtin: the largest up to 128 that fits the GPU memory, 32 on CPU; openai: 1)",
+        help="rows per batch (builtin: the largest up to 256 that fits the GPU memory, 32 on CPU; openai: 1)",
     )
     ap.add_argument("--tokenizer", help="HF tokenizer directory (default: target.path; openai: none)")
     ap.add_argument("--preset", help="builtin: the target's preset (tiny, qwen3-8b)")
@@ -378,7 +381,8 @@ def run(args: argparse.Namespace, engine: Engine, log: Callable[[str], None], to
             + (f" ({why})" if why else "")
             + f", {engine.workers} worker(s)"
         )
-        progress = Progress(total, start, Path(args.metrics) if args.metrics else None, log, engine.workers)
+        metrics = Path(args.metrics) if args.metrics else None
+        progress = Progress(total, start, metrics, log, engine.workers, memory=engine.peak_memory_gb)
         batches = read_batches(Path(args.prompts), batch, start // batch) if start < total else iter(())
         failure = regenerate(engine, batches, out, progress, stop)
         if isinstance(failure, (RegenError, ImportError)):

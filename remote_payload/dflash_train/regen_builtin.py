@@ -96,6 +96,11 @@ class BuiltinEngine:
         """No note: a batch's generation on the target's GPUs may take minutes, and says so when done."""
         return None
 
+    def peak_memory_gb(self) -> float | None:
+        """The most memory any worker's GPU has held in tensors since the start, in GiB (None: CPU)."""
+        cuda = [torch.device(d) for d in self.devices if d != "cpu"]
+        return max(torch.cuda.max_memory_allocated(d) for d in cuda) / 2**30 if cuda else None
+
     def setup(self, worker: int) -> None:
         """Build this worker's replica of the target on its device."""
         device, t = self.devices[worker], self.cfg.target

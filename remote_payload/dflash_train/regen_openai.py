@@ -80,6 +80,10 @@ class OpenAIEngine:
     def setup(self, worker: int) -> None:
         """Nothing to build: the server holds the model."""
 
+    def peak_memory_gb(self) -> float | None:
+        """None: the server's memory is not ours to read."""
+        return None
+
     def waiting(self) -> str | None:
         """The requests the server has not answered yet, and how long each may take."""
         n = self.requests

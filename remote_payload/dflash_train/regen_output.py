@@ -143,9 +143,10 @@ class Progress:
         log: Callable[[str], None],
         workers: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        memory: Callable[[], float | None] = lambda: None,
     ):
         self.total, self.start, self.metrics, self.log = total, start, metrics, log
-        self.workers, self.clock = workers, clock
+        self.workers, self.clock, self.memory = workers, clock, memory
         self.t0 = clock()
         self.tokens = 0
         self.batches = 0
@@ -185,6 +186,7 @@ class Progress:
                 "rate_includes_start_up": not steady,
                 "tokens_per_s_since_start": round(self.tokens / max(now - self.t0, 1e-9), 1),
                 "eta_s": None if eta is None else round(eta, 1),
+                "gpu_mem_gb": None if (peak := self.memory()) is None else round(peak, 2),  # the peak so far
                 "time": time.time(),
             }
             with self.metrics.open("a") as fh:

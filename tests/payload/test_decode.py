@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflash_train.config import TargetConfig
+from dflash_train import decode
 from dflash_train.decode import WINDOW_ALIGN, WINDOWS, Decoder, generate, greedy, pick, window_for, window_step
 from dflash_train.model import DFlashDrafter, DrafterSpec
 from dflash_train.speculate import DraftDecoder
@@ -67,6 +68,29 @@ def test_a_prefill_runs_the_head_on_each_rows_last_position_only():
     assert heads == [(2, 1, TARGET.cfg.hidden_size)] and feats.shape[:2] == (2, 8)
     for row, prompt in zip(last, prompts):
         torch.testing.assert_close(row, TARGET.logits(torch.tensor([prompt]))[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_in_row_groups_fills_the_cache_as_one_forward_would(monkeypatch):
+    """A long prefill runs its rows in groups of PREFILL_TOKENS prompt tokens (bounded activations at
+    any batch): the same logits, features, cache and continuation as one forward over every row."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 511, (n,), generator=gen).tolist() for n in (9, 4, 1, 9, 6)]
+    whole = Decoder(TARGET, 5, 40, (1, 2))
+    one_logits, one_feats = whole.prefill(prompts)
+    monkeypatch.setattr(decode, "PREFILL_TOKENS", 18)  # 9-token prompts: groups of 2 rows, 2 and 1
+    heads = []
+    hook = TARGET.lm_head.register_forward_hook(lambda _m, args, _out: heads.append(args[0].shape[0]))
+    try:
+        grouped = Decoder(TARGET, 5, 40, (1, 2))
+        logits, feats = grouped.prefill(prompts)
+    finally:
+        hook.remove()
+    assert heads == [2, 2, 1] and grouped.length == whole.length == 9
+    torch.testing.assert_close(logits, one_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(feats, one_feats, rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(grouped.keys + grouped.values, whole.keys + whole.values):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert generate(TARGET, prompts, 8, decoder=grouped) == generate(TARGET, prompts, 8)
 
 
 def test_a_warmed_up_decoder_takes_a_step_per_window_and_then_decodes_as_a_fresh_one():

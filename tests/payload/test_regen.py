@@ -86,6 +86,7 @@ def test_greedy_rows_are_the_targets_own_continuation_and_failures_go_to_the_err
     assert "regen: 10/10 rows (100%), 3 failed" in log and "failed rows: " in log
     last = read_jsonl(tmp_path / "m.jsonl")[-1]
     assert (last["rows_done"], last["rows_total"], last["rows_failed"]) == (10, 10, 3)
+    assert last["gpu_mem_gb"] is None  # on the CPU: no device memory to read
     # A finished output is not overwritten; resuming it is a no-op.
     assert regen.main(["--prompts", str(src), "--out", str(out)]) == 2
     assert "exists already" in capsys.readouterr().err
@@ -384,7 +385,7 @@ def test_progress_measures_the_rate_after_the_first_round_of_batches(tmp_path):
 
     now, lines = [0.0], []
     metrics = tmp_path / "metrics.jsonl"
-    progress = Progress(640, 0, metrics, lines.append, workers=2, clock=lambda: now[0])
+    progress = Progress(640, 0, metrics, lines.append, workers=2, clock=lambda: now[0], memory=lambda: 71.234)
     for batch, at in enumerate([20.0, 20.5, 22.5, 24.5, 26.5]):
         now[0] = at
         progress.update(64 * (batch + 1), 0, 4096)
@@ -395,3 +396,4 @@ def test_progress_measures_the_rate_after_the_first_round_of_batches(tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[0]["rate_includes_start_up"] and not records[-1]["rate_includes_start_up"]
     assert records[-1]["tokens_per_s_since_start"] == round(5 * 4096 / 26.5, 1)
+    assert records[-1]["gpu_mem_gb"] == 71.23  # the engine's peak, read at each record

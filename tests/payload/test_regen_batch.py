@@ -3,10 +3,18 @@ memories users have, and its weight count against the parameters of the model it
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from dflash_train.config import load_config
-from dflash_train.regen_batch import MAX_AUTO_BATCH, auto_batch, cache_bytes_per_position, weight_bytes
+from dflash_train.regen_batch import (
+    MAX_AUTO_BATCH,
+    MAX_AUTO_BATCH_TRANSFORMERS,
+    auto_batch,
+    cache_bytes_per_position,
+    weight_bytes,
+)
 from dflash_train.target import Qwen3Target
 
 GIB = 1 << 30
@@ -26,16 +34,22 @@ def test_weight_count_is_the_models_parameter_count():
     assert abs(counted - sum(params.values())) / sum(params.values()) < 1e-3  # norms are not counted
 
 
-def test_an_h200_and_an_80_gb_gpu_get_the_largest_batch_smaller_ones_a_batch_that_fits():
+def test_an_h200_gets_the_largest_batch_smaller_gpus_a_batch_that_fits():
     t = qwen3_8b()
-    assert auto_batch(t, "bf16", 512, 141 * GIB)[0] == MAX_AUTO_BATCH
-    assert auto_batch(t, "bf16", 512, 80 * GIB)[0] == MAX_AUTO_BATCH
-    assert auto_batch(t, "bf16", 512, 48 * GIB)[0] == MAX_AUTO_BATCH // 2
+    assert auto_batch(t, "bf16", 512, 141 * GIB)[0] == MAX_AUTO_BATCH == 256
+    assert auto_batch(t, "bf16", 512, 80 * GIB)[0] == 128
+    assert auto_batch(t, "bf16", 512, 48 * GIB)[0] == 64
     small, why = auto_batch(t, "bf16", 512, 24 * GIB)
     assert 1 <= small < 32  # the old fixed default (32) does not fit beside 16 GB of weights
     room = 0.85 * 24 * GIB - weight_bytes(t, 2) - 3 * GIB
     assert small * 2048 * cache_bytes_per_position(t, 2) <= room < 2 * small * 2048 * cache_bytes_per_position(t, 2)
     assert "24.0 GiB" in why and "--batch-size" in why
+
+
+def test_a_transformers_target_keeps_the_smaller_cap_its_whole_batch_prefill_needs():
+    t = replace(qwen3_8b(), backend="transformers")
+    batch, why = auto_batch(t, "bf16", 512, 141 * GIB)
+    assert batch == MAX_AUTO_BATCH_TRANSFORMERS == 128 and "at most 128" in why
 
 
 def test_longer_generations_take_smaller_batches_and_cpu_keeps_its_default():
