@@ -247,6 +247,17 @@ def resume_run(
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or [])
 
 
+def refuse_resume(target: Target, run: dict[str, Any], kind: str) -> None:
+    """Refuse, with runctl resume's own line, a resume as `kind` that the run's record (`runs
+    show`'s answer) rules out: a live run, a run of the other kind.
+    Asked before anything is pushed; runctl asks again under its lock."""
+    from .remote.runctl.state import resume_refusal
+
+    refusal = resume_refusal(run["run_id"], run, run.get("state"), kind)
+    if refusal is not None:
+        raise answer_error(target, refusal.answer)
+
+
 def push_payload(target: Target, source: Path | None, console: Console) -> str:
     """Bring `<workdir>/payload` up to date (only changes travel); returns the manifest hash."""
     from .payload import BarProgress, push
