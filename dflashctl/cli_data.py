@@ -220,20 +220,16 @@ def _start_regen(
 ):
     """Start the regen run (or resume one): (StartedRun, verb, the output dataset's name)."""
     from .regen import datasets_for, start_regen
-    from .runs import push_payload, resume_run
+    from .runs import push_payload, refuse_resume, resume_run, show_run
 
     if resume is not None:
+        # Its record first (its output's name is there): a resume it refuses pushes nothing.
+        info = show_run(target, resume, metrics=False)
+        refuse_resume(target, info, "data")
         payload_hash = push_payload(target, None, err)
-        run = resume_run(target, resume, payload_hash=payload_hash, force=force, kind="data")
-        return run, "resumed", _regen_output(target, run.run_id)
+        run = resume_run(target, info["run_id"], payload_hash=payload_hash, force=force, kind="data")
+        return run, "resumed", str((info.get("config") or {}).get("out", "?"))
     prompts_name, dataset = datasets_for(target, request)  # before the push: a wrong name changes nothing
     payload_hash = push_payload(target, None, err)
     run = start_regen(target, request, prompts_name, dataset, name=name, force=force, payload_hash=payload_hash)
     return run, "started", dataset
-
-
-def _regen_output(target, run_id: str) -> str:  # type: ignore[no-untyped-def]
-    """The output dataset of a data run, from its run.json."""
-    from .runs import show_run
-
-    return str((show_run(target, run_id, metrics=False).get("config") or {}).get("out", "?"))

@@ -87,7 +87,12 @@ def train_cmd(
     restart_on: Optional[str] = typer.Option(
         None, "--restart-on", help="Exit codes that restart it, e.g. 1,75,137 (default: any but 0, 2, 4 and a stop)."
     ),
-    restart_delay: float = typer.Option(10.0, "--restart-delay", help="Seconds before the first restart (doubling)."),
+    restart_delay: Optional[float] = typer.Option(
+        None,
+        "--restart-delay",
+        help="Seconds before the first restart (doubling; default 10); needs --max-restarts.",
+        show_default=False,
+    ),
     on_event: Optional[str] = typer.Option(
         None,
         "--on-event",

@@ -20,17 +20,21 @@ from rich.console import Console
 from .errors import ConflictError, DflashError, UsageError
 from .inventory import HostSpec
 from .multihost import GroupStart, check_rdzv_port, node_env, parallel, push_all
-from .runs import StartedRun, resume_run, show_run, stop_run
+from .runs import StartedRun, refuse_resume, resume_run, show_run, stop_run
 from .session import Session
 
 
 def find_run(session: Session, hosts: Sequence[HostSpec], selector: str) -> tuple[str, dict[str, Any] | None]:
     """The id of the run `selector` names on the first host, and its group (None: a run of one
-    host). Several hosts given must be exactly the run's nodes (in any order): else UsageError."""
-    info = show_run(session.target(hosts[0].name), selector, metrics=False)
+    host). Several hosts given must be exactly the run's nodes (in any order): else UsageError;
+    a run of one host that its record refuses to resume (refuse_resume) is refused here, before
+    anything is pushed (check_nodes asks every node of a group)."""
+    target = session.target(hosts[0].name)
+    info = show_run(target, selector, metrics=False)
     run_id, group = info["run_id"], info.get("group")
     given = [h.name for h in hosts]
     if group is None:
+        refuse_resume(target, info, "train")
         if len(hosts) > 1:
             raise UsageError(
                 f"run {run_id} ran on {hosts[0].name} alone: continue it with dflashctl train {hosts[0].name} "

@@ -37,6 +37,7 @@ CONFIG_NAME = "config.input.yaml"  # the --config file as given, copied into the
 # They sit above errors.py's 1-6 so a script can tell "the run failed" from "dflashctl failed".
 STATE_EXIT = {"succeeded": 0, "failed": 100, "stopped": 101, "lost": 102}
 EXIT_DETACHED = 130  # Ctrl-C while following: the run goes on
+RESTART_DELAY_S = 10.0  # `--restart-delay`'s default: the wait before the first restart (doubling)
 STATE_STYLE = {
     "queued": "blue",
     "running": "cyan",
@@ -91,9 +92,10 @@ def trainer_sets(run_dir: str, gpus: GpuChoice, overrides: Sequence[str]) -> lis
     return [*sets, *gpus.trainer_sets(), *overrides]
 
 
-def restart_policy(max_restarts: int, restart_on: str | None, delay_s: float) -> dict[str, Any] | None:
-    """`--max-restarts N --restart-on 1,75 --restart-delay 10` as the supervisor's policy (None: off)."""
-    if max_restarts < 0 or not 0 <= delay_s < float("inf"):
+def restart_policy(max_restarts: int, restart_on: str | None, delay_s: float | None) -> dict[str, Any] | None:
+    """`--max-restarts N --restart-on 1,75 --restart-delay 10` as the supervisor's policy (None: off);
+    delay_s None: not given (RESTART_DELAY_S)."""
+    if max_restarts < 0 or not 0 <= (delay_s or 0) < float("inf"):
         raise UsageError("--max-restarts and --restart-delay take 0 or more")
     codes = None
     if restart_on is not None:
@@ -102,10 +104,12 @@ def restart_policy(max_restarts: int, restart_on: str | None, delay_s: float) ->
             raise UsageError(f"--restart-on takes exit codes like 1,75,137, got {restart_on!r}")
         codes = [int(t) for t in items]
     if max_restarts == 0:
-        if restart_on is not None:
-            raise UsageError("--restart-on needs --max-restarts N (N > 0)")
+        # Either alone was ignored: with no restarts there is nothing to restart on or wait before.
+        for flag, value in (("--restart-on", restart_on), ("--restart-delay", delay_s)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --max-restarts N (N > 0)")
         return None
-    return {"max": max_restarts, "on": codes, "delay_s": delay_s}
+    return {"max": max_restarts, "on": codes, "delay_s": RESTART_DELAY_S if delay_s is None else delay_s}
 
 
 def check_trainer_config(
@@ -243,6 +247,17 @@ def resume_run(
     return StartedRun(answer["run_id"], answer["run_dir"], answer.get("pid"), answer.get("gpus") or [])
 
 
+def refuse_resume(target: Target, run: dict[str, Any], kind: str) -> None:
+    """Refuse, with runctl resume's own line, a resume as `kind` that the run's record (`runs
+    show`'s answer) rules out: a live run, a data run that succeeded, a run of the other kind.
+    Asked before anything is pushed; runctl asks again under its lock."""
+    from .remote.runctl.state import resume_refusal
+
+    refusal = resume_refusal(run["run_id"], run, run.get("state"), kind)
+    if refusal is not None:
+        raise answer_error(target, refusal.answer)
+
+
 def push_payload(target: Target, source: Path | None, console: Console) -> str:
     """Bring `<workdir>/payload` up to date (only changes travel); returns the manifest hash."""
     from .payload import BarProgress, push
@@ -348,7 +363,7 @@ def answer_error(target: Target, answer: dict[str, Any], checked: str = "trainer
             f"{target.label}: {message}; install it there, or point `python:` in hosts.yaml "
             f"at an interpreter that has it"
         )
-    if kind == "conflict_running":
+    if kind in ("conflict_running", "conflict_state"):  # still running; a resume of a data run that succeeded
         return ConflictError(f"{target.label}: {message}")
     if kind == "ambiguous":
         return UsageError(

@@ -54,6 +54,17 @@ def meta(workdir: Path, run_id: str) -> dict:
     return json.loads((run_dir(workdir, run_id) / "run.json").read_text())
 
 
+def ended_run(workdir: Path, run_id: str, code: int, **fields: object) -> Path:
+    """A run directory as runctl leaves a run that ended with exit `code` (no process left), written
+    by the test: run.json has these fields over a training run's few; list, show and resume read it."""
+    path = run_dir(workdir, run_id)
+    path.mkdir(parents=True)
+    record = {"run_id": run_id, "kind": "train", "host": "local", "gpus": [], "started_ts": 1796119200.0, **fields}
+    (path / "run.json").write_text(json.dumps(record))
+    (path / "exit_code").write_text(f"{code}\n")
+    return path
+
+
 def pids_where(match: Callable[[list[bytes]], bool]) -> list[int]:
     """Pids of the processes whose command line (its arguments, from /proc) `match` accepts."""
     found = []

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from runs_helpers import meta, run_dir, wait_until
+from dflashctl.errors import ConflictError
+from dflashctl.runs import resume_run
+from runs_helpers import ended_run, local_env, local_session, meta, run_dir, wait_until
 from sshd import SHIM_VMID
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,8 +132,10 @@ def test_builtin_regen_lists_as_data_and_trains(shim_work, tmp_path):
     old.pop("kind")  # a run.json from before kinds reads as a training run
     (run_dir(workdir, runs[1]["run_id"]) / "run.json").write_text(json.dumps(old))
     assert json.loads(host.run_cli("runs", "list", "shim", "--json").stdout)[1]["kind"] == "train"
+    # Whichever command asks: a data run that succeeded has nothing left to resume (the refusal of
+    # the other kind: test_train_cli.py).
     wrong = host.run_cli("train", "shim", "--resume", runs[0]["run_id"], "--no-push")
-    assert wrong.returncode == 2 and f"dflashctl data regen shim --resume {runs[0]['run_id']}" in wrong.stderr
+    assert wrong.returncode == 6 and f"{runs[0]['run_id']} already succeeded: nothing to resume" in wrong.stderr
 
 
 @pytest.mark.slow
@@ -270,3 +275,21 @@ def test_bad_input_is_one_line_before_anything_starts(shim_work, tmp_path):
         assert "Traceback" not in res.stderr
     runs = workdir / "runs"
     assert not runs.exists() or not [p for p in runs.iterdir() if p.is_dir()]  # no refusal left a run behind
+
+
+def test_a_resume_of_a_data_run_that_succeeded_is_refused_and_leaves_its_record(sshd_host, tmp_path):
+    """`data regen --resume` of a run that succeeded started it again: the regen found its output
+    complete and exited 0, but run.json's start moved to then (runs list's `started` and duration),
+    its resumes counted one more, and an output removed since was made again from row 0. Refused
+    (exit 6) before anything is pushed, and by runctl resume itself (a client asking it directly).
+    The run's program here answers a pre-flight and exits 0, as the regen of a complete output does."""
+    workdir, run_id = tmp_path / "wd", "20261201-100000-da7a"
+    program = [sys.executable, "-c", "import json; print(json.dumps({'ok': True, 'holds': []}))"]
+    path = ended_run(workdir, run_id, 0, kind="data", argv=program, cwd=str(tmp_path), config={"out": "out.jsonl"})
+    record = (path / "run.json").read_bytes()
+    line = f"run {run_id} already succeeded: nothing to resume (it wrote data:out.jsonl)"
+    res = sshd_host.run_cli("data", "regen", "local", "--resume", run_id, "--detach", env=local_env(tmp_path))
+    assert (res.returncode, res.stdout, res.stderr) == (6, "", f"error: local: {line}\n")
+    with local_session(workdir) as session, pytest.raises(ConflictError, match=re.escape(line)):
+        resume_run(session.target("local"), run_id, payload_hash=None, kind="data")
+    assert (path / "run.json").read_bytes() == record

@@ -9,7 +9,7 @@ import shlex
 import signal
 
 import pytest
-from runs_helpers import alive, install_standin, meta, run_dir, wait_until
+from runs_helpers import alive, install_standin, local_env, meta, run_dir, wait_until
 from sshd import SHIM_VMID
 
 FAST = ["--restart-delay", "0.2"]
@@ -88,6 +88,16 @@ def test_config_errors_and_unlisted_codes_are_not_restarted(shim_host):
         assert "dflashctl: restart" not in (run_dir(workdir, run_id) / "train.log").read_text()
     bad = shim_host.run_cli("train", "shim", "--restart-on", "x", "--max-restarts", "1")
     assert bad.returncode == 2 and "--restart-on takes exit codes" in bad.stderr
+
+
+@pytest.mark.parametrize("flag", [["--restart-on", "1"], ["--restart-delay", "5"]], ids=lambda f: f[0])
+def test_a_restart_option_without_max_restarts_is_refused(shim_host, tmp_path, flag):
+    """`--restart-delay S` without `--max-restarts N` was ignored unsaid (restarts are off): refused
+    as `--restart-on` is, before any host is asked (--no-push on an empty workdir: had it gone on,
+    it would have found no trainer there, and started none)."""
+    res = shim_host.run_cli("train", "local", "--no-push", *flag, env=local_env(tmp_path))
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == f"error: {flag[0]} needs --max-restarts N (N > 0)\n"
 
 
 def test_a_stop_during_the_restart_delay_ends_the_run(shim_host):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from runs_helpers import install_standin, meta, run_dir, wait_until
+from runs_helpers import ended_run, install_standin, meta, run_dir, wait_until
 from sshd import SHIM_VMID
 from test_eval import local_env
 
@@ -298,6 +298,23 @@ def test_a_wheel_install_pushes_and_trains(tmp_path, shim_host):
     ).is_file()  # the export's modeling file
     exports = list((workdir / "runs").glob("*/export"))
     assert exports and (exports[0] / "dflash.py").is_file() and (exports[0] / "dflash_model.py").is_file()
+
+
+def test_a_resume_as_the_other_kind_is_refused_before_anything_is_pushed(sshd_host, tmp_path):
+    """`train --resume` of a data run pushed the payload, then runctl refused it; the run's record
+    (which `train --resume` reads anyway, for its group) refuses it first. So does `data regen
+    --resume` of a training run, which now reads the record before the push instead of after."""
+    workdir, env = tmp_path / "wd", local_env(tmp_path)
+    ended_run(workdir, "20261201-100000-da7a", 1, kind="data", name="out.jsonl")
+    ended_run(workdir, "20261201-110000-7a1b", 1)
+    for command, run_id, how in (
+        (["train", "local"], "20261201-100000-da7a", "a data run: continue it with dflashctl data regen"),
+        (["data", "regen", "local"], "20261201-110000-7a1b", "a train run: continue it with dflashctl train"),
+    ):
+        res = sshd_host.run_cli(*command, "--resume", run_id, "--detach", env=env)
+        assert (res.returncode, res.stdout) == (2, ""), res.stderr
+        assert res.stderr == f"error: local: run {run_id} is {how} local --resume {run_id}\n"
+    assert not (workdir / "payload").exists()
 
 
 def test_no_push_on_a_host_without_a_trainer_says_to_push(shim_workdir):

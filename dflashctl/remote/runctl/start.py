@@ -4,7 +4,6 @@ start, under one lock, so concurrent starts cannot both win."""
 import json
 import os
 import random
-import shlex
 import shutil
 import signal
 import subprocess
@@ -26,7 +25,7 @@ from .common import (
     utc_iso,
     write_atomic,
 )
-from .state import conflicts, named, queued_ahead, resolve, state_of
+from .state import conflicts, named, queued_ahead, resolve, resume_refusal, state_of
 from .supervise import supervise
 
 
@@ -230,20 +229,13 @@ def cmd_resume(workdir, selector):
 
 
 def admit_resume(root, run_id, run_dir, meta, spec, interrupts):
-    """Everything a resume may refuse (a live run, a group resumed in part, another kind, the
-    pre-flight, busy GPUs, an interrupt): RunError; else the run's (argv, cwd, env) to start."""
-    state, _ = state_of(run_dir, meta)
-    if state in ("running", "queued"):
-        raise RunError("conflict_running", "run %s is still %s (stop it first: dflashctl runs stop)" % (run_id, state))
+    """Everything a resume may refuse (a live run, a data run that succeeded, another kind, a group
+    resumed in part, the pre-flight, busy GPUs, an interrupt): RunError; else the run's (argv, cwd,
+    env) to start."""
+    refusal = resume_refusal(run_id, meta, state_of(run_dir, meta)[0], spec.get("kind"))
+    if refusal is not None:
+        raise refusal
     check_group(run_id, meta, spec)
-    kind = meta.get("kind", "train")
-    if spec.get("kind", kind) != kind:
-        how = ["dflashctl", "data", "regen"] if kind == "data" else ["dflashctl", "train"]
-        raise RunError(
-            "usage",
-            "run %s is a %s run: continue it with %s"
-            % (run_id, kind, shlex.join(how + [meta.get("host") or "HOST", "--resume", run_id])),
-        )
     argv = list(meta["argv"])
     if "--resume" not in argv:
         argv.append("--resume")

@@ -4,6 +4,7 @@ selector names; what holds which GPUs."""
 import json
 import os
 import re
+import shlex
 import time
 
 from ..wire import EVAL, EXIT, LOG, META, METRICS, REASON, STOP
@@ -189,6 +190,30 @@ def resolve(root, selector):
     if not matches:
         raise RunError("not_found", "no run matches %r" % selector)
     raise RunError("ambiguous", "%r matches %d runs" % (selector, len(matches)), candidates=[r[0] for r in matches])
+
+
+def resume_refusal(run_id, meta, state, kind=None):
+    """Why a run's record refuses a resume as `kind` (train | data; None: either), as a RunError,
+    or None: a live run, a data run that succeeded, a run of the other kind. runctl resume asks
+    under its lock; the client asks of `runs show`'s answer before it pushes anything, so both
+    refuse with the same line."""
+    if state in ("running", "queued"):
+        return RunError("conflict_running", "run %s is still %s (stop it first: dflashctl runs stop)" % (run_id, state))
+    recorded = meta.get("kind") or "train"
+    if recorded == "data" and state == "succeeded":
+        # Its output is complete: a resume only moved its record's start (and, were the output
+        # removed since, made it again from row 0).
+        out = (meta.get("config") or {}).get("out")
+        wrote = " (it wrote data:%s)" % out if out else ""
+        return RunError("conflict_state", "run %s already succeeded: nothing to resume%s" % (run_id, wrote))
+    if kind and kind != recorded:
+        how = ["dflashctl", "data", "regen"] if recorded == "data" else ["dflashctl", "train"]
+        return RunError(
+            "usage",
+            "run %s is a %s run: continue it with %s"
+            % (run_id, recorded, shlex.join(how + [meta.get("host") or "HOST", "--resume", run_id])),
+        )
+    return None
 
 
 def named(root, name):
