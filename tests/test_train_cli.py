@@ -317,6 +317,18 @@ def test_a_resume_as_the_other_kind_is_refused_before_anything_is_pushed(sshd_ho
     assert not (workdir / "payload").exists()
 
 
+def test_a_resume_of_a_training_run_that_succeeded_is_refused_and_leaves_its_record(sshd_host, tmp_path):
+    """The trainer, at run.steps, had nothing to train, but the resume moved the run's start and
+    counted a resume: refused like a data run's, before anything is pushed."""
+    workdir, env = tmp_path / "wd", local_env(tmp_path)
+    record = ended_run(workdir, "20261201-120000-d0e5", 0) / "run.json"
+    before = record.read_bytes()
+    res = sshd_host.run_cli("train", "local", "--resume", "20261201-120000-d0e5", "--detach", env=env)
+    assert (res.returncode, res.stdout) == (6, ""), res.stderr
+    assert res.stderr == "error: local: run 20261201-120000-d0e5 already succeeded: nothing to resume\n"
+    assert record.read_bytes() == before and not (workdir / "payload").exists()
+
+
 def test_no_push_on_a_host_without_a_trainer_says_to_push(shim_workdir):
     host, workdir = shim_workdir
     res = host.run_cli("train", "shim", "--no-push", "--detach")

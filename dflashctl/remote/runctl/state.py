@@ -194,16 +194,16 @@ def resolve(root, selector):
 
 def resume_refusal(run_id, meta, state, kind=None):
     """Why a run's record refuses a resume as `kind` (train | data; None: either), as a RunError,
-    or None: a live run, a data run that succeeded, a run of the other kind. runctl resume asks
-    under its lock; the client asks of `runs show`'s answer before it pushes anything, so both
-    refuse with the same line."""
+    or None: a live run, a run that succeeded, a run of the other kind. runctl resume asks under its
+    lock; the client asks of `runs show`'s answer before it pushes anything, so both refuse with
+    the same line."""
     if state in ("running", "queued"):
         return RunError("conflict_running", "run %s is still %s (stop it first: dflashctl runs stop)" % (run_id, state))
     recorded = meta.get("kind") or "train"
-    if recorded == "data" and state == "succeeded":
-        # Its output is complete: a resume only moved its record's start (and, were the output
-        # removed since, made it again from row 0).
-        out = (meta.get("config") or {}).get("out")
+    if state == "succeeded":
+        # Its output is complete: a resume only moved its record's start (a data run whose output
+        # was removed since made it again from row 0; a trainer at run.steps has nothing to train).
+        out = (meta.get("config") or {}).get("out") if recorded == "data" else None
         wrote = " (it wrote data:%s)" % out if out else ""
         return RunError("conflict_state", "run %s already succeeded: nothing to resume%s" % (run_id, wrote))
     if kind and kind != recorded:
