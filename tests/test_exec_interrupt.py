@@ -252,6 +252,33 @@ def test_a_stop_that_comes_before_the_command_starts_keeps_it_from_starting(shim
         assert (again.exit_code, again.stdout) == (0, b"ran\n")
 
 
+def stopped_session(guard: types.ModuleType, token: str) -> bool:
+    """Whether the session `guard run TOKEN` started has a stopped process."""
+    table = guard.processes()
+    return any(state == b"T" and sid in guard.sessions_of(token) for _, sid, state in table.values())
+
+
+def test_a_stopped_command_is_continued_to_handle_its_interrupt(tmp_path):
+    """A command stopped (SIGSTOP, a Ctrl-Z on the host) acts on no signal but SIGKILL until it is
+    continued: the stop's SIGINT and SIGTERM waited, and SIGKILL ended it with no clean-up. Each is
+    now followed by SIGCONT, so its SIGINT handler runs."""
+    from dflashctl.containers import remote_script
+    from dflashctl.remote import guard
+
+    token = f"t{os.getpid()}x{tmp_path.name.replace('_', '').replace('-', '')}"
+    script = 'trap "echo cleaned up; exit 7" INT; kill -STOP $$; sleep 60'
+    launcher = [sys.executable, "-S", "-c", remote_script("guard")]  # as the client runs it (is_run reads it)
+    run = subprocess.Popen([*launcher, "run", token, "sh", "-c", script], stdout=subprocess.PIPE)
+    try:
+        wait_until(lambda: stopped_session(guard, token), 60, "the command to stop itself")
+        assert subprocess.run([*launcher, "stop", token], timeout=60).returncode == 0
+        out, _ = run.communicate(timeout=60)
+        assert (run.returncode, out) == (7, b"cleaned up\n")
+    finally:
+        run.kill()
+        Path(guard.STOPPED % token).unlink(missing_ok=True)
+
+
 def test_a_late_stops_mark_is_swept_by_a_later_run(tmp_path):
     """A stop that came after its command ended leaves a mark in /tmp; the next guarded command
     to end removes marks older than MARK_TTL_S and leaves younger ones (a stop about to be obeyed)."""

@@ -21,7 +21,8 @@ began cannot miss a command that was about to start (`run` removes the mark when
 that came after its command had ended leaves it, an empty file, which the next `run` to end on
 that machine removes once it is MARK_TTL_S old). Then it finds the `run TOKEN` parent in
 /proc and signals every process of its child's session:
-SIGINT, then SIGTERM after INT_GRACE_S, then SIGKILL after TERM_GRACE_S more, and returns once
+SIGINT, then SIGTERM after INT_GRACE_S, then SIGKILL after TERM_GRACE_S more (each of the first
+two followed by SIGCONT, as systemd does, so a stopped process handles it), and returns once
 none is left (a zombie counts as gone); exit 0, or 1 when something outlived SIGKILL_WAIT_S. A
 SIGTERM or SIGHUP to `stop` itself (a second Ctrl-C) skips to SIGKILL. A process that started a
 session of its own (a daemon) left on purpose and is not touched.
@@ -157,6 +158,8 @@ def stop(token):
             for pid in left - signalled:  # a process forked since the last look gets it too
                 try:
                     os.kill(pid, sig)
+                    if sig != signal.SIGKILL:  # a stopped process (Ctrl-Z, SIGSTOP) acts on it only once continued
+                        os.kill(pid, signal.SIGCONT)
                 except OSError:
                     pass
             signalled |= left
