@@ -642,9 +642,9 @@ def test_rank_0_dying_during_the_rendezvous_is_a_lost_node_not_a_traceback(tmp_p
     assert (tmp_path / "reason").read_text().startswith(lost)
 
 
-def node_process(tmp_path: Path, rank: int, world: int, port: int, settings: list[str]):
+def node_process(tmp_path: Path, rank: int, world: int, port: int, settings: list[str], **extra_env: str):
     """One real trainer node of group `r1` (nodes a, b, c... by rank) on 127.0.0.1:port, stderr piped;
-    its reason file is tmp_path/reason<rank>."""
+    its reason file is tmp_path/reason<rank>; extra_env over its environment."""
     import subprocess
     import sys
 
@@ -659,6 +659,7 @@ def node_process(tmp_path: Path, rank: int, world: int, port: int, settings: lis
         "DFLASH_RUN_ID": "r1",
         "GLOO_SOCKET_IFNAME": "lo",
         "DFLASHCTL_REASON_FILE": str(tmp_path / f"reason{rank}"),
+        **extra_env,
     }
     argv = sets([*settings, "run.device=cpu", f"run.output_dir={tmp_path / str(rank)}"])
     return subprocess.Popen(
@@ -723,6 +724,31 @@ def test_a_node_killed_while_the_group_is_set_up_ends_the_others_by_name(tmp_pat
     assert err.splitlines()[-1].startswith(f"error: {lost}"), err
     assert err.splitlines()[-1].endswith(" s (process killed, host down or network cut); exiting with code 75"), err
     assert (tmp_path / "reason0").read_text().startswith(lost)
+
+
+def test_a_node_whose_own_setup_fails_tells_the_others_why(tmp_path):
+    """Rank 1 cannot join the gloo group for a reason of its own (its GLOO_SOCKET_IFNAME names no
+    interface). Rank 0, waiting for it in the same step, found it lost only when its heartbeat
+    stopped (`dist.lost_after_s`), and could say no more; rank 1 now leaves its reason in the store,
+    and rank 0 exits 75 naming it and that reason."""
+    port = free_port("127.0.0.1")
+    watch = ["dist.heartbeat_s=0.5", "dist.lost_after_s=120"]  # a heartbeat verdict cannot come first
+    procs = [
+        node_process(tmp_path, 0, 2, port, watch),
+        node_process(tmp_path, 1, 2, port, watch, GLOO_SOCKET_IFNAME="nosuch0"),
+    ]
+    try:
+        errs = [p.communicate(timeout=110)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [75, 75], errs
+    own = "joining the gloo group failed on b (rank 1): RuntimeError: "
+    assert errs[1].splitlines()[-1].startswith(f"error: {own}"), errs[1]
+    assert errs[0].splitlines()[-1].startswith(f"error: node b (rank 1) failed: {own}"), errs[0]
+    assert "nosuch0" in errs[0].splitlines()[-1]
 
 
 def test_rank_0_unable_to_serve_the_rendezvous_ends_the_waiting_node_at_once(tmp_path):

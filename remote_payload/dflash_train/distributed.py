@@ -348,7 +348,7 @@ class NodeGroup:
     def _setup(self, what: str) -> Iterator[None]:
         """A setup step after the rendezvous: a failure becomes NodeLost, naming rank 0 when its store
         no longer answers, else the node the monitor (once it runs) finds lost (the step's error
-        alone could be any node's)."""
+        alone could be any node's), else this node, whose reason the others are told."""
         try:
             yield
         except Exception as exc:
@@ -357,9 +357,13 @@ class NodeGroup:
             except Exception:  # noqa: BLE001 - rank 0 died or is cut off
                 raise NodeLost(_rank0_lost(self.env, exc, f" while {what}")) from exc
             failed = f"{what} failed on {self.env.node(self.rank)}: {_first_line(exc)}"
-            if getattr(self, "monitor", None) is None or not self.monitor.is_alive():
-                raise NodeLost(failed) from exc
-            raise self._explain(what, exc, failed) from exc
+            watching = getattr(self, "monitor", None) is not None and self.monitor.is_alive()
+            lost = self._explain(what, exc, failed) if watching else NodeLost(failed)
+            if not watching or self.monitor.verdict is None:
+                # This node's own failure (no other node was found lost): the others, waiting in the
+                # same step, exit naming it and why (a wrong GLOO_SOCKET_IFNAME, say) at once.
+                self.report_failure(failed)
+            raise lost from exc
 
     # -- the hooks ----------------------------------------------------------------------------
 
