@@ -249,7 +249,7 @@ def resume_run(
 
 def refuse_resume(target: Target, run: dict[str, Any], kind: str) -> None:
     """Refuse, with runctl resume's own line, a resume as `kind` that the run's record (`runs
-    show`'s answer) rules out: a live run, a data run that succeeded, a run of the other kind.
+    show`'s answer) rules out: a live run, a run that succeeded, a run of the other kind.
     Asked before anything is pushed; runctl asks again under its lock."""
     from .remote.runctl.state import resume_refusal
 
@@ -363,7 +363,7 @@ def answer_error(target: Target, answer: dict[str, Any], checked: str = "trainer
             f"{target.label}: {message}; install it there, or point `python:` in hosts.yaml "
             f"at an interpreter that has it"
         )
-    if kind in ("conflict_running", "conflict_state"):  # still running; a resume of a data run that succeeded
+    if kind in ("conflict_running", "conflict_state"):  # still running; a resume of a run that succeeded
         return ConflictError(f"{target.label}: {message}")
     if kind == "ambiguous":
         return UsageError(
