@@ -252,6 +252,18 @@ def test_a_stop_that_comes_before_the_command_starts_keeps_it_from_starting(shim
         assert (again.exit_code, again.stdout) == (0, b"ran\n")
 
 
+# A command that stops itself (as a Ctrl-Z would) and, once continued, handles SIGINT: it cleans up.
+STOPS_ITSELF = """
+import os, signal, time
+def clean_up(*_):
+    print("cleaned up", flush=True)
+    os._exit(7)
+signal.signal(signal.SIGINT, clean_up)
+os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep(60)
+"""
+
+
 def stopped_session(guard: types.ModuleType, token: str) -> bool:
     """Whether the session `guard run TOKEN` started has a stopped process."""
     table = guard.processes()
@@ -266,9 +278,10 @@ def test_a_stopped_command_is_continued_to_handle_its_interrupt(tmp_path):
     from dflashctl.remote import guard
 
     token = f"t{os.getpid()}x{tmp_path.name.replace('_', '').replace('-', '')}"
-    script = 'trap "echo cleaned up; exit 7" INT; kill -STOP $$; sleep 60'
+    # Python, not a shell: a shell defers a trap while a foreground command runs, and cannot trap
+    # a signal that was ignored when it started; Python's handler runs as soon as it is continued.
     launcher = [sys.executable, "-S", "-c", remote_script("guard")]  # as the client runs it (is_run reads it)
-    run = subprocess.Popen([*launcher, "run", token, "sh", "-c", script], stdout=subprocess.PIPE)
+    run = subprocess.Popen([*launcher, "run", token, sys.executable, "-c", STOPS_ITSELF], stdout=subprocess.PIPE)
     try:
         wait_until(lambda: stopped_session(guard, token), 60, "the command to stop itself")
         assert subprocess.run([*launcher, "stop", token], timeout=60).returncode == 0
