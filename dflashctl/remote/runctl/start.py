@@ -229,7 +229,7 @@ def cmd_resume(workdir, selector):
 
 
 def admit_resume(root, run_id, run_dir, meta, spec, interrupts):
-    """Everything a resume may refuse (a live run, a data run that succeeded, another kind, a group
+    """Everything a resume may refuse (a live run, a run that succeeded, another kind, a group
     resumed in part, the pre-flight, busy GPUs, an interrupt): RunError; else the run's (argv, cwd,
     env) to start."""
     refusal = resume_refusal(run_id, meta, state_of(run_dir, meta)[0], spec.get("kind"))
