@@ -5,11 +5,13 @@
 
 Stages (each bounded; all run even if one fails; exit 1 if any failed):
   8b-cold      `dflashctl train local --preset qwen3-8b --set run.steps=30 --follow`: the whole CLI,
-               an inventory with no `gpus` (run.device auto), a cold compile cache in the workdir
+               an inventory with no `gpus` (run.device auto) and `fork_server: 1800` (an ssh host's
+               default), a cold compile cache in the workdir
   8b-eval      `dflashctl eval local RUN` on that run's export (4 prompts x 128 tokens): the decode
                path (CUDA graphs, compiled steps), its verify-step cost, greedy identity or ties
   bench        bench/step_bench.py's 8b fast row and the bf16 matmul peak, in this same call
-  8b-warm-stop the same preset again (warm cache), detached, a checkpoint every 50 steps; `runs stop`
+  8b-warm-stop the same preset again (warm cache), detached, a checkpoint every 50 steps, its trainer
+               forked by the fork server the cold stage started (a plain start fails it); `runs stop`
                once step 100's is written: the seconds each checkpoint blocked training (goal <= 1 s
                for each: the host buffers are allocated in the background after step 1) and each write took;
                then `train --resume` of it (the checkpoint read back), stopped again 20 steps later
@@ -194,6 +196,15 @@ class Acceptance(LocalHostBench):
         windows = self.windows_ms(records)
         return round(max(windows), 2) if windows else None
 
+    def started(self, run_id: str) -> str | None:
+        """How the run's trainer started: "forked" by the fork server, or "plain" (run.json)."""
+        return json.loads((self.run_dir(run_id) / "run.json").read_text()).get("start")
+
+    def keep_fork_server_logs(self) -> None:
+        """The fork servers' logs into acceptance.log: what they imported, how long, what they forked."""
+        for path in sorted((self.work / "dflashctl" / "fork-server").glob("*.log")):
+            self.log(f"--- fork server {path.name} ---\n{path.read_text(errors='replace').rstrip()}")
+
     def start_record(self, records: list[dict]) -> dict:
         return next((r for r in records if r.get("event") == "start"), {})
 
@@ -246,6 +257,7 @@ class Acceptance(LocalHostBench):
             "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1),
             "first_eval_s": round(start.get("first_eval_s", float("nan")), 1),
             "ms_per_step": self.steady_ms(recs),
+            "start": self.started(run_id),
             "tokens_per_s": final[-1].get("tokens_per_s") if final else None,
             "cli_s": round(secs, 1),
         }
@@ -370,10 +382,13 @@ class Acceptance(LocalHostBench):
         exit_file = self.run_dir(run_id) / EXIT  # written by the supervisor once the trainer has exited
         exit_recorded = exit_file.stat().st_mtime - stop_began if exit_file.is_file() else None
         self.keep_log(run_id, "8b-warm-stop")
+        self.keep_fork_server_logs()
         text, recs = self.log_text(run_id), self.records(run_id)
         start = self.start_record(recs)
         saved = list((self.run_dir(run_id) / "checkpoints").glob("step_*"))
-        ok = reached and code == 0 and "stopped (143)" in said and bool(saved)
+        # The warm start is the fork server's (issue 31 item 1): a plain start here fails the stage.
+        forked = self.started(run_id) == "forked"
+        ok = reached and code == 0 and "stopped (143)" in said and bool(saved) and forked
         stopped = [int(n) for n in re.findall(r"stopped by signal \d+ after step (\d+)", text)]
         again = self.resume_and_stop(run_id, stopped[-1]) if ok and stopped else {"resumed": False}
         ok = ok and again["resumed"]
@@ -382,6 +397,7 @@ class Acceptance(LocalHostBench):
         return {
             "ok": ok,
             "run": run_id,
+            "start": "forked" if forked else self.started(run_id),
             "time_to_first_step_s": round(start.get("time_to_first_step_s", float("nan")), 1),
             "from_command_s": self.from_command(start, began),
             "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1),

@@ -38,6 +38,8 @@ class LocalHostBench:
         self.inventory.write_text(
             f"default: local\nhosts:\n  local:\n    transport: local\n"
             f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n"
+            # As an ssh host has by default (`local` has none): runs after the first are forked.
+            "    fork_server: 1800\n"
         )
 
     def log(self, text: str) -> None:

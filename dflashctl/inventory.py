@@ -25,6 +25,10 @@ DEFAULT_TOOLS = {"pct": "/usr/sbin/pct", "docker": "docker"}  # the runtime's co
 # warm inspect cost less than rsync and a bare ssh read; without it every call pays Python
 # start-up plus a full SSH handshake. `persist: 0` turns it off (docs/cli.md has the trade-off).
 DEFAULT_PERSIST_S = 60
+# A fork server takes the import of torch, Dynamo, Inductor and the trainer (8-10 s on an H200 box)
+# off each start; it holds ~1 GB of memory while it waits. Off on `local`, where a process left
+# behind after the command would surprise (and the tests start hundreds of runs).
+DEFAULT_FORK_SERVER_S = 1800
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,9 @@ class HostSpec:
     rendezvous_address: str | None = None
     persist: int = 0  # seconds a background mux keeps the SSH connection open between CLI calls; 0 = off
     # (hosts.yaml's default for ssh hosts is DEFAULT_PERSIST_S)
+    # Seconds a fork server, which has imported torch and the trainer, waits in the container for the
+    # next run to fork (a warm start, docs/runs.md); 0 = every run starts a new process.
+    fork_server: int = 0
     on_event: tuple[str, ...] = ()  # argv run in the container at each run event (docs/runs.md)
     # The file the entry came from, as its errors name it (its full path: the file may be any of four
     # places); "hosts.yaml" for an entry made in code.
@@ -224,6 +231,7 @@ _HOST_KEYS = {
     "gpus",
     "rendezvous_address",
     "persist",
+    "fork_server",
     "on_event",
 }
 _COMMA = "a name cannot hold a comma (the command line reads h1,h2 as two hosts)"
@@ -259,11 +267,7 @@ def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
         port is not None
     ):
         raise fail("address, user, port, identity_file and proxy_jump only apply to transport ssh")
-    persist = raw.get("persist", DEFAULT_PERSIST_S if transport == "ssh" else 0)
-    if persist is None:
-        persist = 0
-    if isinstance(persist, bool) or not isinstance(persist, int) or persist < 0:
-        raise fail(f"persist must be a non-negative integer (seconds; 0 = off), got {persist!r}")
+    persist = _seconds(fail, raw, "persist", DEFAULT_PERSIST_S if transport == "ssh" else 0)
     if transport == "local" and persist:
         raise fail("persist only applies to transport ssh")
     gpus = host_gpus(raw.get("gpus"))
@@ -286,9 +290,20 @@ def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
         gpus=gpus,
         rendezvous_address=strings["rendezvous_address"],
         persist=persist,
+        fork_server=_seconds(fail, raw, "fork_server", DEFAULT_FORK_SERVER_S if transport == "ssh" else 0),
         on_event=tuple(on_event),
         inventory_file=label,
     )
+
+
+def _seconds(fail: Any, raw: dict[str, Any], key: str, default: int) -> int:
+    """A host's `key:` in seconds (0, or null: off), default when absent."""
+    value = raw.get(key, default)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise fail(f"{key} must be a non-negative integer (seconds; 0 = off), got {value!r}")
+    return value
 
 
 def _parse_container(fail: Any, raw: Any) -> ContainerSpec:

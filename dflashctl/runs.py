@@ -192,7 +192,7 @@ def launch(target: Target, spec: dict[str, Any]) -> StartedRun:
         target,
         "start",
         [target.host.workdir],
-        stdin=json.dumps(spec).encode(),
+        stdin=json.dumps(dict(spec, fork_server_s=target.host.fork_server)).encode(),
         timeout=START_ANSWER_S,
         settle=True,
         checked=checked,
@@ -235,6 +235,7 @@ def resume_run(
         "group": group,
         "check": check,
         "rdzv_port": rdzv_port,
+        "fork_server_s": target.host.fork_server,
     }
     answer = call(
         target,

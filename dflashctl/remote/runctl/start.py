@@ -168,6 +168,7 @@ def new_meta(spec, run_id, run_dir, argv, cwd, gpus, busy):
         "payload_hash": spec.get("payload_hash"),
         "gpus": gpus,
         "env": spec.get("env") or {},  # for --resume
+        "fork_server_s": spec.get("fork_server_s") or 0,  # hosts.yaml `fork_server:` (forking.py)
         "started_at": utc_iso(now),
         "started_ts": now,
         "run_dir": run_dir,
@@ -214,6 +215,7 @@ def cmd_resume(workdir, selector):
             cwd=cwd,
             env=env,
             payload_hash=spec.get("payload_hash") or meta.get("payload_hash"),
+            fork_server_s=spec.get("fork_server_s") or 0,
             resumes=meta.get("resumes", 0) + 1,
             resumed_at=utc_iso(now),
             started_ts=now,

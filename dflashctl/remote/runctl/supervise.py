@@ -21,6 +21,7 @@ from .common import (
     utc_iso,
     write_atomic,
 )
+from .forking import start_trainer
 from .hooks import end_hooks, fire
 from .state import conflicts, newest_checkpoint, queued_ahead, read_reason, state_of
 
@@ -65,20 +66,19 @@ def run_attempts(run_dir, meta, child_env, stop_flag, hooks):
     recorded)."""
     restart = meta.get("restart") or {}
     argv, failed_at, attempt = list(meta["argv"]), None, 0
+    workdir = os.path.dirname(os.path.dirname(run_dir))  # run_dir is <workdir>/runs/<run-id>
     while True:
         attempt += 1
         log_from = os.fstat(1).st_size  # where this attempt's output starts (stdout is the log)
         try:
-            child = subprocess.Popen(
-                argv, cwd=meta["cwd"], env=child_env, stdin=subprocess.DEVNULL, start_new_session=True
-            )
+            child, how = start_trainer(argv, meta["cwd"], child_env, meta.get("fork_server_s", 0), workdir)
         except OSError as exc:
             sys.stderr.write("dflashctl: cannot start the trainer: %s\n" % exc)
             sys.stderr.flush()
             update_meta(run_dir, supervisor=marker(os.getpid()))
             write_atomic(os.path.join(run_dir, EXIT), "127\n")
             return None
-        update_meta(run_dir, supervisor=marker(os.getpid()), trainer=marker(child.pid), pgid=child.pid)
+        update_meta(run_dir, supervisor=marker(os.getpid()), trainer=marker(child.pid), pgid=child.pid, start=how)
         hooks.append(fire(run_dir, meta, "restarted" if attempt > 1 else "started", "running"))
         code = wait_trainer(run_dir, child, stop_flag)
         adopt_agreed_stop(run_dir, code)

@@ -1,0 +1,90 @@
+"""Whether the fork server's preload leaves a process a CUDA trainer can be forked from, import by
+import, and what a fork saves: prints one JSON line (docs/performance.md, issue 31).
+
+For each of the fork server's PRELOAD modules in turn: import it (torch told to ask NVML, as the
+server does), then start the CUDA driver in a forked child (cuInit; 0 = started). Then the server's
+own self-check, and a forked child that uses CUDA and compiles, timed from the fork, against a new
+process's import of the same modules.
+
+    python3 bench/fork_probe.py
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "remote_payload"))
+
+from dflash_train import forkserver  # noqa: E402
+
+
+def child_uses_cuda() -> dict:
+    """In a forked child, with the environment a plain trainer has: CUDA, a matmul, a compiled function."""
+    import torch
+
+    os.environ.pop(forkserver.NVML_CHECK, None)
+    t0 = time.perf_counter()
+    out = {"cuda_available": torch.cuda.is_available()}
+    if out["cuda_available"]:
+        x = torch.randn(1024, 1024, device="cuda")
+        torch.cuda.synchronize()
+        out["first_cuda_s"] = round(time.perf_counter() - t0, 3)
+        f = torch.compile(lambda a: (a @ a).relu().sum())
+        out["compiled_value_finite"] = bool(torch.isfinite(f(x)).item())
+        out["compiled_s"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+def in_fork(fn) -> dict:
+    """fn() run in a forked child; its JSON answer (or how it failed)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            try:
+                said = fn()
+            except BaseException as exc:  # the probe reports whatever the child met
+                said = {"error": "%s: %s" % (type(exc).__name__, exc)}
+            os.write(w, json.dumps(said).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        data = fh.read()
+    os.waitpid(pid, 0)
+    return json.loads(data) if data else {"error": "the child died"}
+
+
+def main() -> int:
+    """Probe each import, the self-check, and a forked CUDA child; one JSON line."""
+    report: dict = {"steps": []}
+    t0 = time.perf_counter()
+    code = "import " + ", ".join(forkserver.PRELOAD)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(forkserver.__file__).parents[1])
+    report["fresh_process_import_s"] = round(time.perf_counter() - t0, 2)
+    os.environ[forkserver.NVML_CHECK] = "1"
+    for name in forkserver.PRELOAD:
+        t = time.perf_counter()
+        importlib.import_module(name)
+        tasks = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
+        step = {"import": name, "s": round(time.perf_counter() - t, 2), "cuinit_in_fork": forkserver.forked_cuinit()}
+        step["native_threads"] = tasks
+        report["steps"].append(step)
+        print(json.dumps(step), flush=True)
+    report["self_check_refusal"] = forkserver.fork_refusal()
+    t = time.perf_counter()
+    report["forked_child"] = in_fork(child_uses_cuda)
+    report["forked_child_wall_s"] = round(time.perf_counter() - t, 2)
+    print(json.dumps(report), flush=True)
+    return 0 if report["self_check_refusal"] is None and report["forked_child"].get("cuda_available") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

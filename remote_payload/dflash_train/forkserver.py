@@ -1,0 +1,350 @@
+"""The fork server (issue 31: a warm start without the import bill).
+
+A process in the container that imports torch, Dynamo, Inductor and the trainer once, then forks a
+trainer for each run that asks: the fork skips the 8-10 s a new process spends importing them.
+runctl's supervisor starts it and is its only client (dflashctl/remote/runctl/forking.py).
+
+    python -m dflash_train.forkserver NAME --idle-s SECONDS
+
+It forks only while a fork of it is a clean process: no CUDA driver state (torch is told to ask
+NVML, not the driver, whether CUDA is there, PYTORCH_NVML_BASED_CUDA_CHECK) and no other thread.
+Its self-check starts the driver (cuInit) in a forked child and in a new process: when the two
+differ, it refuses every request with the reason, and runs start plainly. It stops serving when a
+module it imported changed on disk (a pip upgrade), and ends after SECONDS without a request once
+no trainer of its own runs.
+
+Protocol, one connection per run, on the abstract unix socket NAME (binding it is the claim: a
+second server for NAME exits at once; peers of another uid are refused). The client sends one JSON
+line {"argv", "cwd", "env"} with its stdin, stdout and stderr as SCM_RIGHTS; the server forks and
+answers {"pid": N}; the child runs the trainer only once the client has answered {"go": true}
+(a client that gave up leaves no trainer behind); when it ends the server sends {"exit": CODE},
+Popen's returncode (-N: signal N). Or the server answers {"refused": REASON}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import ctypes
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+# What every trainer imports (the compiler's entry point as compiling.preload_compiler imports it),
+# and a data run's module.
+PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "dflash_train.train", "dflash_train.regen")
+PACKAGE = "dflash_train"  # the modules a request may run
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+MAX_FDS = 3
+MAX_REQUEST = 4 << 20
+PEER_TIMEOUT_S = 10.0  # for a client's request and its go-ahead: it sends both at once
+CUINIT = "from dflash_train.forkserver import cuinit; print(cuinit())"
+
+
+@dataclass
+class Request:
+    """One run's trainer: `python -m MODULE ARGS...` in cwd with exactly env, on the client's fds."""
+
+    module: str
+    args: list[str]
+    cwd: str
+    env: dict[str, str]
+    fds: list[int] = field(default_factory=list)
+
+
+class Refusal(Exception):
+    """A request this server does not serve; the message is its reason."""
+
+
+def preload() -> dict[str, tuple[int, int]]:
+    """Import what every trainer imports, torch told to ask NVML whether CUDA is there (a started
+    driver does not work in a forked child); the (mtime, size) of each imported module's file."""
+    os.environ[NVML_CHECK] = "1"
+    for name in PRELOAD:
+        importlib.import_module(name)
+    return {path: stamp for path, stamp in map(file_stamp, module_files()) if stamp is not None}
+
+
+def module_files() -> list[str]:
+    """The files of every module imported so far."""
+    return sorted({m.__file__ for m in list(sys.modules.values()) if isinstance(getattr(m, "__file__", None), str)})
+
+
+def file_stamp(path: str) -> tuple[str, tuple[int, int] | None]:
+    """(path, (mtime_ns, size)), or (path, None) when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path, None
+    return path, (st.st_mtime_ns, st.st_size)
+
+
+def changed_module(stamps: dict[str, tuple[int, int]]) -> str | None:
+    """A module file that changed on disk since the preload, or None."""
+    for path, stamp in stamps.items():
+        if file_stamp(path)[1] != stamp:
+            return path
+    return None
+
+
+def cuinit() -> str:
+    """What the CUDA driver's cuInit(0) returns in this process (0: it started), or why it cannot be asked."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no libcuda.so.1"
+    return str(driver.cuInit(0))
+
+
+def forked_cuinit() -> str:
+    """cuinit() in a child forked from this process."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.write(w, cuinit().encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as answer:
+        said = answer.read().decode()
+    os.waitpid(pid, 0)
+    return said or "no answer (the child died)"
+
+
+def fork_refusal() -> str | None:
+    """Why no trainer may be forked from this process, or None."""
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if others:
+        return "threads run after the preload (%s): a fork would keep none of them" % ", ".join(others)
+    fresh = subprocess.run(
+        [sys.executable, "-c", CUINIT],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # where the package is
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    forked, new = forked_cuinit(), fresh.stdout.strip() or "failed: " + fresh.stderr.strip()[-200:]
+    if forked != new:
+        why = "the CUDA driver does not start in a child forked after the preload"
+        return "%s (cuInit: %s there, %s in a new process)" % (why, forked, new)
+    return None
+
+
+def read_request(conn: socket.socket) -> Request:
+    """The client's request line and the fds that came with it (Refusal when malformed)."""
+    data, fds = b"", []
+    while not data.endswith(b"\n"):
+        chunk, ancillary, _, _ = conn.recvmsg(65536, socket.CMSG_SPACE(MAX_FDS * 4))
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += array.array("i", payload[: len(payload) - len(payload) % 4]).tolist()
+        if not chunk or len(data) + len(chunk) > MAX_REQUEST:
+            close_all(fds)
+            raise Refusal("no whole request came")
+        data += chunk
+    try:
+        raw = json.loads(data)
+        argv, cwd, env = list(raw["argv"]), str(raw["cwd"]), dict(raw["env"])
+    except (ValueError, KeyError, TypeError) as exc:
+        close_all(fds)
+        raise Refusal("malformed request: %s" % exc) from None
+    module = argv[2] if len(argv) > 2 and argv[1] == "-m" else ""
+    if len(fds) != MAX_FDS or not (module == PACKAGE or module.startswith(PACKAGE + ".")):
+        close_all(fds)
+        raise Refusal("it runs `python -m %s...` with stdin, stdout and stderr, not %s" % (PACKAGE, argv[:3]))
+    return Request(module, [str(a) for a in argv[3:]], cwd, {str(k): str(v) for k, v in env.items()}, fds)
+
+
+def close_all(fds: list[int]) -> None:
+    """Close each fd, ignoring those already closed."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def send(conn: socket.socket, message: dict) -> bool:
+    """Send one JSON line; False when the client is gone."""
+    try:
+        conn.sendall(json.dumps(message).encode() + b"\n")
+        return True
+    except OSError:
+        return False
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The connecting process's uid (SO_PEERCRED)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+class Server:
+    """The listening socket, the trainers forked and still running (pid -> their client's
+    connection), and what ends the service."""
+
+    def __init__(self, listener: socket.socket, idle_s: float, stamps: dict, refusal: str | None):
+        self.listener, self.idle_s, self.stamps, self.refusal = listener, idle_s, stamps, refusal
+        self.children: dict[int, socket.socket] = {}
+        self.wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        self.wake_w = wake_w
+        signal.set_wakeup_fd(wake_w)  # a SIGCHLD wakes select(): exits are reported at once
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+
+    def serve(self) -> Request | None:
+        """Answer requests until idle with no trainer left (None); in a forked child, its Request."""
+        last = time.monotonic()
+        while self.children or self.listener is not None and time.monotonic() - last < self.idle_s:
+            watch = [self.wake_r] + ([self.listener] if self.listener is not None else [])
+            ready = select.select(watch, [], [], 1.0)[0]
+            if self.wake_r in ready:
+                os.read(self.wake_r, 4096)
+            self.reap()
+            if self.listener is not None and self.listener in ready:
+                last = time.monotonic()
+                request = self.answer(self.listener.accept()[0])
+                if request is not None:
+                    return request
+        return None
+
+    def answer(self, conn: socket.socket) -> Request | None:
+        """One connection: refuse it, or fork its trainer (the child returns the Request)."""
+        conn.settimeout(PEER_TIMEOUT_S)
+        try:
+            if peer_uid(conn) != os.getuid():
+                raise Refusal("the client runs as another user")
+            request = read_request(conn)
+            changed = changed_module(self.stamps)
+            if changed:  # later runs get a new server, started by the next client
+                self.refusal = "%s changed on disk since this server imported it" % changed
+                self.listener.close()
+                self.listener = None
+            if self.refusal:
+                close_all(request.fds)
+                raise Refusal(self.refusal)
+        except (Refusal, OSError) as exc:
+            send(conn, {"refused": str(exc) or type(exc).__name__})
+            conn.close()
+            return None
+        return self.fork(conn, request)
+
+    def fork(self, conn: socket.socket, request: Request) -> Request | None:
+        """Fork the trainer; it starts once the client says go, else it is killed unstarted."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        gate_r, gate_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(gate_w)
+            self.close_in_child(conn)
+            go = os.read(gate_r, 1)
+            os.close(gate_r)
+            if go != b"g":
+                os._exit(0)
+            return request
+        os.close(gate_r)
+        close_all(request.fds)
+        try:
+            go = send(conn, {"pid": pid}) and json.loads(conn.makefile("rb").readline() or b"{}").get("go")
+        except (OSError, ValueError):
+            go = False
+        if go:
+            os.write(gate_w, b"g")
+            self.children[pid] = conn
+            print("forked trainer %d: python -m %s" % (pid, request.module), flush=True)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            conn.close()
+        os.close(gate_w)
+        return None
+
+    def reap(self) -> None:
+        """Send each ended trainer's exit code to its client."""
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is not None:
+                send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+                conn.close()
+
+    def close_in_child(self, conn: socket.socket) -> None:
+        """In a forked trainer: drop everything of the server (its socket, its clients', the
+        wake-up pipe and SIGCHLD handler), so the trainer holds nothing a client waits on."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        close_all([self.wake_r, self.wake_w])
+        for sock in [conn, *self.children.values()] + ([self.listener] if self.listener is not None else []):
+            sock.close()
+
+
+def become(request: Request) -> None:
+    """In the forked child: take the run's fds, a session of its own, its directory, environment and
+    default signals, and run its module as `python -m` would (raises its SystemExit)."""
+    os.setsid()
+    for target, fd in enumerate(request.fds):
+        os.dup2(fd, target)
+    close_all([fd for fd in request.fds if fd > 2])
+    os.chdir(request.cwd)
+    os.environ.clear()
+    os.environ.update(request.env)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    sys.argv = ["-m", *request.args]
+    runpy.run_module(request.module, run_name="__main__", alter_sys=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Claim the name, preload, check, serve; in a forked child, become its trainer."""
+    ap = argparse.ArgumentParser(prog="python -m dflash_train.forkserver", description=__doc__.splitlines()[0])
+    ap.add_argument("name", help="the abstract unix socket's name")
+    ap.add_argument("--idle-s", type=float, required=True, help="end after this long without a request")
+    args = ap.parse_args(argv)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind("\0" + args.name)
+    except OSError:
+        return 0  # another server has the name (started by a run beside this one's)
+    began = time.monotonic()
+    try:
+        stamps = preload()
+    except ImportError as exc:
+        print("fork server: cannot preload: %s" % exc, flush=True)
+        return 4
+    refusal = fork_refusal()
+    print(
+        "fork server %d: %s imported in %.1f s; %s"
+        % (os.getpid(), ", ".join(PRELOAD), time.monotonic() - began, "refusing: " + refusal if refusal else "serving"),
+        flush=True,
+    )
+    listener.listen(16)
+    request = Server(listener, args.idle_s, stamps, refusal).serve()
+    if request is None:
+        print("fork server %d: idle for %g s: exiting" % (os.getpid(), args.idle_s), flush=True)
+        return 0
+    become(request)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
