@@ -225,9 +225,10 @@ class Server:
         """One connection: refuse it, or fork its trainer (the child returns the Request)."""
         conn.settimeout(PEER_TIMEOUT_S)
         try:
+            request = read_request(conn)  # read first: a client sends all of it before it reads
             if peer_uid(conn) != os.getuid():
+                close_all(request.fds)
                 raise Refusal("the client runs as another user")
-            request = read_request(conn)
             changed = changed_module(self.stamps)
             if changed:  # later runs get a new server, started by the next client
                 self.refusal = "%s changed on disk since this server imported it" % changed
