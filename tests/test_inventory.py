@@ -52,6 +52,10 @@ from dflashctl.inventory import completions, load_inventory, parse_inventory
         ),
         ("hosts:\n  gpu1:\n    gpus: [0, 0]\n", "hosts.yaml: host 'gpu1': gpus lists an index twice: [0, 0]"),
         (
+            "hosts:\n  gpu1:\n    fork_server: 30m\n",
+            "hosts.yaml: host 'gpu1': fork_server must be a non-negative integer (seconds; 0 = off), got '30m'",
+        ),
+        (
             "hosts:\n  gpu1:\n    gpus: 2\n",
             "hosts.yaml: host 'gpu1': gpus must be a list of GPU indices like [0, 1], got 2",
         ),
@@ -111,6 +115,13 @@ def test_a_full_host_entry_parses():
     assert (host.name, host.address, host.user, host.port, host.gpus) == ("gpu1", "10.1.2.6", "root", 22, (0, 1))
     assert (host.container.runtime, host.container.vmid, host.container.executable) == ("pct", 200, "/usr/sbin/pct")
     assert inv.get("local").transport == "local"  # always there
+
+
+def test_a_fork_server_waits_1800_s_on_ssh_hosts_and_none_runs_on_local_unless_asked():
+    inv = parse_inventory(
+        "hosts:\n  a: {address: h}\n  b: {address: h, fork_server: 0}\n  c: {transport: local, fork_server: 60}\n"
+    )
+    assert [inv.get(n).fork_server for n in ("a", "b", "c", "local")] == [1800, 0, 60, 0]
 
 
 def test_docker_container_defaults_to_docker_and_takes_another_cli():
