@@ -1,7 +1,8 @@
 """The fork server (issue 31: a warm start without the import bill).
 
 A process in the container that imports torch, Dynamo, Inductor and the trainer once, then forks a
-trainer for each run that asks: the fork skips the 8-10 s a new process spends importing them.
+trainer for each run that asks: the fork skips the seconds a new process spends importing them
+(docs/runs.md).
 runctl's supervisor starts it and is its only client (dflashctl/remote/runctl/forking.py).
 
     python -m dflash_train.forkserver NAME --idle-s SECONDS
@@ -216,7 +217,11 @@ class Server:
             self.reap()
             if self.listener is not None and self.listener in ready:
                 last = time.monotonic()
-                request = self.answer(self.listener.accept()[0])
+                try:
+                    conn = self.listener.accept()[0]
+                except OSError:  # the client left before it was accepted
+                    continue
+                request = self.answer(conn)
                 if request is not None:
                     return request
         return None
@@ -241,7 +246,13 @@ class Server:
             send(conn, {"refused": str(exc) or type(exc).__name__})
             conn.close()
             return None
-        return self.fork(conn, request)
+        try:
+            return self.fork(conn, request)
+        except OSError as exc:  # no fork to be had (memory, process limits): this run starts plainly
+            close_all(request.fds)
+            send(conn, {"refused": "cannot fork: %s" % exc})
+            conn.close()
+            return None
 
     def fork(self, conn: socket.socket, request: Request) -> Request | None:
         """Fork the trainer; it starts once the client says go, else it is killed unstarted."""
@@ -249,11 +260,14 @@ class Server:
         sys.stderr.flush()
         gate_r, gate_w = os.pipe()
         pid = os.fork()
-        if pid == 0:
-            os.close(gate_w)
-            self.close_in_child(conn)
-            go = os.read(gate_r, 1)
-            os.close(gate_r)
+        if pid == 0:  # the child never goes back to serving: it becomes the trainer or ends here
+            try:
+                os.close(gate_w)
+                self.close_in_child(conn)
+                go = os.read(gate_r, 1)
+                os.close(gate_r)
+            except BaseException:
+                os._exit(1)
             if go != b"g":
                 os._exit(0)
             return request
