@@ -26,8 +26,9 @@ DEFAULT_TOOLS = {"pct": "/usr/sbin/pct", "docker": "docker"}  # the runtime's co
 # start-up plus a full SSH handshake. `persist: 0` turns it off (docs/cli.md has the trade-off).
 DEFAULT_PERSIST_S = 60
 # A fork server takes the import of torch, Dynamo, Inductor and the trainer off each start (~3 s on
-# an H200 box, 9-13 s with a cold bytecode cache); it holds ~1 GB of memory while it waits. Off on `local`, where a process left
-# behind after the command would surprise (and the tests start hundreds of runs).
+# an H200 box, 9-13 s with a cold bytecode cache); it holds ~1 GB of memory while it waits. Off on
+# `local`, where a process left behind after the command would surprise (and the tests start
+# hundreds of runs).
 DEFAULT_FORK_SERVER_S = 1800
 
 
