@@ -293,7 +293,9 @@ class SshdHost:
     def host_entry(self, vmid: int | None = None, **extra: object) -> dict:
         """A hosts.yaml entry for this sshd: container pct VMID, or runtime none when vmid is None."""
         # persist 0: tests connect directly unless they ask for the mux (tests/test_mux.py), so
-        # that no background connection outlives a test.
+        # that no background connection outlives a test; fork_server 0 likewise: no fork server
+        # (a process importing torch, left for 30 minutes) unless a test asks for one
+        # (tests/test_forkserver.py).
         entry: dict = {
             "transport": "ssh",
             "address": self.address,
@@ -301,6 +303,7 @@ class SshdHost:
             "user": self.user,
             "python": sys.executable,
             "persist": 0,
+            "fork_server": 0,
         }
         if vmid is None:
             entry["container"] = {"runtime": "none"}
@@ -319,6 +322,7 @@ class SshdHost:
             "user": self.user,
             "python": sys.executable,
             "persist": 0,
+            "fork_server": 0,
             "workdir": str(self.docker_dir(name) / "work"),
             "container": {"runtime": "docker", "name": name, "docker": str(self.docker_path)},
         }
