@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -190,7 +191,7 @@ def server_name(host: Host) -> str:
     return log.stem
 
 
-def test_the_server_forks_only_the_trainer_for_its_own_user_and_only_on_the_go_ahead(warm):
+def test_the_server_forks_only_the_trainer_and_only_on_the_go_ahead(warm):
     host, _, _ = warm
     name = server_name(host)
     payload = os.path.realpath(host.workdir / "payload")
@@ -198,8 +199,12 @@ def test_the_server_forks_only_the_trainer_for_its_own_user_and_only_on_the_go_a
     try:
         _, answer = ask_raw(name, {"argv": [sys.executable, "-m", "json.tool"], "cwd": payload, "env": {}}, [0, w, w])
         assert answer["refused"].startswith("it runs `python -m dflash_train...`")
+        _, answer = ask_raw(name, {"argv": [sys.executable, "-m", 7], "cwd": payload, "env": {}}, [0, w, w])
+        assert answer["refused"] == "malformed request: argv, cwd and env must be strings"
         trainer = {"argv": [sys.executable, "-m", "dflash_train", *TINY], "cwd": payload, "env": dict(os.environ)}
         sock, answer = ask_raw(name, trainer, [0, w, w])
+        # The forked child waits: a trainer running now would print its config within this second.
+        assert select.select([r], [], [], 1.0)[0] == []
         sock.close()  # no go-ahead: the child is killed before it runs anything
         wait_until(lambda: not alive(answer["pid"]), timeout=60, what="the unstarted child's end")
         os.close(w)
@@ -209,18 +214,83 @@ def test_the_server_forks_only_the_trainer_for_its_own_user_and_only_on_the_go_a
         os.close(r)
         if w >= 0:
             os.close(w)
-    if os.getuid() == 0:
-        pid = os.fork()
-        if pid == 0:  # another user's client
-            code = 1
-            try:
-                os.setuid(65534)
-                code = (
-                    0 if ask_raw(name, trainer, [0, 1, 2])[1].get("refused") == "the client runs as another user" else 3
-                )
-            finally:
-                os._exit(code)
-        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert serving_line(host.server_logs()[0])  # the malformed requests did not end it
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
+def test_the_server_refuses_another_users_client(warm):
+    host, _, _ = warm
+    name = server_name(host)
+    trainer = {"argv": [sys.executable, "-m", "dflash_train"], "cwd": str(host.workdir), "env": {}}
+    pid = os.fork()
+    if pid == 0:  # another user's client: its exit code says what it was answered
+        code = 1
+        try:
+            os.setuid(65534)
+            code = 0 if ask_raw(name, trainer, [0, 1, 2])[1].get("refused") == "the client runs as another user" else 3
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+# A program of the package that shows what a process started as `python -m` has (issue 31: a forked
+# run must be the plain run), then exits as told: a code, or a signal (killKILL).
+SHOW = """
+import json, os, signal, sys
+print(json.dumps({
+    "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ), "path0": sys.path[0], "name": __name__,
+    "fds": sorted(os.listdir("/proc/self/fd")), "pgid_is_pid": os.getpgid(0) == os.getpid(),
+    "signals": {s: str(signal.getsignal(getattr(signal, s))) for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGCHLD")},
+    "sigpipe": str(signal.getsignal(signal.SIGPIPE)),
+}), flush=True)
+how = sys.argv[1]
+if how.startswith("kill"):
+    os.kill(os.getpid(), getattr(signal, "SIG" + how[4:]))
+sys.exit(int(how))
+"""
+# The supervisor's start of one attempt (runctl/forking.py), its stdout the run's log.
+CLIENT = """
+import json, sys
+from dflashctl.remote.runctl.forking import start_trainer
+argv, cwd, env, idle_s, workdir = json.loads(sys.argv[1])
+child, how = start_trainer(argv, cwd, env, idle_s, workdir)
+print(json.dumps({"how": how, "code": child.wait()}), file=sys.stderr)
+"""
+
+
+@pytest.fixture(scope="module")
+def shown(tmp_path_factory: pytest.TempPathFactory):
+    """Run SHOW plainly or forked: (how it started, exit code, what it showed)."""
+    root = tmp_path_factory.mktemp("shown")
+    payload = root / "payload"
+    shutil.copytree(REPO / "remote_payload" / "dflash_train", payload / "dflash_train")
+    (payload / "dflash_train" / "show.py").write_text(SHOW)
+    env = dict(os.environ, DFLASHCTL_REASON_FILE=str(root / "reason"))  # a run's own variable
+    argv = [sys.executable, "-m", "dflash_train.show"]
+    name = forking.server_name(argv[0], str(payload), env)
+    server = start_server(payload, name, root / "server.log", env, idle_s=120)
+    wait_until(lambda: said(root / "server.log", "; serving"), timeout=SERVE_WAIT_S, what="the server to serve")
+
+    def run(idle_s: int, how: str) -> tuple[str, int, dict]:
+        with (root / "out").open("wb") as out:
+            res = subprocess.run(
+                [sys.executable, "-c", CLIENT, json.dumps([[*argv, how], str(payload), env, idle_s, str(root)])],
+                stdout=out, stderr=subprocess.PIPE, cwd=root, timeout=120, check=True,
+            )  # fmt: skip
+        answer = json.loads(res.stderr.splitlines()[-1])
+        return answer["how"], answer["code"], json.loads((root / "out").read_text().splitlines()[-1])
+
+    yield run
+    server.kill()
+    server.wait()
+
+
+@pytest.mark.parametrize(("how", "code"), [("0", 0), ("3", 3), ("killKILL", -9), ("killTERM", -15)])
+def test_a_forked_process_has_what_a_plain_one_has_and_ends_as_it_does(shown, how, code):
+    plain, forked = shown(0, how), shown(120, how)
+    assert (plain[0], forked[0]) == ("plain", "forked")
+    assert plain[1] == forked[1] == code
+    assert forked[2] == plain[2]  # argv, cwd, exact environment, sys.path, __main__, fds, session, signals
 
 
 def start_server(cwd: Path, name: str, log: Path, env: dict[str, str], idle_s: float) -> subprocess.Popen:
@@ -313,9 +383,10 @@ def test_one_server_serves_the_runs_that_would_start_the_same_process():
 def test_a_run_of_another_program_or_without_a_server_allowed_starts_plainly(tmp_path):
     out = tmp_path / "out"
     child, how = forking.start_trainer(
-        [sys.executable, "-c", "print('hi')"], str(tmp_path), dict(os.environ), 60, str(tmp_path)
+        [sys.executable, "-c", "print('hi')"], str(tmp_path), dict(os.environ), 60, str(out)
     )
     assert (child.wait(), how) == (0, "plain")
+    assert not out.exists()  # no server was asked for, nor started
     argv = [sys.executable, "-m", "dflash_train", "--help"]
     child, how = forking.start_trainer(argv, str(REPO / "remote_payload"), dict(os.environ), 0, str(out))
     assert how == "plain"

@@ -2,24 +2,24 @@
 
 A process in the container that imports torch, Dynamo, Inductor and the trainer once, then forks a
 trainer for each run that asks: the fork skips the seconds a new process spends importing them
-(docs/runs.md).
-runctl's supervisor starts it and is its only client (dflashctl/remote/runctl/forking.py).
+(docs/runs.md). runctl's supervisor starts it and is its only client (dflashctl/remote/runctl/forking.py).
 
-    python -m dflash_train.forkserver NAME --idle-s SECONDS
+    python -m dflash_train.forkserver NAME --idle-s SECONDS [--bytecode-cache DIR]
 
 It forks only while a fork of it is a clean process: no CUDA driver state (torch is told to ask
 NVML, not the driver, whether CUDA is there, PYTORCH_NVML_BASED_CUDA_CHECK) and no other thread.
 Its self-check starts the driver (cuInit) in a forked child and in a new process: when the two
 differ, it refuses every request with the reason, and runs start plainly. It stops serving when a
-module it imported changed on disk (a pip upgrade), and ends after SECONDS without a request once
-no trainer of its own runs.
+module it imported changed on disk (a pip upgrade), and ends SECONDS after the last request or the
+end of the last trainer it forked, whichever is later.
 
 Protocol, one connection per run, on the abstract unix socket NAME (binding it is the claim: a
 second server for NAME exits at once; peers of another uid are refused). The client sends one JSON
 line {"argv", "cwd", "env"} with its stdin, stdout and stderr as SCM_RIGHTS; the server forks and
-answers {"pid": N}; the child runs the trainer only once the client has answered {"go": true}
-(a client that gave up leaves no trainer behind); when it ends the server sends {"exit": CODE},
-Popen's returncode (-N: signal N). Or the server answers {"refused": REASON}.
+answers {"pid": N}; the child runs the trainer only once the client has answered {"go": true}, which
+the server confirms with {"started": true} (a client that gave up, or whose go-ahead came too late,
+leaves no trainer behind); when it ends the server sends {"exit": CODE}, Popen's returncode (-N:
+signal N). Or the server answers {"refused": REASON}.
 """
 
 from __future__ import annotations
@@ -39,16 +39,19 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from .bytecode import keep_bytecode
 
 # What every trainer imports (the compiler's entry point as compiling.preload_compiler imports it),
 # and a data run's module.
 PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "dflash_train.train", "dflash_train.regen")
 PACKAGE = "dflash_train"  # the modules a request may run
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
-MAX_FDS = 3
+STDIO = 3  # a request brings exactly its stdin, stdout and stderr
 MAX_REQUEST = 4 << 20
-PEER_TIMEOUT_S = 10.0  # for a client's request and its go-ahead: it sends both at once
+PEER_TIMEOUT_S = 10.0  # for a client's request, and its go-ahead once it has the pid: it answers at once
+CHECK_TIMEOUT_S = 60.0  # for the self-check's driver start: a hung driver is a refusal, not a hung server
 CUINIT = "from dflash_train.forkserver import cuinit; print(cuinit())"
 
 
@@ -60,7 +63,7 @@ class Request:
     args: list[str]
     cwd: str
     env: dict[str, str]
-    fds: list[int] = field(default_factory=list)
+    fds: list[int]
 
 
 class Refusal(Exception):
@@ -118,10 +121,31 @@ def forked_cuinit() -> str:
         finally:
             os._exit(0)
     os.close(w)
-    with os.fdopen(r, "rb") as answer:
-        said = answer.read().decode()
-    os.waitpid(pid, 0)
-    return said or "no answer (the child died)"
+    try:
+        if not select.select([r], [], [], CHECK_TIMEOUT_S)[0]:
+            os.kill(pid, signal.SIGKILL)
+            return "no answer in %g s" % CHECK_TIMEOUT_S
+        return os.read(r, 4096).decode() or "no answer (the child died)"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+
+
+def fresh_cuinit() -> str:
+    """cuinit() in a new process (the package's own directory on its path)."""
+    try:
+        fresh = subprocess.run(
+            [sys.executable, "-c", CUINIT],
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=CHECK_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return "no answer in %g s" % CHECK_TIMEOUT_S
+    return fresh.stdout.strip() or "failed: " + fresh.stderr.strip()[-200:]
 
 
 def fork_refusal() -> str | None:
@@ -129,15 +153,7 @@ def fork_refusal() -> str | None:
     others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if others:
         return "threads run after the preload (%s): a fork would keep none of them" % ", ".join(others)
-    fresh = subprocess.run(
-        [sys.executable, "-c", CUINIT],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # where the package is
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    forked, new = forked_cuinit(), fresh.stdout.strip() or "failed: " + fresh.stderr.strip()[-200:]
+    forked, new = forked_cuinit(), fresh_cuinit()
     if forked != new:
         why = "the CUDA driver does not start in a child forked after the preload"
         return "%s (cuInit: %s there, %s in a new process)" % (why, forked, new)
@@ -145,28 +161,38 @@ def fork_refusal() -> str | None:
 
 
 def read_request(conn: socket.socket) -> Request:
-    """The client's request line and the fds that came with it (Refusal when malformed)."""
+    """The client's request line and the fds that came with it (Refusal when malformed; the fds are
+    closed whenever no Request carries them)."""
     data, fds = b"", []
-    while not data.endswith(b"\n"):
-        chunk, ancillary, _, _ = conn.recvmsg(65536, socket.CMSG_SPACE(MAX_FDS * 4))
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds += array.array("i", payload[: len(payload) - len(payload) % 4]).tolist()
-        if not chunk or len(data) + len(chunk) > MAX_REQUEST:
-            close_all(fds)
-            raise Refusal("no whole request came")
-        data += chunk
+    try:
+        while not data.endswith(b"\n"):
+            chunk, ancillary, _, _ = conn.recvmsg(65536, socket.CMSG_SPACE(STDIO * 4))
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds += array.array("i", payload[: len(payload) - len(payload) % 4]).tolist()
+            if not chunk or len(data) + len(chunk) > MAX_REQUEST:
+                raise Refusal("no whole request came")
+            data += chunk
+        return parse_request(data, fds)
+    except BaseException:
+        close_all(fds)
+        raise
+
+
+def parse_request(data: bytes, fds: list[int]) -> Request:
+    """A request line as a Request (Refusal unless it runs one of the package's modules on 3 fds)."""
     try:
         raw = json.loads(data)
-        argv, cwd, env = list(raw["argv"]), str(raw["cwd"]), dict(raw["env"])
-    except (ValueError, KeyError, TypeError) as exc:
-        close_all(fds)
+        argv, cwd, env = raw["argv"], raw["cwd"], raw["env"]
+        strings = all(isinstance(a, str) for a in argv) and all(isinstance(x, str) for x in [cwd, *env, *env.values()])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise Refusal("malformed request: %s" % exc) from None
+    if not strings:
+        raise Refusal("malformed request: argv, cwd and env must be strings")
     module = argv[2] if len(argv) > 2 and argv[1] == "-m" else ""
-    if len(fds) != MAX_FDS or not (module == PACKAGE or module.startswith(PACKAGE + ".")):
-        close_all(fds)
+    if len(fds) != STDIO or not (module == PACKAGE or module.startswith(PACKAGE + ".")):
         raise Refusal("it runs `python -m %s...` with stdin, stdout and stderr, not %s" % (PACKAGE, argv[:3]))
-    return Request(module, [str(a) for a in argv[3:]], cwd, {str(k): str(v) for k, v in env.items()}, fds)
+    return Request(module, argv[3:], cwd, env, fds)
 
 
 def close_all(fds: list[int]) -> None:
@@ -189,8 +215,8 @@ def send(conn: socket.socket, message: dict) -> bool:
 
 def peer_uid(conn: socket.socket) -> int:
     """The connecting process's uid (SO_PEERCRED)."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    return struct.unpack("iII", creds)[1]
 
 
 class Server:
@@ -198,25 +224,26 @@ class Server:
     connection), and what ends the service."""
 
     def __init__(self, listener: socket.socket, idle_s: float, stamps: dict, refusal: str | None):
-        self.listener, self.idle_s, self.stamps, self.refusal = listener, idle_s, stamps, refusal
+        self.listener: socket.socket | None = listener
+        self.idle_s, self.stamps, self.refusal = idle_s, stamps, refusal
         self.children: dict[int, socket.socket] = {}
-        self.wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_w, False)
-        self.wake_w = wake_w
-        signal.set_wakeup_fd(wake_w)  # a SIGCHLD wakes select(): exits are reported at once
+        self.last = time.monotonic()  # the last request, or the last trainer's end
+        self.ended = "idle for %g s" % idle_s
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)  # a SIGCHLD wakes select(): exits are reported at once
         signal.signal(signal.SIGCHLD, lambda *_: None)
 
     def serve(self) -> Request | None:
         """Answer requests until idle with no trainer left (None); in a forked child, its Request."""
-        last = time.monotonic()
-        while self.children or self.listener is not None and time.monotonic() - last < self.idle_s:
+        while self.children or self.listener is not None and time.monotonic() - self.last < self.idle_s:
             watch = [self.wake_r] + ([self.listener] if self.listener is not None else [])
             ready = select.select(watch, [], [], 1.0)[0]
             if self.wake_r in ready:
                 os.read(self.wake_r, 4096)
             self.reap()
             if self.listener is not None and self.listener in ready:
-                last = time.monotonic()
+                self.last = time.monotonic()
                 try:
                     conn = self.listener.accept()[0]
                 except OSError:  # the client left before it was accepted
@@ -224,6 +251,7 @@ class Server:
                 request = self.answer(conn)
                 if request is not None:
                     return request
+        self.close_listener(self.ended)
         return None
 
     def answer(self, conn: socket.socket) -> Request | None:
@@ -231,31 +259,37 @@ class Server:
         conn.settimeout(PEER_TIMEOUT_S)
         try:
             request = read_request(conn)  # read first: a client sends all of it before it reads
-            if peer_uid(conn) != os.getuid():
-                close_all(request.fds)
-                raise Refusal("the client runs as another user")
-            changed = changed_module(self.stamps)
-            if changed:  # later runs get a new server, started by the next client
-                self.refusal = "%s changed on disk since this server imported it" % changed
-                self.listener.close()
-                self.listener = None
-            if self.refusal:
-                close_all(request.fds)
-                raise Refusal(self.refusal)
-        except (Refusal, OSError) as exc:
-            send(conn, {"refused": str(exc) or type(exc).__name__})
-            conn.close()
-            return None
+        except Exception as exc:  # noqa: BLE001 - whatever a client sends is a refusal, never the server's end
+            return self.refuse(conn, [], str(exc) or type(exc).__name__)
+        if peer_uid(conn) != os.getuid():
+            return self.refuse(conn, request.fds, "the client runs as another user")
+        changed = changed_module(self.stamps)
+        if changed:  # later runs get a new server, which the next client starts
+            self.refusal = "%s changed on disk since this server imported it" % changed
+            self.close_listener(self.refusal)
+        if self.refusal:
+            return self.refuse(conn, request.fds, self.refusal)
         try:
             return self.fork(conn, request)
         except OSError as exc:  # no fork to be had (memory, process limits): this run starts plainly
-            close_all(request.fds)
-            send(conn, {"refused": "cannot fork: %s" % exc})
-            conn.close()
-            return None
+            return self.refuse(conn, request.fds, "cannot fork: %s" % exc)
+
+    def refuse(self, conn: socket.socket, fds: list[int], reason: str) -> None:
+        """Answer {"refused": reason} and drop the connection and its fds."""
+        close_all(fds)
+        send(conn, {"refused": reason})
+        conn.close()
+
+    def close_listener(self, why: str) -> None:
+        """Stop serving: the name is free for the next server at once, whatever this one still does."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+            self.ended = why
 
     def fork(self, conn: socket.socket, request: Request) -> Request | None:
-        """Fork the trainer; it starts once the client says go, else it is killed unstarted."""
+        """Fork the trainer; it starts once the client says go (then the server confirms), else it
+        is killed unstarted."""
         sys.stdout.flush()
         sys.stderr.flush()
         gate_r, gate_w = os.pipe()
@@ -275,11 +309,12 @@ class Server:
         close_all(request.fds)
         try:
             go = send(conn, {"pid": pid}) and json.loads(conn.makefile("rb").readline() or b"{}").get("go")
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):
             go = False
         if go:
             os.write(gate_w, b"g")
             self.children[pid] = conn
+            send(conn, {"started": True})
             print("forked trainer %d: python -m %s" % (pid, request.module), flush=True)
         else:
             os.kill(pid, signal.SIGKILL)
@@ -297,6 +332,7 @@ class Server:
                 return
             if pid == 0:
                 return
+            self.last = time.monotonic()  # the idle wait starts when the last trainer ends
             conn = self.children.pop(pid, None)
             if conn is not None:
                 send(conn, {"exit": os.waitstatus_to_exitcode(status)})
@@ -312,7 +348,16 @@ class Server:
             sock.close()
 
 
-def become(request: Request) -> None:
+@dataclass
+class Start:
+    """What the server's own start changed that a plain process would not have: the bytecode
+    choice, undone in each child before its trainer makes its own."""
+
+    pycache_prefix: str | None
+    dont_write_bytecode: bool
+
+
+def become(request: Request, start: Start) -> None:
     """In the forked child: take the run's fds, a session of its own, its directory, environment and
     default signals, and run its module as `python -m` would (raises its SystemExit)."""
     os.setsid()
@@ -325,6 +370,15 @@ def become(request: Request) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
+    sys.pycache_prefix, sys.dont_write_bytecode = start.pycache_prefix, start.dont_write_bytecode
+    if (
+        "numpy" in sys.modules
+    ):  # a new process seeds numpy's global generator afresh; Python's random is reseeded at fork
+        sys.modules["numpy"].random.seed()
+    if not hasattr(sys.modules.get(request.module), "__path__"):
+        # `python -m` imports the module once, as __main__; runpy would run a second copy of the
+        # preloaded one, with a warning.
+        sys.modules.pop(request.module, None)
     sys.argv = ["-m", *request.args]
     runpy.run_module(request.module, run_name="__main__", alter_sys=True)
 
@@ -333,31 +387,42 @@ def main(argv: list[str] | None = None) -> int:
     """Claim the name, preload, check, serve; in a forked child, become its trainer."""
     ap = argparse.ArgumentParser(prog="python -m dflash_train.forkserver", description=__doc__.splitlines()[0])
     ap.add_argument("name", help="the abstract unix socket's name")
-    ap.add_argument("--idle-s", type=float, required=True, help="end after this long without a request")
+    ap.add_argument("--idle-s", type=float, required=True, help="end this long after the last request or trainer")
+    ap.add_argument("--bytecode-cache", help="torch's compiled bytecode, where its install has none (bytecode.py)")
     args = ap.parse_args(argv)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind("\0" + args.name)
     except OSError:
         return 0  # another server has the name (started by a run beside this one's)
+    print("fork server %d: %s is mine; importing" % (os.getpid(), args.name), flush=True)
+    start = Start(sys.pycache_prefix, sys.dont_write_bytecode)
     began = time.monotonic()
     try:
+        kept = keep_bytecode(args.bytecode_cache)
         stamps = preload()
     except ImportError as exc:
-        print("fork server: cannot preload: %s" % exc, flush=True)
+        print("fork server %d: cannot preload: %s" % (os.getpid(), exc), flush=True)
         return 4
     refusal = fork_refusal()
+    listener.listen(16)
     print(
-        "fork server %d: %s imported in %.1f s; %s"
-        % (os.getpid(), ", ".join(PRELOAD), time.monotonic() - began, "refusing: " + refusal if refusal else "serving"),
+        "fork server %d: %s imported in %.1f s%s; %s"
+        % (
+            os.getpid(),
+            ", ".join(PRELOAD),
+            time.monotonic() - began,
+            " (%s)" % kept if kept else "",
+            "refusing: " + refusal if refusal else "serving",
+        ),
         flush=True,
     )
-    listener.listen(16)
-    request = Server(listener, args.idle_s, stamps, refusal).serve()
+    server = Server(listener, args.idle_s, stamps, refusal)
+    request = server.serve()
     if request is None:
-        print("fork server %d: idle for %g s: exiting" % (os.getpid(), args.idle_s), flush=True)
+        print("fork server %d: %s: exiting" % (os.getpid(), server.ended), flush=True)
         return 0
-    become(request)
+    become(request, start)
     return 0
 
 

@@ -14,9 +14,11 @@ import json
 import os
 import select
 import socket
+import struct
 import subprocess
 import time
 
+from ..wire import BYTECODE_CACHE, WORKDIR_TOKEN
 from .common import SUPERVISOR_POLL_S, alive, marker
 
 SERVER_MODULE = "dflash_train.forkserver"
@@ -78,6 +80,7 @@ def ask(argv, cwd, env, idle_s, workdir):
         except OSError:  # none, or one still importing: the next run gets it
             log = spawn_server(argv[0], cwd, env, name, idle_s, workdir)
             raise NoFork("no fork server was ready; one is starting for the runs after this one (log: %s)" % log)
+        check_server(sock)
         reader = Lines(sock)
         request = (json.dumps({"argv": argv, "cwd": cwd, "env": env}) + "\n").encode()
         sent = sock.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
@@ -87,6 +90,8 @@ def ask(argv, cwd, env, idle_s, workdir):
             refused = (answer or {}).get("refused") or "no answer"
             raise NoFork("the fork server refused: %s" % refused)
         sock.sendall(b'{"go": true}\n')
+        if not (reader.message(ANSWER_TIMEOUT_S) or {}).get("started"):  # the go-ahead came too late
+            raise NoFork("the fork server did not start the trainer it forked")
     except (OSError, ValueError) as exc:
         sock.close()
         raise NoFork("the fork server could not be asked: %s" % exc)
@@ -96,13 +101,23 @@ def ask(argv, cwd, env, idle_s, workdir):
     return Forked(int(answer["pid"]), sock, reader)
 
 
+def check_server(sock):
+    """NoFork unless the name is held by a process of this user in this pid namespace: the request
+    carries the run's environment and fds, and the pid answered is signalled later."""
+    pid, uid, _ = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII")))
+    if uid != os.getuid() or pid <= 0:
+        raise NoFork("the fork server's name is held by another user's process or another container's (uid %d)" % uid)
+
+
 def spawn_server(argv0, cwd, env, name, idle_s, workdir):
     """Start a server for `name` outside this process's tree (it outlives the run); its log's path.
     A second server for one name exits at once, so runs starting side by side may each start one."""
-    log = os.path.join(os.path.expanduser(workdir), "fork-server", name + ".log")
+    home = os.path.expanduser(workdir)
+    log = os.path.join(home, "fork-server", name + ".log")
     os.makedirs(os.path.dirname(log), exist_ok=True)
     server_env = {k: v for k, v in env.items() if k not in PER_RUN_ENV}
-    argv = [argv0, "-m", SERVER_MODULE, name, "--idle-s", str(idle_s)]
+    cache = BYTECODE_CACHE.replace(WORKDIR_TOKEN, home)  # the trainer's default (runs.trainer_argv)
+    argv = [argv0, "-m", SERVER_MODULE, name, "--idle-s", str(idle_s), "--bytecode-cache", cache]
     pid = os.fork()
     if pid == 0:  # the go-between exits at once: the server's parent becomes init, which reaps it
         try:
