@@ -126,7 +126,7 @@ class Acceptance(LocalHostBench):
     """Runs the stages against one scratch workdir and collects their rows."""
 
     def __init__(self, out: Path, work: Path, dry: bool, budget_s: float):
-        super().__init__(out, work, "acceptance.log", budget_s)
+        super().__init__(out, work, "acceptance.log", budget_s, fork_server=1800)  # an ssh host's default
         self.dry = dry
         self.rows: list[dict] = []
         self.preset = "tiny" if dry else "qwen3-8b"

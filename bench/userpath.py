@@ -24,9 +24,10 @@ if str(ROOT) not in sys.path:
 
 
 class LocalHostBench:
-    """One scratch workdir (wiped first unless `keep`), its inventory, the CLI and a budget."""
+    """One scratch workdir (wiped first unless `keep`), its inventory (with `fork_server:`), the CLI
+    and a budget."""
 
-    def __init__(self, out: Path, work: Path, logname: str, budget_s: float, keep: bool = False):
+    def __init__(self, out: Path, work: Path, logname: str, budget_s: float, keep: bool = False, fork_server: int = 0):
         self.out, self.work = out, work
         self.deadline = time.monotonic() + budget_s
         self.logfile = (out / logname).open("w")
@@ -38,8 +39,8 @@ class LocalHostBench:
         self.inventory.write_text(
             f"default: local\nhosts:\n  local:\n    transport: local\n"
             f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n"
-            # As an ssh host has by default (`local` has none): runs after the first are forked.
-            "    fork_server: 1800\n"
+            # `local`'s default is none; 1800 (an ssh host's) forks the runs after the first.
+            f"    fork_server: {fork_server}\n"
         )
 
     def log(self, text: str) -> None:
