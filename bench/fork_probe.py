@@ -1,5 +1,6 @@
 """Whether the fork server's preload leaves a process a CUDA trainer can be forked from, import by
-import, and what a fork saves: prints one JSON line (docs/performance.md, issue 31).
+import, and what a fork saves: prints a JSON line per import, then the report as one JSON line
+(docs/performance.md, issue 31).
 
 For each of the fork server's PRELOAD modules in turn: import it (torch told to ask NVML, as the
 server does), then start the CUDA driver in a forked child (cuInit; 0 = started). Then the server's
