@@ -5,8 +5,8 @@
 
 Stages (each bounded; all run even if one fails; exit 1 if any failed):
   8b-cold      `dflashctl train local --preset qwen3-8b --set run.steps=30 --follow`: the whole CLI,
-               an inventory with no `gpus` (run.device auto) and `fork_server: 1800` (an ssh host's
-               default), a cold compile cache in the workdir
+               an inventory with no `gpus` (run.device auto) and `fork_server: 1800`, a cold compile
+               cache in the workdir
   8b-eval      `dflashctl eval local RUN` on that run's export (4 prompts x 128 tokens): the decode
                path (CUDA graphs, compiled steps), its verify-step cost, greedy identity or ties
   bench        bench/step_bench.py's 8b fast row and the bf16 matmul peak, in this same call
@@ -126,7 +126,9 @@ class Acceptance(LocalHostBench):
     """Runs the stages against one scratch workdir and collects their rows."""
 
     def __init__(self, out: Path, work: Path, dry: bool, budget_s: float):
-        super().__init__(out, work, "acceptance.log", budget_s, fork_server=1800)  # an ssh host's default
+        super().__init__(
+            out, work, "acceptance.log", budget_s, fork_server=1800
+        )  # warm starts as a host with `fork_server: 1800` has them
         self.dry = dry
         self.rows: list[dict] = []
         self.preset = "tiny" if dry else "qwen3-8b"

@@ -39,7 +39,7 @@ class LocalHostBench:
         self.inventory.write_text(
             f"default: local\nhosts:\n  local:\n    transport: local\n"
             f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n"
-            # `local`'s default is none; 1800 (an ssh host's) forks the runs after the first.
+            # none by default; 1800 forks the runs after the first.
             f"    fork_server: {fork_server}\n"
         )
 

@@ -25,11 +25,6 @@ DEFAULT_TOOLS = {"pct": "/usr/sbin/pct", "docker": "docker"}  # the runtime's co
 # warm inspect cost less than rsync and a bare ssh read; without it every call pays Python
 # start-up plus a full SSH handshake. `persist: 0` turns it off (docs/cli.md has the trade-off).
 DEFAULT_PERSIST_S = 60
-# A fork server takes the import of torch, Dynamo, Inductor and the trainer off each start (~3 s on
-# an H200 box, 9-13 s with a cold bytecode cache); it holds ~1 GB of memory while it waits. Off on
-# `local`, where a process left behind after the command would surprise (and the tests start
-# hundreds of runs).
-DEFAULT_FORK_SERVER_S = 1800
 
 
 @dataclass(frozen=True)
@@ -74,7 +69,9 @@ class HostSpec:
     persist: int = 0  # seconds a background mux keeps the SSH connection open between CLI calls; 0 = off
     # (hosts.yaml's default for ssh hosts is DEFAULT_PERSIST_S)
     # Seconds a fork server, which has imported torch and the trainer, waits in the container for the
-    # next run to fork (a warm start, docs/runs.md); 0 = every run starts a new process.
+    # next run to fork (a warm start, docs/runs.md); 0 = every run starts a new process. Off unless
+    # asked for: it takes ~3 s of imports off a start (9-13 s with a cold bytecode cache) and holds
+    # ~1 GB of memory while it waits, and it has not yet run on a GPU box (issue 31).
     fork_server: int = 0
     on_event: tuple[str, ...] = ()  # argv run in the container at each run event (docs/runs.md)
     # The file the entry came from, as its errors name it (its full path: the file may be any of four
@@ -291,7 +288,7 @@ def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
         gpus=gpus,
         rendezvous_address=strings["rendezvous_address"],
         persist=persist,
-        fork_server=_seconds(fail, raw, "fork_server", DEFAULT_FORK_SERVER_S if transport == "ssh" else 0),
+        fork_server=_seconds(fail, raw, "fork_server", 0),
         on_event=tuple(on_event),
         inventory_file=label,
     )
