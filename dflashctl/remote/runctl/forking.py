@@ -53,9 +53,7 @@ def start_trainer(argv, cwd, env, idle_s, workdir):
     that fails), with a line saying why when a fork was tried."""
     if idle_s > 0 and len(argv) > 2 and argv[1] == "-m" and (argv[2] + ".").startswith(PACKAGE + "."):
         try:
-            child = ask(argv, cwd, env, idle_s, workdir)
-            print("dflashctl: warm start: forked by the fork server (torch and the trainer imported)", flush=True)
-            return child, "forked"
+            return ask(argv, cwd, env, idle_s, workdir), "forked"
         except NoFork as exc:
             print("dflashctl: plain start: %s" % exc, flush=True)
     child = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -89,9 +87,11 @@ def ask(argv, cwd, env, idle_s, workdir):
         if answer is None or "pid" not in answer:
             refused = (answer or {}).get("refused") or "no answer"
             raise NoFork("the fork server refused: %s" % refused)
+        # Said before the go-ahead, so that it comes before anything the trainer writes to the log.
+        print("dflashctl: warm start: forked by the fork server (torch and the trainer imported)", flush=True)
         sock.sendall(b'{"go": true}\n')
         if not (reader.message(ANSWER_TIMEOUT_S) or {}).get("started"):  # the go-ahead came too late
-            raise NoFork("the fork server did not start the trainer it forked")
+            raise NoFork("the fork server did not start the trainer it forked after all")
     except (OSError, ValueError) as exc:
         sock.close()
         raise NoFork("the fork server could not be asked: %s" % exc)
