@@ -42,25 +42,12 @@ def child_uses_cuda() -> dict:
     return out
 
 
-def in_fork(fn) -> dict:
-    """fn() run in a forked child; its JSON answer (or how it failed)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            try:
-                said = fn()
-            except BaseException as exc:  # the probe reports whatever the child met
-                said = {"error": "%s: %s" % (type(exc).__name__, exc)}
-            os.write(w, json.dumps(said).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as fh:
-        data = fh.read()
-    os.waitpid(pid, 0)
-    return json.loads(data) if data else {"error": "the child died"}
+def reported(fn) -> str:
+    """fn()'s answer as JSON, or how it failed (the probe reports whatever the child met)."""
+    try:
+        return json.dumps(fn())
+    except BaseException as exc:
+        return json.dumps({"error": "%s: %s" % (type(exc).__name__, exc)})
 
 
 def main() -> int:
@@ -75,13 +62,18 @@ def main() -> int:
         t = time.perf_counter()
         importlib.import_module(name)
         tasks = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
-        step = {"import": name, "s": round(time.perf_counter() - t, 2), "cuinit_in_fork": forkserver.forked_cuinit()}
+        step = {
+            "import": name,
+            "s": round(time.perf_counter() - t, 2),
+            "cuinit_in_fork": forkserver.in_fork(forkserver.cuinit),
+        }
         step["native_threads"] = tasks
         report["steps"].append(step)
         print(json.dumps(step), flush=True)
     report["self_check_refusal"] = forkserver.fork_refusal()
     t = time.perf_counter()
-    report["forked_child"] = in_fork(child_uses_cuda)
+    said = forkserver.in_fork(lambda: reported(child_uses_cuda))
+    report["forked_child"] = json.loads(said) if said.startswith("{") else {"error": said}
     report["forked_child_wall_s"] = round(time.perf_counter() - t, 2)
     print(json.dumps(report), flush=True)
     return 0 if report["self_check_refusal"] is None and report["forked_child"].get("cuda_available") else 1

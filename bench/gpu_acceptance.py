@@ -399,7 +399,7 @@ class Acceptance(LocalHostBench):
         return {
             "ok": ok,
             "run": run_id,
-            "start": "forked" if forked else self.started(run_id),
+            "start": self.started(run_id),
             "time_to_first_step_s": round(start.get("time_to_first_step_s", float("nan")), 1),
             "from_command_s": self.from_command(start, began),
             "workers_ready_s": round(start.get("workers_ready_s", float("nan")), 1),

@@ -71,7 +71,8 @@ class HostSpec:
     # Seconds a fork server, which has imported torch and the trainer, waits in the container for the
     # next run to fork (a warm start, docs/runs.md); 0 = every run starts a new process. Off unless
     # asked for: it takes ~3 s of imports off a start (9-13 s with a cold bytecode cache) and holds
-    # ~1 GB of memory while it waits, and it has not yet run on a GPU box (issue 31).
+    # their memory while it waits (340 MB resident with torch's CPU build; more with CUDA's
+    # libraries), and it has not yet run on a GPU box (issue 31).
     fork_server: int = 0
     on_event: tuple[str, ...] = ()  # argv run in the container at each run event (docs/runs.md)
     # The file the entry came from, as its errors name it (its full path: the file may be any of four

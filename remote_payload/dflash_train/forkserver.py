@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .bytecode import keep_bytecode
@@ -110,14 +111,14 @@ def cuinit() -> str:
     return str(driver.cuInit(0))
 
 
-def forked_cuinit() -> str:
-    """cuinit() in a child forked from this process."""
+def in_fork(fn: Callable[[], str]) -> str:
+    """fn() in a child forked from this process: what it returned, or why there is no answer."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(r)
-            os.write(w, cuinit().encode())
+            os.write(w, fn().encode())
         finally:
             os._exit(0)
     os.close(w)
@@ -125,7 +126,10 @@ def forked_cuinit() -> str:
         if not select.select([r], [], [], CHECK_TIMEOUT_S)[0]:
             os.kill(pid, signal.SIGKILL)
             return "no answer in %g s" % CHECK_TIMEOUT_S
-        return os.read(r, 4096).decode() or "no answer (the child died)"
+        said = b""
+        while chunk := os.read(r, 65536):
+            said += chunk
+        return said.decode() or "no answer (the child died)"
     finally:
         os.close(r)
         os.waitpid(pid, 0)
@@ -153,7 +157,7 @@ def fork_refusal() -> str | None:
     others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if others:
         return "threads run after the preload (%s): a fork would keep none of them" % ", ".join(others)
-    forked, new = forked_cuinit(), fresh_cuinit()
+    forked, new = in_fork(cuinit), fresh_cuinit()
     if forked != new:
         why = "the CUDA driver does not start in a child forked after the preload"
         return "%s (cuInit: %s there, %s in a new process)" % (why, forked, new)
