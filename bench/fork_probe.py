@@ -61,13 +61,13 @@ def main() -> int:
     for name in forkserver.PRELOAD:
         t = time.perf_counter()
         importlib.import_module(name)
-        tasks = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
+        threads = forkserver.native_threads()
         step = {
             "import": name,
             "s": round(time.perf_counter() - t, 2),
             "cuinit_in_fork": forkserver.in_fork(forkserver.cuinit),
         }
-        step["native_threads"] = tasks
+        step["native_threads"] = threads
         report["steps"].append(step)
         print(json.dumps(step), flush=True)
     report["self_check_refusal"] = forkserver.fork_refusal()

@@ -175,6 +175,9 @@ def test_a_trainer_outlives_its_server_and_the_lost_exit_code_is_said(tmp_path):
         kill_servers(host)
 
 
+NO_SIGNALS = {"ignored": [], "blocked": []}  # a client that ignores and blocks no signal
+
+
 def ask_raw(name: str, request: dict, fds: list[int]) -> tuple[socket.socket, dict]:
     """Send a request to the server `name` by hand: (the connection, its first answer)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -197,11 +200,18 @@ def test_the_server_forks_only_the_trainer_and_only_on_the_go_ahead(warm):
     payload = os.path.realpath(host.workdir / "payload")
     r, w = os.pipe()
     try:
-        _, answer = ask_raw(name, {"argv": [sys.executable, "-m", "json.tool"], "cwd": payload, "env": {}}, [0, w, w])
+        other = {"argv": [sys.executable, "-m", "json.tool"], "cwd": payload, "env": {}, **NO_SIGNALS}
+        _, answer = ask_raw(name, other, [0, w, w])
         assert answer["refused"].startswith("it runs `python -m dflash_train...`")
-        _, answer = ask_raw(name, {"argv": [sys.executable, "-m", 7], "cwd": payload, "env": {}}, [0, w, w])
-        assert answer["refused"] == "malformed request: argv, cwd and env must be strings"
-        trainer = {"argv": [sys.executable, "-m", "dflash_train", *TINY], "cwd": payload, "env": dict(os.environ)}
+        malformed = "malformed request: argv, cwd and env must be strings, ignored and blocked signal numbers"
+        for bad in ({"argv": [sys.executable, "-m", 7]}, {"ignored": ["SIGINT"]}, {"blocked": [2.0]}):
+            _, answer = ask_raw(name, {**other, **bad}, [0, w, w])
+            assert answer["refused"] == malformed
+        _, answer = ask_raw(name, {"argv": other["argv"], "cwd": payload, "env": {}}, [0, w, w])
+        assert answer["refused"] == "malformed request: 'ignored'"
+        trainer = {
+            "argv": [sys.executable, "-m", "dflash_train", *TINY], "cwd": payload, "env": dict(os.environ), **NO_SIGNALS
+        }  # fmt: skip
         sock, answer = ask_raw(name, trainer, [0, w, w])
         # The forked child waits: a trainer running now would print its config within this second.
         assert select.select([r], [], [], 1.0)[0] == []
@@ -221,7 +231,7 @@ def test_the_server_forks_only_the_trainer_and_only_on_the_go_ahead(warm):
 def test_the_server_refuses_another_users_client(warm):
     host, _, _ = warm
     name = server_name(host)
-    trainer = {"argv": [sys.executable, "-m", "dflash_train"], "cwd": str(host.workdir), "env": {}}
+    trainer = {"argv": [sys.executable, "-m", "dflash_train"], "cwd": str(host.workdir), "env": {}, **NO_SIGNALS}
     pid = os.fork()
     if pid == 0:  # another user's client: its exit code says what it was answered
         code = 1
@@ -240,8 +250,8 @@ import json, os, signal, sys
 print(json.dumps({
     "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ), "path0": sys.path[0], "name": __name__,
     "fds": sorted(os.listdir("/proc/self/fd")), "pgid_is_pid": os.getpgid(0) == os.getpid(),
-    "signals": {s: str(signal.getsignal(getattr(signal, s))) for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGCHLD")},
-    "sigpipe": str(signal.getsignal(signal.SIGPIPE)),
+    "signals": {int(s): str(signal.getsignal(s)) for s in signal.valid_signals()},
+    "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
 }), flush=True)
 how = sys.argv[1]
 if how.startswith("kill"):
@@ -250,9 +260,13 @@ sys.exit(int(how))
 """
 # The supervisor's start of one attempt (runctl/forking.py), its stdout the run's log.
 CLIENT = """
-import json, sys
+import json, signal, sys
 from dflashctl.remote.runctl.forking import start_trainer
-argv, cwd, env, idle_s, workdir = json.loads(sys.argv[1])
+argv, cwd, env, idle_s, workdir, quiet = json.loads(sys.argv[1])
+if quiet:  # a supervisor started as a shell's background job is (SIGINT ignored), and more
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
 child, how = start_trainer(argv, cwd, env, idle_s, workdir)
 print(json.dumps({"how": how, "code": child.wait()}), file=sys.stderr)
 """
@@ -271,10 +285,10 @@ def shown(tmp_path_factory: pytest.TempPathFactory):
     server = start_server(payload, name, root / "server.log", env, idle_s=120)
     wait_until(lambda: said(root / "server.log", "; serving"), timeout=SERVE_WAIT_S, what="the server to serve")
 
-    def run(idle_s: int, how: str) -> tuple[str, int, dict]:
+    def run(idle_s: int, how: str, quiet: bool) -> tuple[str, int, dict]:
         with (root / "out").open("wb") as out:
             res = subprocess.run(
-                [sys.executable, "-c", CLIENT, json.dumps([[*argv, how], str(payload), env, idle_s, str(root)])],
+                [sys.executable, "-c", CLIENT, json.dumps([[*argv, how], str(payload), env, idle_s, str(root), quiet])],
                 stdout=out, stderr=subprocess.PIPE, cwd=root, timeout=120, check=True,
             )  # fmt: skip
         answer = json.loads(res.stderr.splitlines()[-1])
@@ -285,12 +299,18 @@ def shown(tmp_path_factory: pytest.TempPathFactory):
     server.wait()
 
 
-@pytest.mark.parametrize(("how", "code"), [("0", 0), ("3", 3), ("killKILL", -9), ("killTERM", -15)])
-def test_a_forked_process_has_what_a_plain_one_has_and_ends_as_it_does(shown, how, code):
-    plain, forked = shown(0, how), shown(120, how)
+@pytest.mark.parametrize(
+    ("how", "code", "quiet"),
+    [("0", 0, False), ("3", 3, False), ("killKILL", -9, False), ("killTERM", -15, False), ("0", 0, True)],
+)
+def test_a_forked_process_has_what_a_plain_one_has_and_ends_as_it_does(shown, how, code, quiet):
+    plain, forked = shown(0, how, quiet), shown(120, how, quiet)
     assert (plain[0], forked[0]) == ("plain", "forked")
     assert plain[1] == forked[1] == code
-    assert forked[2] == plain[2]  # argv, cwd, exact environment, sys.path, __main__, fds, session, signals
+    # argv, cwd, exact environment, sys.path, __main__, fds, session, each signal's disposition, the mask
+    assert forked[2] == plain[2]
+    assert (plain[2]["signals"][str(int(signal.SIGUSR1))] == str(signal.SIG_IGN)) == quiet
+    assert (plain[2]["blocked"] == [int(signal.SIGUSR2)]) == quiet
 
 
 def start_server(cwd: Path, name: str, log: Path, env: dict[str, str], idle_s: float) -> subprocess.Popen:

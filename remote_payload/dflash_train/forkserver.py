@@ -15,7 +15,8 @@ end of the last trainer it forked, whichever is later.
 
 Protocol, one connection per run, on the abstract unix socket NAME (binding it is the claim: a
 second server for NAME exits at once; peers of another uid are refused). The client sends one JSON
-line {"argv", "cwd", "env"} with its stdin, stdout and stderr as SCM_RIGHTS; the server forks and
+line {"argv", "cwd", "env", "ignored", "blocked"} (the last two: the signals it ignores and blocks,
+which a plain start inherits) with its stdin, stdout and stderr as SCM_RIGHTS; the server forks and
 answers {"pid": N}; the child runs the trainer only once the client has answered {"go": true}, which
 the server confirms with {"started": true} (a client that gave up, or whose go-ahead came too late,
 leaves no trainer behind); when it ends the server sends {"exit": CODE}, Popen's returncode (-N:
@@ -65,6 +66,8 @@ class Request:
     cwd: str
     env: dict[str, str]
     fds: list[int]
+    ignored: list[int]  # the signals the client ignores and blocks: a plain start inherits them
+    blocked: list[int]
 
 
 class Refusal(Exception):
@@ -152,6 +155,22 @@ def fresh_cuinit() -> str:
     return fresh.stdout.strip() or "failed: " + fresh.stderr.strip()[-200:]
 
 
+def native_threads() -> list[str]:
+    """The names of this process's OS threads other than the caller's ([] where /proc cannot say)."""
+    names = []
+    try:
+        tids = [t for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
+    except OSError:
+        return []
+    for tid in tids:
+        try:
+            with open("/proc/self/task/%s/comm" % tid) as comm:
+                names.append(comm.read().strip())
+        except OSError:
+            pass  # it ended meanwhile
+    return names
+
+
 def fork_refusal() -> str | None:
     """Why no trainer may be forked from this process, or None."""
     others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
@@ -187,16 +206,17 @@ def parse_request(data: bytes, fds: list[int]) -> Request:
     """A request line as a Request (Refusal unless it runs one of the package's modules on 3 fds)."""
     try:
         raw = json.loads(data)
-        argv, cwd, env = raw["argv"], raw["cwd"], raw["env"]
+        argv, cwd, env, ignored, blocked = raw["argv"], raw["cwd"], raw["env"], raw["ignored"], raw["blocked"]
         strings = all(isinstance(a, str) for a in argv) and all(isinstance(x, str) for x in [cwd, *env, *env.values()])
+        numbers = all(type(n) is int for n in [*ignored, *blocked])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise Refusal("malformed request: %s" % exc) from None
-    if not strings:
-        raise Refusal("malformed request: argv, cwd and env must be strings")
+    if not (strings and numbers):
+        raise Refusal("malformed request: argv, cwd and env must be strings, ignored and blocked signal numbers")
     module = argv[2] if len(argv) > 2 and argv[1] == "-m" else ""
     if len(fds) != STDIO or not (module == PACKAGE or module.startswith(PACKAGE + ".")):
         raise Refusal("it runs `python -m %s...` with stdin, stdout and stderr, not %s" % (PACKAGE, argv[:3]))
-    return Request(module, argv[3:], cwd, env, fds)
+    return Request(module, argv[3:], cwd, env, fds, ignored, blocked)
 
 
 def close_all(fds: list[int]) -> None:
@@ -361,9 +381,22 @@ class Start:
     dont_write_bytecode: bool
 
 
+def take_signals(ignored: list[int], blocked: list[int]) -> None:
+    """The signal dispositions and mask a new Python process started by the client has: what the
+    client ignores stays ignored over exec, the rest is default (SIGINT: Python's KeyboardInterrupt),
+    SIGPIPE and SIGXFSZ ignored by Python's start-up (Popen resets them for it)."""
+    for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ}:
+        default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        try:
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else default)
+        except (OSError, ValueError):
+            pass  # a signal the C library keeps for itself
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def become(request: Request, start: Start) -> None:
     """In the forked child: take the run's fds, a session of its own, its directory, environment and
-    default signals, and run its module as `python -m` would (raises its SystemExit)."""
+    signals, and run its module as `python -m` would (raises its SystemExit)."""
     os.setsid()
     for target, fd in enumerate(request.fds):
         os.dup2(fd, target)
@@ -371,9 +404,7 @@ def become(request: Request, start: Start) -> None:
     os.chdir(request.cwd)
     os.environ.clear()
     os.environ.update(request.env)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
+    take_signals(request.ignored, request.blocked)
     sys.pycache_prefix, sys.dont_write_bytecode = start.pycache_prefix, start.dont_write_bytecode
     if (
         "numpy" in sys.modules
@@ -408,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print("fork server %d: cannot preload: %s" % (os.getpid(), exc), flush=True)
         return 4
+    # Native threads (a library's idle pool) do not stop a fork, but Python warns of them at each
+    # fork: name them once, beside the self-check that shows a forked child can start CUDA.
+    threads = native_threads()
     refusal = fork_refusal()
     listener.listen(16)
     print(
@@ -421,6 +455,13 @@ def main(argv: list[str] | None = None) -> int:
         ),
         flush=True,
     )
+    if threads and not refusal:
+        print(
+            "fork server %d: %d native thread(s) besides this one at the self-check (%s): a forked trainer "
+            "keeps none of them, and cuInit answered in a fork as in a new process"
+            % (os.getpid(), len(threads), ", ".join(threads)),
+            flush=True,
+        )
     server = Server(listener, args.idle_s, stamps, refusal)
     request = server.serve()
     if request is None:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -80,7 +81,7 @@ def ask(argv, cwd, env, idle_s, workdir):
             raise NoFork("no fork server was ready; one is starting for the runs after this one (log: %s)" % log)
         check_server(sock)
         reader = Lines(sock)
-        request = (json.dumps({"argv": argv, "cwd": cwd, "env": env}) + "\n").encode()
+        request = (json.dumps({"argv": argv, "cwd": cwd, "env": env, **inherited_signals()}) + "\n").encode()
         sent = sock.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
         sock.sendall(request[sent:])
         answer = reader.message(ANSWER_TIMEOUT_S)
@@ -99,6 +100,14 @@ def ask(argv, cwd, env, idle_s, workdir):
         sock.close()
         raise
     return Forked(int(answer["pid"]), sock, reader)
+
+
+def inherited_signals():
+    """The signals a plain start's trainer inherits from this process over exec: those it ignores
+    and those it blocks (a supervisor started with SIGINT ignored, as a shell's background job is,
+    starts trainers that ignore it)."""
+    ignored = [int(s) for s in signal.valid_signals() if signal.getsignal(s) == signal.SIG_IGN]
+    return {"ignored": ignored, "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
 
 
 def check_server(sock):
