@@ -10,6 +10,8 @@ Stages (each bounded; all run even if one fails; exit 1 if any failed):
   8b-eval      `dflashctl eval local RUN` on that run's export (4 prompts x 128 tokens): the decode
                path (CUDA graphs, compiled steps), its verify-step cost, greedy identity or ties
   bench        bench/step_bench.py's 8b fast row and the bf16 matmul peak, in this same call
+  8b-warm-plain  the same preset as 8b-cold from the warm cache, on the inventory's `plain` name for
+               the machine (no fork server): a plain process's warm start, beside the forked one next
   8b-warm-stop the same preset again (warm cache), detached, a checkpoint every 50 steps, its trainer
                forked by the fork server the cold stage started (a plain start fails it); `runs stop`
                once step 100's is written: the seconds each checkpoint blocked training (goal <= 1 s
@@ -223,14 +225,18 @@ class Acceptance(LocalHostBench):
         self.cold_run = row["run"] if row["ok"] else None
         return row
 
-    def follow_preset(self, preset: str, sets: tuple[str, ...], label: str) -> dict:
-        """`train local --preset PRESET --set run.steps=30 [--set K=V ...] --follow`: start, step and exit figures."""
+    def warm_plain(self) -> dict:
+        """The cold stage's preset again, warm, started as a new process (host `plain`: no fork server)."""
+        return self.follow_preset(self.preset, (), "8b-warm-plain", host="plain")
+
+    def follow_preset(self, preset: str, sets: tuple[str, ...], label: str, host: str = "local") -> dict:
+        """`train HOST --preset PRESET --set run.steps=30 [--set K=V ...] --follow`: start, step and exit figures."""
         steps = 30
         extra = [a for item in sets for a in ("--set", item)]
         began = time.time()
         code, out, err, secs = self.cli(
             "train",
-            "local",
+            host,
             "--preset",
             preset,
             "--set",
@@ -248,7 +254,7 @@ class Acceptance(LocalHostBench):
         start = self.start_record(recs)
         final = [r for r in recs if r.get("event") == "train"]
         ok = code == 0 and bool(final) and final[-1]["step"] == steps and bool(start)
-        gpus = re.search(r"on local, (GPUs? [\d,]+|CPU)", err)
+        gpus = re.search(rf"on {host}, (GPUs? [\d,]+|CPU)", err)
         row = {
             "ok": ok,
             "exit": code,
@@ -642,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=560)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny preset: check the script itself")
     ap.add_argument(
-        "--stages", default="cold,eval,bench,warm,stopcompile,regen,cudagraphs,smallpair,doctor,imports,smoke:nosync"
+        "--stages",
+        default="cold,eval,bench,warmplain,warm,stopcompile,regen,cudagraphs,smallpair,doctor,imports,smoke:nosync",
     )
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -659,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         "cold": ("8b-cold", acc.cold_follow),
         "eval": ("8b-eval", acc.evaluate),
         "bench": ("bench", acc.bench),
+        "warmplain": ("8b-warm-plain", acc.warm_plain),
         "warm": ("8b-warm-stop", acc.warm_stop),
         "stopcompile": ("8b-stop-compile", acc.stop_compile),
         "cudagraphs": ("small-cudagraphs", acc.small_cudagraphs),

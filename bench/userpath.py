@@ -24,8 +24,9 @@ if str(ROOT) not in sys.path:
 
 
 class LocalHostBench:
-    """One scratch workdir (wiped first unless `keep`), its inventory (with `fork_server:`), the CLI
-    and a budget."""
+    """One scratch workdir (wiped first unless `keep`), its inventory, the CLI and a budget. The
+    inventory has two names for the machine: `local` (with `fork_server:`) and `plain` (the same
+    workdir, no fork server: every run a new process, for a comparison in the same call)."""
 
     def __init__(self, out: Path, work: Path, logname: str, budget_s: float, keep: bool = False, fork_server: int = 0):
         self.out, self.work = out, work
@@ -36,11 +37,11 @@ class LocalHostBench:
             shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True, exist_ok=True)
         self.inventory = work / "hosts.yaml"
+        host = f"    transport: local\n    workdir: {json.dumps(str(work / 'dflashctl'))}\n"
         self.inventory.write_text(
-            f"default: local\nhosts:\n  local:\n    transport: local\n"
-            f"    workdir: {json.dumps(str(work / 'dflashctl'))}\n"
-            # none by default; 1800 forks the runs after the first.
-            f"    fork_server: {fork_server}\n"
+            # fork_server: none by default; 1800 forks the runs after the first.
+            f"default: local\nhosts:\n  local:\n{host}    fork_server: {fork_server}\n"
+            f"  plain:\n{host}    fork_server: 0\n"
         )
 
     def log(self, text: str) -> None:
