@@ -220,8 +220,16 @@ def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, backend: st
 # Every block query sees at least its own block, in the full and the sliding masks alike (tests
 # check it), so no row is fully masked and FlexAttention may drop its guards for such rows. On one
 # H200 at the 8B shape that took the training step from 212.8 to 197.4 ms (run 34,
-# docs/performance.md): the same loss, to the bit.
+# docs/performance.md): the same loss, to the bit. Only where the query and key lengths fill the
+# mask's blocks: the kernel pads a partial block with rows that see nothing, and unguarded they
+# made the tiny preset's compiled loss NaN on an H100 (issue 31; gpu_smoke.py flexrows).
 FLEX_KERNEL_OPTIONS = {"ROWS_GUARANTEED_SAFE": True}
+
+
+def flex_kernel_options(q_len: int, kv_len: int, mask: BlockMask) -> dict | None:
+    """FLEX_KERNEL_OPTIONS when no block of the mask is partial (no padded row), else None."""
+    q_block, kv_block = mask.BLOCK_SIZE
+    return FLEX_KERNEL_OPTIONS if q_len % q_block == 0 and kv_len % kv_block == 0 else None
 
 
 def attend(
@@ -232,7 +240,8 @@ def attend(
     # recast all three, FlexAttention wants them equal: use v's (the compute) dtype.
     q, k = q.to(v.dtype), k.to(v.dtype)
     if isinstance(mask, BlockMask):
-        return flex_fn(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=FLEX_KERNEL_OPTIONS)
+        options = flex_kernel_options(q.shape[-2], k.shape[-2], mask)
+        return flex_fn(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 

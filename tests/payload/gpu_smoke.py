@@ -12,6 +12,10 @@ graphstep  run.capture_optimizer auto (clip + AdamW + zero grads replayed as one
 graphtarget  run.capture_target on (the target's feature forward replayed as one CUDA graph) vs
        off, compile default, per-layer scope: the graph's features against eager ones on fresh
        inputs, then 30 steps on every GPU (one thread each): losses and checksums must be equal
+flexrows  the drafter's attention (model.attend) through compiled FlexAttention against dense fp32
+       attention, forward and backward, at the 8B preset's lengths and at lengths that leave a
+       partial block (the tiny preset's): finite and close; beside it, the same with the row guards
+       dropped at every shape (ROWS_GUARANTEED_SAFE forced), which attend does only for whole blocks
 nosync  the decode path's steps (the target's decode and verify steps, the drafter's context and
        draft steps) replayed under torch.cuda.set_sync_debug_mode("error"): none waits for the GPU
 """
@@ -244,6 +248,61 @@ def check_graphtarget() -> None:
     print(f"graphtarget: {'PASS' if all(same) and results['on'] == results['off'] else 'FAIL'}", flush=True)
 
 
+def attention_error(fn, mask, q, k, v, ref_out, ref_grads) -> str:
+    """attend() through `fn` against the fp32 reference: 'ok' with the worst relative error, or what broke."""
+    from dflash_train.model import attend
+
+    for t in (q, k, v):
+        t.grad = None
+    out = attend(q, k, v, mask, fn)
+    out.float().mul(ref_out.detach().sign()).sum().backward()
+    got = [out.float(), *(t.grad.float() for t in (q, k, v))]
+    if not all(torch.isfinite(x).all() for x in got):
+        return "NOT FINITE"
+    worst = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, [ref_out, *ref_grads]))
+    return f"{'ok' if worst < 5e-2 else 'WRONG'} (worst relative error {worst:.1e})"
+
+
+def check_flexrows() -> None:
+    """Compiled FlexAttention under the trainer's kernel options against dense fp32 attention, at
+    whole and partial blocks; and with the row guards dropped at every shape."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash_train.model import attend, dense_block_mask, flex_block_mask
+
+    def compiled(*args, **kwargs):
+        return torch.compile(flex_attention, dynamic=False)(*args, **kwargs)
+
+    def unguarded(*args, kernel_options=None, **kwargs):
+        return compiled(*args, kernel_options={"ROWS_GUARANTEED_SAFE": True}, **kwargs)
+
+    failed = []
+    # (context length, anchors, block size): the 8B preset's, the tiny preset's, and partial blocks
+    # of queries, keys or both.
+    for seq_len, a, bs in ((3072, 512, 16), (64, 8, 8), (100, 16, 8), (120, 6, 8)):
+        torch._dynamo.reset()  # two compiles per shape, each in full: no recompile limit falls back to eager
+        g = torch.Generator(device="cuda").manual_seed(0)
+        anchors = torch.randint(0, seq_len, (2, a), generator=g, device="cuda").sort(dim=1).values
+        shape_q, shape_kv = (2, 4, a * bs, 64), (2, 2, seq_len + a * bs, 64)
+        q, k, v = (
+            torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            for s in (shape_q, shape_kv, shape_kv)
+        )
+        ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        ref_out = attend(*ref, dense_block_mask(anchors, seq_len, bs))
+        ref_out.mul(ref_out.detach().sign()).sum().backward()
+        ref_grads = [t.grad for t in ref]
+        mask = flex_block_mask(anchors, seq_len, bs)
+        ours = attention_error(compiled, mask, q, k, v, ref_out, ref_grads)
+        forced = attention_error(unguarded, mask, q, k, v, ref_out, ref_grads)
+        print(
+            f"flexrows: {a * bs} queries, {seq_len + a * bs} keys: attend {ours}; guards dropped {forced}", flush=True
+        )
+        if not ours.startswith("ok"):
+            failed.append((seq_len, a, bs))
+    assert not failed, f"attend is not finite or not close at {failed}"
+
+
 def check_nosync() -> None:
     """After their capture, decode steps launch without waiting for the GPU: a wait (a blocking copy
     from host memory, an item()) would keep the GPU's step from overlapping the host's next launch."""
@@ -289,6 +348,7 @@ if __name__ == "__main__":
         "graphstep": check_graphstep,
         "graphtarget": check_graphtarget,
         "nosync": check_nosync,
+        "flexrows": check_flexrows,
     }
     for name in sys.argv[1:] or list(checks):
         checks[name]()
