@@ -215,6 +215,9 @@ def test_smoke_rows_and_verdict() -> None:
     assert trees.status == "warn" and trees.evidence.endswith("cudagraph_trees.py:359 in get_obj")
     diverged = D.smoke_check("default", {**ok, "losses": [0.1, 1.0], "losses_agree": False}, allowed)
     assert diverged.status == "fail" and "disagree" in diverged.result
+    # One replica's NaN agrees with nothing, its own copy included: said as what it is.
+    broken = D.smoke_check("default", {**ok, "losses": [float("nan")], "losses_agree": False}, allowed)
+    assert broken.status == "fail" and broken.result.startswith("loss not finite")
     verdict = D.verdict_check("cuda", "default", smoke, 2)
     assert verdict.status == "ok" and verdict.result.startswith("trainer uses default")
     assert verdict.result.endswith(

@@ -4,6 +4,7 @@ the verdict: what the trainer uses here). The program is doctor.py."""
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -330,6 +331,15 @@ def smoke_check(policy: str, detail: dict, trainer_policies: set[str]) -> Check:
             f"{' + '.join(detail['devices'])}; {warm} s; "
             f"final losses {' / '.join(f'{x:.4f}' for x in detail['losses'])}"
         )
+        if not all(math.isfinite(x) for x in detail["losses"]):
+            return Check(
+                f"smoke:{policy}",
+                title,
+                "fail",
+                f"loss not finite ({ms} ms/step)",
+                evidence,
+                "the step gives NaN or inf on this device: do not train with this policy",
+            )
         if not detail["losses_agree"]:
             return Check(
                 f"smoke:{policy}",
