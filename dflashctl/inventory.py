@@ -25,6 +25,10 @@ DEFAULT_TOOLS = {"pct": "/usr/sbin/pct", "docker": "docker"}  # the runtime's co
 # warm inspect cost less than rsync and a bare ssh read; without it every call pays Python
 # start-up plus a full SSH handshake. `persist: 0` turns it off (docs/cli.md has the trade-off).
 DEFAULT_PERSIST_S = 60
+# A fork server waits this long for the next run on ssh hosts (docs/runs.md, "Warm starts"): each
+# start after the first skips importing torch, the compiler and the trainer (docs/performance.md has
+# the GPU measurements); it holds their memory while it waits. `fork_server: 0` turns it off.
+DEFAULT_FORK_SERVER_S = 1800
 
 
 @dataclass(frozen=True)
@@ -69,10 +73,9 @@ class HostSpec:
     persist: int = 0  # seconds a background mux keeps the SSH connection open between CLI calls; 0 = off
     # (hosts.yaml's default for ssh hosts is DEFAULT_PERSIST_S)
     # Seconds a fork server, which has imported torch and the trainer, waits in the container for the
-    # next run to fork (a warm start, docs/runs.md); 0 = every run starts a new process. Off unless
-    # asked for: it takes ~3 s of imports off a start (9-13 s with a cold bytecode cache) and holds
-    # their memory while it waits (340 MB resident with torch's CPU build; more with CUDA's
-    # libraries), and it has not yet run on a GPU box (issue 31).
+    # next run to fork (a warm start, docs/runs.md); 0 = every run starts a new process. hosts.yaml's
+    # default is DEFAULT_FORK_SERVER_S for ssh hosts (GPU boxes: it takes the imports off a start) and
+    # 0 for `local` (the CPU demo and tests: no process left behind on the user's own machine).
     fork_server: int = 0
     on_event: tuple[str, ...] = ()  # argv run in the container at each run event (docs/runs.md)
     # The file the entry came from, as its errors name it (its full path: the file may be any of four
@@ -289,7 +292,7 @@ def _parse_host(label: str, name: str, raw: Any) -> HostSpec:
         gpus=gpus,
         rendezvous_address=strings["rendezvous_address"],
         persist=persist,
-        fork_server=_seconds(fail, raw, "fork_server", 0),
+        fork_server=_seconds(fail, raw, "fork_server", DEFAULT_FORK_SERVER_S if transport == "ssh" else 0),
         on_event=tuple(on_event),
         inventory_file=label,
     )

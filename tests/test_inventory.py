@@ -117,11 +117,11 @@ def test_a_full_host_entry_parses():
     assert inv.get("local").transport == "local"  # always there
 
 
-def test_no_fork_server_runs_unless_a_host_asks_for_one():
+def test_fork_server_is_on_for_ssh_hosts_and_off_for_local_unless_asked():
     inv = parse_inventory(
         "hosts:\n  a: {address: h}\n  b: {address: h, fork_server: 0}\n  c: {transport: local, fork_server: 60}\n"
     )
-    assert [inv.get(n).fork_server for n in ("a", "b", "c", "local")] == [0, 0, 60, 0]
+    assert [inv.get(n).fork_server for n in ("a", "b", "c", "local")] == [1800, 0, 60, 0]
 
 
 def test_docker_container_defaults_to_docker_and_takes_another_cli():
