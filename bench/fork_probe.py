@@ -25,6 +25,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "remote_payload"))
 from dflash_train import forkserver  # noqa: E402
 
 
+# In a new process: the import during which a thread named cuda* (the CUDA driver's) first appears,
+# with the stack of imports that led there, or null.
+WHO_STARTS_CUDA = """
+import builtins, json, os, sys, traceback
+os.environ[sys.argv[1]] = "1"
+real, found, stack = builtins.__import__, [], []
+
+def cuda_thread():
+    for t in os.listdir("/proc/self/task"):
+        try:
+            if open("/proc/self/task/%s/comm" % t).read().startswith("cuda"):
+                return True
+        except OSError:
+            pass
+    return False
+
+def watched(name, *args, **kwargs):
+    stack.append(name)
+    try:
+        return real(name, *args, **kwargs)
+    finally:
+        if not found and cuda_thread():
+            found.append({"imports": list(stack), "where": traceback.format_stack(limit=12)})
+        stack.pop()
+
+builtins.__import__ = watched
+for name in sys.argv[2:]:
+    __import__(name)
+print(json.dumps(found[0] if found else None))
+"""
+
+
 def child_uses_cuda() -> dict:
     """In a forked child, with the environment a plain trainer has: CUDA, a matmul, a compiled function."""
     import torch
@@ -70,6 +102,15 @@ def main() -> int:
         step["native_threads"] = threads
         report["steps"].append(step)
         print(json.dumps(step), flush=True)
+    who = subprocess.run(
+        [sys.executable, "-c", WHO_STARTS_CUDA, forkserver.NVML_CHECK, *forkserver.PRELOAD],
+        cwd=Path(forkserver.__file__).parents[1],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    report["first_cuda_thread"] = who.stdout.strip() or who.stderr.strip()[-500:]
+    print(json.dumps({"first_cuda_thread": report["first_cuda_thread"]}), flush=True)
     report["self_check_refusal"] = forkserver.fork_refusal()
     t = time.perf_counter()
     said = forkserver.in_fork(lambda: reported(child_uses_cuda))
