@@ -217,19 +217,11 @@ def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, backend: st
     return dense_block_mask(anchors, seq_len, block_size)
 
 
-# Every block query sees at least its own block, in the full and the sliding masks alike (tests
-# check it), so no row is fully masked and FlexAttention may drop its guards for such rows. On one
-# H200 at the 8B shape that took the training step from 212.8 to 197.4 ms (run 34,
-# docs/performance.md): the same loss, to the bit. Only where the query and key lengths fill the
-# mask's blocks: the kernel pads a partial block with rows that see nothing, and unguarded they
-# made the tiny preset's compiled loss NaN on an H100 (issue 31; gpu_smoke.py flexrows).
-FLEX_KERNEL_OPTIONS = {"ROWS_GUARANTEED_SAFE": True}
-
-
-def flex_kernel_options(q_len: int, kv_len: int, mask: BlockMask) -> dict | None:
-    """FLEX_KERNEL_OPTIONS when no block of the mask is partial (no padded row), else None."""
-    q_block, kv_block = mask.BLOCK_SIZE
-    return FLEX_KERNEL_OPTIONS if q_len % q_block == 0 and kv_len % kv_block == 0 else None
+# FlexAttention keeps its guards for rows that see no key in a block (ROWS_GUARANTEED_SAFE is not
+# set): the kernel starts each row's running max at -inf over the first key block it visits, and a
+# row that sees nothing there becomes NaN unguarded, though it sees its own block later. DFlash's
+# padding anchors (0) and short replies make such rows at the 8B shape (H100, 2026-12-06;
+# gpu_smoke.py flexrows); the option's 7% of the step (run 34) is not worth a NaN loss.
 
 
 def attend(
@@ -240,8 +232,7 @@ def attend(
     # recast all three, FlexAttention wants them equal: use v's (the compute) dtype.
     q, k = q.to(v.dtype), k.to(v.dtype)
     if isinstance(mask, BlockMask):
-        options = flex_kernel_options(q.shape[-2], k.shape[-2], mask)
-        return flex_fn(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options)
+        return flex_fn(q, k, v, block_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 

@@ -13,9 +13,9 @@ graphtarget  run.capture_target on (the target's feature forward replayed as one
        off, compile default, per-layer scope: the graph's features against eager ones on fresh
        inputs, then 30 steps on every GPU (one thread each): losses and checksums must be equal
 flexrows  the drafter's attention (model.attend) through compiled FlexAttention against dense fp32
-       attention, forward and backward, at the 8B preset's lengths and at lengths that leave a
-       partial block (the tiny preset's): finite and close; beside it, the same with the row guards
-       dropped at every shape (ROWS_GUARANTEED_SAFE forced), which attend does only for whole blocks
+       attention, forward and backward, at the 8B preset's lengths and the tiny preset's, with
+       random anchors, padding anchors at 0 and anchors every 6 positions: finite and close; beside
+       it, the same with the kernel's row guards dropped (ROWS_GUARANTEED_SAFE), which attend keeps
 nosync  the decode path's steps (the target's decode and verify steps, the drafter's context and
        draft steps) replayed under torch.cuda.set_sync_debug_mode("error"): none waits for the GPU
 """
@@ -264,8 +264,7 @@ def attention_error(fn, mask, q, k, v, ref_out, ref_grads) -> str:
 
 
 def check_flexrows() -> None:
-    """Compiled FlexAttention under the trainer's kernel options against dense fp32 attention, at
-    whole and partial blocks; and with the row guards dropped at every shape."""
+    """Compiled FlexAttention as the trainer calls it against dense fp32 attention; beside it, unguarded."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from dflash_train.model import attend, dense_block_mask, flex_block_mask
@@ -277,12 +276,19 @@ def check_flexrows() -> None:
         return compiled(*args, kernel_options={"ROWS_GUARANTEED_SAFE": True}, **kwargs)
 
     failed = []
-    # (context length, anchors, block size): the 8B preset's, the tiny preset's, and partial blocks
-    # of queries, keys or both.
-    for seq_len, a, bs in ((3072, 512, 16), (64, 8, 8), (100, 16, 8), (120, 6, 8)):
+    # (context length, anchors, block size, anchor pattern): the 8B preset's and the tiny preset's
+    # lengths; random anchors, a short reply's (its last half padding anchors at 0, as collate pads),
+    # and every 6 positions from 0.
+    for seq_len, a, bs, pattern in (
+        (3072, 512, 16, "random"), (3072, 512, 16, "padded"), (3072, 512, 16, "every6"), (64, 8, 8, "random"),
+    ):  # fmt: skip
         torch._dynamo.reset()  # two compiles per shape, each in full: no recompile limit falls back to eager
         g = torch.Generator(device="cuda").manual_seed(0)
-        anchors = torch.randint(0, seq_len, (2, a), generator=g, device="cuda").sort(dim=1).values
+        anchors = torch.randint(1, seq_len, (2, a), generator=g, device="cuda").sort(dim=1).values
+        if pattern == "padded":
+            anchors[:, a // 2 :] = 0
+        elif pattern == "every6":
+            anchors = (torch.arange(a, device="cuda") * 6 % seq_len).expand(2, a).contiguous()
         shape_q, shape_kv = (2, 4, a * bs, 64), (2, 2, seq_len + a * bs, 64)
         q, k, v = (
             torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
@@ -296,10 +302,12 @@ def check_flexrows() -> None:
         ours = attention_error(compiled, mask, q, k, v, ref_out, ref_grads)
         forced = attention_error(unguarded, mask, q, k, v, ref_out, ref_grads)
         print(
-            f"flexrows: {a * bs} queries, {seq_len + a * bs} keys: attend {ours}; guards dropped {forced}", flush=True
+            f"flexrows: {a * bs} queries, {seq_len + a * bs} keys, {pattern} anchors: attend {ours}; "
+            f"guards dropped {forced}",
+            flush=True,
         )
         if not ours.startswith("ok"):
-            failed.append((seq_len, a, bs))
+            failed.append((seq_len, a, bs, pattern))
     assert not failed, f"attend is not finite or not close at {failed}"
 
 

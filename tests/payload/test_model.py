@@ -5,8 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.model import (
-    FLEX_KERNEL_OPTIONS,
-    flex_kernel_options,
     DFlashDrafter,
     DrafterSpec,
     Shape,
@@ -154,10 +152,8 @@ def test_parameter_names_match_published_layout():
 
 
 def test_no_query_row_of_a_training_mask_is_fully_masked():
-    """What `FLEX_KERNEL_OPTIONS` (ROWS_GUARANTEED_SAFE) promises FlexAttention: every block query
-    sees a key (its own block), in the full mask and the sliding one, an anchor at 0 and a window
-    of one position included."""
-    assert FLEX_KERNEL_OPTIONS == {"ROWS_GUARANTEED_SAFE": True}
+    """Every block query sees a key (its own block), in the full mask and the sliding one, an anchor
+    at 0 and a window of one position included: no row of the attention is all masked."""
     anchors = torch.tensor([[0, 1, 7, 20], [3, 3, 12, 19]])
     seq_len, bs = 24, 4
     masks = [dense_block_mask(anchors, seq_len, bs)] + [
@@ -165,17 +161,3 @@ def test_no_query_row_of_a_training_mask_is_fully_masked():
     ]
     for mask in masks:
         assert mask.any(-1).all()
-
-
-def test_flex_drops_its_row_guards_only_where_no_block_of_the_mask_is_partial():
-    """The kernel pads a partial block with rows that see nothing: there the guards must stay (the
-    tiny preset's 64 queries and 128 keys gave a NaN loss without them on an H100)."""
-
-    def options(seq_len: int, anchors: int, bs: int):
-        starts = torch.arange(anchors)[None] * (seq_len // anchors)
-        return flex_kernel_options(anchors * bs, seq_len + anchors * bs, flex_block_mask(starts, seq_len, bs))
-
-    assert options(3072, 512, 16) == FLEX_KERNEL_OPTIONS  # the 8B preset: 8,192 queries, 11,264 keys
-    assert options(256, 16, 8) == FLEX_KERNEL_OPTIONS  # 128 and 384
-    assert options(64, 8, 8) is None  # the tiny preset: 64 queries
-    assert options(100, 16, 8) is None  # 128 queries, 228 keys
