@@ -16,6 +16,7 @@ Why threads compile the way they do (and the measurements): docs/threaded-compil
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 import traceback
@@ -42,6 +43,10 @@ class WorkerError(RuntimeError):
 
 class DivergenceError(RuntimeError):
     """Replicas that must be identical are not."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """A replica's loss is NaN or inf: its next step would spread it into the weights."""
 
 
 @dataclass(frozen=True)
@@ -459,6 +464,9 @@ class Coordinator:
             losses = [float(loss.item()) for loss in self.loss]
             loss_sums = [float(s.item()) for s in self.loss_sum]
             self.checksums, self.last_losses = sums, losses
+            if not all(math.isfinite(x) for x in losses + loss_sums):
+                since = f"since step {self.last_sync_step}: {loss_sums}"
+                raise NonFiniteLossError(f"the loss is not finite at step {step}: {losses} ({since})")
             if len(set(sums)) != 1:
                 raise DivergenceError(f"replicas diverged at step {step}: parameter checksums {sums}")
             if self.opt.cross_check is not None:

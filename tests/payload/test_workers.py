@@ -190,6 +190,23 @@ def test_a_failing_worker_stops_everyone_with_its_traceback(setup, fail_at, phas
     wait_for_workers_to_end(hung_before)
 
 
+def test_a_non_finite_loss_stops_the_run_at_the_next_sync(setup):
+    # Both replicas' weights turn NaN alike after step 1 (their checksums still agree): the loss of
+    # step 2 is NaN, and the sync there stops the run instead of training on it.
+    cfg, sampler = setup
+    base = drafter_ops(cfg)
+
+    def step(replica, keep_grads):
+        base.optimizer_step(replica, keep_grads)
+        with torch.no_grad():
+            next(replica.drafter.parameters()).fill_(float("nan"))
+
+    ops = dataclasses.replace(base, optimizer_step=step)
+    with pytest.raises(W.WorkerError, match="the loss is not finite at step 2") as err:
+        run(cfg, sampler, world=2, ops=ops)
+    assert err.value.rank is None and "NonFiniteLossError" in str(err.value)
+
+
 def test_a_stalled_worker_is_an_error_not_a_hang(setup):
     # Worker 0 stalls in step 1 until the run has failed (not for a fixed 3 s, which worker 1's own
     # step could outlast on a busy machine): the other's barrier wait must give up, and the stalled
