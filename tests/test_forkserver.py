@@ -204,7 +204,7 @@ def test_the_server_forks_only_the_trainer_and_only_on_the_go_ahead(warm):
         _, answer = ask_raw(name, other, [0, w, w])
         assert answer["refused"].startswith("it runs `python -m dflash_train...`")
         malformed = "malformed request: argv, cwd and env must be strings, ignored and blocked signal numbers"
-        for bad in ({"argv": [sys.executable, "-m", 7]}, {"ignored": ["SIGINT"]}, {"blocked": [2.0]}):
+        for bad in ({"argv": [sys.executable, "-m", 7]}, {"ignored": ["SIGINT"]}, {"blocked": [2.0]}, {"blocked": [0]}):
             _, answer = ask_raw(name, {**other, **bad}, [0, w, w])
             assert answer["refused"] == malformed
         _, answer = ask_raw(name, {"argv": other["argv"], "cwd": payload, "env": {}}, [0, w, w])
@@ -263,10 +263,11 @@ CLIENT = """
 import json, signal, sys
 from dflashctl.remote.runctl.forking import start_trainer
 argv, cwd, env, idle_s, workdir, quiet = json.loads(sys.argv[1])
-if quiet:  # a supervisor started as a shell's background job is (SIGINT ignored), and more
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+# quiet: a supervisor started as a shell's background job is (SIGINT ignored), and more; else
+# defaults, whatever the test run inherited (the server ignores SIGUSR1 and blocks SIGUSR2).
+signal.signal(signal.SIGINT, signal.SIG_IGN if quiet else signal.default_int_handler)
+signal.signal(signal.SIGUSR1, signal.SIG_IGN if quiet else signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_SETMASK, [signal.SIGUSR2] if quiet else [])
 child, how = start_trainer(argv, cwd, env, idle_s, workdir)
 print(json.dumps({"how": how, "code": child.wait()}), file=sys.stderr)
 """
@@ -279,10 +280,11 @@ def shown(tmp_path_factory: pytest.TempPathFactory):
     payload = root / "payload"
     shutil.copytree(REPO / "remote_payload" / "dflash_train", payload / "dflash_train")
     (payload / "dflash_train" / "show.py").write_text(SHOW)
-    env = dict(os.environ, DFLASHCTL_REASON_FILE=str(root / "reason"))  # a run's own variable
+    # A run's own variable; faulthandler's handlers, installed from C at start-up.
+    env = dict(os.environ, DFLASHCTL_REASON_FILE=str(root / "reason"), PYTHONFAULTHANDLER="1")
     argv = [sys.executable, "-m", "dflash_train.show"]
     name = forking.server_name(argv[0], str(payload), env)
-    server = start_server(payload, name, root / "server.log", env, idle_s=120)
+    server = start_server(payload, name, root / "server.log", env, idle_s=120, quiet=True)
     wait_until(lambda: said(root / "server.log", "; serving"), timeout=SERVE_WAIT_S, what="the server to serve")
 
     def run(idle_s: int, how: str, quiet: bool) -> tuple[str, int, dict]:
@@ -313,8 +315,16 @@ def test_a_forked_process_has_what_a_plain_one_has_and_ends_as_it_does(shown, ho
     assert (plain[2]["blocked"] == [int(signal.SIGUSR2)]) == quiet
 
 
-def start_server(cwd: Path, name: str, log: Path, env: dict[str, str], idle_s: float) -> subprocess.Popen:
-    """A fork server started by hand, as runctl starts one."""
+def start_server(
+    cwd: Path, name: str, log: Path, env: dict[str, str], idle_s: float, quiet: bool = False
+) -> subprocess.Popen:
+    """A fork server started by hand, as runctl starts one; quiet: with SIGUSR1 ignored and SIGUSR2
+    blocked, which its children must not keep unless their client has them."""
+
+    def quieted() -> None:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+
     with log.open("ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "dflash_train.forkserver", name, "--idle-s", str(idle_s)],
@@ -323,6 +333,7 @@ def start_server(cwd: Path, name: str, log: Path, env: dict[str, str], idle_s: f
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=out,
+            preexec_fn=quieted if quiet else None,
         )
 
 

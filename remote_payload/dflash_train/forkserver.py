@@ -208,7 +208,7 @@ def parse_request(data: bytes, fds: list[int]) -> Request:
         raw = json.loads(data)
         argv, cwd, env, ignored, blocked = raw["argv"], raw["cwd"], raw["env"], raw["ignored"], raw["blocked"]
         strings = all(isinstance(a, str) for a in argv) and all(isinstance(x, str) for x in [cwd, *env, *env.values()])
-        numbers = all(type(n) is int for n in [*ignored, *blocked])
+        numbers = all(type(n) is int and 0 < n < signal.NSIG for n in [*ignored, *blocked])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise Refusal("malformed request: %s" % exc) from None
     if not (strings and numbers):
@@ -382,11 +382,15 @@ class Start:
 
 
 def take_signals(ignored: list[int], blocked: list[int]) -> None:
-    """The signal dispositions and mask a new Python process started by the client has: what the
-    client ignores stays ignored over exec, the rest is default (SIGINT: Python's KeyboardInterrupt),
-    SIGPIPE and SIGXFSZ ignored by Python's start-up (Popen resets them for it)."""
+    """Take the signal dispositions and mask a new Python process started by the client would have."""
+    # What the client ignores stays ignored over exec; the rest is default (SIGINT: Python's
+    # KeyboardInterrupt). SIGPIPE and SIGXFSZ are ignored by Python's start-up (Popen resets them for
+    # it), and handlers installed from C (faulthandler's, as PYTHONFAULTHANDLER in the environment
+    # both share installs them at start-up) are the new process's too.
     for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ}:
         default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        if signal.getsignal(sig) is None and sig not in ignored:
+            continue
         try:
             signal.signal(sig, signal.SIG_IGN if sig in ignored else default)
         except (OSError, ValueError):
