@@ -6,8 +6,8 @@ trainer for each run that asks: the fork skips the seconds a new process spends 
 
     python -m dflash_train.forkserver NAME --idle-s SECONDS [--bytecode-cache DIR]
 
-It forks only while a fork of it is a clean process: no CUDA driver state (torch is told to ask
-NVML, not the driver, whether CUDA is there, PYTORCH_NVML_BASED_CUDA_CHECK) and no other thread.
+It forks only while a fork of it is a clean process: no CUDA context (torch is told to ask NVML,
+not the driver, whether CUDA is there, PYTORCH_NVML_BASED_CUDA_CHECK) and no other Python thread.
 Its self-check starts the driver (cuInit) in a forked child and in a new process: when the two
 differ, it refuses every request with the reason, and runs start plainly. It stops serving when a
 module it imported changed on disk (a pip upgrade), and ends SECONDS after the last request or the
