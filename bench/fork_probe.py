@@ -35,8 +35,9 @@ real, found, stack = builtins.__import__, [], []
 def cuda_thread():
     for t in os.listdir("/proc/self/task"):
         try:
-            if open("/proc/self/task/%s/comm" % t).read().startswith("cuda"):
-                return True
+            with open("/proc/self/task/%s/comm" % t) as comm:
+                if comm.read().startswith("cuda"):
+                    return True
         except OSError:
             pass
     return False
@@ -109,7 +110,10 @@ def main() -> int:
         text=True,
         check=False,
     )
-    report["first_cuda_thread"] = who.stdout.strip() or who.stderr.strip()[-500:]
+    try:
+        report["first_cuda_thread"] = json.loads(who.stdout)
+    except ValueError:
+        report["first_cuda_thread"] = {"error": who.stderr.strip()[-500:]}
     print(json.dumps({"first_cuda_thread": report["first_cuda_thread"]}), flush=True)
     report["self_check_refusal"] = forkserver.fork_refusal()
     t = time.perf_counter()

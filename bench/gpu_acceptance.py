@@ -234,17 +234,8 @@ class Acceptance(LocalHostBench):
         steps = 30
         extra = [a for item in sets for a in ("--set", item)]
         began = time.time()
-        code, out, err, secs = self.cli(
-            "train",
-            host,
-            "--preset",
-            preset,
-            "--set",
-            f"run.steps={steps}",
-            *extra,
-            "--follow",
-            timeout=self.left(300),
-        )
+        args = ["train", host, "--preset", preset, "--set", f"run.steps={steps}", *extra, "--follow"]
+        code, out, err, secs = self.cli(*args, timeout=self.left(300))
         match = re.search(r"started run (\S+)", err)
         if not match:
             return {"ok": False, "run": None, "note": f"exit {code}: {err.strip()[-300:]}"}
