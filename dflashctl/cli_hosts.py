@@ -101,6 +101,29 @@ def hosts_disconnect(
         raise UsageError(str(exc)) from None
 
 
+@hosts_app.command("servers")
+def hosts_servers(
+    ctx: typer.Context,
+    host: Optional[str] = typer.Argument(
+        None, help="Host whose container to look in (default host if omitted).", autocompletion=complete_host
+    ),
+    stop: bool = typer.Option(False, "--stop", help="Stop the fork servers that serve no running trainer."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """List the fork servers in a host's container (warm starts, `fork_server:`); --stop ends the idle ones."""
+    import json
+
+    from rich.console import Console
+    from .runs import fork_servers, print_fork_servers
+
+    target = app_state(ctx).session().target(host)
+    answer = fork_servers(target, stop)
+    if json_out:
+        typer.echo(json.dumps(answer, indent=2))
+    else:
+        print_fork_servers(Console(highlight=False), answer, target.label, stop)
+
+
 def _confirm(question: str) -> bool:
     """Ask on the terminal; no answer (stdin at its end, as in a script) is a no, not an interrupt."""
     import click

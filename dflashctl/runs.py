@@ -27,7 +27,7 @@ from .guard import InterruptedAfter
 from .inventory import HostSpec
 from .plot import series
 from .remote.wire import BYTECODE_CACHE, COMPILE_CACHE, RUN_DIR_TOKEN, START_ANSWER_S, WORKDIR_TOKEN
-from .tables import Column, show
+from .tables import Column, counted, show
 from .transport import Completed
 
 TRAINER_MODULE = "dflash_train"
@@ -275,6 +275,38 @@ def push_payload(target: Target, source: Path | None, console: Console) -> str:
 def list_runs(target: Target, timeout: float = 120) -> list[dict[str, Any]]:
     """Every run on the host, oldest first, with state and latest metrics."""
     return call(target, "list", [target.host.workdir], timeout=timeout)["runs"]
+
+
+def fork_servers(target: Target, stop: bool) -> dict[str, Any]:
+    """The fork servers in the host's container (runctl servers): {servers, stopped}; stop: those serving no run."""
+    return call(target, "servers", [target.host.workdir, "1" if stop else "0"])
+
+
+def print_fork_servers(console: Console, answer: dict[str, Any], host: str, stop: bool) -> None:
+    """`hosts servers`: one row per server, then what --stop did."""
+    servers = answer["servers"]
+    if not servers:
+        console.print(f"{host}: no fork server running", highlight=False)
+    else:
+        columns = [Column("server"), Column("pid", "right"), Column("state", text=True), Column("trainers", drop=2)]
+        columns += [Column("memory", "right", drop=1), Column("idle limit", "right", drop=3), Column("started", drop=4)]
+        rows = [
+            [
+                s["name"],
+                str(s["pid"]),
+                Text(s["state"]),
+                ",".join(map(str, s["trainers"])) or "-",
+                f"{s['rss_mb']} MB" if s.get("rss_mb") is not None else "?",
+                f"{s['idle_s']} s" if s.get("idle_s") else "?",
+                s.get("started") or "?",
+            ]
+            for s in servers
+        ]
+        show(console, columns, rows, title=f"fork servers on {host}")
+    if stop:  # a server with a trainer is kept: that trainer's supervisor would lose its exit code
+        kept = sum(1 for s in servers if s["trainers"])
+        line = f"stopped {counted(len(answer['stopped']), 'fork server')}"
+        console.print(line + (f"; kept {kept} serving a run" if kept else ""), highlight=False)
 
 
 def run_completions(target: Target, incomplete: str, timeout: float) -> list[tuple[str, str]]:

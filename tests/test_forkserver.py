@@ -175,6 +175,31 @@ def test_a_trainer_outlives_its_server_and_the_lost_exit_code_is_said(tmp_path):
         kill_servers(host)
 
 
+def test_hosts_servers_lists_the_server_and_stops_it_only_once_no_run_needs_it(tmp_path):
+    host = Host(tmp_path)
+    try:
+        host.cli("train", "fs", *TINY, "--follow")
+        server = host.serving()
+        run_id = host.train(*LONG)
+        wait_until(lambda: "step 1" in host.log(run_id) or None, timeout=300, what="a step")
+        trainer = meta(host.workdir, run_id)["trainer"]["pid"]
+        kept = host.cli("hosts", "servers", "fs", "--stop", "--json")
+        assert kept.returncode == 0, kept.stderr
+        (listed,) = json.loads(kept.stdout)["servers"]
+        assert (listed["pid"], listed["state"], listed["trainers"]) == (server, "serving", [trainer])
+        assert listed["log"] == str(host.server_logs()[0]) and json.loads(kept.stdout)["stopped"] == []
+        assert alive(server)  # it serves a run: stopping it would lose that run's exit code
+        host.cli("runs", "stop", "fs", run_id)
+        assert host.ended(run_id) == 143
+        stopped = host.cli("hosts", "servers", "fs", "--stop")
+        assert stopped.returncode == 0, stopped.stderr
+        assert "serving" in stopped.stdout and stopped.stdout.rstrip().endswith("stopped 1 fork server")
+        wait_until(lambda: not alive(server), timeout=60, what="the server's end")
+        assert host.cli("hosts", "servers", "fs").stdout.strip() == "fs: no fork server running"
+    finally:
+        kill_servers(host)
+
+
 NO_SIGNALS = {"ignored": [], "blocked": []}  # a client that ignores and blocks no signal
 
 

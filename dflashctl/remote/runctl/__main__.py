@@ -12,6 +12,7 @@ from .common import RunError, emit
 from .listing import cmd_list, cmd_show, cmd_stop
 from .pack import cmd_pack
 from .read import cmd_read, frame
+from .servers import cmd_servers
 from .start import cmd_resume, cmd_start
 
 
@@ -23,6 +24,7 @@ COMMANDS = {
     "stop": cmd_stop,
     "read": cmd_read,
     "pack": cmd_pack,
+    "servers": cmd_servers,
 }
 
 
