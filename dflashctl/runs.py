@@ -27,7 +27,7 @@ from .guard import InterruptedAfter
 from .inventory import HostSpec
 from .plot import series
 from .remote.wire import BYTECODE_CACHE, COMPILE_CACHE, RUN_DIR_TOKEN, START_ANSWER_S, WORKDIR_TOKEN
-from .tables import Column, counted, show
+from .tables import Column, counted, notes, show
 from .transport import Completed
 
 TRAINER_MODULE = "dflash_train"
@@ -283,30 +283,31 @@ def fork_servers(target: Target, stop: bool) -> dict[str, Any]:
 
 
 def print_fork_servers(console: Console, answer: dict[str, Any], host: str, stop: bool) -> None:
-    """`hosts servers`: one row per server, then what --stop did."""
+    """`hosts servers`: one row per server, the reasons below the table, then what --stop did."""
     servers = answer["servers"]
     if not servers:
         console.print(f"{host}: no fork server running", highlight=False)
     else:
-        columns = [Column("server"), Column("pid", "right"), Column("state", text=True), Column("trainers", drop=2)]
+        columns = [Column("server"), Column("pid", "right"), Column("state"), Column("trainers", drop=2)]
         columns += [Column("memory", "right", drop=1), Column("idle limit", "right", drop=3), Column("started", drop=4)]
         rows = [
             [
                 s["name"],
                 str(s["pid"]),
-                Text(s["state"]),
+                s["state"].split(":")[0],
                 ",".join(map(str, s["trainers"])) or "-",
                 f"{s['rss_mb']} MB" if s.get("rss_mb") is not None else "?",
-                f"{s['idle_s']} s" if s.get("idle_s") else "?",
+                f"{s['idle_s']:g} s" if s.get("idle_s") is not None else "?",
                 s.get("started") or "?",
             ]
             for s in servers
         ]
         show(console, columns, rows, title=f"fork servers on {host}")
-    if stop:  # a server with a trainer is kept: that trainer's supervisor would lose its exit code
-        kept = sum(1 for s in servers if s["trainers"])
+        notes(console, [(str(s["pid"]), s["state"], "") for s in servers if ":" in s["state"]])
+    if stop:  # SIGTERM: each stops serving now and exits once the trainers it forked have ended
+        running = sum(1 for s in servers if s["trainers"])
         line = f"stopped {counted(len(answer['stopped']), 'fork server')}"
-        console.print(line + (f"; kept {kept} serving a run" if kept else ""), highlight=False)
+        console.print(line + (f"; {running} exit once their runs end" if running else ""), highlight=False)
 
 
 def run_completions(target: Target, incomplete: str, timeout: float) -> list[tuple[str, str]]:

@@ -165,6 +165,8 @@ def test_a_trainer_outlives_its_server_and_the_lost_exit_code_is_said(tmp_path):
         trainer = meta(host.workdir, run_id)["trainer"]["pid"]
         wait_until(lambda: not alive(server), timeout=60, what="the server's end")
         assert alive(trainer)
+        # The orphaned trainer keeps the server's command line but is no server: nothing to stop.
+        assert json.loads(host.cli("hosts", "servers", "fs", "--json").stdout)["servers"] == []
         host.cli("runs", "stop", "fs", run_id)
         assert host.ended(run_id) == 1
         assert "the fork server ended before the trainer it forked: the trainer's exit code is lost" in host.log(run_id)
@@ -175,7 +177,7 @@ def test_a_trainer_outlives_its_server_and_the_lost_exit_code_is_said(tmp_path):
         kill_servers(host)
 
 
-def test_hosts_servers_lists_the_server_and_stops_it_only_once_no_run_needs_it(tmp_path):
+def test_hosts_servers_lists_the_server_and_a_stop_waits_for_its_runs(tmp_path):
     host = Host(tmp_path)
     try:
         host.cli("train", "fs", *TINY, "--follow")
@@ -183,17 +185,20 @@ def test_hosts_servers_lists_the_server_and_stops_it_only_once_no_run_needs_it(t
         run_id = host.train(*LONG)
         wait_until(lambda: "step 1" in host.log(run_id) or None, timeout=300, what="a step")
         trainer = meta(host.workdir, run_id)["trainer"]["pid"]
-        kept = host.cli("hosts", "servers", "fs", "--stop", "--json")
-        assert kept.returncode == 0, kept.stderr
-        (listed,) = json.loads(kept.stdout)["servers"]
-        assert (listed["pid"], listed["state"], listed["trainers"]) == (server, "serving", [trainer])
-        assert listed["log"] == str(host.server_logs()[0]) and json.loads(kept.stdout)["stopped"] == []
-        assert alive(server)  # it serves a run: stopping it would lose that run's exit code
+        listed = host.cli("hosts", "servers", "fs")
+        assert listed.returncode == 0 and f"{server} serving {trainer}" in " ".join(listed.stdout.split())
+        stop = host.cli("hosts", "servers", "fs", "--stop", "--json")
+        assert stop.returncode == 0, stop.stderr
+        answer = json.loads(stop.stdout)
+        (shown,) = answer["servers"]  # the forked trainer, with the server's command line, is not one
+        assert (shown["pid"], shown["trainers"], answer["stopped"]) == (server, [trainer], [server])
+        assert shown["log"] == str(host.server_logs()[0])
+        stopping = "no longer serving: stopped by SIGTERM"
+        wait_until(lambda: stopping in host.server_logs()[0].read_text() or None, timeout=60, what="the stop")
+        (shown,) = json.loads(host.cli("hosts", "servers", "fs", "--json").stdout)["servers"]
+        assert shown["state"] == stopping and alive(server)  # it waits for its trainer
         host.cli("runs", "stop", "fs", run_id)
-        assert host.ended(run_id) == 143
-        stopped = host.cli("hosts", "servers", "fs", "--stop")
-        assert stopped.returncode == 0, stopped.stderr
-        assert "serving" in stopped.stdout and stopped.stdout.rstrip().endswith("stopped 1 fork server")
+        assert host.ended(run_id) == 143  # the trainer's own exit code, sent by the stopped server
         wait_until(lambda: not alive(server), timeout=60, what="the server's end")
         assert host.cli("hosts", "servers", "fs").stdout.strip() == "fs: no fork server running"
     finally:

@@ -10,8 +10,9 @@ It forks only while a fork of it is a clean process: no CUDA context (torch is t
 not the driver, whether CUDA is there, PYTORCH_NVML_BASED_CUDA_CHECK) and no other Python thread.
 Its self-check starts the driver (cuInit) in a forked child and in a new process: when the two
 differ, it refuses every request with the reason, and runs start plainly. It stops serving when a
-module it imported changed on disk (a pip upgrade), and ends SECONDS after the last request or the
-end of the last trainer it forked, whichever is later.
+module it imported changed on disk (a pip upgrade) or on SIGTERM, and ends SECONDS after the last
+request or the end of the last trainer it forked, whichever is later (once stopped: when the last
+trainer it forked has ended).
 
 Protocol, one connection per run, on the abstract unix socket NAME (binding it is the claim: a
 second server for NAME exits at once; peers of another uid are refused). The client sends one JSON
@@ -253,10 +254,18 @@ class Server:
         self.children: dict[int, socket.socket] = {}
         self.last = time.monotonic()  # the last request, or the last trainer's end
         self.ended = "idle for %g s" % idle_s
+        self.stopping = False
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         signal.set_wakeup_fd(self.wake_w)  # a SIGCHLD wakes select(): exits are reported at once
         signal.signal(signal.SIGCHLD, lambda *_: None)
+        # SIGTERM (`hosts servers --stop`) ends the service, not the server: the trainers it forked
+        # still get their exit codes sent to their supervisors.
+        signal.signal(signal.SIGTERM, self.stop)
+
+    def stop(self, *_: object) -> None:
+        """SIGTERM: serve no more; exit once the trainers forked have ended (serve() closes the socket)."""
+        self.stopping = True
 
     def serve(self) -> Request | None:
         """Answer requests until idle with no trainer left (None); in a forked child, its Request."""
@@ -266,6 +275,8 @@ class Server:
             if self.wake_r in ready:
                 os.read(self.wake_r, 4096)
             self.reap()
+            if self.stopping:
+                self.close_listener("stopped by SIGTERM")
             if self.listener is not None and self.listener in ready:
                 self.last = time.monotonic()
                 try:
@@ -310,6 +321,7 @@ class Server:
             self.listener.close()
             self.listener = None
             self.ended = why
+            print("fork server %d: no longer serving: %s" % (os.getpid(), why), flush=True)
 
     def fork(self, conn: socket.socket, request: Request) -> Request | None:
         """Fork the trainer; it starts once the client says go (then the server confirms), else it
@@ -366,7 +378,8 @@ class Server:
         """In a forked trainer: drop everything of the server (its socket, its clients', the
         wake-up pipe and SIGCHLD handler), so the trainer holds nothing a client waits on."""
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sig in (signal.SIGCHLD, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
         close_all([self.wake_r, self.wake_w])
         for sock in [conn, *self.children.values()] + ([self.listener] if self.listener is not None else []):
             sock.close()

@@ -46,7 +46,7 @@ class DivergenceError(RuntimeError):
 
 
 class NonFiniteLossError(RuntimeError):
-    """A replica's loss is NaN or inf: its next step would spread it into the weights."""
+    """A replica's loss is NaN or inf: the run stops before it checkpoints NaN weights or trains on."""
 
 
 @dataclass(frozen=True)

@@ -101,16 +101,21 @@ def boot_id():
         return None
 
 
-def proc_stat(pid):
-    """(state letter, start time in clock ticks) from /proc/<pid>/stat, or None if gone."""
+def proc_fields(pid):
+    """The fields of /proc/<pid>/stat after comm (state, ppid, pgrp, session, ...), or None if gone."""
     try:
         with open("/proc/%d/stat" % pid, "rb") as fh:
             data = fh.read()
     except OSError:
         return None
     # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = data[data.rindex(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[19])
+    return [f.decode() for f in data[data.rindex(b")") + 2 :].split()]
+
+
+def proc_stat(pid):
+    """(state letter, start time in clock ticks) from /proc/<pid>/stat, or None if gone."""
+    fields = proc_fields(pid)
+    return (fields[0], int(fields[19])) if fields else None
 
 
 def marker(pid):

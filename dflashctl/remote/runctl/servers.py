@@ -1,32 +1,30 @@
 """`runctl servers WORKDIR [stop]`: the fork servers this workdir's runs started (forking.py), and
-stopping the idle ones.
+stopping them.
 
 A server is found by its command line (`python -m dflash_train.forkserver NAME ...`, this user's)
-whose NAME has a log under `<workdir>/fork-server/`. One that has a trainer running (a child of
-its own) is never stopped: that trainer's supervisor would lose its exit code.
+whose NAME has a log under `<workdir>/fork-server/`. A forked trainer keeps that command line too;
+it leads a session of its own (the server's child calls setsid), which a server never does (the
+go-between that started it does). A stop is SIGTERM: the server stops serving at once and exits
+once the trainers it forked have ended, so their supervisors still get their exit codes.
 """
 
 import os
 import signal
 
-from .common import emit, proc_stat, signal_process, utc_iso
+from .common import emit, proc_fields, signal_process, utc_iso
 from .forking import SERVER_MODULE
-
-LOG_TAIL = 8192  # bytes of a server's log read for its state
 
 
 def cmd_servers(workdir, stop="0"):
-    """Every fork server of this workdir, and which were stopped (stop "1": those serving no trainer)."""
+    """Every fork server of this workdir; stop "1": SIGTERM to each (the pids in `stopped`)."""
     logs = os.path.join(os.path.expanduser(workdir), "fork-server")
     names = {f[: -len(".log")] for f in _listdir(logs) if f.endswith(".log")}
-    found = [dict(s, log=os.path.join(logs, s["name"] + ".log")) for s in _servers(names)]
-    stopped = []
+    found = [dict(s, log=os.path.join(logs, s["name"] + ".log")) for s in (_servers(names) if names else [])]
     for server in found:
         server["state"] = _state(server["log"], server["pid"])
-        if stop == "1" and not server["trainers"]:
+        if stop == "1":
             signal_process(server["pid"], signal.SIGTERM)
-            stopped.append(server["name"])
-    emit({"servers": found, "stopped": stopped})
+    emit({"servers": found, "stopped": [s["pid"] for s in found] if stop == "1" else []})
 
 
 def _listdir(path):
@@ -37,26 +35,27 @@ def _listdir(path):
 
 
 def _servers(names):
-    """This user's server processes for `names`, each with its trainers (its live children)."""
-    parents, found = {}, {}
+    """This user's server processes for `names`, each with its trainers (its children that run)."""
+    trainers, servers = {}, []
     for entry in _listdir("/proc"):
         if not entry.isdigit():
             continue
         pid = int(entry)
-        argv, stat = _cmdline(pid), _stat_fields(pid)
-        if stat is None:
+        fields = proc_fields(pid)
+        if fields is None or fields[0] in ("Z", "X"):
             continue
-        if stat[0] not in ("Z", "X"):
-            parents.setdefault(int(stat[1]), []).append(pid)
+        leads_session = int(fields[3]) == pid
+        if leads_session:  # a forked trainer (the server's self-check children are not)
+            trainers.setdefault(int(fields[1]), []).append(pid)
+            continue
+        argv = _cmdline(pid)
         if len(argv) > 3 and argv[1:3] == ["-m", SERVER_MODULE] and argv[3] in names and _owned(pid):
-            found[pid] = ({"name": argv[3], "pid": pid, "idle_s": _option(argv, "--idle-s")}, int(stat[1]))
-    # A forked trainer keeps its server's command line: a match whose parent matched is a trainer.
-    servers = [server for server, ppid in found.values() if ppid not in found]
+            idle = _option(argv, "--idle-s")
+            servers.append({"name": argv[3], "pid": pid, "idle_s": float(idle) if idle else None, "ticks": fields[19]})
     for server in servers:
-        server["trainers"] = sorted(parents.get(server["pid"], []))
+        server["trainers"] = sorted(trainers.get(server["pid"], []))
         server["rss_mb"] = _rss_mb(server["pid"])
-        start = proc_stat(server["pid"])
-        server["started"] = _started(start[1]) if start else None
+        server["started"] = _started(int(server.pop("ticks")))
     return servers
 
 
@@ -66,17 +65,6 @@ def _cmdline(pid):
             return [a.decode(errors="replace") for a in fh.read().split(b"\0")[:-1]]
     except OSError:
         return []
-
-
-def _stat_fields(pid):
-    """(state, ppid) of a process, or None if gone."""
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    fields = data[data.rindex(b")") + 2 :].split()  # comm may hold spaces and parentheses
-    return fields[0].decode(), fields[1].decode()
 
 
 def _owned(pid):
@@ -112,20 +100,19 @@ def _started(ticks):
 
 
 def _state(log, pid):
-    """What the server's log last says of itself: importing, serving, refusing: WHY, or exiting."""
+    """What the server's log last says of itself: importing, serving, refusing: WHY, no longer
+    serving: WHY (its trainers still run), exiting, or unknown."""
     try:
         with open(log, "rb") as fh:
-            fh.seek(max(0, os.path.getsize(log) - LOG_TAIL))
             lines = fh.read().decode(errors="replace").splitlines()
     except OSError:
-        return "unknown (no log)"
+        return "unknown"
     mine = "fork server %d: " % pid
     for line in reversed([line[len(mine) :] for line in lines if line.startswith(mine)]):
-        if "; refusing: " in line:
-            return "refusing: " + line.split("; refusing: ", 1)[1]
+        for prefix in ("no longer serving: ", "refusing: "):
+            if line.startswith(prefix) or "; " + prefix in line:
+                return prefix + line.split(prefix, 1)[1]
         for state in ("importing", "serving", "exiting"):
             if line.endswith(state):
                 return state
-        if line.startswith("cannot preload"):
-            return line
     return "unknown"
