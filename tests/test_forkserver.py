@@ -82,6 +82,15 @@ class Host:
         line = wait_until(ready, timeout=SERVE_WAIT_S, what="the fork server to serve")
         return int(re.match(r"fork server (\d+):", line).group(1))
 
+    def forked_run(self) -> tuple[int, str, int]:
+        """A first run (it starts the server), then a long one forked and stepping: (server pid,
+        the long run's id, its trainer's pid)."""
+        self.cli("train", "fs", *TINY, "--follow")
+        server = self.serving()
+        run_id = self.train(*LONG)
+        wait_until(lambda: "step 1" in self.log(run_id) or None, timeout=300, what="a step")
+        return server, run_id, meta(self.workdir, run_id)["trainer"]["pid"]
+
 
 def serving_line(log: Path) -> str | None:
     """The server's `... serving` line, once it has written it."""
@@ -157,12 +166,8 @@ def test_a_forked_run_stops_and_resumes_as_a_plain_one(warm):
 def test_a_trainer_outlives_its_server_and_the_lost_exit_code_is_said(tmp_path):
     host = Host(tmp_path)
     try:
-        host.cli("train", "fs", *TINY, "--follow")
-        server = host.serving()
-        run_id = host.train(*LONG)
-        wait_until(lambda: "step 1" in host.log(run_id) or None, timeout=300, what="a step")
+        server, run_id, trainer = host.forked_run()
         os.kill(server, signal.SIGKILL)
-        trainer = meta(host.workdir, run_id)["trainer"]["pid"]
         wait_until(lambda: not alive(server), timeout=60, what="the server's end")
         assert alive(trainer)
         # The orphaned trainer keeps the server's command line but is no server: nothing to stop.
@@ -180,11 +185,7 @@ def test_a_trainer_outlives_its_server_and_the_lost_exit_code_is_said(tmp_path):
 def test_hosts_servers_lists_the_server_and_a_stop_waits_for_its_runs(tmp_path):
     host = Host(tmp_path)
     try:
-        host.cli("train", "fs", *TINY, "--follow")
-        server = host.serving()
-        run_id = host.train(*LONG)
-        wait_until(lambda: "step 1" in host.log(run_id) or None, timeout=300, what="a step")
-        trainer = meta(host.workdir, run_id)["trainer"]["pid"]
+        server, run_id, trainer = host.forked_run()
         listed = host.cli("hosts", "servers", "fs")
         assert listed.returncode == 0 and f"{server} serving {trainer}" in " ".join(listed.stdout.split())
         stop = host.cli("hosts", "servers", "fs", "--stop", "--json")
