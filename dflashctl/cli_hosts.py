@@ -107,10 +107,10 @@ def hosts_servers(
     host: Optional[str] = typer.Argument(
         None, help="Host whose container to look in (default host if omitted).", autocompletion=complete_host
     ),
-    stop: bool = typer.Option(False, "--stop", help="Stop the fork servers that serve no running trainer."),
+    stop: bool = typer.Option(False, "--stop", help="Stop every fork server (each exits once its runs end)."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """List the fork servers in a host's container (warm starts, `fork_server:`); --stop ends the idle ones."""
+    """List the fork servers in a host's container (warm starts, `fork_server:`); --stop stops them."""
     import json
 
     from rich.console import Console

@@ -278,7 +278,7 @@ def list_runs(target: Target, timeout: float = 120) -> list[dict[str, Any]]:
 
 
 def fork_servers(target: Target, stop: bool) -> dict[str, Any]:
-    """The fork servers in the host's container (runctl servers): {servers, stopped}; stop: those serving no run."""
+    """The fork servers in the host's container (runctl servers): {servers, stopped}; stop: SIGTERM to each."""
     return call(target, "servers", [target.host.workdir, "1" if stop else "0"])
 
 
