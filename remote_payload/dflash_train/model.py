@@ -6,9 +6,11 @@ Notation for tensor shapes in comments:
     H  hidden size    L  target feature layers    nh / nkv  query / key-value heads    d  head_dim
 
 Training layout (one forward pass trains all A blocks of every sequence):
-    keys/values = [context (S) ; blocks (Q)]     queries = blocks (Q) only
+    keys/values = [blocks (Q) ; context (S)]     queries = blocks (Q) only
 A block anchored at position a holds [token a, MASK x (B-1)] at positions a..a+B-1; it attends to
 the context strictly before a and bidirectionally to its own B tokens, never to other blocks.
+The blocks' keys come first so that each query's own block lies in the first key tile its
+FlexAttention tile visits (`flex_kernel_options`); attention does not depend on the keys' order.
 """
 
 from __future__ import annotations
@@ -183,8 +185,11 @@ def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     return (anchors[:, :, None] + offsets).flatten(1)
 
 
+FLEX_TILE = 128  # FlexAttention's sparse block (query and key tile) of the training masks
+
+
 def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Boolean mask [N, 1, Q, S+Q] (True = attend) for SDPA: context < anchor, own block only."""
+    """Boolean mask [N, 1, Q, Q+S] (True = attend) for SDPA: own block, context < anchor."""
     n, a = anchors.shape
     q = a * block_size
     q_block = torch.arange(q, device=anchors.device) // block_size  # [Q] block index of each query
@@ -192,7 +197,7 @@ def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> to
     ctx_pos = torch.arange(seq_len, device=anchors.device)  # [S]
     sees_ctx = ctx_pos[None, None, :] < q_anchor[:, :, None]  # [N, Q, S]
     sees_block = (q_block[:, None] == q_block[None, :]).expand(n, q, q)  # [N, Q, Q]
-    return torch.cat([sees_ctx, sees_block], dim=-1)[:, None]  # [N, 1, Q, S+Q]
+    return torch.cat([sees_block, sees_ctx], dim=-1)[:, None]  # [N, 1, Q, Q+S]
 
 
 def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> BlockMask:
@@ -202,12 +207,12 @@ def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> Blo
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
-        in_ctx = kv_idx < seq_len
-        sees_ctx = in_ctx & (kv_idx < anchors[b, blk])
-        sees_block = ~in_ctx & ((kv_idx - seq_len) // block_size == blk)
-        return sees_ctx | sees_block
+        in_block = kv_idx < q
+        sees_block = in_block & (kv_idx // block_size == blk)
+        sees_ctx = ~in_block & (kv_idx - q < anchors[b, blk])
+        return sees_block | sees_ctx
 
-    return create_block_mask(mask_mod, n, None, q, seq_len + q, device=anchors.device)
+    return create_block_mask(mask_mod, n, None, q, q + seq_len, device=anchors.device, BLOCK_SIZE=FLEX_TILE)
 
 
 def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, backend: str) -> torch.Tensor | BlockMask:
@@ -217,22 +222,36 @@ def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, backend: st
     return dense_block_mask(anchors, seq_len, block_size)
 
 
-# FlexAttention keeps its guards for rows that see no key in a block (ROWS_GUARANTEED_SAFE is not
-# set): the kernel starts each row's running max at -inf over the first key block it visits, and a
-# row that sees nothing there becomes NaN unguarded, though it sees its own block later. DFlash's
-# padding anchors (0) and short replies make such rows at the 8B shape (H100, 2026-12-06;
-# gpu_smoke.py flexrows); the option's 7% of the step (run 34) is not worth a NaN loss.
+def flex_kernel_options(block_size: int, q_len: int) -> dict | None:
+    """FlexAttention's kernel options for the training masks: without its row guards where the
+    layout makes every row safe, else None (the kernel's defaults, guarded)."""
+    # The kernel starts each row's running max at -inf over the first key tile it visits; a row
+    # that sees no key there becomes NaN without the guards (ROWS_GUARANTEED_SAFE), though it sees
+    # keys later (padding anchors at 0 and short replies did, run 39). Partial tiles are visited
+    # before full ones, each in ascending order. With the blocks' keys first, tiles of FLEX_TILE,
+    # blocks that divide it (at least two per tile, so the diagonal tile is partial) and whole
+    # tiles of queries, the first key tile of query tile m is key tile m: its own blocks, which
+    # every row sees. A forward key tile as wide as the sparse one (BLOCK_N) keeps that true inside
+    # the kernel (its default, 64, would split the tile); two stages fit its shared memory.
+    if block_size >= FLEX_TILE or FLEX_TILE % block_size or q_len % FLEX_TILE:
+        return None
+    return {"ROWS_GUARANTEED_SAFE": True, "fwd_BLOCK_N": FLEX_TILE, "fwd_num_stages": 2}
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask, flex_fn=flex_attention
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | BlockMask,
+    flex_fn=flex_attention,
+    flex_options: dict | None = None,
 ) -> torch.Tensor:
-    """q [N, nh, Q, d], k/v [N, nkv, S+Q, d] under a dense or block mask -> [N, nh, Q, d]."""
+    """q [N, nh, Q, d], k/v [N, nkv, Q+S, d] under a dense or block mask -> [N, nh, Q, d]."""
     # Under autocast the fp32 norm weights promote q/k to fp32 while v stays bf16; SDPA would
     # recast all three, FlexAttention wants them equal: use v's (the compute) dtype.
     q, k = q.to(v.dtype), k.to(v.dtype)
     if isinstance(mask, BlockMask):
-        return flex_fn(q, k, v, block_mask=mask, enable_gqa=True)
+        return flex_fn(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=flex_options)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -258,7 +277,7 @@ class DrafterSpec:
 
 
 class DraftLayer(DecoderLayer):
-    """Decoder layer with KV injection: block queries attend to [k_proj(ctx); k_proj(block)]."""
+    """Decoder layer with KV injection: block queries attend to [k_proj(block); k_proj(ctx)]."""
 
     def forward(
         self,
@@ -268,18 +287,19 @@ class DraftLayer(DecoderLayer):
         sin: torch.Tensor,
         mask: torch.Tensor | BlockMask,
         flex_fn=flex_attention,
+        flex_options: dict | None = None,
     ) -> torch.Tensor:
         # x: [N, Q, H] block stream; ctx: [N, S, H] fused target features (not normed again, no MLP,
-        # no residual: the context only supplies keys and values); cos/sin: [N, S+Q, d]
-        s = ctx.shape[1]
+        # no residual: the context only supplies keys and values); cos/sin: [N, Q+S, d]
+        q_len = x.shape[1]
         attn = self.self_attn
         h = self.input_layernorm(x)
-        q = apply_rope(attn.queries(h), cos[:, s:], sin[:, s:])  # [N, nh, Q, d]
-        k_ctx, v_ctx = attn.keys_values(ctx)  # [N, nkv, S, d]
+        q = apply_rope(attn.queries(h), cos[:, :q_len], sin[:, :q_len])  # [N, nh, Q, d]
         k_blk, v_blk = attn.keys_values(h)  # [N, nkv, Q, d]
-        k = apply_rope(torch.cat([k_ctx, k_blk], dim=2), cos, sin)  # [N, nkv, S+Q, d]
-        v = torch.cat([v_ctx, v_blk], dim=2)  # [N, nkv, S+Q, d]
-        x = x + attn.output(attend(q, k, v, mask, flex_fn))
+        k_ctx, v_ctx = attn.keys_values(ctx)  # [N, nkv, S, d]
+        k = apply_rope(torch.cat([k_blk, k_ctx], dim=2), cos, sin)  # [N, nkv, Q+S, d]
+        v = torch.cat([v_blk, v_ctx], dim=2)  # [N, nkv, Q+S, d]
+        x = x + attn.output(attend(q, k, v, mask, flex_fn, flex_options))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -355,17 +375,18 @@ class DFlashDrafter(nn.Module):
         n, s, _ = target_hidden.shape
         ctx = self.hidden_norm(self.fc(target_hidden))  # [N, S, H]
         ctx_pos = torch.arange(s, device=anchors.device).expand(n, s)  # [N, S]
-        positions = torch.cat([ctx_pos, block_positions(anchors, self.spec.block_size)], 1)  # [N, S+Q]
+        positions = torch.cat([block_positions(anchors, self.spec.block_size), ctx_pos], 1)  # [N, Q+S]
         shape = self.spec.shape
         cos, sin = rope_cos_sin(
             positions, shape.head_dim, shape.rope_theta, ctx.dtype, shape.rope_scaling
-        )  # [N, S+Q, d]
+        )  # [N, Q+S, d]
         x = block_embeds.to(ctx.dtype)
+        options = flex_kernel_options(self.spec.block_size, x.shape[1])
         for i, layer in enumerate(self.layers):
             if self.on_layer is not None:
                 self.on_layer(i, len(self.layers))
             layer_mask = mask[self.spec.layer_type(i)] if isinstance(mask, dict) else mask
-            x = layer(x, ctx, cos, sin, layer_mask, flex_fn)
+            x = layer(x, ctx, cos, sin, layer_mask, flex_fn, options)
         return self.norm(x)
 
 

@@ -13,20 +13,20 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from .model import DrafterSpec, block_mask, dense_block_mask
+from .model import FLEX_TILE, DrafterSpec, block_mask, dense_block_mask
 from .resolve import FULL, SLIDING
 
 
 def dense_sliding_mask(anchors: torch.Tensor, seq_len: int, block_size: int, window: int) -> torch.Tensor:
     """`dense_block_mask` with the context cut to the last `window` positions before each query:
-    [N, 1, Q, S+Q] (True = attend)."""
+    [N, 1, Q, Q+S] (True = attend)."""
     mask = dense_block_mask(anchors, seq_len, block_size)
     q = anchors.shape[1] * block_size
     offsets = torch.arange(q, device=anchors.device) % block_size  # [Q] position in the block
     q_pos = anchors[:, torch.arange(q, device=anchors.device) // block_size] + offsets  # [N, Q]
     ctx_pos = torch.arange(seq_len, device=anchors.device)
     near = (q_pos[:, :, None] - ctx_pos[None, None, :]) < window  # [N, Q, S]
-    keep = torch.cat([near, torch.ones(*near.shape[:2], q, dtype=torch.bool, device=anchors.device)], -1)
+    keep = torch.cat([torch.ones(*near.shape[:2], q, dtype=torch.bool, device=anchors.device), near], -1)
     return mask & keep[:, None]
 
 
@@ -38,12 +38,13 @@ def flex_sliding_mask(anchors: torch.Tensor, seq_len: int, block_size: int, wind
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
         q_pos = anchors[b, blk] + q_idx % block_size
-        in_ctx = kv_idx < seq_len
-        sees_ctx = in_ctx & (kv_idx < anchors[b, blk]) & (q_pos - kv_idx < window)
-        sees_block = ~in_ctx & ((kv_idx - seq_len) // block_size == blk)
-        return sees_ctx | sees_block
+        in_block = kv_idx < q
+        sees_block = in_block & (kv_idx // block_size == blk)
+        ctx_pos = kv_idx - q
+        sees_ctx = ~in_block & (ctx_pos < anchors[b, blk]) & (q_pos - ctx_pos < window)
+        return sees_block | sees_ctx
 
-    return create_block_mask(mask_mod, n, None, q, seq_len + q, device=anchors.device)
+    return create_block_mask(mask_mod, n, None, q, q + seq_len, device=anchors.device, BLOCK_SIZE=FLEX_TILE)
 
 
 def drafter_masks(anchors: torch.Tensor, seq_len: int, spec: DrafterSpec, backend: str):

@@ -12,10 +12,11 @@ graphstep  run.capture_optimizer auto (clip + AdamW + zero grads replayed as one
 graphtarget  run.capture_target on (the target's feature forward replayed as one CUDA graph) vs
        off, compile default, per-layer scope: the graph's features against eager ones on fresh
        inputs, then 30 steps on every GPU (one thread each): losses and checksums must be equal
-flexrows  the drafter's attention (model.attend) through compiled FlexAttention against dense fp32
-       attention, forward and backward, at the 8B preset's lengths and the tiny preset's, with
-       random anchors, padding anchors at 0 and anchors every 6 positions: finite and close; beside
-       it, the same with the kernel's row guards dropped (ROWS_GUARANTEED_SAFE), which attend keeps
+flexrows  the drafter's attention (model.attend, with model.flex_kernel_options) through compiled
+       FlexAttention against dense fp32 attention, forward and backward, at the 8B preset's lengths
+       and the tiny preset's, with random anchors, padding anchors at 0 and anchors every 6
+       positions: finite and close; beside it, the row guards dropped with the kernel's default key
+       tile (64 wide, half a mask tile), which the layout does not make safe
 nosync  the decode path's steps (the target's decode and verify steps, the drafter's context and
        draft steps) replayed under torch.cuda.set_sync_debug_mode("error"): none waits for the GPU
 """
@@ -248,13 +249,16 @@ def check_graphtarget() -> None:
     print(f"graphtarget: {'PASS' if all(same) and results['on'] == results['off'] else 'FAIL'}", flush=True)
 
 
-def attention_error(fn, mask, q, k, v, ref_out, ref_grads) -> str:
-    """attend() through `fn` against the fp32 reference: 'ok' with the worst relative error, or what broke."""
+def attention_error(options, mask, q, k, v, ref_out, ref_grads) -> str:
+    """attend() through compiled FlexAttention with kernel `options` against the fp32 reference:
+    'ok' with the worst relative error, or what broke."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     from dflash_train.model import attend
 
     for t in (q, k, v):
         t.grad = None
-    out = attend(q, k, v, mask, fn)
+    out = attend(q, k, v, mask, torch.compile(flex_attention, dynamic=False), options)
     out.float().mul(ref_out.detach().sign()).sum().backward()
     got = [out.float(), *(t.grad.float() for t in (q, k, v))]
     if not all(torch.isfinite(x).all() for x in got):
@@ -264,16 +268,9 @@ def attention_error(fn, mask, q, k, v, ref_out, ref_grads) -> str:
 
 
 def check_flexrows() -> None:
-    """Compiled FlexAttention as the trainer calls it against dense fp32 attention; beside it, unguarded."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    from dflash_train.model import attend, dense_block_mask, flex_block_mask
-
-    def compiled(*args, **kwargs):
-        return torch.compile(flex_attention, dynamic=False)(*args, **kwargs)
-
-    def unguarded(*args, kernel_options=None, **kwargs):
-        return compiled(*args, kernel_options={"ROWS_GUARANTEED_SAFE": True}, **kwargs)
+    """Compiled FlexAttention as the trainer calls it against dense fp32 attention; beside it,
+    unguarded with the kernel's default key tile (which splits a mask tile)."""
+    from dflash_train.model import attend, dense_block_mask, flex_block_mask, flex_kernel_options
 
     failed = []
     # (context length, anchors, block size, anchor pattern): the 8B preset's and the tiny preset's
@@ -289,7 +286,7 @@ def check_flexrows() -> None:
             anchors[:, a // 2 :] = 0
         elif pattern == "every6":
             anchors = (torch.arange(a, device="cuda") * 6 % seq_len).expand(2, a).contiguous()
-        shape_q, shape_kv = (2, 4, a * bs, 64), (2, 2, seq_len + a * bs, 64)
+        shape_q, shape_kv = (2, 4, a * bs, 128), (2, 2, a * bs + seq_len, 128)
         q, k, v = (
             torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
             for s in (shape_q, shape_kv, shape_kv)
@@ -299,11 +296,12 @@ def check_flexrows() -> None:
         ref_out.mul(ref_out.detach().sign()).sum().backward()
         ref_grads = [t.grad for t in ref]
         mask = flex_block_mask(anchors, seq_len, bs)
-        ours = attention_error(compiled, mask, q, k, v, ref_out, ref_grads)
-        forced = attention_error(unguarded, mask, q, k, v, ref_out, ref_grads)
+        options = flex_kernel_options(bs, a * bs)
+        ours = attention_error(options, mask, q, k, v, ref_out, ref_grads)
+        forced = attention_error({"ROWS_GUARANTEED_SAFE": True}, mask, q, k, v, ref_out, ref_grads)
         print(
-            f"flexrows: {a * bs} queries, {seq_len + a * bs} keys, {pattern} anchors: attend {ours}; "
-            f"guards dropped {forced}",
+            f"flexrows: {a * bs} queries, {a * bs + seq_len} keys, {pattern} anchors: attend {ours} "
+            f"(options {options}); guards dropped, default key tile: {forced}",
             flush=True,
         )
         if not ours.startswith("ok"):

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.model import (
+    FLEX_TILE,
     DFlashDrafter,
     DrafterSpec,
     Shape,
@@ -13,10 +14,11 @@ from dflash_train.model import (
     block_positions,
     dense_block_mask,
     flex_block_mask,
+    flex_kernel_options,
     attend,
     rope_cos_sin,
 )
-from dflash_train.sliding import dense_sliding_mask
+from dflash_train.sliding import dense_sliding_mask, flex_sliding_mask
 
 # Eager FlexAttention on CPU is the unfused reference path: exactly what these checks want.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -38,15 +40,16 @@ def test_dense_mask_matches_brute_force():
     seq_len, bs = 12, 4
     mask = dense_block_mask(anchors, seq_len, bs)
     n, a = anchors.shape
-    assert mask.shape == (n, 1, a * bs, seq_len + a * bs)
+    q = a * bs
+    assert mask.shape == (n, 1, q, q + seq_len)
     for b in range(n):
-        for qi in range(a * bs):
+        for qi in range(q):
             blk = qi // bs
-            for kv in range(seq_len + a * bs):
-                if kv < seq_len:
-                    expected = kv < anchors[b, blk].item()  # context strictly before the anchor
+            for kv in range(q + seq_len):
+                if kv < q:
+                    expected = kv // bs == blk  # own block, bidirectional
                 else:
-                    expected = (kv - seq_len) // bs == blk  # own block, bidirectional
+                    expected = kv - q < anchors[b, blk].item()  # context strictly before the anchor
                 assert mask[b, 0, qi, kv].item() == expected, (b, qi, kv)
 
 
@@ -55,8 +58,8 @@ def test_flex_and_dense_attention_agree():
     anchors = torch.tensor([[1, 4, 10], [0, 7, 8]])
     seq_len, bs = 16, 4
     q = torch.randn(2, 4, 12, 8)
-    k = torch.randn(2, 2, seq_len + 12, 8)
-    v = torch.randn(2, 2, seq_len + 12, 8)
+    k = torch.randn(2, 2, 12 + seq_len, 8)
+    v = torch.randn(2, 2, 12 + seq_len, 8)
     dense = attend(q, k, v, dense_block_mask(anchors, seq_len, bs))
     flex = attend(q, k, v, flex_block_mask(anchors, seq_len, bs))
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
@@ -161,3 +164,34 @@ def test_no_query_row_of_a_training_mask_is_fully_masked():
     ]
     for mask in masks:
         assert mask.any(-1).all()
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_unguarded_flex_rows_see_a_key_in_the_first_tile_they_visit(sliding):
+    """Where `flex_kernel_options` drops FlexAttention's row guards, every query tile's first key
+    tile (partial tiles come first, in the BlockMask's order) is its own blocks', and each of its
+    rows sees a key there: padding anchors at 0, anchors at one position apart, a sliding window."""
+    bs, a, seq_len = 16, 24, 500  # Q = 384: three tiles of 128 queries; a context not of whole tiles
+    anchors = torch.tensor([[0] * 8 + list(range(1, 17)), sorted(torch.randint(0, seq_len, (a,)).tolist())])
+    q = a * bs
+    assert flex_kernel_options(bs, q) is not None
+    make = (
+        (lambda: flex_sliding_mask(anchors, seq_len, bs, 3))
+        if sliding
+        else (lambda: flex_block_mask(anchors, seq_len, bs))
+    )
+    dense = (dense_sliding_mask(anchors, seq_len, bs, 3) if sliding else dense_block_mask(anchors, seq_len, bs))[:, 0]
+    block = make()
+    for b in range(2):
+        for m in range(q // FLEX_TILE):
+            assert block.kv_num_blocks[b, 0, m] > 0 and block.kv_indices[b, 0, m, 0] == m
+            tile = slice(m * FLEX_TILE, (m + 1) * FLEX_TILE)
+            assert dense[b, tile, tile].any(-1).all()
+
+
+def test_row_guards_stay_where_the_layout_does_not_promise_safe_rows():
+    assert flex_kernel_options(16, 4 * FLEX_TILE) is not None
+    assert flex_kernel_options(16, 8 * 16) is not None  # one tile of eight blocks
+    assert flex_kernel_options(16, 9 * 16) is None  # a tile of queries not whole
+    assert flex_kernel_options(FLEX_TILE, 2 * FLEX_TILE) is None  # one block per tile: its keys a full tile
+    assert flex_kernel_options(24, 16 * 24) is None  # blocks that straddle tiles

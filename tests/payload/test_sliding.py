@@ -45,17 +45,19 @@ def test_the_sliding_mask_matches_brute_force():
     seq_len, bs = 14, 4
     mask = dense_sliding_mask(anchors, seq_len, bs, MASK_WINDOW)
     n, a = anchors.shape
-    assert mask.shape == (n, 1, a * bs, seq_len + a * bs)
+    q = a * bs
+    assert mask.shape == (n, 1, q, q + seq_len)
     for b in range(n):
-        for qi in range(a * bs):
+        for qi in range(q):
             blk, pos = qi // bs, anchors[b, qi // bs].item() + qi % bs
-            for kv in range(seq_len + a * bs):
-                if kv < seq_len:
-                    expected = kv < anchors[b, blk].item() and pos - kv < MASK_WINDOW
+            for kv in range(q + seq_len):
+                if kv < q:
+                    expected = kv // bs == blk  # own block, bidirectional
                 else:
-                    expected = (kv - seq_len) // bs == blk
+                    expected = kv - q < anchors[b, blk].item() and pos - (kv - q) < MASK_WINDOW
                 assert mask[b, 0, qi, kv].item() == expected, (b, qi, kv)
-    assert not mask[1, 0, 8 + 3, :6].any() and mask[1, 0, 8, 7:11].all()  # the window bites: block 2 at 11
+    ctx = mask[:, 0, :, q:]
+    assert not ctx[1, 8 + 3, :6].any() and ctx[1, 8, 7:11].all()  # the window bites: block 2 at 11
 
 
 def test_flex_and_dense_sliding_attention_agree():
