@@ -9,8 +9,9 @@ Training layout (one forward pass trains all A blocks of every sequence):
     keys/values = [blocks (Q) ; context (S)]     queries = blocks (Q) only
 A block anchored at position a holds [token a, MASK x (B-1)] at positions a..a+B-1; it attends to
 the context strictly before a and bidirectionally to its own B tokens, never to other blocks.
-The blocks' keys come first so that each query's own block lies in the first key tile its
-FlexAttention tile visits (`flex_kernel_options`); attention does not depend on the keys' order.
+The blocks' keys come first: the same attention (it does not depend on the keys' order), and
+FlexAttention's forward and backward at the 8B shape take 3.28 ms instead of 3.54 ms
+(bench/flex_order.py, H200, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -185,9 +186,6 @@ def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     return (anchors[:, :, None] + offsets).flatten(1)
 
 
-FLEX_TILE = 128  # FlexAttention's sparse block (query and key tile) of the training masks
-
-
 def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
     """Boolean mask [N, 1, Q, Q+S] (True = attend) for SDPA: own block, context < anchor."""
     n, a = anchors.shape
@@ -212,7 +210,7 @@ def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> Blo
         sees_ctx = ~in_block & (kv_idx - q < anchors[b, blk])
         return sees_block | sees_ctx
 
-    return create_block_mask(mask_mod, n, None, q, q + seq_len, device=anchors.device, BLOCK_SIZE=FLEX_TILE)
+    return create_block_mask(mask_mod, n, None, q, q + seq_len, device=anchors.device)
 
 
 def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, backend: str) -> torch.Tensor | BlockMask:
@@ -222,20 +220,12 @@ def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, backend: st
     return dense_block_mask(anchors, seq_len, block_size)
 
 
-def flex_kernel_options(block_size: int, q_len: int) -> dict | None:
-    """FlexAttention's kernel options for the training masks: without its row guards where the
-    layout makes every row safe, else None (the kernel's defaults, guarded)."""
-    # The kernel starts each row's running max at -inf over the first key tile it visits; a row
-    # that sees no key there becomes NaN without the guards (ROWS_GUARANTEED_SAFE), though it sees
-    # keys later (padding anchors at 0 and short replies did, run 39). Partial tiles are visited
-    # before full ones, each in ascending order. With the blocks' keys first, tiles of FLEX_TILE,
-    # blocks that divide it (at least two per tile, so the diagonal tile is partial) and whole
-    # tiles of queries, the first key tile of query tile m is key tile m: its own blocks, which
-    # every row sees. A forward key tile as wide as the sparse one (BLOCK_N) keeps that true inside
-    # the kernel (its default, 64, would split the tile); two stages fit its shared memory.
-    if block_size >= FLEX_TILE or FLEX_TILE % block_size or q_len % FLEX_TILE:
-        return None
-    return {"ROWS_GUARANTEED_SAFE": True, "fwd_BLOCK_N": FLEX_TILE, "fwd_num_stages": 2}
+# FlexAttention keeps its row guards (ROWS_GUARANTEED_SAFE unset). The kernel starts each row's
+# running max at -inf over the first key tile it visits, and unguarded, a row that sees no key
+# there becomes NaN though it sees keys later (padding anchors at 0 did, run 39). In this layout,
+# with the forward key tile widened to the mask's 128, every row would see its own block there,
+# but the guards cost nothing measurable at the 8B shape (flex_order.py; a step of 216.5 ms
+# unguarded and 216.3 ms guarded in step_bench.py, H200, 2026-12-06), so they stay.
 
 
 def attend(
@@ -244,14 +234,19 @@ def attend(
     v: torch.Tensor,
     mask: torch.Tensor | BlockMask,
     flex_fn=flex_attention,
-    flex_options: dict | None = None,
 ) -> torch.Tensor:
     """q [N, nh, Q, d], k/v [N, nkv, Q+S, d] under a dense or block mask -> [N, nh, Q, d]."""
     # Under autocast the fp32 norm weights promote q/k to fp32 while v stays bf16; SDPA would
     # recast all three, FlexAttention wants them equal: use v's (the compute) dtype.
     q, k = q.to(v.dtype), k.to(v.dtype)
     if isinstance(mask, BlockMask):
-        return flex_fn(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=flex_options)
+        return flex_fn(
+            q,
+            k,
+            v,
+            block_mask=mask,
+            enable_gqa=True,
+        )
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -287,7 +282,6 @@ class DraftLayer(DecoderLayer):
         sin: torch.Tensor,
         mask: torch.Tensor | BlockMask,
         flex_fn=flex_attention,
-        flex_options: dict | None = None,
     ) -> torch.Tensor:
         # x: [N, Q, H] block stream; ctx: [N, S, H] fused target features (not normed again, no MLP,
         # no residual: the context only supplies keys and values); cos/sin: [N, Q+S, d]
@@ -299,7 +293,7 @@ class DraftLayer(DecoderLayer):
         k_ctx, v_ctx = attn.keys_values(ctx)  # [N, nkv, S, d]
         k = apply_rope(torch.cat([k_blk, k_ctx], dim=2), cos, sin)  # [N, nkv, Q+S, d]
         v = torch.cat([v_blk, v_ctx], dim=2)  # [N, nkv, Q+S, d]
-        x = x + attn.output(attend(q, k, v, mask, flex_fn, flex_options))
+        x = x + attn.output(attend(q, k, v, mask, flex_fn))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -381,12 +375,11 @@ class DFlashDrafter(nn.Module):
             positions, shape.head_dim, shape.rope_theta, ctx.dtype, shape.rope_scaling
         )  # [N, Q+S, d]
         x = block_embeds.to(ctx.dtype)
-        options = flex_kernel_options(self.spec.block_size, x.shape[1])
         for i, layer in enumerate(self.layers):
             if self.on_layer is not None:
                 self.on_layer(i, len(self.layers))
             layer_mask = mask[self.spec.layer_type(i)] if isinstance(mask, dict) else mask
-            x = layer(x, ctx, cos, sin, layer_mask, flex_fn, options)
+            x = layer(x, ctx, cos, sin, layer_mask, flex_fn)
         return self.norm(x)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from .model import FLEX_TILE, DrafterSpec, block_mask, dense_block_mask
+from .model import DrafterSpec, block_mask, dense_block_mask
 from .resolve import FULL, SLIDING
 
 
@@ -44,7 +44,7 @@ def flex_sliding_mask(anchors: torch.Tensor, seq_len: int, block_size: int, wind
         sees_ctx = ~in_block & (ctx_pos < anchors[b, blk]) & (q_pos - ctx_pos < window)
         return sees_block | sees_ctx
 
-    return create_block_mask(mask_mod, n, None, q, q + seq_len, device=anchors.device, BLOCK_SIZE=FLEX_TILE)
+    return create_block_mask(mask_mod, n, None, q, q + seq_len, device=anchors.device)
 
 
 def drafter_masks(anchors: torch.Tensor, seq_len: int, spec: DrafterSpec, backend: str):

@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.model import (
-    FLEX_TILE,
     DFlashDrafter,
     DrafterSpec,
     Shape,
@@ -14,11 +13,10 @@ from dflash_train.model import (
     block_positions,
     dense_block_mask,
     flex_block_mask,
-    flex_kernel_options,
     attend,
     rope_cos_sin,
 )
-from dflash_train.sliding import dense_sliding_mask, flex_sliding_mask
+from dflash_train.sliding import dense_sliding_mask
 
 # Eager FlexAttention on CPU is the unfused reference path: exactly what these checks want.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -164,34 +162,3 @@ def test_no_query_row_of_a_training_mask_is_fully_masked():
     ]
     for mask in masks:
         assert mask.any(-1).all()
-
-
-@pytest.mark.parametrize("sliding", [False, True])
-def test_unguarded_flex_rows_see_a_key_in_the_first_tile_they_visit(sliding):
-    """Where `flex_kernel_options` drops FlexAttention's row guards, every query tile's first key
-    tile (partial tiles come first, in the BlockMask's order) is its own blocks', and each of its
-    rows sees a key there: padding anchors at 0, anchors at one position apart, a sliding window."""
-    bs, a, seq_len = 16, 24, 500  # Q = 384: three tiles of 128 queries; a context not of whole tiles
-    anchors = torch.tensor([[0] * 8 + list(range(1, 17)), sorted(torch.randint(0, seq_len, (a,)).tolist())])
-    q = a * bs
-    assert flex_kernel_options(bs, q) is not None
-    make = (
-        (lambda: flex_sliding_mask(anchors, seq_len, bs, 3))
-        if sliding
-        else (lambda: flex_block_mask(anchors, seq_len, bs))
-    )
-    dense = (dense_sliding_mask(anchors, seq_len, bs, 3) if sliding else dense_block_mask(anchors, seq_len, bs))[:, 0]
-    block = make()
-    for b in range(2):
-        for m in range(q // FLEX_TILE):
-            assert block.kv_num_blocks[b, 0, m] > 0 and block.kv_indices[b, 0, m, 0] == m
-            tile = slice(m * FLEX_TILE, (m + 1) * FLEX_TILE)
-            assert dense[b, tile, tile].any(-1).all()
-
-
-def test_row_guards_stay_where_the_layout_does_not_promise_safe_rows():
-    assert flex_kernel_options(16, 4 * FLEX_TILE) is not None
-    assert flex_kernel_options(16, 8 * 16) is not None  # one tile of eight blocks
-    assert flex_kernel_options(16, 9 * 16) is None  # a tile of queries not whole
-    assert flex_kernel_options(FLEX_TILE, 2 * FLEX_TILE) is None  # one block per tile: its keys a full tile
-    assert flex_kernel_options(24, 16 * 24) is None  # blocks that straddle tiles
