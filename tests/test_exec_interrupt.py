@@ -53,13 +53,24 @@ def kill_left(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+POLITE_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)
+
+
 def interrupt(
-    env: dict, host: str, argv: list[str], sig: int = signal.SIGINT
+    env: dict, host: str, argv: list[str], *sigs: int, ignored: tuple[int, ...] = ()
 ) -> tuple[list[int], subprocess.CompletedProcess]:
-    """`dflashctl exec host -- argv`, `sig` (Ctrl-C's SIGINT) once it printed its `ready PID...`
-    line: the pids and the CLI's outcome."""
+    """`dflashctl exec host -- argv`, then `sigs` (default: Ctrl-C's SIGINT) once it printed its
+    `ready PID...` line: the pids and the CLI's outcome. The CLI starts with the polite signals at
+    their defaults but `ignored`, whatever the test runner inherited (nohup ignores SIGHUP, a
+    background job SIGINT), as a terminal's shell starts it."""
+
+    def dispositions() -> None:
+        for s in POLITE_SIGNALS:
+            signal.signal(s, signal.SIG_IGN if s in ignored else signal.SIG_DFL)
+
     proc = subprocess.Popen(
         [*CLI, "exec", host, "--", *argv],
+        preexec_fn=dispositions,
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -68,7 +79,8 @@ def interrupt(
     try:
         words = proc.stdout.readline().split()
         assert words[:1] == [b"ready"], (words, proc.stderr.read1(4096) if proc.poll() is not None else b"")
-        proc.send_signal(sig)
+        for sig in sigs or (signal.SIGINT,):
+            proc.send_signal(sig)  # an ignored one is discarded as it is sent
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -98,6 +110,20 @@ def test_a_kill_or_a_closed_terminal_ends_the_command_as_ctrl_c_does(mux, where,
     try:
         name = signal.Signals(sig).name
         assert (res.returncode, res.stderr, res.stdout) == (128 + sig, f"error: interrupted by {name}\n".encode(), b"")
+        wait_until(lambda: not any(alive(p) for p in pids), 60, f"{pids} to end")
+    finally:
+        kill_left(pids)
+
+
+def test_a_sighup_ignored_on_purpose_stays_ignored(mux):
+    """Under nohup a closed terminal must not end the command: the CLI keeps SIGHUP ignored, and
+    only the Ctrl-C after it ends the command."""
+    env = {**mux.sshd.env, **mux.env}
+    pids, res = interrupt(
+        env, "local", [sys.executable, "-c", STUBBORN], signal.SIGHUP, signal.SIGINT, ignored=(signal.SIGHUP,)
+    )
+    try:
+        assert (res.returncode, res.stderr) == (130, b"error: interrupted\n")
         wait_until(lambda: not any(alive(p) for p in pids), 60, f"{pids} to end")
     finally:
         kill_left(pids)
