@@ -229,24 +229,14 @@ def block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, backend: st
 
 
 def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | BlockMask,
-    flex_fn=flex_attention,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask, flex_fn=flex_attention
 ) -> torch.Tensor:
     """q [N, nh, Q, d], k/v [N, nkv, Q+S, d] under a dense or block mask -> [N, nh, Q, d]."""
     # Under autocast the fp32 norm weights promote q/k to fp32 while v stays bf16; SDPA would
     # recast all three, FlexAttention wants them equal: use v's (the compute) dtype.
     q, k = q.to(v.dtype), k.to(v.dtype)
     if isinstance(mask, BlockMask):
-        return flex_fn(
-            q,
-            k,
-            v,
-            block_mask=mask,
-            enable_gqa=True,
-        )
+        return flex_fn(q, k, v, block_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
