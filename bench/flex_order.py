@@ -7,10 +7,10 @@ The kernel starts each row's running max at -inf over the first key tile it visi
 (ROWS_GUARANTEED_SAFE), a row that sees nothing there becomes NaN. The trainer's keys are
 [blocks; context], guarded; the old layout was [context; blocks]. With the blocks first and the
 forward key tile as wide as the mask's (128), the first tile a query tile visits holds its own
-blocks, which every row sees, so dropping the guards would be safe. This compares, at the 8B preset's shape
-(32/8 heads of 128, 3072 context, 512 anchors of 16), forward+backward time and whether every
-output and gradient is finite and matches dense fp32 attention, for random anchors, padding
-anchors at 0 (a short reply) and anchors every 6 positions.
+blocks, which every row sees, so dropping the guards would be safe. This compares, at the 8B
+preset's shape (32/8 heads of 128, 3072 context, 512 anchors of 16), forward+backward time and
+whether every output and gradient is finite and matches dense fp32 attention
+(gpu_smoke.attention_error) for gpu_smoke.flex_anchors' three patterns.
 """
 
 import sys
@@ -20,12 +20,25 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "remote_payload"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "remote_payload"), str(ROOT / "tests" / "payload")]
 
-from dflash_train.model import dense_block_mask, flex_block_mask  # noqa: E402
+from dflash_train.model import attend, dense_block_mask, flex_block_mask  # noqa: E402
+from gpu_smoke import attention_error, flex_anchors  # noqa: E402
 
 CTX, ANCHORS, BS = 3072, 512, 16
 Q = ANCHORS * BS
+SHAPES = ((1, 32, Q, 128), (1, 8, Q + CTX, 128), (1, 8, Q + CTX, 128))  # q, k, v at the 8B preset
+UNGUARDED = {"ROWS_GUARANTEED_SAFE": True}
+VARIANTS = {
+    # name: (the old [context; blocks] layout?, kernel options)
+    "trainer: blocks first, guarded": (False, None),
+    "blocks first, unguarded, key tile 128": (False, {**UNGUARDED, "fwd_BLOCK_N": 128, "fwd_num_stages": 2}),
+    "blocks first, unguarded, default key tile (unsafe)": (False, UNGUARDED),
+    "old: context first, guarded": (True, None),
+    "old: context first, unguarded (unsafe, runs 35-39)": (True, UNGUARDED),
+}
+COMPILED = torch.compile(flex_attention, dynamic=False)
 
 
 def context_first_mask(anchors):
@@ -36,7 +49,7 @@ def context_first_mask(anchors):
         in_ctx = kv_idx < CTX
         return (in_ctx & (kv_idx < anchors[b, blk])) | (~in_ctx & ((kv_idx - CTX) // BS == blk))
 
-    return create_block_mask(mask_mod, anchors.shape[0], None, Q, CTX + Q, device="cuda")
+    return create_block_mask(mask_mod, anchors.shape[0], None, Q, CTX + Q, device=anchors.device)
 
 
 def context_first(t):
@@ -44,87 +57,55 @@ def context_first(t):
     return torch.cat([t[:, :, Q:], t[:, :, :Q]], dim=2)
 
 
-def anchors_for(pattern, n=1):
-    """Random, padded (last half at 0, as collate pads) or every-6 anchors [n, A]."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    a = torch.randint(1, CTX, (n, ANCHORS), generator=g, device="cuda").sort(dim=1).values
-    if pattern == "padded":
-        a[:, ANCHORS // 2 :] = 0
-    elif pattern == "every6":
-        a = (torch.arange(ANCHORS, device="cuda") * 6 % CTX).expand(n, ANCHORS).contiguous()
-    return a
-
-
-UNGUARDED = {"ROWS_GUARANTEED_SAFE": True}
-VARIANTS = {
-    # name: (the old [context; blocks] layout?, kernel options)
-    "trainer: blocks first, guarded": (False, None),
-    "blocks first, unguarded, key tile 128": (False, {**UNGUARDED, "fwd_BLOCK_N": 128, "fwd_num_stages": 2}),
-    "blocks first, unguarded, default key tile (unsafe)": (False, UNGUARDED),
-    "old: context first, guarded": (True, None),
-    "old: context first, unguarded (unsafe, runs 35-39)": (True, UNGUARDED),
-}
-
-
-COMPILED = torch.compile(flex_attention, dynamic=False)
-
-
-def prepare(variant, anchors):
-    """The variant's mask and its key order (a function of k or v)."""
-    if VARIANTS[variant][0]:
-        return context_first_mask(anchors), context_first
-    return flex_block_mask(anchors, CTX, BS), lambda t: t
-
-
-def run(variant, q, k, v, mask, order):
-    """attend's forward under one variant: [N, nh, Q, d]."""
-    opts = VARIANTS[variant][1]
-    return COMPILED(q, order(k), order(v), block_mask=mask, enable_gqa=True, kernel_options=opts)
-
-
-SHAPES = ((1, 32, Q, 128), (1, 8, CTX + Q, 128), (1, 8, CTX + Q, 128))  # q, k, v at the 8B preset
+def variant_flex(variant, anchors):
+    """The variant's FlexAttention as model.attend calls it, on keys in the trainer's order."""
+    old, options = VARIANTS[variant]
+    if not old:
+        return lambda *args, **kwargs: COMPILED(*args, kernel_options=options, **kwargs)
+    mask = context_first_mask(anchors)  # attend's (trainer-order) mask is replaced with the old one
+    return lambda q, k, v, block_mask, **kwargs: COMPILED(
+        q, context_first(k), context_first(v), block_mask=mask, kernel_options=options, **kwargs
+    )
 
 
 def reference(pattern):
-    """Inputs and dense fp32 attention's output and gradients, one kv head's group at a time."""
-    anchors = anchors_for(pattern)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    q, k, v = (torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16) for s in SHAPES)
+    """Anchors, inputs and dense fp32 attention's output and gradients (one kv head's group at a time)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    anchors = flex_anchors(pattern, 1, ANCHORS, CTX, g)
+    q, k, v = (torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_() for s in SHAPES)
     mask = dense_block_mask(anchors, CTX, BS)
+    group = SHAPES[0][1] // SHAPES[1][1]
     outs, grads = [], [[], [], []]
-    for h in range(8):
-        ref = [t.float().requires_grad_() for t in (q[:, 4 * h : 4 * h + 4], k[:, h : h + 1], v[:, h : h + 1])]
+    for h in range(SHAPES[1][1]):
+        ref = [
+            t.detach().float().requires_grad_()
+            for t in (q[:, group * h : group * (h + 1)], k[:, h : h + 1], v[:, h : h + 1])
+        ]
         out = F.scaled_dot_product_attention(*ref, attn_mask=mask, enable_gqa=True)
         out.mul(out.detach().sign()).sum().backward()
         outs.append(out.detach())
         for acc, t in zip(grads, ref):
             acc.append(t.grad)
-    return anchors, (q, k, v), [torch.cat(outs, 1), *(torch.cat(x, 1) for x in grads)]
+    return anchors, (q, k, v), torch.cat(outs, 1), [torch.cat(x, 1) for x in grads]
 
 
-def check(variant, anchors, inputs, expected):
-    """Finite and close to dense fp32: a short verdict."""
-    q, k, v = (t.clone().requires_grad_() for t in inputs)
-    out = run(variant, q, k, v, *prepare(variant, anchors))
-    out.float().mul(expected[0].sign()).sum().backward()
-    got = [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
-    if not all(torch.isfinite(x).all() for x in got):
-        bad = (~torch.isfinite(out.float())).any(-1).sum().item()
-        return f"NaN ({bad} rows)"
-    worst = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, expected))
-    return f"{'ok' if worst < 5e-2 else 'WRONG'} {worst:.0e}"
+def check(variant, anchors, inputs, ref_out, ref_grads):
+    """Finite and close to dense fp32 (gpu_smoke.attention_error's verdict)."""
+    flex = variant_flex(variant, anchors)
+    return attention_error(flex, flex_block_mask(anchors, CTX, BS), *inputs, ref_out, ref_grads)
 
 
 def time_ms(variant, iters=20):
     """Forward+backward ms at the 8B shape (32/8 heads), random anchors."""
-    prepared = prepare(variant, anchors_for("random"))
+    anchors = flex_anchors("random", 1, ANCHORS, CTX, torch.Generator(device="cuda").manual_seed(0))
+    flex, mask = variant_flex(variant, anchors), flex_block_mask(anchors, CTX, BS)
     q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16).requires_grad_() for s in SHAPES)
     for _ in range(3):
-        run(variant, q, k, v, *prepared).sum().backward()
+        attend(q, k, v, mask, flex).sum().backward()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
-        run(variant, q, k, v, *prepared).sum().backward()
+        attend(q, k, v, mask, flex).sum().backward()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters

@@ -40,9 +40,9 @@ Stages (each bounded; all run even if one fails; exit 1 if any failed):
   preset:NAME[:K=V...]  another target's preset (e.g. preset:llama3-8b, preset:qwen3-30b-a3b:target.num_layers=24):
                30 steps through `train --follow` from the warm cache, then `eval` of its export as 8b-eval does
 `--stages goals` runs the stages of issue 31's goals (cold, bench, warmplain, warm, stopcompile,
-decode, regen) in one call. It prints a table (time to first step cold/warm, ms/step against the bench's fast row, MFU
-against the peak measured here, stop latencies) and writes acceptance.json and acceptance.log
-under --out. Results: docs/performance.md.
+decode, regen) in one call. It prints a table (time to first step cold/warm, ms/step against the
+bench's fast row, MFU against the peak measured here, stop latencies) and writes acceptance.json
+and acceptance.log under --out. Results: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -248,43 +248,52 @@ def check_graphtarget() -> None:
     print(f"graphtarget: {'PASS' if all(same) and results['on'] == results['off'] else 'FAIL'}", flush=True)
 
 
-def attention_error(options, mask, q, k, v, ref_out, ref_grads) -> str:
-    """attend() through compiled FlexAttention with kernel `options` against the fp32 reference:
-    'ok' with the worst relative error, or what broke."""
-    from torch.nn.attention.flex_attention import flex_attention
+def flex_anchors(pattern: str, n: int, a: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
+    """Anchors [n, a] on g's device: random ones (sorted), a short reply's (its last half padding
+    anchors at 0, as collate pads) or every 6 positions from 0."""
+    anchors = torch.randint(1, seq_len, (n, a), generator=g, device=g.device).sort(dim=1).values
+    if pattern == "padded":
+        anchors[:, a // 2 :] = 0
+    elif pattern == "every6":
+        anchors = (torch.arange(a, device=g.device) * 6 % seq_len).expand(n, a).contiguous()
+    return anchors
 
+
+def attention_error(flex_fn, mask, q, k, v, ref_out, ref_grads) -> str:
+    """attend() through `flex_fn` against the fp32 reference: 'ok' with the worst relative error,
+    or what broke."""
     from dflash_train.model import attend
 
     for t in (q, k, v):
         t.grad = None
-    compiled = torch.compile(flex_attention, dynamic=False)
-    out = attend(q, k, v, mask, lambda *args, **kw: compiled(*args, kernel_options=options, **kw))
+    out = attend(q, k, v, mask, flex_fn)
     out.float().mul(ref_out.detach().sign()).sum().backward()
     got = [out.float(), *(t.grad.float() for t in (q, k, v))]
     if not all(torch.isfinite(x).all() for x in got):
-        return "NOT FINITE"
+        return f"NOT FINITE ({(~torch.isfinite(got[0])).any(-1).sum().item()} output rows)"
     worst = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, [ref_out, *ref_grads]))
     return f"{'ok' if worst < 5e-2 else 'WRONG'} (worst relative error {worst:.1e})"
 
 
 def check_flexrows() -> None:
     """Compiled FlexAttention as the trainer calls it against dense fp32 attention; beside it, unguarded."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     from dflash_train.model import attend, dense_block_mask, flex_block_mask
+
+    def unguarded(*args, **kwargs):
+        return compiled(*args, kernel_options={"ROWS_GUARANTEED_SAFE": True}, **kwargs)
 
     failed = []
     # (context length, anchors, block size, anchor pattern): the 8B preset's and the tiny preset's
-    # lengths; random anchors, a short reply's (its last half padding anchors at 0, as collate pads),
-    # and every 6 positions from 0.
+    # lengths, each anchor pattern of flex_anchors.
     for seq_len, a, bs, pattern in (
         (3072, 512, 16, "random"), (3072, 512, 16, "padded"), (3072, 512, 16, "every6"), (64, 8, 8, "random"),
     ):  # fmt: skip
         torch._dynamo.reset()  # two compiles per shape, each in full: no recompile limit falls back to eager
+        compiled = torch.compile(flex_attention, dynamic=False)
         g = torch.Generator(device="cuda").manual_seed(0)
-        anchors = torch.randint(1, seq_len, (2, a), generator=g, device="cuda").sort(dim=1).values
-        if pattern == "padded":
-            anchors[:, a // 2 :] = 0
-        elif pattern == "every6":
-            anchors = (torch.arange(a, device="cuda") * 6 % seq_len).expand(2, a).contiguous()
+        anchors = flex_anchors(pattern, 2, a, seq_len, g)
         shape_q, shape_kv = (2, 4, a * bs, 128), (2, 2, a * bs + seq_len, 128)
         q, k, v = (
             torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
@@ -295,8 +304,8 @@ def check_flexrows() -> None:
         ref_out.mul(ref_out.detach().sign()).sum().backward()
         ref_grads = [t.grad for t in ref]
         mask = flex_block_mask(anchors, seq_len, bs)
-        ours = attention_error(None, mask, q, k, v, ref_out, ref_grads)
-        forced = attention_error({"ROWS_GUARANTEED_SAFE": True}, mask, q, k, v, ref_out, ref_grads)
+        ours = attention_error(compiled, mask, q, k, v, ref_out, ref_grads)
+        forced = attention_error(unguarded, mask, q, k, v, ref_out, ref_grads)
         print(
             f"flexrows: {a * bs} queries, {a * bs + seq_len} keys, {pattern} anchors: attend {ours}; "
             f"guards dropped {forced}",
