@@ -15,8 +15,9 @@ Stages (each bounded; all run even if one fails; exit 1 if any failed):
   8b-warm-stop the same preset again (warm cache), detached, a checkpoint every 50 steps, its trainer
                forked by the fork server the cold stage started (a plain start fails it); `runs stop`
                once step 100's is written: the seconds each checkpoint blocked training (goal <= 1 s
-               for each: the host buffers are allocated in the background after step 1) and each write took;
-               then `train --resume` of it (the checkpoint read back), stopped again 20 steps later
+               for each: the host buffers are allocated in the background after step 1, and a periodic
+               checkpoint falling before they are is put off) and each write took; then `train
+               --resume` of it (the checkpoint read back), stopped again 20 steps later
   8b-stop-compile  a cold-cache start stopped while it compiles: exit 143 at once, no compiler error logged
   small-cg     the small config with run.compile cudagraphs on one GPU, then two replicas on it
   small-pair   the small config twice on a fresh run.compile_cache_dir: time to first step cold, then warm
@@ -115,6 +116,11 @@ def memory_gb() -> dict[str, float] | None:
         return {k: round(v * 1024 / 1e9, 2) for k, v in sizes.items()}
     except (OSError, KeyError, ValueError):
         return None
+
+
+def checkpoints_blocked(text: str) -> dict[int, float]:
+    """The seconds each checkpoint in a train.log blocked training, by step."""
+    return {int(k): float(v) for k, v in re.findall(r"checkpoint step (\d+): training blocked ([\d.]+) s", text)}
 
 
 def read_int(path: str) -> int | None:
@@ -392,7 +398,7 @@ class Acceptance(LocalHostBench):
         again = self.resume_and_stop(run_id, stopped[-1]) if ok and stopped else {"resumed": False}
         ok = ok and again["resumed"]
         shutil.rmtree(self.run_dir(run_id) / "checkpoints", ignore_errors=True)
-        blocked = {int(k): float(v) for k, v in re.findall(r"checkpoint step (\d+): training blocked ([\d.]+) s", text)}
+        blocked = checkpoints_blocked(text)
         return {
             "ok": ok,
             "run": run_id,
@@ -453,6 +459,9 @@ class Acceptance(LocalHostBench):
             "resumed": reached and code == 0 and "stopped (143)" in said and not any(n.startswith(".") for n in left),
             "resumed_at_step": stopped,
             "second_stop_latency_s": round(secs, 1),
+            # The resume's start allocates the host buffers again: a checkpoint soon after is put off.
+            "resumed_checkpoint_blocked_s": checkpoints_blocked(text[kept:]),
+            "resumed_put_off": [int(n) for n in re.findall(r"checkpoint step (\d+): put off", text[kept:])],
             "second_trainer_stop_s": float(stops[-1]) if len(stops) > 1 else None,
             "superseded_a_write": "the stop's checkpoint replaces it" in text,
             "checkpoints_after_flush": left,

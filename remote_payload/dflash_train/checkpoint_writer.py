@@ -29,7 +29,8 @@ from .host_copy import HostBuffers
 
 
 # Between two arenas of the buffers' background allocation: the launches an arena's pinning held up
-# catch up (an 8B step is ~0.22 s), and ~50 arenas take ~2.5 s more in all, well before a checkpoint.
+# catch up (an 8B step is ~0.22 s); ~50 arenas take ~2.5 s more in all. A save that needs the buffers
+# drops the pauses (`hurry`): training waits then anyway.
 RESERVE_PAUSE_S = 0.05
 
 
@@ -59,30 +60,51 @@ class CheckpointWriter:
         self.pending: _Write | None = None  # the write in flight, and its thread
         self.thread: threading.Thread | None = None
         self.superseded: list[tuple[_Write, threading.Thread]] = []  # flushing when a stop's came
+        self.reserved = False  # whether `reserve` was called (its allocation may still be under way)
         self.reserving: threading.Thread | None = None  # the buffers' allocation in the background, if started
+        self.hurry = threading.Event()  # set: the allocation goes on without its pauses
+        self.owed: int | None = None  # the step of a periodic checkpoint put off by the allocation
 
-    @property
-    def reserved(self) -> bool:
-        """Whether `reserve` was called (its allocation may still be under way)."""
-        return self.reserving is not None
+    def due(self, step: int, scheduled: bool, final: bool) -> bool:
+        """Whether to checkpoint at the sync point after `step`: when `scheduled` there or owed from
+        an earlier one. A periodic checkpoint that falls while the host buffers are still being
+        allocated (the first ~7 s after the first step at 8B) is put off to the next sync point that
+        finds them ready, so that it never blocks training; a `final` one (a stop, the run's last
+        step) is taken at once and waits for the allocation, without its pauses."""
+        if not (scheduled or self.owed is not None):
+            return False
+        if final or self.reserving is None or not self.reserving.is_alive():
+            self.owed = None
+            return True
+        if self.owed is None:
+            self.owed = step
+            self.log(
+                f"checkpoint step {step}: put off to the next sync point (its host buffers are still being "
+                f"allocated in the background; training goes on)"
+            )
+        return False
 
     def reserve(self, drafter, optimizer, scheduler, config: dict, device: torch.device) -> None:
-        """Allocate (on CUDA, pin) the host buffers for this state in a background thread, once: at
+        """Allocate the host buffers for this state, once; on CUDA, pinned, in a background thread: at
         8B scale 12.6 GB, whose allocation blocked the first checkpoint's step for 5-6 s. Call it
-        once the optimizer holds its state (after the first step); the first `save` waits for it."""
+        once the optimizer holds its state (after the first step, or at a resume's start); `due` puts
+        a periodic checkpoint off while it runs, and a stop's `save` waits for it."""
         if self.reserved:
             return
+        self.reserved = True
         live = checkpoint_state(0, drafter, optimizer, scheduler, config, device)
-        self.reserving = threading.Thread(
-            target=self._reserve, args=((live.weights, live.optim), device), name="dflash-checkpoint-buffers"
-        )
+        state = (live.weights, live.optim)
+        if device.type != "cuda":  # pageable memory, not pinned: allocated lazily, in microseconds
+            self._reserve(state, device)
+            return
+        self.reserving = threading.Thread(target=self._reserve, args=(state, device), name="dflash-checkpoint-buffers")
         self.reserving.start()
 
     def _reserve(self, state, device: torch.device) -> None:
         if device.type == "cuda":  # a new thread's current device is cuda:0: no context made on another GPU
             torch.cuda.set_device(device)
         try:
-            self.buffers.reserve(state, device, RESERVE_PAUSE_S)
+            self.buffers.reserve(state, device, lambda: self.hurry.wait(RESERVE_PAUSE_S))
         except (RuntimeError, MemoryError) as exc:  # host memory short: the first save allocates, as before
             self.log(f"checkpoint: host buffers not allocated ahead ({type(exc).__name__}: {exc}); the first save will")
 
@@ -100,7 +122,8 @@ class CheckpointWriter:
         else:
             self._supersede()
         if self.reserving is not None:
-            self.reserving.join()  # the buffers' allocation, started after the first step
+            self.hurry.set()
+            self.reserving.join()  # the buffers' allocation, started once the optimizer held its state
         t1 = time.perf_counter()
         live = checkpoint_state(step, drafter, optimizer, scheduler, config, device)
         (weights, optim), allocated = self.buffers.copy((live.weights, live.optim), device)

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import copy
 import mmap
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,14 +66,14 @@ class HostBuffers:
         """The bytes the buffers hold."""
         return sum(v.nbytes for v in self.views)
 
-    def reserve(self, state: Any, device: torch.device, pause_s: float = 0.0) -> None:
+    def reserve(self, state: Any, device: torch.device, pause: Callable[[], object] | None = None) -> None:
         """Allocate buffers that fit `state` (its tensors' shapes and dtypes) before the first copy:
-        from another thread while training goes on, so that the copy finds them, with `pause_s`
+        from another thread while training goes on, so that the copy finds them, calling `pause`
         between arenas for the training thread to catch up on the launches each one held up."""
         layout = [(t.shape, t.dtype) for t in tensors_of(state)]
         if layout != self.layout:
             self.release()
-            self.views, self.pinned = _allocate(layout, pin=device.type == "cuda", pause_s=pause_s)
+            self.views, self.pinned = _allocate(layout, pin=device.type == "cuda", pause=pause)
             self.layout = layout
 
     def release(self) -> None:
@@ -115,7 +114,7 @@ def _arena(size: int, pin: bool) -> tuple[torch.Tensor, int | None]:
 
 
 def _allocate(
-    layout: list[tuple[torch.Size, torch.dtype]], pin: bool, pause_s: float = 0.0
+    layout: list[tuple[torch.Size, torch.dtype]], pin: bool, pause: Callable[[], object] | None = None
 ) -> tuple[list[torch.Tensor], list[int]]:
     """One contiguous tensor per (shape, dtype), packed into as few arenas as the sizes allow, and
     the addresses of the arenas pinned. Each tensor has a storage of its own over its bytes of an
@@ -132,8 +131,8 @@ def _allocate(
         arenas[-1] = max(arenas[-1], used)
     memory, pinned = [], []
     for size in arenas:
-        if memory and pause_s:
-            time.sleep(pause_s)
+        if memory and pause is not None:
+            pause()
         arena, address = _arena(size, pin)
         memory.append(arena.numpy())
         pinned += [address] if address is not None else []

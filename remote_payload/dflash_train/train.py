@@ -402,6 +402,14 @@ class Trainer:
             step, replica.drafter, replica.optimizer, replica.scheduler, to_dict(self.cfg), replica.device, durable
         )
 
+    def reserve_buffers(self, replica: Replica) -> None:
+        """Rank 0: start allocating the checkpoints' host buffers once the optimizer holds its state
+        (after the first step; at a resume's start, from the checkpoint), so that a save finds them."""
+        if self.main and replica.optimizer.state and not self.checkpoints.reserved:
+            self.checkpoints.reserve(
+                replica.drafter, replica.optimizer, replica.scheduler, to_dict(self.cfg), replica.device
+            )
+
     def on_start(self, point: workers.SyncPoint) -> None:
         """Rank 0's thread after warm-up, every other worker waiting: step 0's evaluation, the time to first step."""
         ready_at = time.monotonic()
@@ -414,6 +422,7 @@ class Trainer:
             )
         if self.start == 0:
             self.untrained = self.evaluate(point.replicas[0], 0, "eval")
+        self.reserve_buffers(point.replicas[0])  # resumed: the optimizer's state is the checkpoint's
         now = time.monotonic()
         parallel_s = self.threads_at - self.warmup_at
         timing = {
@@ -443,10 +452,7 @@ class Trainer:
         self.meter.add(losses, point.steps_since_last)
         stopping = self.should_stop.requested if self.group else self.stop.requested
         self.checkpoints.poll()  # a failed background write fails the run here, at the next sync point
-        if self.main and done > self.start and not self.checkpoints.reserved:  # the optimizer holds its state now
-            self.checkpoints.reserve(
-                replica.drafter, replica.optimizer, replica.scheduler, to_dict(self.cfg), replica.device
-            )
+        self.reserve_buffers(replica)
         if cadence.logs(done, stopping):
             tokens = self.data.take_tokens(self.meter.record_step, done)
             record = self.meter.record(done, cadence.total, tokens, replica, [r.device for r in point.replicas])
@@ -454,7 +460,8 @@ class Trainer:
                 record["acceptance_length"] = self.evaluate(replica, done, "eval")
             self.metrics.write(record)
             self.log(train_line(record))
-        if self.main and cadence.checkpoints(done, stopping):
+        final = stopping or done == cadence.total
+        if self.main and self.checkpoints.due(done, cadence.checkpoints(done, stopping), final):
             # A stop's checkpoint is flushed by a process of its own after the exit (checkpoint_flush.py):
             # the stop waits seconds less at 8B; the others are on disk before they count.
             self.save(replica, done, durable=not stopping)

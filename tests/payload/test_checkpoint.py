@@ -7,6 +7,7 @@ The end-to-end paths: tests/payload/test_train.py."""
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_train.checkpoint import checkpoint_state, latest_checkpoint, load_checkpoint, write_checkpoint
-from dflash_train.checkpoint_writer import CheckpointWriter, CheckpointWriteError
+from dflash_train.checkpoint_writer import RESERVE_PAUSE_S, CheckpointWriter, CheckpointWriteError
 from dflash_train.host_copy import HostBuffers
 from dflash_train.faults import InjectedFault
 
@@ -114,12 +115,57 @@ def test_buffers_reserved_ahead_take_the_first_checkpoint_with_no_allocation_of_
     logs = []
     writer = CheckpointWriter(tmp_path, 2, logs.append)
     model, opt, sched = trained(1)
-    writer.reserve(model, opt, sched, {"preset": "test"}, CPU)  # in the background, as after the first step
+    writer.reserve(model, opt, sched, {"preset": "test"}, CPU)  # as after the first step (pageable: at once)
     writer.reserve(model, opt, sched, {"preset": "test"}, CPU)  # once: a later call is a no-op
     writer.save(1, model, opt, sched, {"preset": "test"}, CPU)  # waits for the allocation, then copies
     writer.wait()
     assert logs[0].startswith("checkpoint step 1: training blocked ") and "new host buffers" not in logs[0]
     assert_same_training_state(load_after(tmp_path), (model, opt, sched))
+
+
+def held_allocation(writer, wait_on):
+    """Stand in for the writer's background allocation of pinned buffers (CUDA only) with a thread
+    that runs until `wait_on` returns; what it returned is appended to the list returned."""
+    returned = []
+    writer.reserving = threading.Thread(target=lambda: returned.append(wait_on()))
+    writer.reserving.start()
+    return returned
+
+
+def test_a_periodic_checkpoint_is_put_off_while_its_buffers_are_allocated_and_a_final_one_is_not(tmp_path):
+    """At 8B the pinned buffers take ~7 s after the first step (or a resume's start): a periodic
+    checkpoint falling then is taken at the first sync point after, instead of blocking training."""
+    logs, release = [], threading.Event()
+    writer = CheckpointWriter(tmp_path, 2, logs.append)
+    held_allocation(writer, release.wait)
+    assert not writer.due(10, scheduled=False, final=False)  # nothing scheduled, nothing owed
+    assert not writer.due(20, scheduled=True, final=False)
+    assert not writer.due(30, scheduled=False, final=False)  # still owed, still allocating
+    assert logs == [
+        "checkpoint step 20: put off to the next sync point (its host buffers are still being allocated "
+        "in the background; training goes on)"
+    ]
+    assert writer.due(30, scheduled=True, final=True)  # a stop's, or the last step's: at once
+    assert not writer.due(40, scheduled=False, final=False)  # the final one paid what was owed
+    assert not writer.due(50, scheduled=True, final=False)
+    release.set()
+    writer.reserving.join()
+    assert writer.due(60, scheduled=False, final=False)  # step 50's, owed, once the buffers are there
+    assert not writer.due(70, scheduled=False, final=False)
+    assert writer.due(80, scheduled=True, final=False)
+    assert len(logs) == 2
+
+
+def test_a_save_that_waits_for_the_allocation_lifts_its_pauses(tmp_path):
+    """A checkpoint that must wait for the background allocation (a stop's, the last step's): the
+    remaining arenas go without the pauses that leave room for training's launches (the step loop
+    waits anyway)."""
+    writer = CheckpointWriter(tmp_path, 2, [].append)
+    hurried = held_allocation(writer, lambda: writer.hurry.wait(RESERVE_PAUSE_S * 1200))
+    writer.save(1, *trained(1), {"preset": "test"}, CPU)
+    writer.wait()
+    assert hurried == [True]  # the pause ended because the save asked, not by its timeout
+    assert_same_training_state(load_after(tmp_path), trained(1))
 
 
 def load_after(out_dir):

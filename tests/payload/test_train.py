@@ -167,7 +167,7 @@ def test_checkpoints_log_the_time_training_was_blocked_and_the_write(tiny_run):
     out, logs = tiny_run
     blocked = [line for line in logs if line.startswith("checkpoint step ")]
     assert [line.split(":")[0] for line in blocked] == ["checkpoint step 60", "checkpoint step 120"]
-    # The buffers were allocated in the background after the first step: no checkpoint allocates.
+    # The buffers were allocated ahead, after the first step: no checkpoint allocates.
     assert not any("new host buffers" in line for line in blocked)
     assert all(" training blocked " in line and " GB to host memory in " in line for line in blocked)
     root = out / "checkpoints"
