@@ -63,7 +63,7 @@ class CheckpointWriter:
         self.reserved = False  # whether `reserve` was called (its allocation may still be under way)
         self.reserving: threading.Thread | None = None  # the buffers' allocation in the background, if started
         self.hurry = threading.Event()  # set: the allocation goes on without its pauses
-        self.owed: int | None = None  # the step of a periodic checkpoint put off by the allocation
+        self.owed = False  # whether a periodic checkpoint was put off by the allocation
 
     def due(self, step: int, scheduled: bool, final: bool) -> bool:
         """Whether to checkpoint at the sync point after `step`: when `scheduled` there or owed from
@@ -71,13 +71,13 @@ class CheckpointWriter:
         allocated (the first ~7 s after the first step at 8B) is put off to the next sync point that
         finds them ready, so that it never blocks training; a `final` one (a stop, the run's last
         step) is taken at once and waits for the allocation, without its pauses."""
-        if not (scheduled or self.owed is not None):
+        if not (scheduled or self.owed):
             return False
         if final or self.reserving is None or not self.reserving.is_alive():
-            self.owed = None
+            self.owed = False
             return True
-        if self.owed is None:
-            self.owed = step
+        if not self.owed:
+            self.owed = True
             self.log(
                 f"checkpoint step {step}: put off to the next sync point (its host buffers are still being "
                 f"allocated in the background; training goes on)"

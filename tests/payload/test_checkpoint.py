@@ -117,7 +117,7 @@ def test_buffers_reserved_ahead_take_the_first_checkpoint_with_no_allocation_of_
     model, opt, sched = trained(1)
     writer.reserve(model, opt, sched, {"preset": "test"}, CPU)  # as after the first step (pageable: at once)
     writer.reserve(model, opt, sched, {"preset": "test"}, CPU)  # once: a later call is a no-op
-    writer.save(1, model, opt, sched, {"preset": "test"}, CPU)  # waits for the allocation, then copies
+    writer.save(1, model, opt, sched, {"preset": "test"}, CPU)  # copies into the reserved buffers
     writer.wait()
     assert logs[0].startswith("checkpoint step 1: training blocked ") and "new host buffers" not in logs[0]
     assert_same_training_state(load_after(tmp_path), (model, opt, sched))
