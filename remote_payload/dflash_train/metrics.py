@@ -30,13 +30,17 @@ class Cadence:
         """A held-out evaluation after `step` (the last step's is the final one, told apart)."""
         return step % self.eval_every == 0 and step < self.total
 
+    def ends(self, step: int, stopping: bool) -> bool:
+        """Whether the sync point after `step` is the run's last: its last step, or a stop."""
+        return step == self.total or stopping
+
     def logs(self, step: int, stopping: bool) -> bool:
         """A train record after `step`: on schedule, with an evaluation, at the end or at a stop."""
-        return step % self.log_every == 0 or step == self.total or self.evaluates(step) or stopping
+        return step % self.log_every == 0 or self.evaluates(step) or self.ends(step, stopping)
 
     def checkpoints(self, step: int, stopping: bool) -> bool:
         """A checkpoint after `step`: on schedule, at the end or at a stop."""
-        return step % self.checkpoint_every == 0 or step == self.total or stopping
+        return step % self.checkpoint_every == 0 or self.ends(step, stopping)
 
 
 class TrainMeter:

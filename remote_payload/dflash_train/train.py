@@ -460,8 +460,8 @@ class Trainer:
                 record["acceptance_length"] = self.evaluate(replica, done, "eval")
             self.metrics.write(record)
             self.log(train_line(record))
-        final = stopping or done == cadence.total
-        if self.main and self.checkpoints.due(done, cadence.checkpoints(done, stopping), final):
+        scheduled, final = cadence.checkpoints(done, stopping), cadence.ends(done, stopping)
+        if self.main and self.checkpoints.due(done, scheduled, final):
             # A stop's checkpoint is flushed by a process of its own after the exit (checkpoint_flush.py):
             # the stop waits seconds less at 8B; the others are on disk before they count.
             self.save(replica, done, durable=not stopping)
